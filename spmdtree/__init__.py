@@ -1,0 +1,72 @@
+"""spmdtree: say how every array of a pytree is laid out on a device mesh.
+
+Boxes attach names to arrays (mesh axis names, or logical names plus rules);
+pure functions over pytrees turn them into `PartitionSpec`s, `NamedSharding`s,
+sharding constraints and sharded initialisation, with no module system.
+"""
+
+from spmdtree.boxes import PARTITION_NAME as PARTITION_NAME
+from spmdtree.boxes import AxisMetadata as AxisMetadata
+from spmdtree.boxes import LogicallyPartitioned as LogicallyPartitioned
+from spmdtree.boxes import Partitioned as Partitioned
+from spmdtree.boxes import with_logical_partitioning as with_logical_partitioning
+from spmdtree.boxes import with_partitioning as with_partitioning
+from spmdtree.constraints import constrain as constrain
+from spmdtree.constraints import shard as shard
+from spmdtree.constraints import with_logical_constraint as with_logical_constraint
+from spmdtree.rules import RulesFallback as RulesFallback
+from spmdtree.rules import get_logical_axis_rules as get_logical_axis_rules
+from spmdtree.rules import logical_axis_rules as logical_axis_rules
+from spmdtree.rules import logical_to_mesh as logical_to_mesh
+from spmdtree.rules import logical_to_mesh_axes as logical_to_mesh_axes
+from spmdtree.rules import logical_to_mesh_sharding as logical_to_mesh_sharding
+from spmdtree.rules import set_logical_axis_rules as set_logical_axis_rules
+from spmdtree.specs import get_partition_spec as get_partition_spec
+from spmdtree.specs import get_sharding as get_sharding
+from spmdtree.specs import to_abstract as to_abstract
+from spmdtree.specs import to_sharding as to_sharding
+from spmdtree.specs import to_spec as to_spec
+from spmdtree.specs import validate_rules as validate_rules
+from spmdtree.trees import add_axis as add_axis
+from spmdtree.trees import box as box
+from spmdtree.trees import is_boxed as is_boxed
+from spmdtree.trees import map_boxes as map_boxes
+from spmdtree.trees import match as match
+from spmdtree.trees import remove_axis as remove_axis
+from spmdtree.trees import replace_boxed as replace_boxed
+from spmdtree.trees import unbox as unbox
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "PARTITION_NAME",
+    "AxisMetadata",
+    "LogicallyPartitioned",
+    "Partitioned",
+    "RulesFallback",
+    "add_axis",
+    "box",
+    "constrain",
+    "get_logical_axis_rules",
+    "get_partition_spec",
+    "get_sharding",
+    "is_boxed",
+    "logical_axis_rules",
+    "logical_to_mesh",
+    "logical_to_mesh_axes",
+    "logical_to_mesh_sharding",
+    "map_boxes",
+    "match",
+    "remove_axis",
+    "replace_boxed",
+    "set_logical_axis_rules",
+    "shard",
+    "to_abstract",
+    "to_sharding",
+    "to_spec",
+    "unbox",
+    "validate_rules",
+    "with_logical_constraint",
+    "with_logical_partitioning",
+    "with_partitioning",
+]

@@ -1,0 +1,284 @@
+"""Sharding constraints and placement: `with_logical_constraint`, `constrain`, `shard`.
+
+Inside `jax.jit` a constraint tells the compiler how an intermediate value is
+laid out. JAX has two mechanisms, by the type of the mesh axes involved:
+`jax.lax.with_sharding_constraint` for Auto axes and `jax.sharding.reshard`
+for Explicit axes (which `jax.make_mesh` makes by default); Manual axes (inside
+`jax.shard_map`) cannot be constrained and are dropped from the spec. Outside
+jit a constraint places the array, as `jax.device_put` does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from jax.sharding import AxisType, Mesh, PartitionSpec
+
+from spmdtree.boxes import is_array, shape_of
+from spmdtree.errors import LeafError, at, raise_collected
+from spmdtree.rules import (
+    UNCONSTRAINED,
+    AnyMesh,
+    Resolution,
+    RulesFallback,
+    RulesLike,
+    check_mesh,
+    is_logical_spec,
+    mesh_shape_of,
+    named_sharding,
+    normalize_names,
+    resolve,
+    rules_or_context,
+)
+from spmdtree.specs import Call, context_mesh
+
+__all__ = ["constrain", "shard", "with_logical_constraint"]
+
+
+def _only(entry: Any, axes: set[str]) -> Any:
+    """The part of a spec entry that uses `axes` (None if nothing is left)."""
+    if entry is None or entry is UNCONSTRAINED:
+        return entry
+    if isinstance(entry, str):
+        return entry if entry in axes else None
+    kept = tuple(axis for axis in entry if axis in axes)
+    return kept if kept else None
+
+
+def _concrete(mesh: AnyMesh) -> Mesh:
+    if isinstance(mesh, Mesh):
+        return mesh
+    concrete = jax.sharding.get_mesh()
+    if concrete.empty:
+        raise LeafError(
+            ValueError,
+            f"is to be placed on the abstract mesh {mesh}, which has no devices. "
+            "Pass a concrete mesh with mesh=, or call under jax.set_mesh(mesh).",
+        )
+    return concrete
+
+
+def apply_spec(x: Any, spec: PartitionSpec, mesh: AnyMesh) -> Any:
+    """Constrains (inside a trace) or places (outside) one array on `spec` over `mesh`.
+
+    Raises:
+        LeafError: for Explicit axes inside jit without `jax.set_mesh`.
+    """
+    if not isinstance(x, jax.core.Tracer):
+        return jax.device_put(x, named_sharding(_concrete(mesh), spec))
+    ctx = context_mesh()
+    if ctx is not None and tuple(ctx.axis_names) != tuple(mesh.axis_names):
+        ctx = None  # another mesh is set; constrain with mesh= itself
+    typed = ctx or mesh
+    types = dict(zip(typed.axis_names, typed.axis_types, strict=True))
+    explicit = {axis for axis, kind in types.items() if kind == AxisType.Explicit}
+    auto = {axis for axis, kind in types.items() if kind == AxisType.Auto}
+    if explicit and any(_only(entry, explicit) for entry in spec if entry is not UNCONSTRAINED):
+        if ctx is None:
+            raise LeafError(
+                ValueError,
+                f"is to be resharded onto Explicit mesh axes {sorted(explicit)} inside "
+                "jax.jit, which JAX allows only with the mesh in context. Call the "
+                "jitted function under `with jax.set_mesh(mesh):`, or build the mesh "
+                "with axis_types=(jax.sharding.AxisType.Auto, ...).",
+            )
+        x = jax.sharding.reshard(
+            x, PartitionSpec(*(None if e is UNCONSTRAINED else _only(e, explicit) for e in spec))
+        )
+    if auto:
+        auto_spec = PartitionSpec(*(_only(entry, auto) for entry in spec))
+        # UNCONSTRAINED stays: a constraint, unlike a sharding, may leave it free.
+        target = auto_spec if ctx is not None else jax.sharding.NamedSharding(mesh, auto_spec)
+        x = jax.lax.with_sharding_constraint(x, target)
+    return x
+
+
+def with_logical_constraint(
+    x: Any,
+    logical_axis_resources: Any,
+    rules: RulesLike | None = None,
+    mesh: AnyMesh | None = None,
+    fallback: RulesFallback = RulesFallback.AXIS_IS_UNSHARDED,
+) -> Any:
+    """Constrains arrays to the shardings their logical names resolve to.
+
+    Inside `jax.jit` this is a sharding constraint (Auto axes) or a reshard
+    (Explicit axes); Manual axes (inside `jax.shard_map`) are dropped. Outside
+    jit it places the arrays. Resolution is shape-aware like `to_spec`: a rule
+    whose mesh axes do not divide a dimension is skipped, and a dimension no
+    rule fits follows `fallback` (never a JAX error).
+
+    Rules and the mesh from the context are read when a function is traced: a
+    jitted function does not retrace when the context changes later.
+
+    Args:
+        x: an array or a tree of arrays (boxes are kept, their values constrained).
+        logical_axis_resources: a logical spec (a tuple of logical names or a
+            `PartitionSpec`) for `x`, or a tree of them that is a prefix of
+            `x`; None leaves that subtree alone.
+        rules: the rules; defaults to the rules context.
+        mesh: the mesh; defaults to the one set with `jax.set_mesh`.
+        fallback: what to do with a logical name no rule maps.
+
+    Returns:
+        `x`, constrained; unchanged when there are no rules or no mesh, as
+        single-device code needs.
+
+    Raises:
+        ValueError: with ``RulesFallback.RAISE_ERROR``, naming the unmatched
+            logical name; for Explicit axes inside jit without `jax.set_mesh`.
+        TypeError: if a spec is not a logical spec.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, spmdtree as st
+        >>> mesh = jax.make_mesh((2, 4), ("data", "model"))
+        >>> rules = [("batch", "data"), ("embed", "model")]
+        >>> @jax.jit
+        ... def f(x):
+        ...     return st.with_logical_constraint(2 * x, ("batch", "embed"), rules)
+        >>> with jax.set_mesh(mesh):
+        ...     f(jnp.ones((4, 8))).sharding.spec
+        P('data', 'model')
+    """
+    normal = rules_or_context(rules)
+    check_mesh("with_logical_constraint", mesh, optional=True)
+    mesh = mesh if mesh is not None else context_mesh()
+    if not normal or mesh is None or logical_axis_resources is None:
+        return x
+    if not isinstance(fallback, RulesFallback):
+        raise TypeError(
+            f"with_logical_constraint: fallback is {fallback!r}; expected a "
+            "st.RulesFallback, e.g. st.RulesFallback.RAISE_ERROR."
+        )
+    mesh_shape = mesh_shape_of(mesh)
+    problems: list[tuple[str, LeafError]] = []
+
+    def one_array(path: Any, spec: Any, value: Any) -> Any:
+        if not is_array(value):
+            return value
+        try:
+            names = normalize_names(tuple(spec), "logical names")
+            res = resolve(names, shape_of(value), True, normal, mesh_shape, False)
+            if res.unmatched and fallback is RulesFallback.RAISE_ERROR:
+                raise LeafError(
+                    ValueError,
+                    f"has logical names {names}, and no rule maps {res.unmatched[0]!r} "
+                    f"(of shape {shape_of(value)}) on this mesh. Add a rule for "
+                    f"{res.unmatched[0]!r}, or use another fallback.",
+                )
+            if res.unmatched and fallback is RulesFallback.NO_CONSTRAINT:
+                return value
+            return apply_spec(value, res.spec, mesh)
+        except LeafError as e:
+            problems.append((f"the array at {at('x', path)}", e))
+            return value
+
+    def one_spec(path: Any, spec: Any, subtree: Any) -> Any:
+        if spec is None:
+            return subtree
+        if not is_logical_spec(spec):
+            problems.append(
+                (
+                    f"the spec at {at('logical_axis_resources', path)}",
+                    LeafError(
+                        TypeError,
+                        f"is {spec!r}; expected a tuple of logical names such as "
+                        "('batch', 'embed'), a PartitionSpec, or None.",
+                    ),
+                )
+            )
+            return subtree
+        return jax.tree_util.tree_map_with_path(
+            lambda inner, value: one_array((*path, *inner), spec, value), subtree
+        )
+
+    try:
+        out = jax.tree_util.tree_map_with_path(
+            one_spec,
+            logical_axis_resources,
+            x,
+            is_leaf=lambda s: s is None or is_logical_spec(s),
+        )
+    except ValueError as e:
+        if problems:
+            raise_collected("with_logical_constraint", problems)
+        raise ValueError(
+            "with_logical_constraint: logical_axis_resources must be a spec or a "
+            f"tree of specs that is a prefix of x, but it is not: {e}"
+        ) from None
+    raise_collected("with_logical_constraint", problems)
+    return out
+
+
+def constrain(tree: Any, mesh: AnyMesh | None = None, rules: RulesLike | None = None) -> Any:
+    """Constrains every boxed value to its sharding, boxes kept (inside jit).
+
+    Use it on boxed params inside a jitted step to pin their layout; unboxed
+    leaves are left alone. Outside jit it places the boxed values.
+
+    Args:
+        tree: a tree with boxes.
+        mesh: the mesh; defaults to the boxes' own, else the one set with
+            `jax.set_mesh`. With none, `tree` is returned unchanged.
+        rules: rules for logical boxes without their own.
+
+    Returns:
+        `tree` with each boxed value constrained.
+
+    Raises:
+        ValueError: for names that cannot be right for their value on the mesh.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, spmdtree as st
+        >>> mesh = jax.make_mesh((2, 4), ("data", "model"))
+        >>> params = {"w": st.Partitioned(jnp.ones((4, 8)), ("data", "model"))}
+        >>> with jax.set_mesh(mesh):
+        ...     out = jax.jit(lambda p: st.constrain(p))(params)
+        >>> out["w"].value.sharding.spec
+        P('data', 'model')
+    """
+
+    def finish(value: Any, res: Resolution, mesh: Any) -> Any:
+        return value if mesh is None else apply_spec(value, res.spec, mesh)
+
+    return Call("constrain", rules, mesh).map(tree, finish, replace_boxes=False, boxed_only=True)
+
+
+def shard(tree: Any, mesh: Mesh, rules: RulesLike | None = None) -> Any:
+    """Places every value on its sharding, boxes kept (outside jit).
+
+    Unboxed arrays are replicated. For trees too large for one device, build
+    them sharded in the first place with `sharded_init`.
+
+    Args:
+        tree: a tree with boxes of arrays.
+        mesh: the device mesh.
+        rules: rules for logical boxes without their own.
+
+    Returns:
+        `tree` with every array placed on its `NamedSharding`.
+
+    Raises:
+        ValueError: for names that cannot be right for their value on `mesh`.
+        TypeError: for a leaf that is abstract (a `jax.ShapeDtypeStruct`).
+
+    Example:
+        >>> import jax, jax.numpy as jnp, spmdtree as st
+        >>> mesh = jax.make_mesh((2, 4), ("data", "model"))
+        >>> params = st.shard({"w": st.Partitioned(jnp.ones((4, 8)), ("data", "model"))}, mesh)
+        >>> params["w"].value.sharding.spec
+        P('data', 'model')
+    """
+    check_mesh("shard", mesh)
+
+    def finish(value: Any, res: Resolution, mesh: Any) -> Any:
+        if isinstance(value, jax.ShapeDtypeStruct):
+            raise LeafError(
+                TypeError,
+                "is a jax.ShapeDtypeStruct, which has no data to place; use "
+                "st.to_abstract for abstract trees, or st.sharded_init to build it.",
+            )
+        return jax.device_put(value, named_sharding(mesh, res.spec))
+
+    return Call("shard", rules, mesh).map(tree, finish, replace_boxes=False)

@@ -1,0 +1,407 @@
+"""Tree combinators: put boxes on a tree, take them off, change their axes.
+
+Every function returns a new tree; nothing mutates its input.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from typing import Any, TypeAlias
+
+import jax
+from jax import tree_util
+from jax.sharding import PartitionSpec
+
+from spmdtree.boxes import (
+    PARTITION_NAME,
+    AxisMetadata,
+    LogicallyPartitioned,
+    Partitioned,
+    checked_names,
+    delete_name,
+    insert_name,
+    is_array,
+    partition_name,
+    rebuild,
+)
+from spmdtree.errors import LeafError, at, fmt, raise_collected, raise_one
+from spmdtree.rules import AnyMesh, Names, RulesLike, check_mesh, normalize_names, normalize_rules
+
+__all__ = [
+    "add_axis",
+    "box",
+    "is_boxed",
+    "map_boxes",
+    "match",
+    "remove_axis",
+    "replace_boxed",
+    "unbox",
+]
+
+KeyPath: TypeAlias = tuple[Any, ...]
+#: A function choosing the names of a leaf from its key path, or None.
+NamesFn: TypeAlias = Callable[[KeyPath, Any], Any]
+
+
+def is_boxed(x: Any) -> bool:
+    """Whether `x` is a metadata box (an `AxisMetadata`).
+
+    Example:
+        >>> import spmdtree as st
+        >>> st.is_boxed(st.Partitioned(1.0, ())), st.is_boxed(1.0)
+        (True, False)
+    """
+    return isinstance(x, AxisMetadata)
+
+
+def subject(tree_leaf: Any, path: KeyPath, argument: str = "tree") -> str:
+    """How a message names a leaf: ``the box at tree['w']``."""
+    kind = "box" if is_boxed(tree_leaf) else "leaf"
+    return f"the {kind} at {at(argument, path)}"
+
+
+def map_leaves(function: str, fn: Callable[[Any], Any], tree: Any) -> Any:
+    """Maps `fn` over the leaves of `tree`, boxes taken as leaves.
+
+    Every LeafError `fn` raises is collected with its key path and raised once,
+    as one error from `function`. Paths are computed only when something failed.
+    """
+    leaves, treedef = jax.tree.flatten(tree, is_leaf=is_boxed)
+    out, failed = [], []
+    for i, leaf in enumerate(leaves):
+        try:
+            out.append(fn(leaf))
+        except LeafError as e:
+            failed.append((i, e))
+            out.append(None)
+    if failed:
+        paths = [path for path, _ in tree_util.tree_flatten_with_path(tree, is_leaf=is_boxed)[0]]
+        raise_collected(function, [(subject(leaves[i], paths[i]), e) for i, e in failed])
+    return jax.tree.unflatten(treedef, out)
+
+
+def unbox(tree: Any) -> Any:
+    """Strips every box from a tree, nested boxes too.
+
+    Pure: unlike flax.linen's, it never applies a sharding constraint (use
+    `constrain` for that).
+
+    Args:
+        tree: any pytree, boxes anywhere.
+
+    Returns:
+        The same tree with each box replaced by its value.
+
+    Example:
+        >>> import spmdtree as st
+        >>> st.unbox({"w": st.Partitioned(1.0, ()), "b": 2.0})
+        {'b': 2.0, 'w': 1.0}
+    """
+    return jax.tree.map(_unbox_one, tree, is_leaf=is_boxed)
+
+
+def _unbox_one(x: Any) -> Any:
+    return unbox(x.unbox()) if is_boxed(x) else x
+
+
+def replace_boxed(tree: Any, values: Any) -> Any:
+    """Puts new values into the boxes of a tree.
+
+    ``replace_boxed(tree, unbox(tree)) == tree``; the usual use is to box the
+    result of a computation on ``unbox(tree)`` the way `tree` was boxed.
+
+    Args:
+        tree: a tree with boxes.
+        values: a tree with the structure of ``unbox(tree)``.
+
+    Returns:
+        `tree` with each box holding the corresponding part of `values`.
+
+    Raises:
+        ValueError: if `values` does not have the structure of ``unbox(tree)``.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, spmdtree as st
+        >>> params = {"w": st.Partitioned(jnp.ones(4), ("data",))}
+        >>> st.replace_boxed(params, jax.tree.map(lambda x: 2 * x, st.unbox(params)))
+        {'w': Partitioned(f32[4], names=('data',))}
+    """
+
+    def put(node: Any, value: Any) -> Any:
+        if is_boxed(node):
+            return node.replace_boxed(replace_boxed(node.unbox(), value))
+        return value
+
+    try:
+        return jax.tree.map(put, tree, values, is_leaf=is_boxed)
+    except ValueError as e:
+        raise ValueError(
+            "replace_boxed: `values` must have the structure of st.unbox(tree), "
+            f"but they differ: {e}. Build `values` from st.unbox(tree)."
+        ) from None
+
+
+def map_boxes(fn: Callable[[AxisMetadata], Any], tree: Any) -> Any:
+    """Applies `fn` to every outermost box of a tree, leaving other leaves alone.
+
+    Args:
+        fn: a function from a box to anything (usually another box).
+        tree: a tree with boxes.
+
+    Returns:
+        The tree with each box replaced by ``fn(box)``.
+
+    Example:
+        >>> import spmdtree as st
+        >>> tree = {"w": st.Partitioned(1.0, ()), "b": 2.0}
+        >>> st.map_boxes(lambda b: b.replace_boxed(0.0), tree)
+        {'b': 2.0, 'w': Partitioned(0.0, names=())}
+    """
+    return jax.tree.map(lambda x: fn(x) if is_boxed(x) else x, tree, is_leaf=is_boxed)
+
+
+def box(
+    tree: Any,
+    names: Any | NamesFn,
+    *,
+    logical: bool = False,
+    mesh: AnyMesh | None = None,
+    rules: RulesLike | None = None,
+) -> Any:
+    """Boxes the array leaves of a tree.
+
+    Args:
+        tree: a pytree of arrays (or `jax.ShapeDtypeStruct`s). `tree` sets the
+            structure: existing boxes count as leaves.
+        names: either a tree with the structure of `tree` holding, at each
+            leaf, a names tuple, a `PartitionSpec`, or None (leave the leaf
+            unboxed); or a function ``(key_path, leaf) -> names | None`` such as
+            `match` builds.
+        logical: box in `LogicallyPartitioned` (logical names) instead of
+            `Partitioned` (mesh axis names).
+        mesh: the mesh to store in each box, if fixed.
+        rules: rules to store in each box (only with ``logical=True``).
+
+    Returns:
+        The tree with the named array leaves boxed.
+
+    Raises:
+        ValueError: if `names` does not follow the structure of `tree`, or
+            names do not fit their leaves; TypeError for names of the wrong
+            kind or names for a leaf that is not an array. Every wrong leaf is
+            listed in one error.
+
+    Example:
+        >>> import jax.numpy as jnp, spmdtree as st
+        >>> params = {"w": jnp.zeros((4, 8)), "b": jnp.zeros(8)}
+        >>> st.box(params, {"w": ("embed", "mlp"), "b": None}, logical=True)
+        {'b': Array([0., 0., 0., 0., 0., 0., 0., 0.], dtype=float32), 'w': LogicallyPartitioned(f32[4,8], names=('embed', 'mlp'))}
+    """
+    check_mesh("box", mesh, optional=True)
+    if rules is not None and not logical:
+        raise ValueError(
+            "box: rules= was given with logical=False; rules map logical names to "
+            "mesh axes. Pass logical=True, or drop rules=."
+        )
+    cls = LogicallyPartitioned if logical else Partitioned
+    meta_rest = (mesh, None if rules is None else normalize_rules(rules)) if logical else (mesh,)
+    paths_leaves, treedef = tree_util.tree_flatten_with_path(tree, is_leaf=is_boxed)
+    if callable(names):
+        chosen = _names_from_function(names, paths_leaves)
+    else:
+        chosen = _names_from_tree(treedef, names, paths_leaves)
+    out, problems = [], []
+    for (path, leaf), leaf_names in zip(paths_leaves, chosen, strict=True):
+        try:
+            out.append(leaf if leaf_names is None else _box_one(cls, leaf, leaf_names, meta_rest))
+        except LeafError as e:
+            problems.append((subject(leaf, path), e))
+    raise_collected("box", problems)
+    return jax.tree.unflatten(treedef, out)
+
+
+def _box_one(cls: type[Partitioned], leaf: Any, names: Any, meta_rest: tuple[Any, ...]) -> Any:
+    if is_boxed(leaf):
+        raise LeafError(
+            ValueError,
+            f"is already boxed as {leaf!r}; give it None in `names`, or "
+            "st.unbox the tree first to box it anew.",
+        )
+    if not is_array(leaf):
+        raise LeafError(
+            TypeError,
+            f"is {fmt(leaf)}, not an array, so it cannot be boxed; give it None in `names`.",
+        )
+    return rebuild(cls, ((leaf,), (checked_names(leaf, names), *meta_rest)))
+
+
+def _names_from_function(fn: NamesFn, paths_leaves: Sequence[tuple[Any, Any]]) -> list[Any]:
+    chosen, problems = [], []
+    for path, leaf in paths_leaves:
+        try:
+            chosen.append(fn(path, leaf) if is_array(leaf) and not is_boxed(leaf) else None)
+        except LeafError as e:
+            problems.append((subject(leaf, path), e))
+    raise_collected("box", problems)
+    return chosen
+
+
+def _is_names(x: Any) -> bool:
+    return x is None or isinstance(x, PartitionSpec)
+
+
+def _names_from_tree(
+    treedef: Any, names: Any, paths_leaves: Sequence[tuple[Any, Any]]
+) -> list[Any]:
+    try:
+        return treedef.flatten_up_to(names)
+    except (ValueError, TypeError) as e:
+        expected = jax.tree.unflatten(treedef, ["*"] * treedef.num_leaves)
+        raise ValueError(
+            "box: `names` must follow the structure of `tree`, with a names tuple, "
+            "a PartitionSpec or None at each of its leaves, but it does not: "
+            f"{e}. `tree` has the structure {fmt(expected)} (* marks a leaf). "
+            "Or pass a function (path, leaf) -> names, e.g. st.match([...])."
+        ) from None
+
+
+def match(
+    patterns: Sequence[tuple[str, Any]], *, strict: bool = False
+) -> Callable[[KeyPath, Any], Names | None]:
+    """A names function for `box` from ``[(regex, names), ...]`` over key paths.
+
+    Each leaf's key path is joined with ``/`` (``params/dense/kernel``) and
+    matched with `re.search` against the patterns in order; the first match
+    gives the names (None: leave the leaf unboxed). For params that come from
+    elsewhere: a checkpoint, another library.
+
+    Args:
+        patterns: ``(regex, names)`` pairs, tried in order.
+        strict: raise for a leaf that no pattern matches, instead of leaving
+            it unboxed.
+
+    Returns:
+        A function ``(key_path, leaf) -> names | None`` to pass to `box`.
+
+    Raises:
+        ValueError: at once if a regex is invalid; from `box`, with
+            ``strict=True``, listing the paths no pattern matches.
+        TypeError: at once if names are of the wrong kind.
+
+    Example:
+        >>> import jax.numpy as jnp, spmdtree as st
+        >>> params = {"dense": {"kernel": jnp.zeros((4, 8)), "bias": jnp.zeros(8)}}
+        >>> rule = st.match([(r"kernel$", ("embed", "mlp")), (r"bias$", ("mlp",))])
+        >>> st.box(params, rule, logical=True)["dense"]["kernel"]
+        LogicallyPartitioned(f32[4,8], names=('embed', 'mlp'))
+    """
+    compiled = []
+    for i, pattern in enumerate(patterns):
+        if not isinstance(pattern, (tuple, list)) or len(pattern) != 2:
+            raise TypeError(
+                f"match: pattern {i} is {fmt(pattern)}; each pattern is a pair "
+                "(regex, names), e.g. (r'kernel$', ('embed', 'mlp'))."
+            )
+        regex, names = pattern
+        try:
+            compiled.append((re.compile(regex), None if names is None else normalize_names(names)))
+        except re.error as e:
+            raise ValueError(
+                f"match: pattern {i}, {regex!r}, is not a valid regular expression: "
+                f"{e}. Escape special characters with re.escape if you meant them "
+                "literally."
+            ) from None
+        except LeafError as e:
+            raise raise_one("match", f"pattern {i}, {regex!r},", e) from None
+    shown = [regex.pattern for regex, _ in compiled]
+
+    def names_for(path: KeyPath, leaf: Any) -> Names | None:
+        text = tree_util.keystr(tuple(path), simple=True, separator="/")
+        for regex, names in compiled:
+            if regex.search(text):
+                return names
+        if strict:
+            raise LeafError(
+                ValueError,
+                f"(path {text!r}) matches none of the patterns {shown}. Add a "
+                f"pattern for it, e.g. ({re.escape(text) + '$'!r}, None) to leave "
+                "it unboxed, or pass strict=False.",
+            )
+        return None
+
+    return names_for
+
+
+def add_axis(tree: Any, index: int, name: Any) -> Any:
+    """Adds an axis to the names of every box, as a vmap or scan does to its values.
+
+    Only the metadata changes; use it when values gained an axis, e.g. after
+    stacking layers with a plain `jax.vmap`.
+
+    Args:
+        tree: a tree with boxes.
+        index: where the new axis is in the result (``-1`` appends).
+        name: the new axis's name: a str, None (replicated), or flax's params
+            dict ``{PARTITION_NAME: name}``.
+
+    Returns:
+        The tree with each box's names gaining `name` at `index`.
+
+    Raises:
+        ValueError: if `index` is out of range for a box (flax pads with
+            None; spmdtree does not guess).
+
+    Example:
+        >>> import jax.numpy as jnp, spmdtree as st
+        >>> layer = {"w": st.Partitioned(jnp.zeros((4, 8)), (None, "model"))}
+        >>> st.add_axis(layer, 0, "layers")["w"].names
+        ('layers', None, 'model')
+    """
+    return _change_axes("add_axis", tree, index, name, insert_name)
+
+
+def remove_axis(tree: Any, index: int, name: Any) -> Any:
+    """Removes a named axis from every box: the exact inverse of `add_axis`.
+
+    Args:
+        tree: a tree with boxes.
+        index: the axis's position in the input names.
+        name: the name that must be at `index`: a str, None, or
+            ``{PARTITION_NAME: name}``.
+
+    Returns:
+        The tree with `name` removed from each box's names.
+
+    Raises:
+        ValueError: if a box has another name at `index`, or `index` is out
+            of range, naming the key path and both names.
+
+    Example:
+        >>> import jax.numpy as jnp, spmdtree as st
+        >>> tree = {"w": st.Partitioned(jnp.zeros((3, 4)), ("layers", "model"))}
+        >>> st.remove_axis(tree, 0, "layers")["w"].names
+        ('model',)
+    """
+    return _change_axes("remove_axis", tree, index, name, delete_name)
+
+
+def _change_axes(
+    function: str, tree: Any, index: int, name: Any, change: Callable[..., Names]
+) -> Any:
+    if not isinstance(index, int) or isinstance(index, bool):
+        raise TypeError(f"{function}: index is {fmt(index)}; expected an int.")
+    try:
+        axis = partition_name(name)
+    except LeafError as e:
+        raise raise_one(function, "the axis name", e) from None
+    params = {PARTITION_NAME: axis}
+
+    def one(x: Any) -> Any:
+        if isinstance(x, Partitioned):
+            return x.with_names(change(x.names, index, axis))
+        if is_boxed(x):
+            return getattr(x, function)(index, params)  # the box's own add/remove_axis
+        return x
+
+    return map_leaves(function, one, tree)

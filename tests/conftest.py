@@ -1,0 +1,40 @@
+"""Test set-up: 8 CPU devices for JAX, and reproducible hypothesis runs.
+
+This runs before any test module imports JAX, so the flag takes effect.
+"""
+
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+# CI replays exactly: derandomized, no example database, bounded examples.
+settings.register_profile(
+    "ci",
+    derandomize=True,
+    database=None,
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+    print_blob=True,
+)
+settings.register_profile("dev", max_examples=300, deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_rules():
+    """Each test starts and ends with no rules in the context."""
+    import spmdtree as st
+
+    assert st.get_logical_axis_rules() == (), "a previous test leaked rules"
+    yield
+    st.set_logical_axis_rules(())

@@ -1,0 +1,28 @@
+"""Every script in examples/ runs end to end with small sizes (a smoke test)."""
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
+
+# Small sizes per script, so the whole suite stays fast; scripts not listed run with defaults.
+SMALL = {
+    "seed_mlp.py": ["--batch", "8", "--hidden", "16"],
+}
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in EXAMPLES.glob("*.py")))
+def test_example_runs(script):
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLES / script), *SMALL.get(script, [])],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr

@@ -1,0 +1,23 @@
+"""Every Python code block of the README runs, in order, in one namespace."""
+
+import pathlib
+import re
+
+README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
+
+
+def python_blocks() -> list[str]:
+    return re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.DOTALL)
+
+
+def test_readme_has_code():
+    assert len(python_blocks()) >= 2
+
+
+def test_readme_python_blocks_run(capsys):
+    namespace: dict = {}
+    for block in python_blocks():
+        exec(compile(block, str(README), "exec"), namespace)
+    printed = capsys.readouterr().out
+    assert "Partitioned(f32[256,512], names=('data', 'model'))" in printed
+    assert "{'emb': P('data', 'model'), 'out': P('model', 'data')}" in printed
