@@ -16,13 +16,12 @@ import os
 # 8 CPU devices, before JAX starts its backend (a no-op on a machine that has them).
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import AxisType, NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
+import jax
+import numpy as np
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-import spmdtree as st  # noqa: E402
+import spmdtree as st
 
 lecun = jax.nn.initializers.lecun_normal()
 

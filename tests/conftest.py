@@ -10,9 +10,9 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402
-import pytest  # noqa: E402
-from hypothesis import HealthCheck, settings  # noqa: E402
+import jax
+import pytest
+from hypothesis import HealthCheck, settings
 
 jax.config.update("jax_num_cpu_devices", 8)
 

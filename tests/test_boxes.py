@@ -138,7 +138,18 @@ def test_repr_shows_dtype_shape_and_names_not_data():
         lambda b: -b,
         lambda b: b[0],
     ],
-    ids=["jnp.asarray", "np.asarray", "len", "iter", "add", "radd", "matmul", "rmul", "neg", "index"],
+    ids=[
+        "jnp.asarray",
+        "np.asarray",
+        "len",
+        "iter",
+        "add",
+        "radd",
+        "matmul",
+        "rmul",
+        "neg",
+        "index",
+    ],
 )
 def test_a_box_is_not_an_array_nor_a_sequence(use):
     box = st.Partitioned(jnp.zeros(4), ("data",))
@@ -175,7 +186,9 @@ def test_box_methods():
 
 def test_get_sharding_method_resolves_logical_names():
     mesh = jax.make_mesh((2, 4), ("data", "model"))
-    box = st.LogicallyPartitioned(jnp.zeros((4, 6)), ("embed", "mlp"), rules=[("mlp", "model"), ("mlp", "data")])
+    box = st.LogicallyPartitioned(
+        jnp.zeros((4, 6)), ("embed", "mlp"), rules=[("mlp", "model"), ("mlp", "data")]
+    )
     # 'model' (4) does not divide 6, so the next rule for 'mlp' applies.
     assert box.get_sharding(mesh).spec == P(None, "data")
     with st.logical_axis_rules([("embed", "model")]):
@@ -231,5 +244,5 @@ def test_boxes_pass_through_jit_and_grad():
 
 
 def test_mesh_must_be_a_mesh():
-    with pytest.raises(TypeError, match="jax.sharding.Mesh"):
+    with pytest.raises(TypeError, match=r"jax\.sharding\.Mesh"):
         st.Partitioned(jnp.zeros(4), ("data",), mesh="mesh")

@@ -8,9 +8,7 @@ import pytest
 
 import spmdtree
 
-MODULES = sorted(
-    info.name for info in pkgutil.iter_modules(spmdtree.__path__, prefix="spmdtree.")
-)
+MODULES = sorted(info.name for info in pkgutil.iter_modules(spmdtree.__path__, prefix="spmdtree."))
 
 
 @pytest.mark.parametrize("name", ["spmdtree", *MODULES])
@@ -24,6 +22,7 @@ def test_every_public_name_has_an_example():
     missing = [
         name
         for name in spmdtree.__all__
-        if callable(getattr(spmdtree, name)) and ">>>" not in (getattr(spmdtree, name).__doc__ or "")
+        if callable(getattr(spmdtree, name))
+        and ">>>" not in (getattr(spmdtree, name).__doc__ or "")
     ]
     assert missing == []

@@ -127,7 +127,9 @@ def test_to_spec_more_dims_than_names_suggests_add_axis():
 
 
 def test_to_spec_fewer_dims_than_names_is_replicated_or_strict_error():
-    reduced = jax.tree.map(lambda x: x.sum(0), {"w": st.Partitioned(jnp.ones((4, 8)), ("data", "model"))})
+    reduced = jax.tree.map(
+        lambda x: x.sum(0), {"w": st.Partitioned(jnp.ones((4, 8)), ("data", "model"))}
+    )
     assert st.to_spec(reduced, mesh=AUTO) == {"w": P()}
     with pytest.raises(ValueError, match=r"tree\['w'\].*fewer dimensions than names"):
         st.to_spec(reduced, mesh=AUTO, strict=True)
@@ -189,7 +191,9 @@ def test_to_sharding_is_valid_for_jit_and_device_put(mesh):
     shardings = st.to_sharding(abstract, mesh, [("embed", "model")])
     placed = jax.device_put(tree, shardings)
     step = jax.jit(
-        lambda t: jax.tree.map(lambda x: x + 1, t), in_shardings=(shardings,), out_shardings=shardings
+        lambda t: jax.tree.map(lambda x: x + 1, t),
+        in_shardings=(shardings,),
+        out_shardings=shardings,
     )
     out = step(placed)
     assert out["dense"]["kernel"].value.sharding.spec == P("data", "model")
@@ -257,7 +261,9 @@ def mesh_and_names(draw):
 def test_every_spec_fits_its_array(case):
     mesh, names, shape = case
     tree = {"w": st.Partitioned(np.zeros(shape, np.float32), names)}
-    axes_used = [a for entry in names for a in ((entry,) if isinstance(entry, str) else entry or ())]
+    axes_used = [
+        a for entry in names for a in ((entry,) if isinstance(entry, str) else entry or ())
+    ]
     if len(axes_used) != len(set(axes_used)):
         with pytest.raises(ValueError, match="twice"):
             st.to_spec(tree, mesh=mesh)

@@ -81,7 +81,9 @@ def test_box_refuses_non_arrays_and_boxes():
 
 
 def test_match_first_pattern_wins_and_unmatched_stay_unboxed():
-    rule = st.match([(r"dense/kernel$", ("embed", "mlp")), (r"kernel", ("x", "y")), (r"bias$", None)])
+    rule = st.match(
+        [(r"dense/kernel$", ("embed", "mlp")), (r"kernel", ("x", "y")), (r"bias$", None)]
+    )
     boxed = st.box(params(), rule, logical=True)
     assert boxed["dense"]["kernel"].names == ("embed", "mlp")
     assert not st.is_boxed(boxed["dense"]["bias"])
@@ -150,8 +152,13 @@ def test_map_boxes_sees_outermost_boxes_only():
 
 @pytest.mark.parametrize(
     "index, expected",
-    [(0, ("layers", "a", "b")), (1, ("a", "layers", "b")), (2, ("a", "b", "layers")),
-     (-1, ("a", "b", "layers")), (-3, ("layers", "a", "b"))],
+    [
+        (0, ("layers", "a", "b")),
+        (1, ("a", "layers", "b")),
+        (2, ("a", "b", "layers")),
+        (-1, ("a", "b", "layers")),
+        (-3, ("layers", "a", "b")),
+    ],
     ids=["front", "middle", "end", "minus-one-appends", "minus-three"],
 )
 def test_add_axis_index_counts_in_the_result(index, expected):
