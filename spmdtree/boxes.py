@@ -547,8 +547,8 @@ def insert_name(names: Names, index: int, name: Any) -> Names:
     return (*names[:index], name, *names[index:])
 
 
-def delete_name(names: Names, index: int, name: Any) -> Names:
-    """`names` without the entry at `index`, which must be `name`."""
+def delete_name(names: Names, index: int, name: Any, *, check: bool = True) -> Names:
+    """`names` without the entry at `index`, which must be `name` (if `check`)."""
     size = len(names)
     if not -size <= index < size:
         raise LeafError(
@@ -556,7 +556,7 @@ def delete_name(names: Names, index: int, name: Any) -> Names:
             f"has names {names}, so there is no axis {index} to remove. Pass the "
             "same index that add_axis was given.",
         )
-    if names[index] != name:
+    if check and names[index] != name:
         raise LeafError(
             ValueError,
             f"has names {names}, so position {index} is {names[index]!r}, not "

@@ -325,7 +325,7 @@ def _size(sizes: dict[str, int], entry: Any) -> int:
 
 
 def _rank_problem(names: Names, shape: tuple[int, ...], strict: bool) -> Resolution | None:
-    if len(shape) > len(names):
+    if len(shape) > len(names) and any(size != 1 for size in shape):
         raise LeafError(
             ValueError,
             f"has {len(names)} names {names} for a value of shape {shape}: the "
@@ -333,14 +333,17 @@ def _rank_problem(names: Names, shape: tuple[int, ...], strict: bool) -> Resolut
             "plain jax.vmap. Name the new axis: st.add_axis(tree, 0, 'layers'), "
             "or build it with st.vmap(..., partition_name='layers').",
         )
-    if len(shape) < len(names):
+    if len(shape) != len(names):
+        # Fewer dimensions (a reduced optimizer state), or only dimensions of size
+        # 1 (a placeholder such as adafactor's): replicating it is always right.
         if strict:
             raise LeafError(
                 ValueError,
-                f"has {len(names)} names {names} for a value of shape {shape}. "
-                "A value with fewer dimensions than names (a reduced optimizer "
-                "state) is replicated unless strict=True; pass strict=False, or "
-                "st.optimizer_sharding to name the kept dimensions.",
+                f"has {len(names)} names {names} for a value of shape {shape}: a "
+                "value with fewer dimensions than names (a reduced optimizer state) "
+                "or only size-1 dimensions (a placeholder) is replicated unless "
+                "strict=True. Pass strict=False, or use st.optimizer_sharding to "
+                "name the dimensions it kept.",
             )
         return Resolution(PartitionSpec(), rank_fallback=True)
     return None

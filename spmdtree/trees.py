@@ -61,11 +61,12 @@ def subject(tree_leaf: Any, path: KeyPath, argument: str = "tree") -> str:
     return f"the {kind} at {at(argument, path)}"
 
 
-def map_leaves(function: str, fn: Callable[[Any], Any], tree: Any) -> Any:
+def map_leaves(function: str, fn: Callable[[Any], Any], tree: Any, argument: str = "tree") -> Any:
     """Maps `fn` over the leaves of `tree`, boxes taken as leaves.
 
-    Every LeafError `fn` raises is collected with its key path and raised once,
-    as one error from `function`. Paths are computed only when something failed.
+    Every LeafError `fn` raises is collected with its key path (under the name
+    `argument`) and raised once, as one error from `function`. Paths are
+    computed only when something failed.
     """
     leaves, treedef = jax.tree.flatten(tree, is_leaf=is_boxed)
     out, failed = [], []
@@ -77,7 +78,7 @@ def map_leaves(function: str, fn: Callable[[Any], Any], tree: Any) -> Any:
             out.append(None)
     if failed:
         paths = [path for path, _ in tree_util.tree_flatten_with_path(tree, is_leaf=is_boxed)[0]]
-        raise_collected(function, [(subject(leaves[i], paths[i]), e) for i, e in failed])
+        raise_collected(function, [(subject(leaves[i], paths[i], argument), e) for i, e in failed])
     return jax.tree.unflatten(treedef, out)
 
 

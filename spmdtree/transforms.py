@@ -1,0 +1,259 @@
+"""Transforms that keep metadata right: `vmap`, `scan`, and `sharded_init`.
+
+A plain `jax.vmap` over boxes stacks their values but leaves their names as
+they were, so the names no longer describe the values. `vmap` and `scan` fix
+the names on the way in (a mapped box loses the mapped axis) and on the way out
+(a stacked box gains it) — the functional form of flax.linen's
+``metadata_params={PARTITION_NAME: ...}``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from spmdtree.boxes import (
+    PARTITION_NAME,
+    Partitioned,
+    delete_name,
+    insert_name,
+    shape_of,
+)
+from spmdtree.errors import LeafError
+from spmdtree.rules import RulesLike, check_mesh
+from spmdtree.specs import to_sharding
+from spmdtree.trees import is_boxed, map_leaves
+
+__all__ = ["scan", "sharded_init", "vmap"]
+
+
+def _per_prefix(fn: Callable[[Any, Any], Any], axes: Any, tree: Any) -> Any:
+    """Applies ``fn(subtree, axis)`` under each leaf of the prefix tree `axes`."""
+    return jax.tree.map(lambda axis, sub: fn(sub, axis), axes, tree, is_leaf=lambda a: a is None)
+
+
+def _without_axis(function: str, partition_name: Any) -> Callable[[Any, Any], Any]:
+    """`(tree, axis) -> tree` whose boxes lose the (mapped) axis `axis`."""
+
+    def strip(tree: Any, axis: int | None) -> Any:
+        if axis is None:
+            return tree
+
+        def one(x: Any) -> Any:
+            if isinstance(x, Partitioned):
+                shape = shape_of(x.value)
+                if shape is not None and len(shape) + 1 != len(x.names):
+                    raise LeafError(
+                        ValueError,
+                        f"has names {x.names} for a value of shape {shape} once axis "
+                        f"{axis} is mapped over, so its names do not include the mapped "
+                        "axis. Stack boxes with st.vmap, or name the axis with "
+                        "st.add_axis, before mapping over them.",
+                    )
+                check = partition_name is not None
+                return x.with_names(delete_name(x.names, axis, partition_name, check=check))
+            if is_boxed(x):
+                return x.remove_axis(axis, {PARTITION_NAME: partition_name})
+            return x
+
+        return map_leaves(function, one, tree, "args")
+
+    return strip
+
+
+def _with_axis(function: str, partition_name: Any) -> Callable[[Any, Any], Any]:
+    """`(tree, axis) -> tree` whose boxes gain the axis `axis`, named `partition_name`."""
+
+    def add(tree: Any, axis: int | None) -> Any:
+        if axis is None:
+            return tree
+
+        def one(x: Any) -> Any:
+            if isinstance(x, Partitioned):
+                return x.with_names(insert_name(x.names, axis, partition_name))
+            if is_boxed(x):
+                return x.add_axis(axis, {PARTITION_NAME: partition_name})
+            return x
+
+        return map_leaves(function, one, tree, "outputs")
+
+    return add
+
+
+def vmap(
+    fn: Callable[..., Any],
+    *,
+    in_axes: Any = 0,
+    out_axes: Any = 0,
+    partition_name: str | None = None,
+    **kwargs: Any,
+) -> Callable[..., Any]:
+    """`jax.vmap` that keeps box names right.
+
+    Boxes in mapped inputs lose the mapped axis before `fn` sees them; boxes in
+    the outputs gain the new axis, named `partition_name` (None: replicated).
+    Stacked-layer init: ``st.vmap(init_layer, partition_name="layers")(keys)``.
+
+    Args:
+        fn: the function to map.
+        in_axes: as for `jax.vmap` (an int, None, or a prefix tree of the
+            positional arguments); keyword arguments are mapped over axis 0.
+        out_axes: as for `jax.vmap`; a negative axis counts from the end.
+        partition_name: the name of the mapped axis in box names. Given, a
+            mapped input's box must have this name at the mapped axis.
+        **kwargs: passed to `jax.vmap` (``axis_name``, ``axis_size``, ...).
+
+    Returns:
+        The mapped function.
+
+    Raises:
+        ValueError: (when called) if a mapped box has another name than
+            `partition_name` at the mapped axis, or names that do not include it.
+
+    Example:
+        >>> import jax, spmdtree as st
+        >>> def init_layer(key):
+        ...     return {"w": st.LogicallyPartitioned(jax.random.normal(key, (4, 8)), ("embed", "mlp"))}
+        >>> layers = st.vmap(init_layer, partition_name="layers")(jax.random.split(jax.random.key(0), 3))
+        >>> layers["w"]
+        LogicallyPartitioned(f32[3,4,8], names=('layers', 'embed', 'mlp'))
+    """
+    strip = _without_axis("vmap", partition_name)
+    add = _with_axis("vmap", partition_name)
+
+    @functools.wraps(fn)
+    def mapped(*args: Any, **kw: Any) -> Any:
+        def inner(*inner_args: Any, **inner_kw: Any) -> Any:
+            axes = in_axes if isinstance(in_axes, (tuple, list)) else (in_axes,) * len(inner_args)
+            inner_args = tuple(_per_prefix(strip, tuple(axes), inner_args))
+            return fn(*inner_args, **strip(inner_kw, 0))
+
+        out = jax.vmap(inner, in_axes=in_axes, out_axes=out_axes, **kwargs)(*args, **kw)
+        return _per_prefix(add, out_axes, out)
+
+    return mapped
+
+
+def scan(
+    f: Callable[[Any, Any], tuple[Any, Any]],
+    init: Any,
+    xs: Any = None,
+    length: int | None = None,
+    *,
+    partition_name: str | None = None,
+    **kwargs: Any,
+) -> tuple[Any, Any]:
+    """`jax.lax.scan` that keeps box names right.
+
+    `f` sees the boxes of `xs` without the scanned (leading) axis; boxes in the
+    stacked outputs gain it, named `partition_name`. The usual use: run stacked
+    layers, ``st.scan(block, x, params["layers"])``.
+
+    Args:
+        f: ``(carry, x) -> (carry, y)``.
+        init: the initial carry.
+        xs: the stacked inputs (boxes with the scanned axis first in their names).
+        length: as for `jax.lax.scan`.
+        partition_name: the name of the scanned axis. Given, each box of `xs`
+            must have this name first.
+        **kwargs: passed to `jax.lax.scan` (``reverse``, ``unroll``, ...).
+
+    Returns:
+        ``(carry, ys)``, as `jax.lax.scan`.
+
+    Raises:
+        ValueError: if a box of `xs` has another name first than `partition_name`.
+
+    Example:
+        >>> import jax.numpy as jnp, spmdtree as st
+        >>> stacked = {"w": st.Partitioned(jnp.ones((3, 4)), ("layers", "model"))}
+        >>> def body(carry, layer):
+        ...     assert layer["w"].names == ("model",)  # the scanned axis is gone
+        ...     return carry + st.unbox(layer)["w"].sum(), layer
+        >>> total, ys = st.scan(body, 0.0, stacked, partition_name="layers")
+        >>> float(total), ys["w"].names
+        (12.0, ('layers', 'model'))
+    """
+    strip = _without_axis("scan", partition_name)
+
+    def body(carry: Any, x: Any) -> tuple[Any, Any]:
+        return f(carry, strip(x, 0))
+
+    carry, ys = jax.lax.scan(body, init, xs, length=length, **kwargs)
+    return carry, _with_axis("scan", partition_name)(ys, 0)
+
+
+def sharded_init(
+    init_fn: Callable[..., Any],
+    mesh: jax.sharding.Mesh,
+    rules: RulesLike | None = None,
+    **jit_kwargs: Any,
+) -> Callable[..., Any]:
+    """Builds a boxed tree directly in its shardings: no device holds an unsharded copy.
+
+    The returned function has `init_fn`'s signature. When called, it traces
+    `init_fn` abstractly (`jax.eval_shape`), turns the boxes into shardings
+    (`to_sharding`), and runs ``jax.jit(init_fn, out_shardings=...)``, so each
+    device computes only its own shards. Its ``lower(*args)`` gives the
+    lowered computation, e.g. for a memory analysis.
+
+    Args:
+        init_fn: a function returning a tree with boxes, e.g. ``init(key)``.
+            Arguments that are not arrays (sizes) are best bound with
+            `functools.partial` or made static with ``static_argnums``.
+        mesh: the device mesh.
+        rules: rules for logical boxes without their own.
+        **jit_kwargs: passed to `jax.jit` (``static_argnums``, ``donate_argnums``, ...).
+
+    Returns:
+        A function with `init_fn`'s signature returning the sharded, boxed tree.
+
+    Raises:
+        ValueError: (when called) for names that cannot be right on `mesh`.
+
+    Example:
+        >>> import jax, spmdtree as st
+        >>> mesh = jax.make_mesh((2, 4), ("data", "model"))
+        >>> def init(key):
+        ...     return {"w": st.Partitioned(jax.random.normal(key, (8, 16)), ("data", "model"))}
+        >>> params = st.sharded_init(init, mesh)(jax.random.key(0))
+        >>> params["w"].value.addressable_shards[0].data.shape
+        (4, 4)
+    """
+    check_mesh("sharded_init", mesh)
+    static_nums = _as_tuple(jit_kwargs.get("static_argnums", ()))
+    static_names = _as_tuple(jit_kwargs.get("static_argnames", ()))
+
+    def jitted(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        nums = {i % len(args) for i in static_nums} if args else set()
+
+        def with_static(dynamic_args: list[Any], dynamic_kwargs: dict[str, Any]) -> Any:
+            rest = iter(dynamic_args)
+            full = [args[i] if i in nums else next(rest) for i in range(len(args))]
+            static_kwargs = {k: v for k, v in kwargs.items() if k in static_names}
+            return init_fn(*full, **dynamic_kwargs, **static_kwargs)
+
+        abstract = jax.eval_shape(
+            with_static,
+            [a for i, a in enumerate(args) if i not in nums],
+            {k: v for k, v in kwargs.items() if k not in static_names},
+        )
+        shardings = to_sharding(abstract, mesh, rules)
+        return jax.jit(init_fn, out_shardings=shardings, **jit_kwargs)
+
+    @functools.wraps(init_fn)
+    def init(*args: Any, **kwargs: Any) -> Any:
+        return jitted(args, kwargs)(*args, **kwargs)
+
+    def lower(*args: Any, **kwargs: Any) -> Any:
+        return jitted(args, kwargs).lower(*args, **kwargs)
+
+    init.lower = lower  # type: ignore[attr-defined]
+    return init
+
+
+def _as_tuple(x: Any) -> tuple[Any, ...]:
+    return (x,) if isinstance(x, (int, str)) else tuple(x)
