@@ -14,6 +14,8 @@ from spmdtree.boxes import with_partitioning as with_partitioning
 from spmdtree.constraints import constrain as constrain
 from spmdtree.constraints import shard as shard
 from spmdtree.constraints import with_logical_constraint as with_logical_constraint
+from spmdtree.optim import kept_dimensions as kept_dimensions
+from spmdtree.optim import optimizer_sharding as optimizer_sharding
 from spmdtree.rules import RulesFallback as RulesFallback
 from spmdtree.rules import get_logical_axis_rules as get_logical_axis_rules
 from spmdtree.rules import logical_axis_rules as logical_axis_rules
@@ -27,6 +29,9 @@ from spmdtree.specs import to_abstract as to_abstract
 from spmdtree.specs import to_sharding as to_sharding
 from spmdtree.specs import to_spec as to_spec
 from spmdtree.specs import validate_rules as validate_rules
+from spmdtree.transforms import scan as scan
+from spmdtree.transforms import sharded_init as sharded_init
+from spmdtree.transforms import vmap as vmap
 from spmdtree.trees import add_axis as add_axis
 from spmdtree.trees import box as box
 from spmdtree.trees import is_boxed as is_boxed
@@ -51,21 +56,26 @@ __all__ = [
     "get_partition_spec",
     "get_sharding",
     "is_boxed",
+    "kept_dimensions",
     "logical_axis_rules",
     "logical_to_mesh",
     "logical_to_mesh_axes",
     "logical_to_mesh_sharding",
     "map_boxes",
     "match",
+    "optimizer_sharding",
     "remove_axis",
     "replace_boxed",
+    "scan",
     "set_logical_axis_rules",
     "shard",
+    "sharded_init",
     "to_abstract",
     "to_sharding",
     "to_spec",
     "unbox",
     "validate_rules",
+    "vmap",
     "with_logical_constraint",
     "with_logical_partitioning",
     "with_partitioning",

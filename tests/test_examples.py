@@ -12,6 +12,7 @@ EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 # Small sizes per script, so the whole suite stays fast; scripts not listed run with defaults.
 SMALL = {
     "seed_mlp.py": ["--batch", "8", "--hidden", "16"],
+    "scan_layers.py": ["--layers", "2", "--width", "16", "--steps", "3"],
 }
 
 

@@ -21,3 +21,4 @@ def test_readme_python_blocks_run(capsys):
     printed = capsys.readouterr().out
     assert "Partitioned(f32[256,512], names=('data', 'model'))" in printed
     assert "{'emb': P('data', 'model'), 'out': P('model', 'data')}" in printed
+    assert "LogicallyPartitioned(f32[3,16,32], names=('layers', 'embed', 'mlp'))" in printed
