@@ -306,14 +306,18 @@ class Resolution:
         unmatched: logical names that no applicable rule mapped.
         indivisible: dimensions left unsharded because their mesh axes do not
             divide them.
-        rank_fallback: the value has fewer dimensions than names, so it is
-            replicated.
+        rank_fallback: the value has fewer dimensions than names (or only
+            size-1 ones), so it is replicated.
+        names: the names it was resolved from (None for an unboxed array).
+        logical: whether those names are logical names.
     """
 
     spec: PartitionSpec
     unmatched: tuple[str, ...] = ()
     indivisible: tuple[int, ...] = ()
     rank_fallback: bool = False
+    names: Names | None = None
+    logical: bool = False
 
 
 def _mesh_help(mesh_shape: tuple[tuple[str, int], ...]) -> str:
@@ -390,6 +394,18 @@ def resolve(
     Raises:
         LeafError: for names that cannot be right for this array on this mesh.
     """
+    found = _resolve(names, shape, logical, rules, mesh_shape, strict)
+    return dataclasses.replace(found, names=names, logical=logical)
+
+
+def _resolve(
+    names: Names,
+    shape: tuple[int, ...] | None,
+    logical: bool,
+    rules: Rules,
+    mesh_shape: tuple[tuple[str, int], ...] | None,
+    strict: bool,
+) -> Resolution:
     if shape is not None:
         fallback = _rank_problem(names, shape, strict)
         if fallback is not None:

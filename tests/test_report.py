@@ -1,0 +1,111 @@
+"""describe: the plan's content (paths, shapes, bytes, flags), plain and with rich."""
+
+import sys
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import spmdtree as st
+
+MESH = jax.make_mesh((2, 4), ("data", "model"))
+RULES = [("vocab", "model"), ("vocab", "data"), ("embed", "model")]
+
+
+def plan():
+    return jax.eval_shape(
+        lambda: {
+            "emb": st.LogicallyPartitioned(jnp.zeros((6, 8)), ("vocab", "embed")),
+            "w": st.Partitioned(jnp.zeros((4, 6)), ("data", "model")),
+            "big": jnp.zeros((512, 512)),
+            "step": jnp.zeros((), jnp.int32),
+        }
+    )
+
+
+def test_rows_totals_and_flags_with_a_mesh():
+    text = st.describe(plan(), MESH, RULES, rich=False)
+    assert text.splitlines() == [
+        "path  array         shard      bytes/dev",
+        "  names -> mesh spec",
+        "big   f32[512,512]  [512,512]    1.0 MiB",
+        "emb   f32[6,8]      [3,2]           24 B",
+        "  vocab,embed -> data,model",
+        "step  i32[]         []               4 B",
+        "w     f32[4,6]      [2,6]           48 B",
+        "  data,model -> data,-",
+        "total       1.0 MiB in 4 arrays",
+        "per device  1.0 MiB on the most loaded device (100.0% of the total)",
+        "replicated  1.0 MiB on every device",
+        "! big: 1.0 MiB replicated on every device",
+        "! w: dimension 1 (model, size 6) left unsharded: its mesh axes do not divide it",
+    ]
+
+
+def test_byte_counts_are_exact():
+    rows = {row.path: row for row in st.report._rows(plan(), MESH, RULES)}
+    assert rows["emb"].global_bytes == 192 and rows["emb"].device_bytes == 24
+    assert rows["w"].per_device == (2, 6) and rows["w"].device_bytes == 48
+    assert rows["big"].replicated and rows["big"].device_bytes == 512 * 512 * 4
+    assert rows["step"].device_bytes == 4
+
+
+def test_without_a_mesh_only_names_and_specs():
+    text = st.describe(plan(), rules=RULES, rich=False)
+    lines = text.splitlines()
+    assert lines[0] == "path  array"
+    assert "  vocab,embed -> model,model" not in text  # a name is never mapped twice
+    assert "  vocab,embed -> model,-" in lines  # without a mesh: no shape-aware fallback
+    assert lines[-1] == "total       1.0 MiB in 4 arrays"
+    assert "per device" not in text
+
+
+def test_reduced_optimizer_states_are_flagged_as_fallbacks():
+    params = {"w": st.Partitioned(jax.ShapeDtypeStruct((8, 16), jnp.float32), ("data", "model"))}
+    state = jax.eval_shape(optax.adafactor(1e-3, min_dim_size_to_factor=4).init, params)
+    text = st.describe(state, MESH, rich=False)
+    assert "0/v_row/w  f32[8]" in text
+    assert "! 0/v_row/w: replicated by a fallback: shape [8] under names (data,model)" in text
+    assert "(reduced optimizer states: st.optimizer_sharding keeps them sharded)" in text
+
+
+def test_long_paths_fit_80_columns_and_keep_their_end():
+    deep = {
+        "encoder": {"block_with_a_long_name": {"attention_query_projection_kernel": plan()["emb"]}}
+    }
+    text = st.describe(deep, MESH, RULES, rich=False)
+    assert all(len(line) <= 80 for line in text.splitlines())
+    assert "…" in text and "attention_query_projection_kernel" in text
+
+
+def test_rich_rendering_has_the_same_content():
+    text = st.describe(plan(), MESH, RULES, rich=True)
+    assert all(len(line) <= 80 for line in text.splitlines())
+    for expected in (
+        "emb",
+        "f32[6,8]",
+        "[3,2]",
+        "24 B",
+        "vocab,embed -> data,model",
+        "1.0 MiB in 4 arrays",
+    ):
+        assert expected in text
+
+
+def test_rich_is_used_only_if_installed(monkeypatch):
+    monkeypatch.setitem(sys.modules, "rich", None)  # import rich now fails
+    text = st.describe(plan(), MESH, RULES)
+    assert text == st.describe(plan(), MESH, RULES, rich=False)
+
+
+def test_describe_reports_bad_names_with_their_path():
+    bad = {"w": st.Partitioned(jax.ShapeDtypeStruct((4, 8), jnp.float32), ("data", "tensor"))}
+    with pytest.raises(ValueError, match=r"describe: the box at tree\['w'\]"):
+        st.describe(bad, MESH)
+
+
+def test_describe_on_concrete_arrays_and_a_subtree_box():
+    tree = {"v": st.Partitioned([jnp.ones(4), jnp.ones(8)], ("data", "model"))}
+    text = st.describe(tree, MESH, rich=False)
+    assert "v/value/0" in text and "v/value/1" in text
