@@ -13,6 +13,7 @@ EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 SMALL = {
     "seed_mlp.py": ["--batch", "8", "--hidden", "16"],
     "scan_layers.py": ["--layers", "2", "--width", "16", "--steps", "3"],
+    "train.py": ["--steps", "20", "--log-every", "10", "--width", "32", "--mlp", "64"],
 }
 
 
@@ -27,3 +28,7 @@ def test_example_runs(script):
         env=env,
     )
     assert done.returncode == 0, done.stdout + done.stderr
+    if script == "train.py":  # the plan table, progress lines and the summary
+        assert "names -> mesh spec" in done.stdout and "per device" in done.stdout
+        assert "step   10  loss" in done.stdout and "steps/s" in done.stdout
+        assert "x less than unsharded" in done.stdout
