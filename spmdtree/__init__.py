@@ -16,6 +16,7 @@ from spmdtree.constraints import shard as shard
 from spmdtree.constraints import with_logical_constraint as with_logical_constraint
 from spmdtree.optim import kept_dimensions as kept_dimensions
 from spmdtree.optim import optimizer_sharding as optimizer_sharding
+from spmdtree.report import describe as describe
 from spmdtree.rules import RulesFallback as RulesFallback
 from spmdtree.rules import get_logical_axis_rules as get_logical_axis_rules
 from spmdtree.rules import logical_axis_rules as logical_axis_rules
@@ -52,6 +53,7 @@ __all__ = [
     "add_axis",
     "box",
     "constrain",
+    "describe",
     "get_logical_axis_rules",
     "get_partition_spec",
     "get_sharding",
