@@ -64,7 +64,20 @@ def _not_an_array(what: str) -> Callable[..., NoReturn]:
     return refuse
 
 
-class AxisMetadata(abc.ABC):
+class _BoxType(abc.ABCMeta):
+    """ABCMeta with `type`'s own C-level isinstance and issubclass checks.
+
+    ABCMeta's checks run Python code on every call to support virtual
+    subclasses (``register``), which boxes do not use; tree walks test every
+    node, so this keeps `isinstance(x, AxisMetadata)` as cheap as for a plain
+    class. Abstract methods are still enforced.
+    """
+
+    __instancecheck__ = type.__instancecheck__
+    __subclasscheck__ = type.__subclasscheck__
+
+
+class AxisMetadata(metaclass=_BoxType):
     """Abstract base for metadata boxes: a value plus metadata about its axes.
 
     Subclass it for your own metadata and register the subclass as a pytree
@@ -74,7 +87,8 @@ class AxisMetadata(abc.ABC):
 
     A box is neither an array nor a sequence: converting it to an array, taking
     its length, iterating over it and arithmetic raise a `TypeError` that says
-    to unbox first.
+    to unbox first. Subclass it for real: virtual subclasses (``register``)
+    are not boxes.
 
     Example:
         >>> import dataclasses, jax, spmdtree as st
@@ -132,6 +146,10 @@ _OPERATORS = (
 for _op in _OPERATORS:
     setattr(AxisMetadata, f"__{_op}__", _not_an_array(f"__{_op}__ would act on the array inside"))
 del _op
+
+
+#: ``IS_BOX(x)``: whether `x` is a box, as a C-level call (for ``is_leaf=``).
+IS_BOX = AxisMetadata.__instancecheck__
 
 
 def _short_value(value: Any) -> str:
@@ -194,8 +212,28 @@ def _same_value(a: Any, b: Any) -> bool:
 def rebuild(cls: type[PB], tree: tuple[Any, Any]) -> PB:
     """A box of type `cls` from its ``((value,), meta)``, without validation."""
     box = object.__new__(cls)
-    _set_tree(box, tree)
+    box._tree = tree
     return box
+
+
+def _read_only(name: str, get: Callable[[Any], Any], doc: str) -> Any:
+    """A property that refuses assignment and deletion with a message saying what to do.
+
+    Boxes are immutable through these properties rather than a ``__setattr__``
+    override, which would slow down every unflatten (a plain slot store is the
+    fastest way to build a box).
+    """
+
+    def refuse_set(self: Any, value: Any) -> NoReturn:
+        raise AttributeError(
+            f"{type(self).__name__} is immutable: cannot set {name!r}. Use "
+            f"box.replace({name}=...) or box.replace_boxed(value) for a new box."
+        )
+
+    def refuse_delete(self: Any) -> NoReturn:
+        raise AttributeError(f"{type(self).__name__} is immutable: cannot delete {name!r}.")
+
+    return property(get, refuse_set, refuse_delete, doc)
 
 
 class Partitioned(AxisMetadata):
@@ -234,7 +272,7 @@ class Partitioned(AxisMetadata):
     def _init(self, value: Any, names: Any, rest: tuple[Any, ...]) -> None:
         check_mesh(type(self).__name__, rest[0], optional=True)
         try:
-            _set_tree(self, ((value,), (checked_names(value, names), *rest)))
+            self._tree = ((value,), (checked_names(value, names), *rest))
         except LeafError as e:
             raise raise_one(type(self).__name__, "the box", e) from None
 
@@ -242,29 +280,13 @@ class Partitioned(AxisMetadata):
         super().__init_subclass__(**kwargs)
         _register(cls)
 
-    @property
-    def value(self) -> Any:
-        """The boxed value."""
-        return self._tree[0][0]
-
-    @property
-    def names(self) -> Names:
-        """The names of the value's dimensions, as normalised tuples."""
-        return self._tree[1][0]
-
-    @property
-    def mesh(self) -> AnyMesh | None:
-        """The mesh the names refer to, or None."""
-        return self._tree[1][1]
-
-    def __setattr__(self, name: str, value: Any) -> NoReturn:
-        raise AttributeError(
-            f"{type(self).__name__} is immutable: cannot set {name!r}. Use "
-            f"box.replace({name}=...) or box.replace_boxed(value) for a new box."
-        )
-
-    def __delattr__(self, name: str) -> NoReturn:
-        raise AttributeError(f"{type(self).__name__} is immutable: cannot delete {name!r}.")
+    value = _read_only("value", lambda self: self._tree[0][0], "The boxed value.")
+    names = _read_only(
+        "names", lambda self: self._tree[1][0], "The names of the value's dimensions (tuples)."
+    )
+    mesh = _read_only(
+        "mesh", lambda self: self._tree[1][1], "The mesh the names refer to, or None."
+    )
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (rebuild, (type(self), self._tree))
@@ -430,7 +452,6 @@ class Partitioned(AxisMetadata):
             raise raise_one("get_sharding", "the box", e) from None
 
 
-_set_tree = Partitioned.__dict__["_tree"].__set__
 _VALUE_KEY = tree_util.GetAttrKey("value")
 
 
@@ -438,14 +459,15 @@ def _register(cls: type[Partitioned]) -> None:
     """Registers a box class as a pytree node with one child, ``value``.
 
     Flattening is a C-level attribute read of the stored ``((value,), meta)``
-    and unflattening sets that one slot, skipping ``__init__``'s validation:
-    this keeps boxes within a small factor of a raw tree's flatten/unflatten.
+    and unflattening stores that one slot, skipping ``__init__``'s validation:
+    this keeps boxes within a small factor of a raw tree's flatten/unflatten
+    (see benchmarks/run.py).
     """
     new = object.__new__
 
     def unflatten(meta: tuple[Any, ...], children: Any) -> Partitioned:
         box = new(cls)
-        _set_tree(box, (children, meta))
+        box._tree = (children, meta)
         return box
 
     def flatten_with_keys(box: Partitioned) -> tuple[Any, Any]:
@@ -511,10 +533,9 @@ class LogicallyPartitioned(Partitioned):
     ) -> None:
         self._init(value, names, (mesh, None if rules is None else normalize_rules(rules)))
 
-    @property
-    def rules(self) -> Rules | None:
-        """The box's own rules (normalised), or None to use the caller's."""
-        return self._tree[1][2]
+    rules = _read_only(
+        "rules", lambda self: self._tree[1][2], "The box's own rules (normalised), or None."
+    )
 
     def own_rules(self, rules: Rules) -> Rules:
         own = self._tree[1][2]
