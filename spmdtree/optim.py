@@ -18,7 +18,7 @@ import jax
 from jax import tree_util
 from jax.sharding import Mesh
 
-from spmdtree.boxes import Partitioned, is_array, rebuild, shape_of
+from spmdtree.boxes import IS_BOX, Partitioned, is_array, rebuild, shape_of
 from spmdtree.rules import Names, RulesLike, check_mesh
 from spmdtree.specs import to_sharding
 from spmdtree.trees import is_boxed
@@ -125,7 +125,7 @@ def _named_as_kept(box: Partitioned, param: Partitioned) -> Partitioned:
         kept = kept_names(shape_of(leaf), position)  # type: ignore[arg-type]
         return leaf if kept is None else rebuild(type(box), ((leaf,), (kept, *box._tree[1][1:])))
 
-    return box.replace_boxed(tree_util.tree_map_with_path(inner, value, is_leaf=is_boxed))
+    return box.replace_boxed(tree_util.tree_map_with_path(inner, value, is_leaf=IS_BOX))
 
 
 def optimizer_sharding(tx: Any, params: Any, mesh: Mesh, rules: RulesLike | None = None) -> Any:
@@ -165,7 +165,7 @@ def optimizer_sharding(tx: Any, params: Any, mesh: Mesh, rules: RulesLike | None
     state = jax.eval_shape(tx.init, params)
     boxes = [
         (path, leaf)
-        for path, leaf in tree_util.tree_flatten_with_path(params, is_leaf=is_boxed)[0]
+        for path, leaf in tree_util.tree_flatten_with_path(params, is_leaf=IS_BOX)[0]
         if isinstance(leaf, Partitioned)
     ]
 
@@ -175,5 +175,5 @@ def optimizer_sharding(tx: Any, params: Any, mesh: Mesh, rules: RulesLike | None
         param = _param_for(path, boxes)
         return leaf if param is None else _named_as_kept(leaf, param)
 
-    renamed = tree_util.tree_map_with_path(rename, state, is_leaf=is_boxed)
+    renamed = tree_util.tree_map_with_path(rename, state, is_leaf=IS_BOX)
     return to_sharding(renamed, mesh, rules)

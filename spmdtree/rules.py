@@ -297,7 +297,9 @@ def assign(names: Names, rules: Rules, fits: Any = None) -> list[Any]:
     return result
 
 
-@dataclasses.dataclass(frozen=True)
+# eq=False: a Resolution is hashed and compared by identity, which is cheap, and
+# resolutions are shared (cached), so identity is what callers' memos need.
+@dataclasses.dataclass(frozen=True, eq=False)
 class Resolution:
     """The mesh spec of one array, and how it was reached.
 

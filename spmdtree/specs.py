@@ -14,7 +14,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, PartitionSpec
 
-from spmdtree.boxes import AxisMetadata, Partitioned, check_same_mesh, is_array, shape_of
+from spmdtree.boxes import IS_BOX, AxisMetadata, Partitioned, check_same_mesh, is_array, shape_of
 from spmdtree.rules import (
     AnyMesh,
     Resolution,
@@ -58,6 +58,10 @@ class Call:
 
     Mesh precedence: the call's ``mesh=``; else a box's own mesh (all boxes of
     a call must agree); else the mesh set with `jax.set_mesh`.
+
+    A call resolves each distinct (box kind, metadata, shape, mesh) once, and
+    with ``shared`` finishes each once: layers repeat, so a tree of thousands
+    of leaves costs little more than its flattening (benchmarks/run.py, B2).
     """
 
     def __init__(
@@ -66,17 +70,16 @@ class Call:
         rules: RulesLike | None,
         mesh: AnyMesh | None,
         strict: bool = False,
-        *,
-        ambient: bool = True,
     ) -> None:
         check_mesh(function, mesh, optional=True)
         self.function = function
         self.rules: Rules = rules_or_context(rules)
         self.mesh = mesh
         self.strict = strict
-        self.fallback_mesh = context_mesh() if mesh is None and ambient else None
+        self.fallback_mesh = context_mesh() if mesh is None else None
         self._box_mesh: AnyMesh | None = None
         self._boxed_only = False
+        self._resolved: dict[Any, Resolution] = {}
 
     def mesh_for(self, box: Partitioned) -> AnyMesh | None:
         """The mesh `box` resolves on, checking its own mesh against the call's."""
@@ -93,7 +96,13 @@ class Call:
         return self.mesh if self.mesh is not None else self.fallback_mesh
 
     def map(
-        self, tree: Any, finish: Finish, *, replace_boxes: bool, boxed_only: bool = False
+        self,
+        tree: Any,
+        finish: Finish,
+        *,
+        replace_boxes: bool,
+        boxed_only: bool = False,
+        shared: bool = False,
     ) -> Any:
         """Maps every array leaf of `tree` to ``finish(value, resolution, mesh)``.
 
@@ -102,36 +111,64 @@ class Call:
         a subtree is kept, its arrays resolved with its names; a box holding no
         array comes back unchanged. Leaves that are not arrays become None with
         `replace_boxes`, and are kept otherwise. With `boxed_only`, arrays in no
-        box are kept as they are.
+        box are kept as they are. With `shared` (for a `finish` that ignores the
+        value, and `replace_boxes`), boxes of equal metadata and shape share one
+        result, computed once.
         """
         self._boxed_only = boxed_only
+        if shared and replace_boxes:
+            memo: dict[Any, Any] = {}
+
+            def leaf(x: Any) -> Any:
+                if isinstance(x, Partitioned):
+                    (value,), meta = x._tree
+                    key = (type(x), meta, shape_of(value))
+                    if key[2] is not None:
+                        found = memo.get(key)
+                        if found is None:
+                            found = memo[key] = self._leaf(x, finish, True, None)
+                        return found
+                return self._leaf(x, finish, True, None)
+
+            return map_leaves(self.function, leaf, tree)
         return map_leaves(self.function, lambda x: self._leaf(x, finish, replace_boxes, None), tree)
 
     def _leaf(self, x: Any, finish: Finish, replace: bool, outer: Partitioned | None) -> Any:
-        if is_boxed(x):
+        if isinstance(x, AxisMetadata):
             value = x.unbox()
-            named = x if isinstance(x, Partitioned) else outer
-            mesh = self.mesh_for(x) if isinstance(x, Partitioned) else self.default_mesh()
-            if is_array(value):
-                out = finish(value, self._resolution(named, value, mesh), mesh)
+            named: Partitioned | None
+            if isinstance(x, Partitioned):
+                named, mesh = x, self.mesh_for(x)
+            else:
+                named, mesh = outer, self.default_mesh()
+            shape = shape_of(value)
+            if shape is not None:
+                out = finish(value, self._resolution(named, shape, mesh), mesh)
                 return out if replace else x.replace_boxed(out)
             if not holds_array(value):
                 return x
             inner = jax.tree.map(
-                lambda leaf: self._leaf(leaf, finish, replace, named), value, is_leaf=is_boxed
+                lambda leaf: self._leaf(leaf, finish, replace, named), value, is_leaf=IS_BOX
             )
             return x.replace_boxed(inner)
-        if is_array(x):
+        shape = shape_of(x)
+        if shape is not None:
             if outer is None and self._boxed_only:
                 return x
             mesh = self.mesh_for(outer) if outer is not None else self.default_mesh()
-            return finish(x, self._resolution(outer, x, mesh), mesh)
+            return finish(x, self._resolution(outer, shape, mesh), mesh)
         return None if replace else x
 
-    def _resolution(self, named: Partitioned | None, value: Any, mesh: Any) -> Resolution:
+    def _resolution(
+        self, named: Partitioned | None, shape: tuple[int, ...], mesh: Any
+    ) -> Resolution:
         if named is None:
             return REPLICATED
-        return named.resolution(shape_of(value), self.rules, mesh, self.strict)
+        key = (type(named), named._tree[1], shape, id(mesh))
+        found = self._resolved.get(key)
+        if found is None:
+            found = self._resolved[key] = named.resolution(shape, self.rules, mesh, self.strict)
+        return found
 
 
 def get_partition_spec(tree: Any) -> Any:
@@ -167,7 +204,7 @@ def get_partition_spec(tree: Any) -> Any:
             return x.replace_boxed(get_partition_spec(value))
         return PartitionSpec() if is_array(x) else None
 
-    return jax.tree.map(one, tree, is_leaf=is_boxed)
+    return jax.tree.map(one, tree, is_leaf=IS_BOX)
 
 
 def to_spec(
@@ -217,7 +254,7 @@ def to_spec(
         {'emb': P('data', 'model')}
     """
     call = Call("to_spec", rules, mesh, strict)
-    return call.map(tree, lambda value, res, mesh: res.spec, replace_boxes=True)
+    return call.map(tree, lambda value, res, mesh: res.spec, replace_boxes=True, shared=True)
 
 
 def to_sharding(
@@ -253,7 +290,10 @@ def to_sharding(
     check_mesh("to_sharding", mesh)
     call = Call("to_sharding", rules, mesh, strict)
     return call.map(
-        tree, lambda value, res, mesh: named_sharding(mesh, res.spec), replace_boxes=True
+        tree,
+        lambda value, res, mesh: named_sharding(mesh, res.spec),
+        replace_boxes=True,
+        shared=True,
     )
 
 
@@ -282,7 +322,10 @@ def get_sharding(tree: Any, mesh: Mesh) -> Any:
     check_mesh("get_sharding", mesh)
     call = Call("get_sharding", None, mesh)
     return call.map(
-        tree, lambda value, res, mesh: named_sharding(mesh, res.spec), replace_boxes=True
+        tree,
+        lambda value, res, mesh: named_sharding(mesh, res.spec),
+        replace_boxes=True,
+        shared=True,
     )
 
 
@@ -387,7 +430,7 @@ def validate_rules(
 def _logical_names_in(tree: Any) -> dict[str, str]:
     """Each logical name used by a box without its own rules -> where first seen."""
     found: dict[str, str] = {}
-    paths = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_boxed)[0]
+    paths = jax.tree_util.tree_flatten_with_path(tree, is_leaf=IS_BOX)[0]
     for path, leaf in paths:
         while isinstance(leaf, AxisMetadata) and not isinstance(leaf, Partitioned):
             leaf = leaf.unbox()

@@ -14,6 +14,7 @@ from jax import tree_util
 from jax.sharding import PartitionSpec
 
 from spmdtree.boxes import (
+    IS_BOX,
     PARTITION_NAME,
     AxisMetadata,
     LogicallyPartitioned,
@@ -68,7 +69,7 @@ def map_leaves(function: str, fn: Callable[[Any], Any], tree: Any, argument: str
     `argument`) and raised once, as one error from `function`. Paths are
     computed only when something failed.
     """
-    leaves, treedef = jax.tree.flatten(tree, is_leaf=is_boxed)
+    leaves, treedef = jax.tree.flatten(tree, is_leaf=IS_BOX)
     out, failed = [], []
     for i, leaf in enumerate(leaves):
         try:
@@ -77,7 +78,7 @@ def map_leaves(function: str, fn: Callable[[Any], Any], tree: Any, argument: str
             failed.append((i, e))
             out.append(None)
     if failed:
-        paths = [path for path, _ in tree_util.tree_flatten_with_path(tree, is_leaf=is_boxed)[0]]
+        paths = [path for path, _ in tree_util.tree_flatten_with_path(tree, is_leaf=IS_BOX)[0]]
         raise_collected(function, [(subject(leaves[i], paths[i], argument), e) for i, e in failed])
     return jax.tree.unflatten(treedef, out)
 
@@ -99,7 +100,7 @@ def unbox(tree: Any) -> Any:
         >>> st.unbox({"w": st.Partitioned(1.0, ()), "b": 2.0})
         {'b': 2.0, 'w': 1.0}
     """
-    return jax.tree.map(_unbox_one, tree, is_leaf=is_boxed)
+    return jax.tree.map(_unbox_one, tree, is_leaf=IS_BOX)
 
 
 def _unbox_one(x: Any) -> Any:
@@ -135,7 +136,7 @@ def replace_boxed(tree: Any, values: Any) -> Any:
         return value
 
     try:
-        return jax.tree.map(put, tree, values, is_leaf=is_boxed)
+        return jax.tree.map(put, tree, values, is_leaf=IS_BOX)
     except ValueError as e:
         raise ValueError(
             "replace_boxed: `values` must have the structure of st.unbox(tree), "
@@ -159,7 +160,7 @@ def map_boxes(fn: Callable[[AxisMetadata], Any], tree: Any) -> Any:
         >>> st.map_boxes(lambda b: b.replace_boxed(0.0), tree)
         {'b': 2.0, 'w': Partitioned(0.0, names=())}
     """
-    return jax.tree.map(lambda x: fn(x) if is_boxed(x) else x, tree, is_leaf=is_boxed)
+    return jax.tree.map(lambda x: fn(x) if is_boxed(x) else x, tree, is_leaf=IS_BOX)
 
 
 def box(
@@ -207,7 +208,7 @@ def box(
         )
     cls = LogicallyPartitioned if logical else Partitioned
     meta_rest = (mesh, None if rules is None else normalize_rules(rules)) if logical else (mesh,)
-    paths_leaves, treedef = tree_util.tree_flatten_with_path(tree, is_leaf=is_boxed)
+    paths_leaves, treedef = tree_util.tree_flatten_with_path(tree, is_leaf=IS_BOX)
     if callable(names):
         chosen = _names_from_function(names, paths_leaves)
     else:
