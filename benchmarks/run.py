@@ -1,0 +1,306 @@
+"""Ratio benchmarks: spmdtree against the raw-tree limit, side by side in one process.
+
+Every figure is a ratio of two timings taken in alternating rounds (best of N
+after a warm-up, timeit-style: the garbage collector is off while timing), so
+machine noise hits both sides alike. Each line prints the
+figure's name, the measured ratio, its goal and ok/MISSED; the exit status is
+non-zero if a goal is missed. ``--quick`` runs small sizes to check that the
+benchmarks still run, and never fails on a goal (CI is too noisy for timings).
+
+Run: python benchmarks/run.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+import os
+import re
+import sys
+import timeit
+from collections import Counter
+from collections.abc import Callable
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import spmdtree as st
+from spmdtree.boxes import IS_BOX
+
+RULES = [
+    ("layers", None),
+    ("batch", "data"),
+    ("vocab", "model"),
+    ("embed", "data"),
+    ("mlp", "model"),
+    ("heads", "model"),
+]
+
+
+class Bench:
+    """Collects figures and prints one line each."""
+
+    def __init__(self, quick: bool) -> None:
+        self.quick = quick
+        self.missed: list[str] = []
+
+    def timed(self, fn: Callable[[], object], number: int) -> float:
+        # timeit's convention: the garbage collector is off while timing.
+        return timeit.Timer(fn).timeit(number) / number
+
+    def ratio(
+        self, base: Callable[[], object], ours: Callable[[], object], number: int, rounds: int
+    ) -> tuple[float, float, float]:
+        """(ours / base, base seconds, ours seconds), best of `rounds` alternating rounds."""
+        base(), ours()  # warm-up: compile, fill caches
+        rounds = 3 if self.quick else rounds
+        best_base = best_ours = math.inf
+        for _ in range(rounds):
+            best_base = min(best_base, self.timed(base, number))
+            best_ours = min(best_ours, self.timed(ours, number))
+        return best_ours / best_base, best_base, best_ours
+
+    def figure(
+        self, name: str, value: float, goal: str = "", ok: bool | None = None, unit: str = "x"
+    ) -> None:
+        if ok is not None and self.quick:
+            ok, verdict = None, "(quick: not judged)"
+        else:
+            verdict = "" if ok is None else ("ok" if ok else "MISSED")
+        if ok is False:
+            self.missed.append(name)
+        print(f"{name:<50} {value:8.2f}{unit:<2} {goal:<16} {verdict}".rstrip())
+
+    def at_most(self, name: str, value: float, goal: float) -> None:
+        self.figure(name, value, f"goal <= {goal:g}", value <= goal)
+
+
+def layered(n_layers: int, boxed: str | None) -> dict:
+    """n_layers x (kernel, bias): raw, or boxed with mesh-axis or logical names."""
+    tree = {}
+    for i in range(n_layers):
+        kernel, bias = jnp.zeros((8, 16)), jnp.zeros(16)
+        if boxed == "logical":
+            kernel = st.LogicallyPartitioned(kernel, ("embed", "mlp"))
+            bias = st.LogicallyPartitioned(bias, ("mlp",))
+        elif boxed == "mesh":
+            kernel = st.Partitioned(kernel, ("data", "model"))
+            bias = st.Partitioned(bias, ("model",))
+        tree[f"layer_{i:05d}"] = {"kernel": kernel, "bias": bias}
+    return tree
+
+
+def b1_pytree(bench: Bench, n_layers: int) -> None:
+    raw, boxed = layered(n_layers, None), layered(n_layers, "mesh")
+    raw_leaves, raw_def = jax.tree.flatten(raw)
+    box_leaves, box_def = jax.tree.flatten(boxed)
+    number, rounds = 5, 80
+    flat, raw_flat, box_flat = bench.ratio(
+        lambda: jax.tree.flatten(raw), lambda: jax.tree.flatten(boxed), number, rounds
+    )
+    unflat, raw_unflat, box_unflat = bench.ratio(
+        lambda: jax.tree.unflatten(raw_def, raw_leaves),
+        lambda: jax.tree.unflatten(box_def, box_leaves),
+        number,
+        rounds,
+    )
+    same, _, _ = bench.ratio(
+        lambda: jax.tree.map(lambda x: x, raw),
+        lambda: jax.tree.map(lambda x: x, boxed),
+        number,
+        rounds,
+    )
+    leaves = 2 * n_layers
+    bench.figure(f"B1 flatten ({leaves} leaves)", flat, "reported")
+    bench.figure(f"B1 unflatten ({leaves} leaves)", unflat, "reported")
+    # A round trip costs a flatten plus an unflatten: the sum of the two best
+    # times is a steadier estimate than timing the pair (same work, less noise).
+    trip = (box_flat + box_unflat) / (raw_flat + raw_unflat)
+    bench.at_most(f"B1 flatten + unflatten ({leaves} leaves)", trip, 2.0)
+    bench.at_most(f"B1 jax.tree.map identity ({leaves} leaves)", same, 2.0)
+
+
+def b2_to_sharding(bench: Bench, mesh: jax.sharding.Mesh, sizes: list[int]) -> None:
+    fixed = P("data", "model")
+    own_per_leaf = []
+    for n_leaves in sizes:
+        raw, boxed = layered(n_leaves // 2, None), layered(n_leaves // 2, "logical")
+        base = functools.partial(jax.tree.map, lambda x: NamedSharding(mesh, fixed), raw)
+        ours = functools.partial(st.to_sharding, boxed, mesh, RULES)
+        # jax's own walk of the same tree: flatten (boxes as leaves) and unflatten.
+        walk = lambda tree=boxed: jax.tree.unflatten(  # noqa: E731
+            *reversed(jax.tree.flatten(tree, is_leaf=IS_BOX))
+        )
+        number = max(1, 20000 // n_leaves)
+        value, _, ours_seconds = bench.ratio(base, ours, number, 9)
+        _, walk_seconds, _ = bench.ratio(walk, ours, number, 9)
+        own_per_leaf.append((ours_seconds - walk_seconds) / n_leaves)
+        if n_leaves == 4000:
+            bench.at_most("B2 to_sharding, 4000 logical leaves, 6 rules", value, 1.5)
+        bench.figure(
+            f"B2 to_sharding per leaf at {n_leaves} leaves",
+            ours_seconds / n_leaves * 1e6,
+            "reported",
+            unit="us",
+        )
+        bench.figure(
+            "B2   of which jax's tree walk", walk_seconds / n_leaves * 1e6, "reported", unit="us"
+        )
+    # jax's walk of a dict of n keys is O(n log n) (it sorts the keys); spmdtree's
+    # own work per leaf must not grow.
+    growth = own_per_leaf[-1] / own_per_leaf[0]
+    bench.at_most(f"B2 spmdtree's own cost per leaf, {sizes[-1]} / {sizes[0]}", growth, 1.5)
+
+
+def b3_dispatch(bench: Bench, mesh: jax.sharding.Mesh) -> None:
+    raw = {f"leaf_{i:03d}": jnp.full((4,), float(i)) for i in range(200)}
+    boxed = {k: st.Partitioned(v, ("model",)) for k, v in raw.items()}
+    identity = jax.jit(lambda t: t)
+    value, _, _ = bench.ratio(lambda: identity(raw), lambda: identity(boxed), 100, 15)
+    bench.at_most("B3 jit dispatch, 200-leaf tree in and out", value, 1.3)
+
+    params = st.shard(layered(8, "logical"), mesh, RULES)
+    raw_params = st.unbox(params)
+    tx = optax.adam(1e-3)
+    x = jnp.ones((4, 8))
+
+    def loss(p, x):
+        p = st.unbox(p)
+        return sum(jnp.sum((x @ layer["kernel"] + layer["bias"]) ** 2) for layer in p.values())
+
+    def step(p, s, x):
+        grads = jax.grad(loss)(p, x)
+        updates, s = tx.update(grads, s, p)
+        return optax.apply_updates(p, updates), s
+
+    jitted = jax.jit(step)
+    box_state, raw_state = tx.init(params), tx.init(raw_params)
+
+    def run(p, s):
+        out = jitted(p, s, x)
+        jax.block_until_ready(out)
+
+    value, _, _ = bench.ratio(
+        lambda: run(raw_params, raw_state), lambda: run(params, box_state), 20, 15
+    )
+    bench.at_most("B3 jitted adam step, boxed params + state", value, 1.3)
+
+
+def _shardings(text: str) -> Counter:
+    """The multiset of sharding annotations in compiled HLO, op names stripped."""
+    return Counter(re.findall(r"sharding=(\{[^}]*\})", text))
+
+
+def b4_compiled(bench: Bench, mesh: jax.sharding.Mesh, size: int) -> None:
+    key = jax.random.key(0)
+    shapes = {
+        "w1": ((size, 4 * size), ("embed", "mlp")),
+        "w2": ((4 * size, size), ("mlp", "embed")),
+    }
+    boxed = {
+        name: st.LogicallyPartitioned(jax.random.normal(key, shape) / size, names)
+        for name, (shape, names) in shapes.items()
+    }
+    by_hand = {"w1": P("data", "model"), "w2": P("model", "data")}
+    x = jax.random.normal(key, (4 * size, size))
+    x_sharding = NamedSharding(mesh, P("data", None))
+
+    def ours(p, x):
+        p = st.unbox(p)
+        h = st.with_logical_constraint(jnp.tanh(x @ p["w1"]), ("batch", "mlp"), RULES, mesh)
+        return st.with_logical_constraint(h @ p["w2"], ("batch", "embed"), RULES, mesh)
+
+    def theirs(p, x):
+        h = jax.lax.with_sharding_constraint(
+            jnp.tanh(x @ p["w1"]), NamedSharding(mesh, P("data", "model"))
+        )
+        return jax.lax.with_sharding_constraint(h @ p["w2"], NamedSharding(mesh, P("data", None)))
+
+    ours_shardings = st.to_sharding(boxed, mesh, RULES)
+    theirs_shardings = {k: NamedSharding(mesh, spec) for k, spec in by_hand.items()}
+    ours_jit = jax.jit(ours, in_shardings=(ours_shardings, x_sharding), out_shardings=x_sharding)
+    theirs_jit = jax.jit(
+        theirs, in_shardings=(theirs_shardings, x_sharding), out_shardings=x_sharding
+    )
+    ours_params = jax.device_put(boxed, ours_shardings)
+    theirs_params = jax.device_put(st.unbox(boxed), theirs_shardings)
+    x = jax.device_put(x, x_sharding)
+
+    ours_text = ours_jit.lower(ours_params, x).compile().as_text()
+    theirs_text = theirs_jit.lower(theirs_params, x).compile().as_text()
+    same = _shardings(ours_text) == _shardings(theirs_text) and bool(_shardings(ours_text))
+    bench.figure(
+        "B4 compiled HLO sharding annotations equal", float(same), "goal 1 (equal)", same, unit=""
+    )
+    np.testing.assert_allclose(ours_jit(ours_params, x), theirs_jit(theirs_params, x), rtol=1e-5)
+
+    value, _, _ = bench.ratio(
+        lambda: theirs_jit(theirs_params, x).block_until_ready(),
+        lambda: ours_jit(ours_params, x).block_until_ready(),
+        5,
+        11,
+    )
+    bench.figure(
+        "B4 run time, spmdtree step / hand-written", value, "goal 0.9-1.1", 0.9 <= value <= 1.1
+    )
+
+
+def b5_sharded_init(bench: Bench, mesh: jax.sharding.Mesh, size: int) -> None:
+    def init(key):
+        k1, k2, k3 = jax.random.split(key, 3)
+        return {
+            "embed": st.LogicallyPartitioned(
+                jax.random.normal(k1, (size, size)), ("vocab", "embed")
+            ),
+            "mlp": st.LogicallyPartitioned(
+                jax.random.normal(k2, (size, 2 * size)), ("embed", "mlp")
+            ),
+            "bias": st.LogicallyPartitioned(jax.random.normal(k3, (8 * size,)), ("flat",)),
+        }
+
+    rules = [("vocab", "model"), ("embed", "data"), ("mlp", "model"), ("flat", ("data", "model"))]
+    key = jax.random.key(0)
+
+    def peak(fn: Callable) -> tuple[int, int]:
+        stats = st.sharded_init(fn, mesh, rules).lower(key).compile().memory_analysis()
+        held = stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
+        return stats.output_size_in_bytes, held
+
+    arrays = st.unbox(jax.eval_shape(init, key))
+    full = {name: math.prod(a.shape) * a.dtype.itemsize for name, a in arrays.items()}
+    output, _ = peak(init)
+    bench.at_most(
+        "B5 sharded_init output bytes / (global / 8)", output / (sum(full.values()) / 8), 1.1
+    )
+    # Each array alone: a device's peak memory stays below one full copy of it.
+    worst = max(peak(lambda k, n=name: init(k)[n])[1] / full[name] for name in full)
+    bench.at_most("B5 peak device bytes / full array, worst array", worst, 1.0)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes; never fails on a goal")
+    args = parser.parse_args()
+    bench = Bench(args.quick)
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    print(f"{'figure':<50} {'ratio':>9}   {'goal':<16} verdict")
+    b1_pytree(bench, 200 if args.quick else 2000)
+    b2_to_sharding(bench, mesh, [400, 4000] if args.quick else [1000, 4000, 10000, 100000])
+    b3_dispatch(bench, mesh)
+    b4_compiled(bench, mesh, 64 if args.quick else 512)
+    b5_sharded_init(bench, mesh, 256 if args.quick else 2048)
+    if bench.missed and not args.quick:
+        print(f"missed: {', '.join(bench.missed)}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
