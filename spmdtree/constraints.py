@@ -13,7 +13,8 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-from jax.sharding import AxisType, Mesh, PartitionSpec
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from spmdtree.boxes import is_array, shape_of
 from spmdtree.errors import LeafError, at, raise_collected
@@ -59,6 +60,21 @@ def _concrete(mesh: AnyMesh) -> Mesh:
     return concrete
 
 
+def place(value: Any, sharding: NamedSharding) -> jax.Array:
+    """`value` placed on `sharding`, also when the mesh spans processes.
+
+    A host value (the same on every process, as from the same seed) goes onto
+    devices this process cannot address through `jax.make_array_from_callback`:
+    each process fills only its own shards.
+    """
+    if sharding.is_fully_addressable or (
+        isinstance(value, jax.Array) and not value.is_fully_addressable
+    ):
+        return jax.device_put(value, sharding)
+    host = np.asarray(value)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
 def apply_spec(x: Any, spec: PartitionSpec, mesh: AnyMesh) -> Any:
     """Constrains (inside a trace) or places (outside) one array on `spec` over `mesh`.
 
@@ -66,7 +82,7 @@ def apply_spec(x: Any, spec: PartitionSpec, mesh: AnyMesh) -> Any:
         LeafError: for Explicit axes inside jit without `jax.set_mesh`.
     """
     if not isinstance(x, jax.core.Tracer):
-        return jax.device_put(x, named_sharding(_concrete(mesh), spec))
+        return place(x, named_sharding(_concrete(mesh), spec))
     ctx = context_mesh()
     if ctx is not None and tuple(ctx.axis_names) != tuple(mesh.axis_names):
         ctx = None  # another mesh is set; constrain with mesh= itself
@@ -248,8 +264,10 @@ def constrain(tree: Any, mesh: AnyMesh | None = None, rules: RulesLike | None = 
 def shard(tree: Any, mesh: Mesh, rules: RulesLike | None = None) -> Any:
     """Places every value on its sharding, boxes kept (outside jit).
 
-    Unboxed arrays are replicated. For trees too large for one device, build
-    them sharded in the first place with `sharded_init`.
+    Unboxed arrays are replicated. On a mesh that spans processes, each
+    process passes the same host value and fills only the shards it holds. For
+    trees too large for one device, build them sharded in the first place with
+    `sharded_init`.
 
     Args:
         tree: a tree with boxes of arrays.
@@ -279,6 +297,6 @@ def shard(tree: Any, mesh: Mesh, rules: RulesLike | None = None) -> Any:
                 "is a jax.ShapeDtypeStruct, which has no data to place; use "
                 "st.to_abstract for abstract trees, or st.sharded_init to build it.",
             )
-        return jax.device_put(value, named_sharding(mesh, res.spec))
+        return place(value, named_sharding(mesh, res.spec))
 
     return Call("shard", rules, mesh).map(tree, finish, replace_boxes=False)

@@ -202,6 +202,14 @@ def _rich(rows: list[Row], mesh: AnyMesh | None, width: int) -> list[str]:
     return [line.rstrip() for line in out.getvalue().rstrip("\n").split("\n")]
 
 
+def _local_devices(mesh: AnyMesh) -> int | None:
+    """How many of the mesh's devices this process holds, when several share it."""
+    devices = getattr(mesh, "devices", None)
+    if jax.process_count() == 1 or not isinstance(devices, np.ndarray):
+        return None
+    return sum(device.process_index == jax.process_index() for device in devices.flat)
+
+
 def _use_rich(rich: bool | None) -> bool:
     if rich is not None:
         return rich
@@ -228,7 +236,8 @@ def describe(
     device holds; beneath it, for a boxed array, its names (logical or mesh
     axes) and the mesh spec they resolve to. The totals give the global
     bytes, the bytes held by the most loaded device and the bytes replicated
-    on every device. Notes flag leaves replicated by a fallback (fewer
+    on every device (and, on a mesh that spans processes, what this process
+    holds). Notes flag leaves replicated by a fallback (fewer
     dimensions than names), dimensions left unsharded (their mesh axes do not
     divide them) and large fully replicated arrays. Works on abstract trees
     (from `jax.eval_shape`), so a plan is checked before anything is
@@ -275,6 +284,13 @@ def describe(
         replicated = sum(r.global_bytes for r in rows if r.replicated)
         lines.append(f"per device  {_bytes(per_device)} on the most loaded device{share}")
         lines.append(f"replicated  {_bytes(replicated)} on every device")
+        local = _local_devices(mesh)
+        if local is not None:
+            lines.append(
+                f"process {jax.process_index()}   holds {_bytes(per_device * local)} on its "
+                f"{local} of the mesh's {mesh.devices.size} devices "
+                f"({jax.process_count()} processes)"
+            )
     for note in (note for row in rows for note in _notes(row, large)):
         lines += textwrap.wrap(note, width, initial_indent="! ", subsequent_indent="  ")
     if any(row.leaf.resolution.rank_fallback for row in rows):
