@@ -13,6 +13,7 @@ EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 SMALL = {
     "seed_mlp.py": ["--batch", "8", "--hidden", "16"],
     "scan_layers.py": ["--layers", "2", "--width", "16", "--steps", "3"],
+    "multihost.py": ["--processes", "1"],
     "train.py": ["--steps", "20", "--log-every", "10", "--width", "32", "--mlp", "64"],
 }
 
