@@ -178,6 +178,10 @@ def is_array(value: Any) -> bool:
     return shape_of(value) is not None
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def checked_names(value: Any, names: Any) -> Names:
     """`names` normalised, checked to name each dimension of `value` once.
 
@@ -189,9 +193,9 @@ def checked_names(value: Any, names: Any) -> Names:
     if shape is not None and len(shape) != len(names):
         raise LeafError(
             ValueError,
-            f"has names {names} for a value of shape {shape}: {len(names)} names "
-            f"for {len(shape)} dimensions. Give one name per dimension (None for "
-            "a replicated one).",
+            f"has names {names} for a value of shape {shape}: {_count(len(names), 'name')} "
+            f"for {_count(len(shape), 'dimension')}. Give one name per dimension (None "
+            "for a replicated one).",
         )
     return names
 
@@ -531,7 +535,8 @@ class LogicallyPartitioned(Partitioned):
         mesh: AnyMesh | None = None,
         rules: RulesLike | None = None,
     ) -> None:
-        self._init(value, names, (mesh, None if rules is None else normalize_rules(rules)))
+        own = None if rules is None else normalize_rules(rules, type(self).__name__)
+        self._init(value, names, (mesh, own))
 
     rules = _read_only(
         "rules", lambda self: self._tree[1][2], "The box's own rules (normalised), or None."
@@ -645,7 +650,7 @@ def with_logical_partitioning(
         LogicallyPartitioned(f32[8], names=('mlp',))
     """
     names = _checked_names("with_logical_partitioning", names)
-    rules = None if rules is None else normalize_rules(rules)
+    rules = None if rules is None else normalize_rules(rules, "with_logical_partitioning")
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> LogicallyPartitioned:

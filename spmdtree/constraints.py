@@ -157,7 +157,7 @@ def with_logical_constraint(
         ...     f(jnp.ones((4, 8))).sharding.spec
         P('data', 'model')
     """
-    normal = rules_or_context(rules)
+    normal = rules_or_context(rules, "with_logical_constraint")
     check_mesh("with_logical_constraint", mesh, optional=True)
     mesh = mesh if mesh is not None else context_mesh()
     if not normal or mesh is None or logical_axis_resources is None:

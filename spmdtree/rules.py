@@ -97,12 +97,20 @@ def _normalize_mesh_axes(logical: str, mesh_axes: Any, index: int) -> Any:
     if mesh_axes is None or mesh_axes is UNCONSTRAINED or isinstance(mesh_axes, str):
         return mesh_axes
     if isinstance(mesh_axes, (tuple, list)) and _axis_tuple(mesh_axes) is not None:
+        if len(set(mesh_axes)) != len(mesh_axes):
+            raise LeafError(
+                ValueError,
+                f"rule {index} maps {logical!r} to {tuple(mesh_axes)!r}, which names a "
+                "mesh axis twice; a mesh axis can shard a dimension once. Name each "
+                "axis once.",
+            )
         return tuple(mesh_axes)
-    raise TypeError(
-        f"rules: rule {index} maps {logical!r} to {fmt(mesh_axes)}; a rule maps a "
-        "logical name to a mesh axis name, a tuple of mesh axis names, None "
-        "(replicated) or PartitionSpec.UNCONSTRAINED. Write it as "
-        f"({logical!r}, 'data') or ({logical!r}, ('fsdp', 'tensor'))."
+    raise LeafError(
+        TypeError,
+        f"rule {index} maps {logical!r} to {fmt(mesh_axes)}; a rule maps a logical "
+        "name to a mesh axis name, a tuple of mesh axis names, None (replicated) or "
+        f"PartitionSpec.UNCONSTRAINED. Write it as ({logical!r}, 'data') or "
+        f"({logical!r}, ('fsdp', 'tensor')).",
     )
 
 
@@ -111,44 +119,49 @@ def _normalize_rules_cached(rules: Rules) -> Rules:
     return _normalize_rules(rules)
 
 
-def normalize_rules(rules: Any) -> Rules:
+def normalize_rules(rules: Any, function: str = "rules") -> Rules:
     """`rules` as a tuple of ``(str, mesh_axes)`` pairs, mesh axes normalised.
 
     A mapping is taken in its order; lists become tuples.
 
     Raises:
-        TypeError: naming the first malformed rule and how to write it.
+        TypeError: from `function`, naming the first malformed rule and how to
+            write it; ValueError for a rule that names a mesh axis twice.
     """
-    if type(rules) is tuple:
-        try:
-            return _normalize_rules_cached(rules)
-        except TypeError:  # unhashable entries: normalise without the cache
-            pass
-    return _normalize_rules(rules)
+    try:
+        if type(rules) is tuple:
+            try:
+                return _normalize_rules_cached(rules)
+            except TypeError:  # unhashable entries: normalise without the cache
+                pass
+        return _normalize_rules(rules)
+    except LeafError as e:
+        raise e.kind(f"{function}: {e.detail}") from None
 
 
 def _normalize_rules(rules: Any) -> Rules:
     if isinstance(rules, Mapping):
         rules = tuple(rules.items())
     if isinstance(rules, (str, bytes)) or not isinstance(rules, (tuple, list)):
-        raise TypeError(
-            f"rules: expected a sequence of (logical_name, mesh_axes) pairs or a "
-            f"mapping, got {fmt(rules)}. Write e.g. "
-            "[('batch', 'data'), ('embed', 'fsdp'), ('mlp', 'tensor')]."
+        raise LeafError(
+            TypeError,
+            f"rules are {fmt(rules)}; expected a sequence of (logical_name, mesh_axes) "
+            "pairs or a mapping. Write e.g. [('batch', 'data'), ('embed', 'fsdp')].",
         )
     out = []
     for i, rule in enumerate(rules):
         if isinstance(rule, (str, bytes)) or not isinstance(rule, (tuple, list)) or len(rule) != 2:
-            raise TypeError(
-                f"rules: rule {i} is {fmt(rule)}; each rule is a pair "
-                "(logical_name, mesh_axes), e.g. ('embed', 'fsdp')."
+            raise LeafError(
+                TypeError,
+                f"rule {i} is {fmt(rule)}; each rule is a pair (logical_name, "
+                "mesh_axes), e.g. ('embed', 'fsdp').",
             )
         logical, mesh_axes = rule
         if not isinstance(logical, str):
-            raise TypeError(
-                f"rules: rule {i} is {fmt(tuple(rule))}, whose logical name "
-                f"{fmt(logical)} is not a str. Logical names are str, e.g. "
-                "('embed', 'fsdp')."
+            raise LeafError(
+                TypeError,
+                f"rule {i} is {fmt(tuple(rule))}, whose logical name {fmt(logical)} is "
+                "not a str. Logical names are str, e.g. ('embed', 'fsdp').",
             )
         out.append((logical, _normalize_mesh_axes(logical, mesh_axes, i)))
     return tuple(out)
@@ -186,7 +199,7 @@ def logical_axis_rules(rules: RulesLike) -> Iterator[Rules]:
         >>> st.get_logical_axis_rules()
         ()
     """
-    normal = normalize_rules(rules)
+    normal = normalize_rules(rules, "logical_axis_rules")
     token = _RULES.set(normal)
     try:
         yield normal
@@ -214,7 +227,7 @@ def set_logical_axis_rules(rules: RulesLike) -> None:
         (('embed', 'fsdp'),)
         >>> st.set_logical_axis_rules(())
     """
-    _RULES.set(normalize_rules(rules))
+    _RULES.set(normalize_rules(rules, "set_logical_axis_rules"))
 
 
 def get_logical_axis_rules() -> Rules:
@@ -228,9 +241,9 @@ def get_logical_axis_rules() -> Rules:
     return _RULES.get()
 
 
-def rules_or_context(rules: Any) -> Rules:
+def rules_or_context(rules: Any, function: str = "rules") -> Rules:
     """`rules` normalised, or the context's rules when `rules` is None."""
-    return _RULES.get() if rules is None else normalize_rules(rules)
+    return _RULES.get() if rules is None else normalize_rules(rules, function)
 
 
 # --- resolution ----------------------------------------------------------------
@@ -355,10 +368,15 @@ def _rank_problem(names: Names, shape: tuple[int, ...], strict: bool) -> Resolut
     return None
 
 
-def _check_mesh_axes(names: Names, mesh_shape: tuple[tuple[str, int], ...] | None) -> None:
-    """Every mesh axis of `names` is in the mesh (if known) and used once."""
+def _check_mesh_axes(
+    entries: Names, mesh_shape: tuple[tuple[str, int], ...] | None, names: Names
+) -> None:
+    """Every mesh axis of `entries` is in the mesh (if known) and used once.
+
+    `names` are the box's names, as the message shows them.
+    """
     seen: set[str] = set()
-    for entry in names:
+    for entry in entries:
         for axis in mesh_axes_of(entry):
             if mesh_shape is not None and axis not in dict(mesh_shape):
                 raise LeafError(
@@ -412,22 +430,10 @@ def _resolve(
         fallback = _rank_problem(names, shape, strict)
         if fallback is not None:
             return fallback
-    sizes = dict(mesh_shape) if mesh_shape is not None else None
     if not logical:
-        _check_mesh_axes(names, mesh_shape)
-        if sizes is None:
-            return Resolution(PartitionSpec(*names))
-        entries = list(names)
-        indivisible = tuple(
-            i
-            for i, entry in enumerate(entries)
-            if shape is not None and shape[i] % _size(sizes, entry) != 0
-        )
-        for i in indivisible:
-            entries[i] = None
-        if strict and indivisible:
-            raise _indivisible_error(names, shape, sizes, indivisible[0])
+        entries, indivisible = _fit_mesh_axes(names, names, shape, mesh_shape, strict)
         return Resolution(PartitionSpec(*entries), indivisible=indivisible)
+    sizes = dict(mesh_shape) if mesh_shape is not None else None
     tried: set[int] = set()
 
     def fits(pos: int, mesh_axes: Any) -> bool:
@@ -451,12 +457,50 @@ def _resolve(
         return True
 
     result = assign(names, rules, fits)
+    literal_indivisible: tuple[int, ...] = ()
+    if mesh_shape is not None:
+        # Entries that are already mesh axes (tuples among logical names) pass
+        # through the rules; on a mesh they are checked like a Partitioned's.
+        # (Without one, the result stays flax's, as logical_to_mesh_axes promises.)
+        only_literal = tuple(n if isinstance(n, tuple) else None for n in names)
+        literal, literal_indivisible = _fit_mesh_axes(
+            names, only_literal, shape, mesh_shape, strict
+        )
+        result = [
+            lit if isinstance(n, tuple) else r
+            for n, r, lit in zip(names, result, literal, strict=True)
+        ]
     unmatched = tuple(names[i] for i, r in enumerate(result) if r is UNASSIGNED)
     indivisible = tuple(i for i in sorted(tried) if result[i] is UNASSIGNED)
     if strict and indivisible:
         raise _indivisible_error(names, shape, sizes, indivisible[0], rules)
     spec = PartitionSpec(*(None if r is UNASSIGNED else r for r in result))
-    return Resolution(spec, unmatched, indivisible)
+    return Resolution(spec, unmatched, tuple(sorted(indivisible + literal_indivisible)))
+
+
+def _fit_mesh_axes(
+    names: Names,
+    entries: Names,
+    shape: tuple[int, ...] | None,
+    mesh_shape: tuple[tuple[str, int], ...] | None,
+    strict: bool,
+) -> tuple[list[Any], tuple[int, ...]]:
+    """Mesh-axis `entries` checked against the mesh: known axes, each used once.
+
+    A dimension its axes do not divide becomes None (an error with `strict`).
+    Returns the entries and the dimensions left unsharded that way.
+    """
+    _check_mesh_axes(entries, mesh_shape, names)
+    entries_out = list(entries)
+    if mesh_shape is None or shape is None:
+        return entries_out, ()
+    sizes = dict(mesh_shape)
+    indivisible = tuple(i for i, entry in enumerate(entries) if shape[i] % _size(sizes, entry) != 0)
+    if strict and indivisible:
+        raise _indivisible_error(names, shape, sizes, indivisible[0])
+    for i in indivisible:
+        entries_out[i] = None
+    return entries_out, indivisible
 
 
 def _indivisible_error(
@@ -536,7 +580,8 @@ def logical_to_mesh_axes(
         return None
     try:
         names = normalize_names(array_dim_names, "logical names")
-        return resolve(names, None, True, rules_or_context(rules), None).spec
+        normal = rules_or_context(rules, "logical_to_mesh_axes")
+        return resolve(names, None, True, normal, None).spec
     except LeafError as e:
         raise e.kind(f"logical_to_mesh_axes: the spec {e.detail}") from None
 
@@ -586,7 +631,7 @@ def logical_to_mesh(tree: Any, rules: RulesLike | None = None) -> Any:
         >>> st.logical_to_mesh({"x": ("batch", "embed")}, [("batch", "data")])
         {'x': P('data', None)}
     """
-    normal = rules_or_context(rules)
+    normal = rules_or_context(rules, "logical_to_mesh")
     return _map_specs(
         "logical_to_mesh", lambda names: resolve(names, None, True, normal, None).spec, tree
     )
@@ -635,7 +680,7 @@ def logical_to_mesh_sharding(tree: Any, mesh: Mesh, rules: RulesLike | None = No
         P('data', None)
     """
     check_mesh("logical_to_mesh_sharding", mesh)
-    normal, mesh_shape = rules_or_context(rules), mesh_shape_of(mesh)
+    normal, mesh_shape = rules_or_context(rules, "logical_to_mesh_sharding"), mesh_shape_of(mesh)
     return _map_specs(
         "logical_to_mesh_sharding",
         lambda names: named_sharding(mesh, resolve(names, None, True, normal, mesh_shape).spec),

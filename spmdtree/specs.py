@@ -73,7 +73,7 @@ class Call:
     ) -> None:
         check_mesh(function, mesh, optional=True)
         self.function = function
-        self.rules: Rules = rules_or_context(rules)
+        self.rules: Rules = rules_or_context(rules, function)
         self.mesh = mesh
         self.strict = strict
         self.fallback_mesh = context_mesh() if mesh is None else None
@@ -395,7 +395,7 @@ def validate_rules(
         logical name 'heads' (at tree['w']) is not covered by any rule; its dimensions stay unsharded.
         rule 1 ('vocab', 'model') is never used: no box in the tree has the logical name 'vocab'.
     """
-    normal = rules_or_context(rules)
+    normal = rules_or_context(rules, "validate_rules")
     check_mesh("validate_rules", mesh, optional=True)
     problems = []
     if mesh is not None:

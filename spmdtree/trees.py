@@ -207,7 +207,9 @@ def box(
             "mesh axes. Pass logical=True, or drop rules=."
         )
     cls = LogicallyPartitioned if logical else Partitioned
-    meta_rest = (mesh, None if rules is None else normalize_rules(rules)) if logical else (mesh,)
+    meta_rest = (
+        (mesh, None if rules is None else normalize_rules(rules, "box")) if logical else (mesh,)
+    )
     paths_leaves, treedef = tree_util.tree_flatten_with_path(tree, is_leaf=IS_BOX)
     if callable(names):
         chosen = _names_from_function(names, paths_leaves)
@@ -263,7 +265,7 @@ def _names_from_tree(
         raise ValueError(
             "box: `names` must follow the structure of `tree`, with a names tuple, "
             "a PartitionSpec or None at each of its leaves, but it does not: "
-            f"{e}. `tree` has the structure {fmt(expected)} (* marks a leaf). "
+            f"{str(e).rstrip('.')}. `tree` has the structure {fmt(expected)} (* marks a leaf). "
             "Or pass a function (path, leaf) -> names, e.g. st.match([...])."
         ) from None
 

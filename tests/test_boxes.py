@@ -52,7 +52,7 @@ def test_bare_string_names_are_refused():
 def test_rank_is_validated_at_construction(value):
     with pytest.raises(ValueError, match=r"3 names for 2 dimensions"):
         st.Partitioned(value, ("a", "b", "c"))
-    with pytest.raises(ValueError, match=r"1 names for 2 dimensions"):
+    with pytest.raises(ValueError, match=r"1 name for 2 dimensions"):
         st.LogicallyPartitioned(value, ("a",))
 
 
@@ -164,7 +164,7 @@ def test_a_box_is_truthy():
 def test_replace_validates_and_replace_boxed_does_not():
     box = st.Partitioned(jnp.zeros((2, 4)), ("data", None))
     assert box.replace(names=[None, "model"]).names == (None, "model")
-    with pytest.raises(ValueError, match="1 names for 2 dimensions"):
+    with pytest.raises(ValueError, match="1 name for 2 dimensions"):
         box.replace(names=("data",))
     with pytest.raises(TypeError, match="unknown field"):
         box.replace(rules=())

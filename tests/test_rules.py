@@ -30,20 +30,22 @@ def test_rules_are_normalised_to_tuples_and_mappings_keep_order():
 
 
 @pytest.mark.parametrize(
-    "rules, fragment",
+    "rules, kind, fragment",
     [
-        ("batch", "expected a sequence of"),
-        ([("batch",)], "rule 0 is ('batch',)"),
-        ([("batch", "data", "x")], "each rule is a pair"),
-        ([("batch", "data"), "embed"], "rule 1 is 'embed'"),
-        ([(1, "data")], "logical name 1 is not a str"),
-        ([("batch", {"a": "b"})], "maps 'batch' to {'a': 'b'}"),
-        ([("batch", 3)], "maps 'batch' to 3"),
-        ([("batch", ("data", 2))], "maps 'batch' to ('data', 2)"),
-        (42, "got 42"),
+        ("batch", TypeError, "expected a sequence of"),
+        ([("batch", ("data", "data"))], ValueError, "names a mesh axis twice"),
+        ([("batch",)], TypeError, "rule 0 is ('batch',)"),
+        ([("batch", "data", "x")], TypeError, "each rule is a pair"),
+        ([("batch", "data"), "embed"], TypeError, "rule 1 is 'embed'"),
+        ([(1, "data")], TypeError, "logical name 1 is not a str"),
+        ([("batch", {"a": "b"})], TypeError, "maps 'batch' to {'a': 'b'}"),
+        ([("batch", 3)], TypeError, "maps 'batch' to 3"),
+        ([("batch", ("data", 2))], TypeError, "maps 'batch' to ('data', 2)"),
+        (42, TypeError, "rules are 42"),
     ],
     ids=[
         "str",
+        "axis-twice",
         "one-element",
         "three-elements",
         "bare-str-rule",
@@ -54,15 +56,22 @@ def test_rules_are_normalised_to_tuples_and_mappings_keep_order():
         "int",
     ],
 )
-def test_malformed_rules_are_type_errors_naming_the_entry(rules, fragment):
+def test_malformed_rules_are_errors_naming_the_function_and_entry(rules, kind, fragment):
     def enter_context(r):
         with st.logical_axis_rules(r):
             pass
 
-    for give in (enter_context, st.set_logical_axis_rules, lambda r: st.to_spec({}, r)):
-        with pytest.raises(TypeError) as info:
+    gives = {
+        "logical_axis_rules": enter_context,
+        "set_logical_axis_rules": st.set_logical_axis_rules,
+        "to_spec": lambda r: st.to_spec({}, r),
+        "LogicallyPartitioned": lambda r: st.LogicallyPartitioned(1.0, (), rules=r),
+    }
+    for function, give in gives.items():
+        with pytest.raises(kind) as info:
             give(rules)
-        assert fragment in str(info.value)
+        message = str(info.value)
+        assert message.startswith(f"{function}: ") and fragment in message
     assert st.get_logical_axis_rules() == ()
 
 
