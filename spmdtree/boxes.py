@@ -9,11 +9,14 @@ metadata never causes a retrace.
 from __future__ import annotations
 
 import abc
+import dataclasses
 import functools
 import operator
 from collections.abc import Callable, Mapping
 from typing import Any, NoReturn, TypeVar
 
+import jax
+import numpy as np
 from jax import tree_util
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -220,6 +223,39 @@ def rebuild(cls: type[PB], tree: tuple[Any, Any]) -> PB:
     return box
 
 
+@dataclasses.dataclass(frozen=True)
+class _MeshRecipe:
+    """A mesh as device ids, axis names and types: what a pickled box keeps of it."""
+
+    device_ids: tuple[int, ...]
+    shape: tuple[int, ...]
+    axis_names: tuple[str, ...]
+    axis_types: tuple[Any, ...]
+
+    @classmethod
+    def of(cls, mesh: Mesh) -> _MeshRecipe:
+        ids = tuple(device.id for device in mesh.devices.flat)
+        return cls(ids, mesh.devices.shape, tuple(mesh.axis_names), tuple(mesh.axis_types))
+
+    def build(self) -> Mesh:
+        by_id = {device.id: device for device in jax.devices()}
+        missing = [i for i in self.device_ids if i not in by_id]
+        if missing:
+            raise ValueError(
+                f"unpickling a box: its mesh has devices {missing[:5]}, which this process "
+                "does not have. Unpickle it where the mesh's devices exist, or drop the "
+                "mesh before pickling with box.replace(mesh=None)."
+            )
+        devices = np.array([by_id[i] for i in self.device_ids]).reshape(self.shape)
+        return Mesh(devices, self.axis_names, axis_types=self.axis_types)
+
+
+def _unpickle(cls: type[PB], value: Any, meta: tuple[Any, ...]) -> PB:
+    if isinstance(meta[1], _MeshRecipe):
+        meta = (meta[0], meta[1].build(), *meta[2:])
+    return rebuild(cls, ((value,), meta))
+
+
 def _read_only(name: str, get: Callable[[Any], Any], doc: str) -> Any:
     """A property that refuses assignment and deletion with a message saying what to do.
 
@@ -293,7 +329,10 @@ class Partitioned(AxisMetadata):
     )
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (rebuild, (type(self), self._tree))
+        (value,), meta = self._tree
+        if isinstance(meta[1], Mesh):  # devices do not pickle; their ids do
+            meta = (meta[0], _MeshRecipe.of(meta[1]), *meta[2:])
+        return (_unpickle, (type(self), value, meta))
 
     def __eq__(self, other: object) -> bool:
         if self is other:
