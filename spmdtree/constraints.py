@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from spmdtree.boxes import is_array, shape_of
+from spmdtree.boxes import shape_of
 from spmdtree.errors import LeafError, at, raise_collected
 from spmdtree.rules import (
     UNCONSTRAINED,
@@ -171,11 +171,21 @@ def with_logical_constraint(
     problems: list[tuple[str, LeafError]] = []
 
     def one_array(path: Any, spec: Any, value: Any) -> Any:
-        if not is_array(value):
+        shape = shape_of(value)
+        if shape is None:
             return value
         try:
             names = normalize_names(tuple(spec), "logical names")
-            res = resolve(names, shape_of(value), True, normal, mesh_shape, False)
+            if len(names) > len(shape):
+                raise LeafError(
+                    ValueError,
+                    f"has shape {shape}, but its logical spec {names} names "
+                    f"{len(names)} dimensions. Give at most one name per dimension "
+                    "(a shorter spec leaves the last dimensions unsharded).",
+                )
+            # As in a PartitionSpec, missing trailing names leave dimensions unsharded.
+            names += (None,) * (len(shape) - len(names))
+            res = resolve(names, shape, True, normal, mesh_shape, False)
             if res.unmatched and fallback is RulesFallback.RAISE_ERROR:
                 raise LeafError(
                     ValueError,
