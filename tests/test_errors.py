@@ -1,0 +1,205 @@
+"""A catalogue of bad inputs: each gets a TypeError/ValueError that names the
+function, the key path (where there is one), the bad value and a fix."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType
+
+import spmdtree as st
+
+MESH = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+EMPTY = jax.sharding.Mesh(np.empty((0,), dtype=object), ("x",))
+
+
+def w(names, shape=(2, 4), cls=st.Partitioned):
+    return {"layer": {"w": cls(jnp.zeros(shape), names)}}
+
+
+CASES = {
+    "names-of-wrong-rank": (
+        lambda: st.box({"layer": {"w": jnp.zeros((2, 4))}}, {"layer": {"w": ("data",)}}),
+        ValueError,
+        ["box:", "tree['layer']['w']", "('data',)", "(2, 4)", "Give one name per dimension"],
+    ),
+    "names-not-str-none-tuple": (
+        lambda: st.box({"layer": {"w": jnp.zeros((2, 4))}}, {"layer": {"w": ("data", 3.5)}}),
+        TypeError,
+        ["box:", "tree['layer']['w']", "entry 1 is 3.5", "a str, None"],
+    ),
+    "mesh-axis-not-in-mesh": (
+        lambda: st.to_sharding(w(("data", "tensor")), MESH),
+        ValueError,
+        ["to_sharding:", "tree['layer']['w']", "'tensor'", "'data' (size 2)", "Use one of them"],
+    ),
+    "mesh-axis-twice": (
+        lambda: st.to_sharding(w(("data", ("model", "data"))), MESH),
+        ValueError,
+        ["to_sharding:", "tree['layer']['w']", "'data' twice", "Replace one use with None"],
+    ),
+    "duplicate-logical-names": (
+        lambda: st.to_spec(w(("embed", "embed"), cls=st.LogicallyPartitioned), [("embed", "data")]),
+        ValueError,
+        ["to_spec:", "tree['layer']['w']", "'embed' given twice", "distinct names"],
+    ),
+    "rules-not-pairs": (
+        lambda: st.to_sharding({}, MESH, [("embed", "data", "model")]),
+        TypeError,
+        ["to_sharding:", "rule 0 is ('embed', 'data', 'model')", "each rule is a pair"],
+    ),
+    "rules-non-str-name": (
+        lambda: st.to_sharding({}, MESH, [(("embed",), "data")]),
+        TypeError,
+        ["to_sharding:", "logical name ('embed',) is not a str", "e.g. ('embed', 'fsdp')"],
+    ),
+    "rules-dict-value": (
+        lambda: st.to_sharding({}, MESH, [("embed", {"data": 2})]),
+        TypeError,
+        ["to_sharding:", "maps 'embed' to {'data': 2}", "Write it as ('embed', 'data')"],
+    ),
+    "remove-axis-wrong-name": (
+        lambda: st.remove_axis(w(("embed", "mlp")), 0, "layers"),
+        ValueError,
+        ["remove_axis:", "tree['layer']['w']", "'embed', not 'layers'", "same index and name"],
+    ),
+    "add-axis-index-out-of-range": (
+        lambda: st.add_axis(w(("embed", "mlp")), 7, "layers"),
+        ValueError,
+        ["add_axis:", "tree['layer']['w']", "not 7", "Pass an index in range"],
+    ),
+    "remove-axis-index-out-of-range": (
+        lambda: st.remove_axis(w(("embed", "mlp")), 2, "layers"),
+        ValueError,
+        ["remove_axis:", "tree['layer']['w']", "no axis 2", "same index that add_axis"],
+    ),
+    "strict-indivisible-dimension": (
+        lambda: st.to_sharding(w(("data", "model"), shape=(3, 8)), MESH, strict=True),
+        ValueError,
+        ["to_sharding:", "tree['layer']['w']", "dimension 0", "size 3", "strict=False"],
+    ),
+    "raise-error-fallback": (
+        lambda: st.with_logical_constraint(
+            {"h": jnp.zeros((4, 8))},
+            {"h": ("batch", "heads")},
+            [("batch", "data")],
+            MESH,
+            st.RulesFallback.RAISE_ERROR,
+        ),
+        ValueError,
+        ["with_logical_constraint:", "x['h']", "no rule maps 'heads'", "Add a rule for 'heads'"],
+    ),
+    "empty-mesh": (
+        lambda: st.to_sharding(w(("data", "model")), EMPTY),
+        ValueError,
+        ["to_sharding:", "has no axes", "jax.make_mesh"],
+    ),
+    "box-names-tree-of-wrong-structure": (
+        lambda: st.box({"a": jnp.zeros(2), "b": jnp.zeros(2)}, {"a": ("data",)}),
+        ValueError,
+        ["box:", "structure of `tree`", "present keys: ['a']", "{'a': '*', 'b': '*'}"],
+    ),
+    "match-invalid-regex": (
+        lambda: st.match([("kernel[", ("a",))]),
+        ValueError,
+        ["match:", "'kernel['", "not a valid regular expression", "re.escape"],
+    ),
+    "match-strict-unmatched-path": (
+        lambda: st.box(
+            {"dense": {"kernel": jnp.zeros(2), "bias": jnp.zeros(2)}},
+            st.match([("kernel$", ("data",))], strict=True),
+        ),
+        ValueError,
+        ["box:", "tree['dense']['bias']", "'dense/bias'", "strict=False"],
+    ),
+    "more-dims-than-names": (
+        lambda: st.to_spec(jax.vmap(lambda _: w(("data", "model")))(jnp.arange(2)), mesh=MESH),
+        ValueError,
+        ["to_spec:", "tree['layer']['w']", "(2, 2, 4)", "st.add_axis", "st.vmap"],
+    ),
+    "fewer-dims-than-names-strict": (
+        lambda: st.to_sharding(
+            jax.tree.map(lambda x: x[0], w(("data", "model"))), MESH, strict=True
+        ),
+        ValueError,
+        ["to_sharding:", "tree['layer']['w']", "(4,)", "st.optimizer_sharding"],
+    ),
+    "mesh-of-the-wrong-kind": (
+        lambda: st.to_sharding(w(("data", "model")), "mesh"),
+        TypeError,
+        ["to_sharding:", "'mesh'", "jax.make_mesh"],
+    ),
+    "box-with-its-own-other-mesh": (
+        lambda: st.to_sharding(
+            {
+                "w": st.Partitioned(
+                    jnp.zeros((2, 4)),
+                    ("data", "model"),
+                    mesh=jax.make_mesh((4, 2), ("data", "model")),
+                )
+            },
+            MESH,
+        ),
+        ValueError,
+        ["to_sharding:", "tree['w']", "own mesh", "box.replace(mesh=None)"],
+    ),
+    "vmap-name-mismatch": (
+        lambda: st.vmap(lambda t: t, partition_name="layers")(w(("blocks", "mlp"))),
+        ValueError,
+        ["vmap:", "args", "'blocks', not 'layers'"],
+    ),
+    "explicit-axes-in-jit-without-set-mesh": (
+        lambda: jax.jit(
+            lambda x: st.with_logical_constraint(
+                x, ("batch",), [("batch", "data")], jax.make_mesh((2, 4), ("data", "model"))
+            )
+        )(jnp.zeros(4)),
+        ValueError,
+        ["with_logical_constraint:", "x", "jax.set_mesh"],
+    ),
+    "logical-spec-longer-than-array": (
+        lambda: st.with_logical_constraint(
+            jnp.zeros(4), ("batch", "embed"), [("batch", "data")], MESH
+        ),
+        ValueError,
+        ["with_logical_constraint:", "('batch', 'embed')", "(4,)"],
+    ),
+    "a-box-used-as-an-array": (
+        lambda: jnp.asarray(st.Partitioned(jnp.zeros(4), ("data",))),
+        TypeError,
+        ["Partitioned is a metadata box", "st.unbox"],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_input_gets_a_clear_error(case):
+    fn, kind, fragments = CASES[case]
+    with pytest.raises(kind) as info:
+        fn()
+    assert type(info.value) is kind  # exactly TypeError/ValueError, not a subclass from JAX
+    message = str(info.value)
+    missing = [fragment for fragment in fragments if fragment not in message]
+    assert missing == [], message
+
+
+def test_several_wrong_leaves_make_one_error_listing_five_then_a_count():
+    tree = {f"w{i}": st.Partitioned(jnp.zeros((2, 4)), ("data", "tensor")) for i in range(8)}
+    with pytest.raises(ValueError) as info:
+        st.to_sharding(tree, MESH)
+    lines = str(info.value).splitlines()
+    assert lines[0] == "to_sharding: 8 leaves are wrong:"
+    assert [line.split()[3] for line in lines[1:6]] == [f"tree['w{i}']" for i in range(5)]
+    assert lines[6] == "  ... and 3 more."
+
+
+def test_errors_of_different_kinds_in_one_call_are_collected():
+    tree = {
+        "a": st.Partitioned(jnp.zeros((2, 4)), ("data", "tensor")),
+        "b": st.LogicallyPartitioned(jnp.zeros(4), ("x",), rules=[("x", "data")]),
+        "c": st.Partitioned(jnp.zeros((2, 4)), ("data", "data")),
+    }
+    with pytest.raises(ValueError) as info:
+        st.to_sharding(tree, MESH)
+    message = str(info.value)
+    assert "2 leaves are wrong" in message and "tree['a']" in message and "tree['c']" in message
