@@ -99,6 +99,25 @@ def shardings_of(tree):
     return [leaf.sharding for leaf in jax.tree.leaves(tree)]
 
 
+def batch(mesh):
+    return jax.device_put(jnp.linspace(-1.0, 1.0, 32).reshape(4, 8), NamedSharding(mesh, P()))
+
+
+def train_twice(tx, params, param_shardings, state_shardings, mesh, lookahead=False):
+    """Places params, inits the state sharded, runs two jitted steps (under set_mesh)."""
+    out_sharding = P(None, "model") if mesh is EXPLICIT else None  # Explicit: say it
+    params = jax.device_put(params, param_shardings)
+    state = jax.jit(tx.init, out_shardings=state_shardings)(params)
+    step = jax.jit(
+        make_step(tx, lookahead, out_sharding),
+        in_shardings=(param_shardings, state_shardings, None),
+        out_shardings=(param_shardings, state_shardings),
+    )
+    x = batch(mesh)
+    new_params, new_state = step(*step(params, state, x), x)
+    return (params, state), (new_params, new_state)
+
+
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 @pytest.mark.parametrize(
     "cls", [st.Partitioned, st.LogicallyPartitioned], ids=["mesh-names", "logical"]
@@ -106,23 +125,13 @@ def shardings_of(tree):
 @pytest.mark.parametrize("mesh", [AUTO, EXPLICIT], ids=["auto", "explicit"])
 def test_optimizer_state_shards_and_trains(name, cls, mesh):
     tx, lookahead = OPTIMIZERS[name](), name == "lookahead"
-    explicit = mesh is EXPLICIT
-    out_sharding = P(None, "model") if explicit else None
-    x = jax.device_put(jnp.linspace(-1.0, 1.0, 32).reshape(4, 8), NamedSharding(mesh, P()))
-
     with st.logical_axis_rules(RULES), jax.set_mesh(mesh):
         params = wrap(boxed(cls), lookahead)
         param_shardings = st.to_sharding(jax.eval_shape(lambda: params), mesh)
         state_shardings = st.to_sharding(jax.eval_shape(tx.init, params), mesh)
-        params = jax.device_put(params, param_shardings)
-        state = jax.jit(tx.init, out_shardings=state_shardings)(params)
-        step = jax.jit(
-            make_step(tx, lookahead, out_sharding),
-            in_shardings=(param_shardings, state_shardings, None),
-            out_shardings=(param_shardings, state_shardings),
+        (params, state), (new_params, new_state) = train_twice(
+            tx, params, param_shardings, state_shardings, mesh, lookahead
         )
-        new_params, new_state = step(params, state, x)
-        new_params, new_state = step(new_params, new_state, x)
 
     fast_in = params.fast if lookahead else params
     fast_out = new_params.fast if lookahead else new_params
@@ -133,7 +142,7 @@ def test_optimizer_state_shards_and_trains(name, cls, mesh):
         shardings_of((params, state)), shardings_of((new_params, new_state)), strict=True
     ):
         assert before == after
-    expected = reference(name, np.asarray(x))
+    expected = reference(name, np.asarray(batch(mesh)))
     for got, want in zip(
         jax.tree.leaves(st.unbox(new_params)), jax.tree.leaves(expected), strict=True
     ):
@@ -185,24 +194,17 @@ def test_optimizer_sharding_matches_params_by_the_longest_path_suffix():
 @pytest.mark.parametrize("mesh", [AUTO, EXPLICIT], ids=["auto", "explicit"])
 def test_optimizer_sharding_is_valid_for_init_and_step(name, mesh):
     tx = OPTIMIZERS[name]()
-    out_sharding = P(None, "model") if mesh is EXPLICIT else None
-    x = jax.device_put(jnp.linspace(-1.0, 1.0, 32).reshape(4, 8), NamedSharding(mesh, P()))
     with jax.set_mesh(mesh):
         params = boxed(st.Partitioned)
         param_shardings = st.to_sharding(params, mesh)
         state_shardings = st.optimizer_sharding(tx, params, mesh)
-        params = jax.device_put(params, param_shardings)
-        state = jax.jit(tx.init, out_shardings=state_shardings)(params)
-        step = jax.jit(
-            make_step(tx, False, out_sharding),
-            in_shardings=(param_shardings, state_shardings, None),
-            out_shardings=(param_shardings, state_shardings),
+        (_, state), (new_params, new_state) = train_twice(
+            tx, params, param_shardings, state_shardings, mesh
         )
-        new_params, new_state = step(*step(params, state, x), x)
     assert shardings_of(new_state) == shardings_of(state)
     if name == "adafactor":
         assert new_state[0].v_row["w"].value.sharding.spec == P("data")
-    expected = reference(name, np.asarray(x))
+    expected = reference(name, np.asarray(batch(mesh)))
     for got, want in zip(
         jax.tree.leaves(st.unbox(new_params)), jax.tree.leaves(expected), strict=True
     ):
