@@ -22,3 +22,11 @@ def test_readme_python_blocks_run(capsys):
     assert "Partitioned(f32[256,512], names=('data', 'model'))" in printed
     assert "{'emb': P('data', 'model'), 'out': P('model', 'data')}" in printed
     assert "LogicallyPartitioned(f32[3,16,32], names=('layers', 'embed', 'mlp'))" in printed
+
+
+def test_readme_api_table_lists_every_public_name():
+    import spmdtree
+
+    table = README.read_text().split("## API", 1)[1].split("\n## ", 1)[0]
+    missing = [name for name in spmdtree.__all__ if f"`{name}" not in table]
+    assert missing == []

@@ -1,0 +1,49 @@
+"""The package: what importing it loads, its public surface, and its typing marker."""
+
+import pathlib
+import subprocess
+import sys
+
+import spmdtree
+
+
+def test_import_loads_only_jax_and_numpy():
+    script = (
+        "import sys, jax, numpy\n"
+        "before = {m.split('.')[0] for m in sys.modules}\n"
+        "import spmdtree\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules} - before))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "['spmdtree']"
+
+
+def isort_style(name: str) -> tuple[int, str]:
+    """Constants, then classes, then functions, each alphabetical (ruff's RUF022)."""
+    return (0 if name.isupper() else 1 if name[0].isupper() else 2, name)
+
+
+def test_public_surface_is_sorted_and_complete():
+    assert spmdtree.__all__ == sorted(spmdtree.__all__, key=isort_style)
+    public = {name for name in dir(spmdtree) if not name.startswith("_")}
+    modules = {
+        "boxes",
+        "constraints",
+        "errors",
+        "optim",
+        "report",
+        "rules",
+        "specs",
+        "transforms",
+        "trees",
+    }
+    assert public - modules == set(spmdtree.__all__)
+
+
+def test_py_typed_ships():
+    assert (pathlib.Path(spmdtree.__file__).parent / "py.typed").exists()
+    setup = (pathlib.Path(spmdtree.__file__).parent.parent / "setup.cfg").read_text()
+    assert "spmdtree = py.typed" in setup
