@@ -137,10 +137,8 @@ class Call:
         if isinstance(x, AxisMetadata):
             value = x.unbox()
             named: Partitioned | None
-            if isinstance(x, Partitioned):
-                named, mesh = x, self.mesh_for(x)
-            else:
-                named, mesh = outer, self.default_mesh()
+            named = x if isinstance(x, Partitioned) else outer
+            mesh = self.mesh_for(named) if named is not None else self.default_mesh()
             shape = shape_of(value)
             if shape is not None:
                 out = finish(value, self._resolution(named, shape, mesh), mesh)

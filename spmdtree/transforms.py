@@ -15,17 +15,9 @@ from typing import Any
 
 import jax
 
-from spmdtree.boxes import (
-    PARTITION_NAME,
-    Partitioned,
-    delete_name,
-    insert_name,
-    shape_of,
-)
-from spmdtree.errors import LeafError
 from spmdtree.rules import RulesLike, check_mesh
 from spmdtree.specs import to_sharding
-from spmdtree.trees import is_boxed, map_leaves
+from spmdtree.trees import change_axes
 
 __all__ = ["scan", "sharded_init", "vmap"]
 
@@ -36,30 +28,22 @@ def _per_prefix(fn: Callable[[Any, Any], Any], axes: Any, tree: Any) -> Any:
 
 
 def _without_axis(function: str, partition_name: Any) -> Callable[[Any, Any], Any]:
-    """`(tree, axis) -> tree` whose boxes lose the (mapped) axis `axis`."""
+    """`(tree, axis) -> tree` whose boxes lose the mapped axis `axis` (any name,
+    or `partition_name` if given)."""
 
     def strip(tree: Any, axis: int | None) -> Any:
         if axis is None:
             return tree
-
-        def one(x: Any) -> Any:
-            if isinstance(x, Partitioned):
-                shape = shape_of(x.value)
-                if shape is not None and len(shape) + 1 != len(x.names):
-                    raise LeafError(
-                        ValueError,
-                        f"has names {x.names} for a value of shape {shape} once axis "
-                        f"{axis} is mapped over, so its names do not include the mapped "
-                        "axis. Stack boxes with st.vmap, or name the axis with "
-                        "st.add_axis, before mapping over them.",
-                    )
-                check = partition_name is not None
-                return x.with_names(delete_name(x.names, axis, partition_name, check=check))
-            if is_boxed(x):
-                return x.remove_axis(axis, {PARTITION_NAME: partition_name})
-            return x
-
-        return map_leaves(function, one, tree, "args")
+        return change_axes(
+            function,
+            tree,
+            axis,
+            partition_name,
+            add=False,
+            argument="args",
+            match_name=partition_name is not None,
+            mapped=True,
+        )
 
     return strip
 
@@ -70,15 +54,7 @@ def _with_axis(function: str, partition_name: Any) -> Callable[[Any, Any], Any]:
     def add(tree: Any, axis: int | None) -> Any:
         if axis is None:
             return tree
-
-        def one(x: Any) -> Any:
-            if isinstance(x, Partitioned):
-                return x.with_names(insert_name(x.names, axis, partition_name))
-            if is_boxed(x):
-                return x.add_axis(axis, {PARTITION_NAME: partition_name})
-            return x
-
-        return map_leaves(function, one, tree, "outputs")
+        return change_axes(function, tree, axis, partition_name, add=True, argument="outputs")
 
     return add
 

@@ -25,6 +25,7 @@ from spmdtree.boxes import (
     is_array,
     partition_name,
     rebuild,
+    shape_of,
 )
 from spmdtree.errors import LeafError, at, fmt, raise_collected, raise_one
 from spmdtree.rules import AnyMesh, Names, RulesLike, check_mesh, normalize_names, normalize_rules
@@ -362,7 +363,7 @@ def add_axis(tree: Any, index: int, name: Any) -> Any:
         >>> st.add_axis(layer, 0, "layers")["w"].names
         ('layers', None, 'model')
     """
-    return _change_axes("add_axis", tree, index, name, insert_name)
+    return change_axes("add_axis", tree, index, name, add=True)
 
 
 def remove_axis(tree: Any, index: int, name: Any) -> Any:
@@ -387,12 +388,27 @@ def remove_axis(tree: Any, index: int, name: Any) -> Any:
         >>> st.remove_axis(tree, 0, "layers")["w"].names
         ('model',)
     """
-    return _change_axes("remove_axis", tree, index, name, delete_name)
+    return change_axes("remove_axis", tree, index, name, add=False)
 
 
-def _change_axes(
-    function: str, tree: Any, index: int, name: Any, change: Callable[..., Names]
+def change_axes(
+    function: str,
+    tree: Any,
+    index: int,
+    name: Any,
+    *,
+    add: bool,
+    argument: str = "tree",
+    match_name: bool = True,
+    mapped: bool = False,
 ) -> Any:
+    """Adds (or removes) the axis `name` at `index` in every box's names.
+
+    With `match_name` False, removal takes whatever name is at `index`. With
+    `mapped`, the boxes' values have already lost that axis (inside a vmap or
+    scan), so each box must have one name more than its value has dimensions.
+    Errors name `function` and the key path under `argument`.
+    """
     if not isinstance(index, int) or isinstance(index, bool):
         raise TypeError(f"{function}: index is {fmt(index)}; expected an int.")
     try:
@@ -403,9 +419,20 @@ def _change_axes(
 
     def one(x: Any) -> Any:
         if isinstance(x, Partitioned):
-            return x.with_names(change(x.names, index, axis))
-        if is_boxed(x):
-            return getattr(x, function)(index, params)  # the box's own add/remove_axis
+            shape = shape_of(x.value)
+            if mapped and shape is not None and len(shape) + 1 != len(x.names):
+                raise LeafError(
+                    ValueError,
+                    f"has names {x.names} for a value of shape {shape} once axis {index} "
+                    "is mapped over, so its names do not include the mapped axis. Stack "
+                    "boxes with st.vmap, or name the axis with st.add_axis, before "
+                    "mapping over them.",
+                )
+            if add:
+                return x.with_names(insert_name(x.names, index, axis))
+            return x.with_names(delete_name(x.names, index, axis, check=match_name))
+        if is_boxed(x):  # the box's own add_axis/remove_axis
+            return x.add_axis(index, params) if add else x.remove_axis(index, params)
         return x
 
-    return map_leaves(function, one, tree)
+    return map_leaves(function, one, tree, argument)
