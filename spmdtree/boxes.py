@@ -155,15 +155,25 @@ del _op
 IS_BOX = AxisMetadata.__instancecheck__
 
 
+def short_dtype(dtype: Any) -> str:
+    """jax's short dtype names: ``f32``, ``bf16``, ``i8``, ``u32``, ``c64``, ``bool``."""
+    name = getattr(dtype, "name", str(dtype))
+    short = name.replace("float", "f").replace("uint", "u").replace("int", "i")
+    return short.replace("complex", "c")
+
+
+def dtype_of(value: Any) -> Any:
+    """The dtype of an array-like, or the one jax gives a Python number."""
+    dtype = getattr(value, "dtype", None)
+    return jax.typeof(value).dtype if dtype is None else dtype
+
+
 def _short_value(value: Any) -> str:
     """``f32[256,512]`` for an array-like, the repr for anything else."""
     shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
     if shape is None or dtype is None:
         return fmt(value)
-    name = getattr(dtype, "name", str(dtype))
-    short = name.replace("float", "f").replace("uint", "u").replace("int", "i")
-    short = short.replace("complex", "c")
-    return f"{short}[{','.join(str(d) for d in shape)}]"
+    return f"{short_dtype(dtype)}[{','.join(str(d) for d in shape)}]"
 
 
 def shape_of(value: Any) -> tuple[int, ...] | None:

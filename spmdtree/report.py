@@ -12,7 +12,7 @@ import jax
 import numpy as np
 from jax import tree_util
 
-from spmdtree.boxes import shape_of
+from spmdtree.boxes import dtype_of, shape_of, short_dtype
 from spmdtree.rules import UNCONSTRAINED, AnyMesh, Names, Resolution, RulesLike, mesh_axes_of
 from spmdtree.specs import Call
 
@@ -63,19 +63,10 @@ class Row:
         return self.leaf.mesh is not None and self.per_device == self.leaf.shape
 
 
-def _dtype(value: Any) -> tuple[str, int]:
-    dtype = getattr(value, "dtype", None)
-    if dtype is None:
-        dtype = jax.typeof(value).dtype
-    name = getattr(dtype, "name", str(dtype))
-    short = name.replace("float", "f").replace("uint", "u").replace("int", "i")
-    return short.replace("complex", "c"), np.dtype(dtype).itemsize
-
-
 def _rows(tree: Any, mesh: AnyMesh | None, rules: RulesLike | None) -> list[Row]:
     def finish(value: Any, res: Resolution, mesh: Any) -> Leaf:
-        dtype, itemsize = _dtype(value)
-        return Leaf(shape_of(value) or (), dtype, itemsize, res, mesh)
+        dtype = dtype_of(value)
+        return Leaf(shape_of(value) or (), short_dtype(dtype), np.dtype(dtype).itemsize, res, mesh)
 
     planned = Call("describe", rules, mesh).map(tree, finish, replace_boxes=True)
     found = tree_util.tree_flatten_with_path(planned, is_leaf=lambda x: isinstance(x, Leaf))[0]

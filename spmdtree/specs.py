@@ -14,7 +14,15 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, PartitionSpec
 
-from spmdtree.boxes import IS_BOX, AxisMetadata, Partitioned, check_same_mesh, is_array, shape_of
+from spmdtree.boxes import (
+    IS_BOX,
+    AxisMetadata,
+    Partitioned,
+    check_same_mesh,
+    dtype_of,
+    is_array,
+    shape_of,
+)
 from spmdtree.rules import (
     AnyMesh,
     Resolution,
@@ -328,10 +336,8 @@ def get_sharding(tree: Any, mesh: Mesh) -> Any:
 
 
 def _abstract(value: Any, res: Resolution, mesh: Any) -> jax.ShapeDtypeStruct:
-    dtype = getattr(value, "dtype", None)
-    if dtype is None:
-        dtype = jax.typeof(value).dtype
-    return jax.ShapeDtypeStruct(shape_of(value), dtype, sharding=named_sharding(mesh, res.spec))
+    sharding = named_sharding(mesh, res.spec)
+    return jax.ShapeDtypeStruct(shape_of(value), dtype_of(value), sharding=sharding)
 
 
 def to_abstract(tree: Any, mesh: Mesh, rules: RulesLike | None = None) -> Any:
