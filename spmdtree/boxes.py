@@ -12,6 +12,7 @@ import abc
 import dataclasses
 import functools
 import operator
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any, NoReturn, TypeVar
 
@@ -65,6 +66,10 @@ def _not_an_array(what: str) -> Callable[..., NoReturn]:
 
     refuse.__name__ = f"refuse_{what.split()[0]}"
     return refuse
+
+
+#: The functions of jax's arrays that read `__jax_array__` to compare.
+_JAX_COMPARISONS = frozenset({"_operator_eq", "_operator_ne"})
 
 
 class _BoxType(abc.ABCMeta):
@@ -128,6 +133,18 @@ class AxisMetadata(metaclass=_BoxType):
 
     def __bool__(self) -> bool:
         return True  # a box is always truthy; without this, bool() would call __len__
+
+    @property
+    def __jax_array__(self) -> NoReturn:
+        # jax functions look this up on arguments they do not know: refusing at
+        # the lookup gives jnp.sum(box), lax.add(box, 1) ... our message. jax's
+        # `array == box` looks it up too, and `==` must never raise, so there it
+        # is absent and the box's own __eq__ answers.
+        if sys._getframe(1).f_code.co_name in _JAX_COMPARISONS:
+            raise AttributeError("__jax_array__")
+        raise TypeError(
+            _UNBOX_FIRST.format(cls=type(self).__name__, what="jax functions act on arrays")
+        )
 
     __array__ = _not_an_array("converting it to an array")
     # numpy operators then defer to the box's own (refusing) operators and __eq__.
@@ -500,6 +517,8 @@ class Partitioned(AxisMetadata):
         try:
             check_same_mesh(self.mesh, mesh)
             resolution = self.resolution(shape_of(self.value), rules_or_context(None), mesh)
+            if resolution.problem is not None:
+                raise LeafError(ValueError, resolution.problem)
             return named_sharding(mesh, resolution.spec)
         except LeafError as e:
             raise raise_one("get_sharding", "the box", e) from None

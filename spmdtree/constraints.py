@@ -10,10 +10,11 @@ jit a constraint places the array, as `jax.device_put` does.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import jax
 import numpy as np
+from jax._src.core import trace_state_clean  # how JAX itself tells that it is tracing
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from spmdtree.boxes import shape_of
@@ -21,6 +22,7 @@ from spmdtree.errors import LeafError, at, raise_collected
 from spmdtree.rules import (
     UNCONSTRAINED,
     AnyMesh,
+    Names,
     Resolution,
     RulesFallback,
     RulesLike,
@@ -81,7 +83,7 @@ def apply_spec(x: Any, spec: PartitionSpec, mesh: AnyMesh) -> Any:
     Raises:
         LeafError: for Explicit axes inside jit without `jax.set_mesh`.
     """
-    if not isinstance(x, jax.core.Tracer):
+    if trace_state_clean():  # not tracing: a captured constant inside jit is constrained
         return place(x, named_sharding(_concrete(mesh), spec))
     ctx = context_mesh()
     if ctx is not None and tuple(ctx.axis_names) != tuple(mesh.axis_names):
@@ -139,11 +141,13 @@ def with_logical_constraint(
 
     Returns:
         `x`, constrained; unchanged when there are no rules or no mesh, as
-        single-device code needs.
+        single-device code needs (the names are still resolved, so
+        ``RulesFallback.RAISE_ERROR`` raises for a name no rule covers).
 
     Raises:
         ValueError: with ``RulesFallback.RAISE_ERROR``, naming the unmatched
-            logical name; for Explicit axes inside jit without `jax.set_mesh`.
+            logical name (also without a mesh); for Explicit axes inside jit
+            without `jax.set_mesh`; for a rule naming an axis not in the mesh.
         TypeError: if a spec is not a logical spec.
 
     Example:
@@ -159,23 +163,35 @@ def with_logical_constraint(
     """
     normal = rules_or_context(rules, "with_logical_constraint")
     check_mesh("with_logical_constraint", mesh, optional=True)
-    mesh = mesh if mesh is not None else context_mesh()
-    if not normal or mesh is None or logical_axis_resources is None:
-        return x
     if not isinstance(fallback, RulesFallback):
         raise TypeError(
             f"with_logical_constraint: fallback is {fallback!r}; expected a "
             "st.RulesFallback, e.g. st.RulesFallback.RAISE_ERROR."
         )
-    mesh_shape = mesh_shape_of(mesh)
+    if logical_axis_resources is None:
+        return x
+    # Names are resolved (and RAISE_ERROR raises) even where nothing is constrained.
+    live = None if not normal else mesh if mesh is not None else context_mesh()
+    mesh_shape = None if live is None else mesh_shape_of(live)
+    is_spec = lambda s: s is None or is_logical_spec(s)  # noqa: E731
+    spec_paths, treedef = jax.tree_util.tree_flatten_with_path(
+        logical_axis_resources, is_leaf=is_spec
+    )
+    treedef = cast(Any, treedef)
+    try:
+        subtrees = treedef.flatten_up_to(x)
+    except (ValueError, TypeError) as e:
+        raise ValueError(
+            "with_logical_constraint: logical_axis_resources must be a spec or a "
+            f"tree of specs that is a prefix of x, but it is not: {e}"
+        ) from None
     problems: list[tuple[str, LeafError]] = []
 
-    def one_array(path: Any, spec: Any, value: Any) -> Any:
+    def one_array(path: Any, names: Names, value: Any) -> Any:
         shape = shape_of(value)
         if shape is None:
             return value
         try:
-            names = normalize_names(tuple(spec), "logical names")
             if len(names) > len(shape):
                 raise LeafError(
                     ValueError,
@@ -190,19 +206,22 @@ def with_logical_constraint(
                 raise LeafError(
                     ValueError,
                     f"has logical names {names}, and no rule maps {res.unmatched[0]!r} "
-                    f"(of shape {shape_of(value)}) on this mesh. Add a rule for "
-                    f"{res.unmatched[0]!r}, or use another fallback.",
+                    f"(of shape {shape_of(value)})"
+                    + (" on this mesh" if mesh_shape is not None else "")
+                    + f". Add a rule for {res.unmatched[0]!r}, or use another fallback.",
                 )
-            if res.unmatched and fallback is RulesFallback.NO_CONSTRAINT:
+            if live is None or (res.unmatched and fallback is RulesFallback.NO_CONSTRAINT):
                 return value
-            return apply_spec(value, res.spec, mesh)
+            return apply_spec(value, res.spec, live)
         except LeafError as e:
             problems.append((f"the array at {at('x', path)}", e))
             return value
 
-    def one_spec(path: Any, spec: Any, subtree: Any) -> Any:
+    out = []
+    for (path, spec), subtree in zip(spec_paths, subtrees, strict=True):
         if spec is None:
-            return subtree
+            out.append(subtree)
+            continue
         if not is_logical_spec(spec):
             problems.append(
                 (
@@ -214,27 +233,24 @@ def with_logical_constraint(
                     ),
                 )
             )
-            return subtree
-        return jax.tree_util.tree_map_with_path(
-            lambda inner, value: one_array((*path, *inner), spec, value), subtree
+            out.append(subtree)
+            continue
+        try:
+            names = normalize_names(tuple(spec), "logical names")
+        except LeafError as e:
+            problems.append((f"the spec at {at('logical_axis_resources', path)}", e))
+            out.append(subtree)
+            continue
+        out.append(
+            jax.tree_util.tree_map_with_path(
+                lambda inner, value, path=path, names=names: one_array(
+                    (*path, *inner), names, value
+                ),
+                subtree,
+            )
         )
-
-    try:
-        out = jax.tree_util.tree_map_with_path(
-            one_spec,
-            logical_axis_resources,
-            x,
-            is_leaf=lambda s: s is None or is_logical_spec(s),
-        )
-    except ValueError as e:
-        if problems:
-            raise_collected("with_logical_constraint", problems)
-        raise ValueError(
-            "with_logical_constraint: logical_axis_resources must be a spec or a "
-            f"tree of specs that is a prefix of x, but it is not: {e}"
-        ) from None
     raise_collected("with_logical_constraint", problems)
-    return out
+    return x if live is None else jax.tree.unflatten(treedef, out)
 
 
 def constrain(tree: Any, mesh: AnyMesh | None = None, rules: RulesLike | None = None) -> Any:

@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 
 from spmdtree.boxes import IS_BOX, Partitioned, is_array, rebuild, shape_of
 from spmdtree.rules import Names, RulesLike, check_mesh
-from spmdtree.specs import to_sharding
+from spmdtree.specs import shardings
 from spmdtree.trees import is_boxed
 
 __all__ = ["kept_dimensions", "optimizer_sharding"]
@@ -78,8 +78,12 @@ def _suffix_length(a: Sequence[Any], b: Sequence[Any]) -> int:
     return n
 
 
-def _param_for(path: Sequence[Any], params: list[tuple[Any, Partitioned]]) -> Partitioned | None:
-    """The param box whose key path shares the longest suffix with `path`, if unique."""
+_AMBIGUOUS: Any = object()
+
+
+def _param_for(path: Sequence[Any], params: list[tuple[Any, Partitioned]]) -> Any:
+    """The param box whose key path shares the longest suffix with `path`: None if
+    there is none, `_AMBIGUOUS` if several of different names or shapes tie."""
     best, candidates = 0, []
     for param_path, box in params:
         n = _suffix_length(path, param_path)
@@ -93,7 +97,7 @@ def _param_for(path: Sequence[Any], params: list[tuple[Any, Partitioned]]) -> Pa
     same = all(
         b.names == first.names and shape_of(b.value) == shape_of(first.value) for b in candidates
     )
-    return first if same else None
+    return first if same else _AMBIGUOUS
 
 
 def _named_as_kept(box: Partitioned, param: Partitioned) -> Partitioned:
@@ -103,15 +107,19 @@ def _named_as_kept(box: Partitioned, param: Partitioned) -> Partitioned:
     if param_shape is None or len(param_shape) != len(names):
         return box
 
-    def kept_names(shape: tuple[int, ...], position: int | None) -> Names | None:
+    def kept_names(shape: tuple[int, ...], position: int | None) -> Names:
         dims = kept_dimensions(shape, param_shape, position)
-        return None if dims is None else tuple(names[d] for d in dims)
+        # Ambiguous (a square matrix's row or column?): replicated.
+        return (None,) * len(shape) if dims is None else tuple(names[d] for d in dims)
 
     value = box.value
     if is_array(value):
         shape = shape_of(value)
-        kept = None if shape == param_shape else kept_names(shape, None)  # type: ignore[arg-type]
-        return box if kept is None else box.with_names(kept)
+        if shape == param_shape:
+            return box
+        if kept_dimensions(shape, param_shape) is None:  # type: ignore[arg-type]
+            return _replicated(box)
+        return box.with_names(kept_names(shape, None))  # type: ignore[arg-type]
     per_dimension = (
         isinstance(value, (list, tuple))
         and len(value) == len(names)
@@ -123,9 +131,24 @@ def _named_as_kept(box: Partitioned, param: Partitioned) -> Partitioned:
             return leaf
         position = path[0].idx if per_dimension else None
         kept = kept_names(shape_of(leaf), position)  # type: ignore[arg-type]
-        return leaf if kept is None else rebuild(type(box), ((leaf,), (kept, *box._tree[1][1:])))
+        return rebuild(type(box), ((leaf,), (kept, *box._tree[1][1:])))
 
     return box.replace_boxed(tree_util.tree_map_with_path(inner, value, is_leaf=IS_BOX))
+
+
+def _replicated(box: Partitioned) -> Any:
+    """`box` resolved as replicated: unboxed if it holds an array, else each
+    reduced array inside named None per dimension (the box stays: it is structure)."""
+    if is_array(box.value):
+        return box.value
+
+    def inner(leaf: Any) -> Any:
+        if not is_array(leaf) or is_boxed(leaf):
+            return leaf
+        names = (None,) * len(shape_of(leaf))  # type: ignore[arg-type]
+        return rebuild(type(box), ((leaf,), (names, *box._tree[1][1:])))
+
+    return box.replace_boxed(jax.tree.map(inner, box.value, is_leaf=IS_BOX))
 
 
 def optimizer_sharding(tx: Any, params: Any, mesh: Mesh, rules: RulesLike | None = None) -> Any:
@@ -162,18 +185,26 @@ def optimizer_sharding(tx: Any, params: Any, mesh: Mesh, rules: RulesLike | None
         (P('data',), P('model',))
     """
     check_mesh("optimizer_sharding", mesh)
-    state = jax.eval_shape(tx.init, params)
     boxes = [
         (path, leaf)
         for path, leaf in tree_util.tree_flatten_with_path(params, is_leaf=IS_BOX)[0]
         if isinstance(leaf, Partitioned)
     ]
+    if not boxes:
+        raise ValueError(
+            "optimizer_sharding: params hold no boxes, so every state leaf would be "
+            "replicated. Pass the boxed params (as built, before st.unbox), or box "
+            "them with st.box."
+        )
+    state = jax.eval_shape(tx.init, params)
 
     def rename(path: Any, leaf: Any) -> Any:
         if not isinstance(leaf, Partitioned):
             return leaf
         param = _param_for(path, boxes)
+        if param is _AMBIGUOUS:
+            return _replicated(leaf)
         return leaf if param is None else _named_as_kept(leaf, param)
 
     renamed = tree_util.tree_map_with_path(rename, state, is_leaf=IS_BOX)
-    return to_sharding(renamed, mesh, rules)
+    return shardings("optimizer_sharding", renamed, mesh, rules)

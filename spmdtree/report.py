@@ -68,7 +68,7 @@ def _rows(tree: Any, mesh: AnyMesh | None, rules: RulesLike | None) -> list[Row]
         dtype = dtype_of(value)
         return Leaf(shape_of(value) or (), short_dtype(dtype), np.dtype(dtype).itemsize, res, mesh)
 
-    planned = Call("describe", rules, mesh).map(tree, finish, replace_boxes=True)
+    planned = Call("describe", rules, mesh, lenient=True).map(tree, finish, replace_boxes=True)
     found = tree_util.tree_flatten_with_path(planned, is_leaf=lambda x: isinstance(x, Leaf))[0]
     return [
         Row(tree_util.keystr(path, simple=True, separator="/") or "(root)", leaf)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import difflib
 import enum
 import functools
 import math
@@ -140,6 +141,13 @@ def normalize_rules(rules: Any, function: str = "rules") -> Rules:
 
 
 def _normalize_rules(rules: Any) -> Rules:
+    if isinstance(rules, (Mesh, jax.sharding.AbstractMesh)):
+        raise LeafError(
+            TypeError,
+            f"rules are a mesh, {fmt(rules)}, given where rules go. Pass the mesh "
+            "as mesh= (and rules, if any, as rules=), e.g. "
+            "st.to_spec(tree, rules, mesh=mesh).",
+        )
     if isinstance(rules, Mapping):
         rules = tuple(rules.items())
     if isinstance(rules, (str, bytes)) or not isinstance(rules, (tuple, list)):
@@ -283,26 +291,30 @@ def check_duplicate_names(names: Names) -> None:
             seen.add(name)
 
 
-def assign(names: Names, rules: Rules, fits: Any = None) -> list[Any]:
+def assign(names: Names, rules: Rules, fits: Any = None, check: Any = None) -> list[Any]:
     """The priority algorithm: which mesh axes each logical dimension gets.
 
     Rules are tried in order. A rule gives its mesh axes to its dimension only if
     the dimension is still unassigned and none of the mesh axes is used yet (a
     tuple is all-or-nothing); a rule to None claims the dimension replicated.
-    `fits(position, mesh_axes)`, if given, can veto a rule for this array
-    (a mesh axis not in the mesh, a size that does not divide); a vetoed rule is
-    skipped as if absent, so a later rule for the same name may apply.
+    `fits(position, mesh_axes)`, if given, can veto a rule for this array (a
+    size that does not divide); a vetoed rule is skipped as if absent, so a
+    later rule for the same name may apply. `check(index, position,
+    mesh_axes)`, if given, sees every rule that reaches a dimension (and may
+    raise: a mesh axis not in the mesh).
     Entries that are not str pass through; unmatched names stay UNASSIGNED.
     """
     check_duplicate_names(names)
     result: list[Any] = [UNASSIGNED if isinstance(n, str) else n for n in names]
     used = {axis for entry in result for axis in mesh_axes_of(entry)}
     position = {name: i for i, name in enumerate(names) if isinstance(name, str)}
-    for logical, mesh_axes in rules:
+    for index, (logical, mesh_axes) in enumerate(rules):
         pos = position.get(logical)
         if pos is None or result[pos] is not UNASSIGNED:
             continue
         axes = mesh_axes_of(mesh_axes)
+        if check is not None:
+            check(index, pos, mesh_axes)
         if used.intersection(axes) or (fits is not None and not fits(pos, mesh_axes)):
             continue
         result[pos] = mesh_axes
@@ -323,6 +335,8 @@ class Resolution:
             divide them.
         rank_fallback: the value has fewer dimensions than names (or only
             size-1 ones), so it is replicated.
+        problem: why that replication is a mistake (fewer dimensions than
+            names, not all of size 1), for callers that raise it.
         names: the names it was resolved from (None for an unboxed array).
         logical: whether those names are logical names.
     """
@@ -331,6 +345,7 @@ class Resolution:
     unmatched: tuple[str, ...] = ()
     indivisible: tuple[int, ...] = ()
     rank_fallback: bool = False
+    problem: str | None = None
     names: Names | None = None
     logical: bool = False
 
@@ -339,11 +354,21 @@ def _mesh_help(mesh_shape: tuple[tuple[str, int], ...]) -> str:
     return ", ".join(f"{name!r} (size {size})" for name, size in mesh_shape)
 
 
+def _not_in_mesh(axis: str, mesh_shape: tuple[tuple[str, int], ...]) -> str:
+    """`axis` is not in the mesh: the mesh's axes, and the closest one if any is close."""
+    close = difflib.get_close_matches(axis, [name for name, _ in mesh_shape], n=1, cutoff=0.5)
+    guess = f" Did you mean {close[0]!r}?" if close else ""
+    return (
+        f"mesh axis {axis!r}, which is not in the mesh; its axes are "
+        f"{_mesh_help(mesh_shape)}.{guess}"
+    )
+
+
 def _size(sizes: dict[str, int], entry: Any) -> int:
     return math.prod(sizes[axis] for axis in mesh_axes_of(entry))
 
 
-def _rank_problem(names: Names, shape: tuple[int, ...], strict: bool) -> Resolution | None:
+def _rank_problem(names: Names, shape: tuple[int, ...]) -> Resolution | None:
     if len(shape) > len(names) and any(size != 1 for size in shape):
         raise LeafError(
             ValueError,
@@ -352,20 +377,27 @@ def _rank_problem(names: Names, shape: tuple[int, ...], strict: bool) -> Resolut
             "plain jax.vmap. Name the new axis: st.add_axis(tree, 0, 'layers'), "
             "or build it with st.vmap(..., partition_name='layers').",
         )
+    if len(shape) != len(names) and any(size != 1 for size in shape):
+        # Replicated only where the caller accepts it (describe flags it).
+        problem = fewer_dimensions(names, shape)
+        return Resolution(PartitionSpec(), rank_fallback=True, problem=problem)
     if len(shape) != len(names):
-        # Fewer dimensions (a reduced optimizer state), or only dimensions of size
-        # 1 (a placeholder such as adafactor's): replicating it is always right.
-        if strict:
-            raise LeafError(
-                ValueError,
-                f"has {len(names)} names {names} for a value of shape {shape}: a "
-                "value with fewer dimensions than names (a reduced optimizer state) "
-                "or only size-1 dimensions (a placeholder) is replicated unless "
-                "strict=True. Pass strict=False, or use st.optimizer_sharding to "
-                "name the dimensions it kept.",
-            )
+        # Only dimensions of size 1 (a placeholder such as adafactor's for a
+        # scalar param): replicating it is always right.
         return Resolution(PartitionSpec(), rank_fallback=True)
     return None
+
+
+def fewer_dimensions(names: Names, shape: tuple[int, ...]) -> str:
+    """Why a value with fewer dimensions than names cannot be resolved alone, and the fixes."""
+    return (
+        f"has {len(names)} names {names} for a value of shape {shape}, which has "
+        "fewer dimensions. Either it is a param stacked over layers seen inside a "
+        "plain jax.lax.scan or jax.vmap, whose names still include the stacked "
+        "axis: use st.scan or st.vmap, or st.remove_axis(tree, 0, 'layers'); or it "
+        "is a reduced optimizer state (adafactor, SM3): pass the params it came "
+        "from with params=, or use st.optimizer_sharding."
+    )
 
 
 def _check_mesh_axes(
@@ -381,10 +413,9 @@ def _check_mesh_axes(
             if mesh_shape is not None and axis not in dict(mesh_shape):
                 raise LeafError(
                     ValueError,
-                    f"has names {names} with mesh axis {axis!r}, which is not in "
-                    f"the mesh; its axes are {_mesh_help(mesh_shape)}. Use one of "
-                    "them, or LogicallyPartitioned with rules for names that are "
-                    "not mesh axes.",
+                    f"has names {names} with {_not_in_mesh(axis, mesh_shape)} Use "
+                    "one of them, or LogicallyPartitioned with rules for names that "
+                    "are not mesh axes.",
                 )
             if axis in seen:
                 raise LeafError(
@@ -427,7 +458,7 @@ def _resolve(
     strict: bool,
 ) -> Resolution:
     if shape is not None:
-        fallback = _rank_problem(names, shape, strict)
+        fallback = _rank_problem(names, shape)
         if fallback is not None:
             return fallback
     if not logical:
@@ -436,27 +467,27 @@ def _resolve(
     sizes = dict(mesh_shape) if mesh_shape is not None else None
     tried: set[int] = set()
 
+    def check(index: int, pos: int, mesh_axes: Any) -> None:
+        missing = [axis for axis in mesh_axes_of(mesh_axes) if axis not in (sizes or ())]
+        if sizes is not None and missing:
+            raise LeafError(
+                ValueError,
+                f"has logical names {names}, and rule {index} ({names[pos]!r}, "
+                f"{mesh_axes!r}) for {names[pos]!r} names "
+                f"{_not_in_mesh(missing[0], mesh_shape or ())} Fix the rule; a rule "
+                "set shared across meshes gives every mesh all its axes (size 1 "
+                "where unused).",
+            )
+
     def fits(pos: int, mesh_axes: Any) -> bool:
-        axes = mesh_axes_of(mesh_axes)
-        if sizes is None or not axes:
+        if sizes is None:
             return True
-        missing = [axis for axis in axes if axis not in sizes]
-        if missing:
-            if strict:
-                raise LeafError(
-                    ValueError,
-                    f"has logical names {names}; the rule ({names[pos]!r}, "
-                    f"{mesh_axes!r}) names mesh axis {missing[0]!r}, which is not in "
-                    f"the mesh; its axes are {_mesh_help(mesh_shape or ())}. Pass "
-                    "strict=False to skip rules for other meshes, or fix the rule.",
-                )
-            return False
         if shape is not None and shape[pos] % _size(sizes, mesh_axes) != 0:
             tried.add(pos)
             return False
         return True
 
-    result = assign(names, rules, fits)
+    result = assign(names, rules, fits, check)
     literal_indivisible: tuple[int, ...] = ()
     if mesh_shape is not None:
         # Entries that are already mesh axes (tuples among logical names) pass
@@ -549,6 +580,9 @@ class RulesFallback(enum.Enum):
 def logical_to_mesh_axes(
     array_dim_names: Sequence[AxisName] | PartitionSpec | None,
     rules: RulesLike | None = None,
+    *,
+    shape: Sequence[int] | None = None,
+    mesh: AnyMesh | None = None,
 ) -> PartitionSpec | None:
     """Maps logical dimension names to a mesh `PartitionSpec` through rules.
 
@@ -559,29 +593,58 @@ def logical_to_mesh_axes(
     Names that no rule maps end unsharded; ``None`` and ``UNCONSTRAINED`` entries
     pass through. For every input flax.linen accepts the result equals its.
 
+    With `shape` and `mesh` (both or neither) it is shape-aware like `to_spec`:
+    the spec for an activation of that shape, e.g. for ``out_sharding=`` of a
+    matmul on Explicit mesh axes.
+
     Args:
         array_dim_names: one logical name per dimension, or None.
         rules: the rules; defaults to the rules context.
+        shape: the shape of the array the names describe.
+        mesh: the mesh (or abstract mesh) the spec is for.
 
     Returns:
         The mesh `PartitionSpec`, or None if `array_dim_names` is None.
 
     Raises:
-        ValueError: if a logical name is given twice.
-        TypeError: if a name or rule is malformed.
+        ValueError: if a logical name is given twice; with a mesh, if a rule
+            the names reach names an axis not in the mesh, or the names do not
+            fit `shape`.
+        TypeError: if a name or rule is malformed, or only one of `shape`
+            and `mesh` is given.
 
     Example:
-        >>> import spmdtree as st
+        >>> import jax, spmdtree as st
         >>> rules = [("batch", "X"), ("features", "X"), ("heads", "Y"), ("batch", "Z")]
         >>> st.logical_to_mesh_axes(("batch", "length", "heads", "features"), rules)
         P('X', None, 'Y', None)
+        >>> mesh = jax.sharding.AbstractMesh((2, 4), ("data", "model"))
+        >>> rules = [("batch", "data"), ("mlp", "model")]
+        >>> st.logical_to_mesh_axes(("batch", "mlp"), rules, shape=(8, 6), mesh=mesh)
+        P('data', None)
     """
     if array_dim_names is None:
         return None
+    if (shape is None) != (mesh is None):
+        raise TypeError(
+            "logical_to_mesh_axes: give shape= and mesh= together (a shape-aware "
+            "spec) or neither (flax's spec); got only "
+            f"{'shape' if mesh is None else 'mesh'}=."
+        )
+    check_mesh("logical_to_mesh_axes", mesh, optional=True)
     try:
         names = normalize_names(array_dim_names, "logical names")
         normal = rules_or_context(rules, "logical_to_mesh_axes")
-        return resolve(names, None, True, normal, None).spec
+        if shape is not None and len(tuple(shape)) != len(names):
+            raise LeafError(
+                ValueError,
+                f"{names} names {len(names)} dimensions, but shape= is "
+                f"{tuple(shape)}. Give one name per dimension (None for a "
+                "replicated one).",
+            )
+        mesh_shape = None if mesh is None else mesh_shape_of(mesh)
+        found = resolve(names, None if shape is None else tuple(shape), True, normal, mesh_shape)
+        return found.spec
     except LeafError as e:
         raise e.kind(f"logical_to_mesh_axes: the spec {e.detail}") from None
 
@@ -657,8 +720,9 @@ def named_sharding(mesh: Mesh, spec: PartitionSpec) -> NamedSharding:
 def logical_to_mesh_sharding(tree: Any, mesh: Mesh, rules: RulesLike | None = None) -> Any:
     """Maps a tree of logical specs to `NamedSharding`s on `mesh`.
 
-    Rules whose mesh axes are not in `mesh` are skipped, so one rule set can
-    serve several meshes.
+    A rule that a spec reaches and that names an axis not in `mesh` is an
+    error; a rule set shared across meshes gives every mesh all its axes
+    (size 1 where unused).
 
     Args:
         tree: a tree of logical specs, as for `logical_to_mesh`.
@@ -669,7 +733,8 @@ def logical_to_mesh_sharding(tree: Any, mesh: Mesh, rules: RulesLike | None = No
         The same tree with a `NamedSharding` per spec.
 
     Raises:
-        ValueError: if a spec gives a logical name twice.
+        ValueError: if a spec gives a logical name twice, or reaches a rule
+            naming an axis not in `mesh`.
         TypeError: if a leaf is not a logical spec or `mesh` is not a Mesh.
 
     Example:

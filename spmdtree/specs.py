@@ -23,6 +23,7 @@ from spmdtree.boxes import (
     is_array,
     shape_of,
 )
+from spmdtree.errors import LeafError
 from spmdtree.rules import (
     AnyMesh,
     Resolution,
@@ -78,12 +79,15 @@ class Call:
         rules: RulesLike | None,
         mesh: AnyMesh | None,
         strict: bool = False,
+        *,
+        lenient: bool = False,
     ) -> None:
         check_mesh(function, mesh, optional=True)
         self.function = function
         self.rules: Rules = rules_or_context(rules, function)
         self.mesh = mesh
         self.strict = strict
+        self.lenient = lenient
         self.fallback_mesh = context_mesh() if mesh is None else None
         self._box_mesh: AnyMesh | None = None
         self._boxed_only = False
@@ -174,6 +178,8 @@ class Call:
         found = self._resolved.get(key)
         if found is None:
             found = self._resolved[key] = named.resolution(shape, self.rules, mesh, self.strict)
+        if found.problem is not None and not self.lenient:
+            raise LeafError(ValueError, found.problem)
         return found
 
 
@@ -293,8 +299,15 @@ def to_sharding(
         >>> st.to_sharding(params, mesh)["w"].spec
         P('data', 'model')
     """
-    check_mesh("to_sharding", mesh)
-    call = Call("to_sharding", rules, mesh, strict)
+    return shardings("to_sharding", tree, mesh, rules, strict=strict)
+
+
+def shardings(
+    function: str, tree: Any, mesh: Mesh, rules: RulesLike | None, *, strict: bool = False
+) -> Any:
+    """`to_sharding` for the public `function` that calls it."""
+    check_mesh(function, mesh)
+    call = Call(function, rules, mesh, strict)
     return call.map(
         tree,
         lambda value, res, mesh: named_sharding(mesh, res.spec),

@@ -16,22 +16,32 @@ from typing import Any
 import jax
 
 from spmdtree.rules import RulesLike, check_mesh
-from spmdtree.specs import to_sharding
+from spmdtree.specs import shardings
 from spmdtree.trees import change_axes
 
 __all__ = ["scan", "sharded_init", "vmap"]
 
 
-def _per_prefix(fn: Callable[[Any, Any], Any], axes: Any, tree: Any) -> Any:
-    """Applies ``fn(subtree, axis)`` under each leaf of the prefix tree `axes`."""
-    return jax.tree.map(lambda axis, sub: fn(sub, axis), axes, tree, is_leaf=lambda a: a is None)
+def _per_prefix(fn: Callable[[Any, Any, str], Any], axes: Any, tree: Any, argument: str) -> Any:
+    """Applies ``fn(subtree, axis, where)`` under each leaf of the prefix tree `axes`;
+    `where` is the subtree's key path under the name `argument`."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, axis, sub: fn(sub, axis, argument + jax.tree_util.keystr(path)),
+        axes,
+        tree,
+        is_leaf=lambda a: a is None,
+    )
 
 
-def _without_axis(function: str, partition_name: Any) -> Callable[[Any, Any], Any]:
-    """`(tree, axis) -> tree` whose boxes lose the mapped axis `axis` (any name,
-    or `partition_name` if given)."""
+def _without_axis(function: str, partition_name: Any) -> Callable[[Any, Any, str], Any]:
+    """`(tree, axis) -> tree` whose boxes lose the axis `axis` about to be mapped
+    over (any name, or `partition_name` if given).
 
-    def strip(tree: Any, axis: int | None) -> Any:
+    As in flax's lifted transforms, each box's `remove_axis` sees the whole,
+    unmapped value, as its `add_axis` sees the stacked result.
+    """
+
+    def strip(tree: Any, axis: int | None, argument: str) -> Any:
         if axis is None:
             return tree
         return change_axes(
@@ -40,21 +50,21 @@ def _without_axis(function: str, partition_name: Any) -> Callable[[Any, Any], An
             axis,
             partition_name,
             add=False,
-            argument="args",
+            argument=argument,
             match_name=partition_name is not None,
-            mapped=True,
+            unmapped=True,
         )
 
     return strip
 
 
-def _with_axis(function: str, partition_name: Any) -> Callable[[Any, Any], Any]:
+def _with_axis(function: str, partition_name: Any) -> Callable[[Any, Any, str], Any]:
     """`(tree, axis) -> tree` whose boxes gain the axis `axis`, named `partition_name`."""
 
-    def add(tree: Any, axis: int | None) -> Any:
+    def add(tree: Any, axis: int | None, argument: str) -> Any:
         if axis is None:
             return tree
-        return change_axes(function, tree, axis, partition_name, add=True, argument="outputs")
+        return change_axes(function, tree, axis, partition_name, add=True, argument=argument)
 
     return add
 
@@ -102,13 +112,11 @@ def vmap(
 
     @functools.wraps(fn)
     def mapped(*args: Any, **kw: Any) -> Any:
-        def inner(*inner_args: Any, **inner_kw: Any) -> Any:
-            axes = in_axes if isinstance(in_axes, (tuple, list)) else (in_axes,) * len(inner_args)
-            inner_args = tuple(_per_prefix(strip, tuple(axes), inner_args))
-            return fn(*inner_args, **strip(inner_kw, 0))
-
-        out = jax.vmap(inner, in_axes=in_axes, out_axes=out_axes, **kwargs)(*args, **kw)
-        return _per_prefix(add, out_axes, out)
+        axes = in_axes if isinstance(in_axes, (tuple, list)) else (in_axes,) * len(args)
+        args = tuple(_per_prefix(strip, tuple(axes), args, "args"))
+        kw = strip(kw, 0, "kwargs")
+        out = jax.vmap(fn, in_axes=in_axes, out_axes=out_axes, **kwargs)(*args, **kw)
+        return _per_prefix(add, out_axes, out, "outputs")
 
     return mapped
 
@@ -153,13 +161,9 @@ def scan(
         >>> float(total), ys["w"].names
         (12.0, ('layers', 'model'))
     """
-    strip = _without_axis("scan", partition_name)
-
-    def body(carry: Any, x: Any) -> tuple[Any, Any]:
-        return f(carry, strip(x, 0))
-
-    carry, ys = jax.lax.scan(body, init, xs, length=length, **kwargs)
-    return carry, _with_axis("scan", partition_name)(ys, 0)
+    xs = _without_axis("scan", partition_name)(xs, 0, "xs")
+    carry, ys = jax.lax.scan(f, init, xs, length=length, **kwargs)
+    return carry, _with_axis("scan", partition_name)(ys, 0, "ys")
 
 
 def sharded_init(
@@ -217,8 +221,8 @@ def sharded_init(
             [a for i, a in enumerate(args) if i not in nums],
             {k: v for k, v in kwargs.items() if k not in static_names},
         )
-        shardings = to_sharding(abstract, mesh, rules)
-        return jax.jit(init_fn, out_shardings=shardings, **jit_kwargs)
+        out = shardings("sharded_init", abstract, mesh, rules)
+        return jax.jit(init_fn, out_shardings=out, **jit_kwargs)
 
     @functools.wraps(init_fn)
     def init(*args: Any, **kwargs: Any) -> Any:

@@ -400,13 +400,15 @@ def change_axes(
     add: bool,
     argument: str = "tree",
     match_name: bool = True,
-    mapped: bool = False,
+    unmapped: bool = False,
 ) -> Any:
-    """Adds (or removes) the axis `name` at `index` in every box's names.
+    """Adds (or removes) the axis `name` at `index` through every box's own hooks.
 
+    Each box's `add_axis`/`remove_axis` is called, so a subclass that overrides
+    them is honoured; the built-in boxes take a fast path with the same result.
     With `match_name` False, removal takes whatever name is at `index`. With
-    `mapped`, the boxes' values have already lost that axis (inside a vmap or
-    scan), so each box must have one name more than its value has dimensions.
+    `unmapped`, the boxes' values are about to be mapped over that axis (by a
+    vmap or scan), so each box must have one name per dimension of its value.
     Errors name `function` and the key path under `argument`.
     """
     if not isinstance(index, int) or isinstance(index, bool):
@@ -415,24 +417,32 @@ def change_axes(
         axis = partition_name(name)
     except LeafError as e:
         raise raise_one(function, "the axis name", e) from None
-    params = {PARTITION_NAME: axis}
 
     def one(x: Any) -> Any:
-        if isinstance(x, Partitioned):
-            shape = shape_of(x.value)
-            if mapped and shape is not None and len(shape) + 1 != len(x.names):
-                raise LeafError(
-                    ValueError,
-                    f"has names {x.names} for a value of shape {shape} once axis {index} "
-                    "is mapped over, so its names do not include the mapped axis. Stack "
-                    "boxes with st.vmap, or name the axis with st.add_axis, before "
-                    "mapping over them.",
-                )
-            if add:
-                return x.with_names(insert_name(x.names, index, axis))
+        if not is_boxed(x):
+            return x
+        if not isinstance(x, Partitioned):
+            return (
+                x.add_axis(index, {PARTITION_NAME: axis})
+                if add
+                else x.remove_axis(index, {PARTITION_NAME: axis})
+            )
+        shape = shape_of(x.value)
+        if unmapped and shape is not None and len(shape) != len(x.names):
+            raise LeafError(
+                ValueError,
+                f"has names {x.names} for a value of shape {shape}, so its names do "
+                f"not include the mapped axis (axis {index}). Stack boxes with "
+                "st.vmap, or name the axis with st.add_axis, before mapping over them.",
+            )
+        hook = type(x).add_axis if add else type(x).remove_axis
+        if hook is Partitioned.add_axis:
+            return x.with_names(insert_name(x.names, index, axis))
+        if hook is Partitioned.remove_axis:
             return x.with_names(delete_name(x.names, index, axis, check=match_name))
-        if is_boxed(x):  # the box's own add_axis/remove_axis
-            return x.add_axis(index, params) if add else x.remove_axis(index, params)
-        return x
+        if not add and not match_name and -len(x.names) <= index < len(x.names):
+            axis_here = x.names[index]  # the name to remove is whatever is there
+            return hook(x, index, {PARTITION_NAME: axis_here})
+        return hook(x, index, {PARTITION_NAME: axis})
 
     return map_leaves(function, one, tree, argument)

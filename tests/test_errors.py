@@ -4,6 +4,7 @@ function, the key path (where there is one), the bad value and a fix."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax.sharding import AxisType
 
@@ -163,6 +164,183 @@ CASES = {
         ),
         ValueError,
         ["with_logical_constraint:", "('batch', 'embed')", "(4,)"],
+    ),
+    "rule-mesh-axis-typo": (
+        lambda: st.to_sharding(
+            w(("embed", "mlp"), cls=st.LogicallyPartitioned), MESH, [("mlp", "modle")]
+        ),
+        ValueError,
+        [
+            "to_sharding:",
+            "tree['layer']['w']",
+            "rule 0 ('mlp', 'modle')",
+            "'model' (size 4)",
+            "Did you mean 'model'?",
+        ],
+    ),
+    "rule-mesh-axis-typo-in-a-constraint": (
+        lambda: st.with_logical_constraint(jnp.zeros((2, 4)), ("b", "m"), [("m", "mdl")], MESH),
+        ValueError,
+        ["with_logical_constraint:", "x", "rule 0 ('m', 'mdl')", "Did you mean 'model'?"],
+    ),
+    "partitioned-axis-typo": (
+        lambda: st.to_spec(w(("dta", "model")), mesh=MESH),
+        ValueError,
+        ["to_spec:", "tree['layer']['w']", "'dta'", "Did you mean 'data'?"],
+    ),
+    "stale-names-inside-a-plain-scan": (
+        lambda: jax.jit(
+            lambda t: jax.lax.scan(lambda c, layer: (c, st.constrain(layer, MESH)), 0.0, t)[1]
+        )({"w": st.Partitioned(jnp.zeros((3, 4)), ("layers", "model"))}),
+        ValueError,
+        ["constrain:", "tree['w']", "('layers', 'model')", "(4,)", "st.scan", "params="],
+    ),
+    "stale-names-after-a-plain-vmap-into-st-vmap": (
+        lambda: st.vmap(lambda t: t)(jax.vmap(lambda _: w(("data", "model")))(jnp.arange(3))),
+        ValueError,
+        [
+            "vmap:",
+            "args[0]['layer']['w']",
+            "(3, 2, 4)",
+            "do not include the mapped axis",
+            "st.add_axis",
+        ],
+    ),
+    "reduced-state-without-params": (
+        lambda: st.to_sharding(
+            jax.eval_shape(
+                optax.adafactor(1e-3, min_dim_size_to_factor=1).init, w(("data", "model"))
+            ),
+            MESH,
+        ),
+        ValueError,
+        ["to_sharding:", "tree[0].v_row['layer']['w']", "(2,)", "params=", "st.optimizer_sharding"],
+    ),
+    "raise-error-fallback-without-a-mesh": (
+        lambda: st.with_logical_constraint(
+            jnp.zeros((4, 8)),
+            ("batch", "heads"),
+            [("batch", "data")],
+            fallback=st.RulesFallback.RAISE_ERROR,
+        ),
+        ValueError,
+        ["with_logical_constraint:", "x", "no rule maps 'heads'", "Add a rule for 'heads'"],
+    ),
+    "rules-a-dict-with-a-bad-value": (
+        lambda: st.to_spec({}, {"embed": 3}),
+        TypeError,
+        ["to_spec:", "rule 0 maps 'embed' to 3", "Write it as ('embed', 'data')"],
+    ),
+    "rules-a-flat-list": (
+        lambda: st.to_spec({}, ["embed", "data"]),
+        TypeError,
+        ["to_spec:", "rule 0 is 'embed'", "each rule is a pair"],
+    ),
+    "rules-nested-one-level-too-deep": (
+        lambda: st.to_spec({}, [[("embed", "data"), ("mlp", "model")]]),
+        TypeError,
+        [
+            "to_spec:",
+            "rule 0 is (('embed', 'data'), ('mlp', 'model'))",
+            "whose logical name ('embed', 'data') is not a str",
+        ],
+    ),
+    "a-mesh-passed-where-rules-go": (
+        lambda: st.to_spec(w(("data", "model")), MESH),
+        TypeError,
+        ["to_spec:", "rules are a mesh", "Pass the mesh as mesh="],
+    ),
+    "a-mesh-passed-where-rules-go-in-a-constraint": (
+        lambda: st.with_logical_constraint(jnp.zeros(4), ("batch",), MESH),
+        TypeError,
+        ["with_logical_constraint:", "rules are a mesh", "Pass the mesh as mesh="],
+    ),
+    "a-jnp-function-on-a-box": (
+        lambda: jnp.sum(st.Partitioned(jnp.zeros(4), ("data",))),
+        TypeError,
+        ["Partitioned is a metadata box", "jax functions act on arrays", "st.unbox"],
+    ),
+    "optimizer-sharding-of-unboxed-params": (
+        lambda: st.optimizer_sharding(optax.adam(1e-3), {"w": jnp.zeros((2, 4))}, MESH),
+        ValueError,
+        ["optimizer_sharding:", "params", "no boxes", "st.unbox"],
+    ),
+    "constrain-a-box-with-its-own-other-mesh": (
+        lambda: st.constrain(
+            {
+                "w": st.Partitioned(
+                    jnp.zeros((2, 4)),
+                    ("data", "model"),
+                    mesh=jax.make_mesh((4, 2), ("data", "model")),
+                )
+            },
+            MESH,
+        ),
+        ValueError,
+        ["constrain:", "tree['w']", "own mesh", "box.replace(mesh=None)"],
+    ),
+    "constrain-on-explicit-axes-in-jit-without-set-mesh": (
+        lambda: jax.jit(lambda t: st.constrain(t, jax.make_mesh((2, 4), ("data", "model"))))(
+            w(("data", "model"))
+        ),
+        ValueError,
+        ["constrain:", "tree['layer']['w']", "Explicit", "jax.set_mesh"],
+    ),
+    "shard-an-abstract-tree": (
+        lambda: st.shard(jax.eval_shape(lambda: w(("data", "model"))), MESH),
+        TypeError,
+        ["shard:", "tree['layer']['w']", "ShapeDtypeStruct", "st.to_abstract"],
+    ),
+    "logical-to-mesh-axes-shape-without-mesh": (
+        lambda: st.logical_to_mesh_axes(("batch",), [("batch", "data")], shape=(4,)),
+        TypeError,
+        ["logical_to_mesh_axes:", "shape= and mesh= together", "only shape="],
+    ),
+    "scan-partition-name-mismatch": (
+        lambda: st.scan(lambda c, x: (c, x), 0.0, w(("blocks", "mlp")), partition_name="layers"),
+        ValueError,
+        ["scan:", "xs['layer']['w']", "'blocks', not 'layers'"],
+    ),
+    "fallback-given-as-a-string": (
+        lambda: st.with_logical_constraint(
+            jnp.zeros(4), ("batch",), [("batch", "data")], MESH, "raise_error"
+        ),
+        TypeError,
+        ["with_logical_constraint:", "'raise_error'", "st.RulesFallback.RAISE_ERROR"],
+    ),
+    "to-sharding-without-a-mesh": (
+        lambda: st.to_sharding(w(("data", "model")), None),
+        TypeError,
+        ["to_sharding:", "mesh is None", "jax.make_mesh"],
+    ),
+    "sharded-init-with-a-rule-typo": (
+        lambda: st.sharded_init(
+            lambda k: w(("embed", "mlp"), cls=st.LogicallyPartitioned),
+            MESH,
+            [("embed", "dat")],
+        )(jax.random.key(0)),
+        ValueError,
+        ["sharded_init:", "tree['layer']['w']", "rule 0 ('embed', 'dat')", "Did you mean 'data'?"],
+    ),
+    "describe-an-axis-not-in-the-mesh": (
+        lambda: st.describe(w(("data", "tensor")), MESH),
+        ValueError,
+        ["describe:", "tree['layer']['w']", "'tensor'", "'data' (size 2)"],
+    ),
+    "add-axis-index-not-an-int": (
+        lambda: st.add_axis(w(("data", "model")), "0", "layers"),
+        TypeError,
+        ["add_axis:", "index is '0'", "expected an int"],
+    ),
+    "box-names-a-bare-string": (
+        lambda: st.box({"w": jnp.zeros(4)}, {"w": "data"}),
+        TypeError,
+        ["box:", "tree['w']", "'data'", "expected a tuple with one entry per dimension"],
+    ),
+    "constraint-spec-not-a-prefix": (
+        lambda: st.with_logical_constraint({"a": jnp.ones(2)}, {"b": ("batch",)}, [], MESH),
+        ValueError,
+        ["with_logical_constraint:", "prefix of x", "'b'"],
     ),
     "a-box-used-as-an-array": (
         lambda: jnp.asarray(st.Partitioned(jnp.zeros(4), ("data",))),

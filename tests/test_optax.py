@@ -59,6 +59,10 @@ OPTIMIZERS = {
 }
 
 
+#: Optimizers whose state has reduced leaves (fewer dimensions than names).
+REDUCED = {"adafactor", "sm3"}
+
+
 def boxed(cls):
     params = raw_params()
     return {k: cls(v, NAMES[cls][k]) for k, v in params.items()}
@@ -128,7 +132,13 @@ def test_optimizer_state_shards_and_trains(name, cls, mesh):
     with st.logical_axis_rules(RULES), jax.set_mesh(mesh):
         params = wrap(boxed(cls), lookahead)
         param_shardings = st.to_sharding(jax.eval_shape(lambda: params), mesh)
-        state_shardings = st.to_sharding(jax.eval_shape(tx.init, params), mesh)
+        state = jax.eval_shape(tx.init, params)
+        if name in REDUCED:  # fewer dimensions than names: resolved against the params
+            with pytest.raises(ValueError, match=r"st\.optimizer_sharding"):
+                st.to_sharding(state, mesh)
+            state_shardings = st.optimizer_sharding(tx, params, mesh)
+        else:
+            state_shardings = st.to_sharding(state, mesh)
         (params, state), (new_params, new_state) = train_twice(
             tx, params, param_shardings, state_shardings, mesh, lookahead
         )
@@ -170,8 +180,8 @@ def test_optimizer_sharding_names_adafactor_statistics():
     assert factored.v_row["w"].spec == P("data") and factored.v_col["w"].spec == P("model")
     assert factored.v_row["square"].spec == P()  # row or column? ambiguous: replicated
     assert factored.v_row["scale"].spec == P()
-    plain = st.to_sharding(jax.eval_shape(tx.init, params), AUTO)[0]
-    assert plain.v_row["w"].spec == P()
+    with pytest.raises(ValueError, match=r"tree\[0\]\.v_row\['w'\].*params="):
+        st.to_sharding(jax.eval_shape(tx.init, params), AUTO)
 
 
 def test_optimizer_sharding_names_sm3_accumulators_by_position():
@@ -188,6 +198,25 @@ def test_optimizer_sharding_matches_params_by_the_longest_path_suffix():
     }
     state = st.optimizer_sharding(optax.adafactor(1e-2, min_dim_size_to_factor=4), params, AUTO)[0]
     assert state.v_row["enc"]["w"].spec == P("data") and state.v_row["dec"]["w"].spec == P("model")
+
+
+def test_optimizer_sharding_replicates_a_tie_between_params_of_different_shapes():
+    # A v_row of (8,) at ['v_row']['w'] could be enc's rows (8 of (8, 16)) or dec's
+    # columns (8 of (16, 8)): the paths tie on the suffix ('w',), so replicated.
+    params = {
+        "enc": {"w": st.Partitioned(jnp.zeros((8, 16)), ("data", "model"))},
+        "dec": {"w": st.Partitioned(jnp.zeros((16, 8)), ("data", "model"))},
+    }
+    tx = optax.adafactor(1e-2, min_dim_size_to_factor=4)
+    state = jax.eval_shape(tx.init, params)
+    moved = {"v_row": {"w": state[0].v_row["enc"]["w"]}}  # only the suffix ('w',) is shared
+    shardings = st.optimizer_sharding(
+        optax.GradientTransformation(lambda p: moved, None), params, AUTO
+    )
+    assert shardings["v_row"]["w"].spec == P()
+    # Unambiguous: a unique longest suffix picks the param.
+    assert st.optimizer_sharding(tx, params, AUTO)[0].v_row["enc"]["w"].spec == P("data")
+    assert st.optimizer_sharding(tx, params, AUTO)[0].v_row["dec"]["w"].spec == P("model")
 
 
 @pytest.mark.parametrize("name", ["adafactor", "sm3"])

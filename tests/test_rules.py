@@ -290,10 +290,14 @@ def test_logical_to_mesh_errors_name_the_path():
         st.logical_to_mesh({"b": ("x", "x")}, [("x", "data")])
 
 
-def test_logical_to_mesh_sharding_skips_rules_for_other_meshes():
+def test_logical_to_mesh_sharding_refuses_rules_for_axes_not_in_the_mesh():
     rules = [("embed", "fsdp"), ("embed", "model"), ("batch", "data")]
-    out = st.logical_to_mesh_sharding({"x": ("batch", "embed"), "y": P(U)}, AUTO, rules)
-    assert out["x"].spec == P("data", "model") and out["x"].mesh is AUTO
+    with pytest.raises(ValueError, match=r"rule 0 \('embed', 'fsdp'\)"):
+        st.logical_to_mesh_sharding({"x": ("batch", "embed")}, AUTO, rules)
+    # Shared across meshes, the rules get every axis (size 1 where unused).
+    mesh = jax.make_mesh((2, 4, 1), ("data", "model", "fsdp"), axis_types=(AxisType.Auto,) * 3)
+    out = st.logical_to_mesh_sharding({"x": ("batch", "embed"), "y": P(U)}, mesh, rules)
+    assert out["x"].spec == P("data", "fsdp") and out["x"].mesh is mesh
     assert out["y"].spec == P(None)
     with pytest.raises(TypeError, match=r"jax\.sharding\.Mesh"):
         st.logical_to_mesh_sharding({"x": ("batch",)}, "mesh", rules)

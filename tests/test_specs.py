@@ -74,6 +74,42 @@ def test_to_spec_resolves_logical_boxes_with_rules_precedence():
         assert st.to_spec(tree) == {"own": P("own"), "call": P("context")}
 
 
+OWN = {
+    "w": st.LogicallyPartitioned(
+        jnp.ones((4, 8)), ("a", "b"), rules=[("a", "data"), ("b", "model")]
+    )
+}
+
+
+@pytest.mark.parametrize(
+    "spec_of",
+    [
+        lambda t: st.to_spec(t, mesh=AUTO)["w"],
+        lambda t: st.to_sharding(t, AUTO)["w"].spec,
+        lambda t: st.get_sharding(t, AUTO)["w"].spec,
+        lambda t: st.to_abstract(t, AUTO)["w"].value.sharding.spec,
+        lambda t: st.shard(t, AUTO)["w"].value.sharding.spec,
+        lambda t: jax.jit(lambda p: st.constrain(p, AUTO))(t)["w"].value.sharding.spec,
+        lambda t: t["w"].get_sharding(AUTO).spec,
+        lambda t: P(*st.describe(t, AUTO, rich=False).splitlines()[3].split("-> ")[1].split(",")),
+    ],
+    ids=[
+        "to_spec",
+        "to_sharding",
+        "get_sharding",
+        "to_abstract",
+        "shard",
+        "constrain",
+        "box.get_sharding",
+        "describe",
+    ],
+)
+def test_a_box_own_rules_win_in_every_function(spec_of):
+    with st.logical_axis_rules([("a", "model"), ("b", None)]):  # context rules lose
+        assert spec_of(OWN) == P("data", "model")
+    assert spec_of(OWN) == P("data", "model")
+
+
 def test_to_spec_without_mesh_keeps_names():
     assert st.to_spec(model(), [("embed", "model")])["dense"]["kernel"] == P("data", "model")
 
@@ -109,12 +145,13 @@ def test_to_spec_logical_falls_through_to_the_next_rule_that_divides():
     assert st.to_spec(tree, rules, mesh=AUTO, strict=True) == {"emb": P("data", "model")}
 
 
-def test_to_spec_logical_rule_for_another_mesh_is_skipped():
+def test_to_spec_logical_rule_for_another_mesh_is_an_error():
     rules = [("embed", "fsdp"), ("embed", "data")]
     tree = {"w": st.LogicallyPartitioned(jnp.ones((4,)), ("embed",))}
-    assert st.to_spec(tree, rules, mesh=AUTO) == {"w": P("data")}
-    with pytest.raises(ValueError, match="'fsdp', which is not in the mesh"):
-        st.to_spec(tree, rules, mesh=AUTO, strict=True)
+    for strict in (False, True):
+        with pytest.raises(ValueError, match="'fsdp', which is not in the mesh"):
+            st.to_spec(tree, rules, mesh=AUTO, strict=strict)
+    assert st.to_spec(tree, rules[1:], mesh=AUTO) == {"w": P("data")}
 
 
 def test_to_spec_more_dims_than_names_suggests_add_axis():
@@ -126,13 +163,14 @@ def test_to_spec_more_dims_than_names_suggests_add_axis():
     assert "tree['w']" in message and "add_axis" in message and "st.vmap" in message
 
 
-def test_to_spec_fewer_dims_than_names_is_replicated_or_strict_error():
+def test_to_spec_fewer_dims_than_names_is_an_error_naming_both_causes():
     reduced = jax.tree.map(
         lambda x: x.sum(0), {"w": st.Partitioned(jnp.ones((4, 8)), ("data", "model"))}
     )
-    assert st.to_spec(reduced, mesh=AUTO) == {"w": P()}
-    with pytest.raises(ValueError, match=r"tree\['w'\].*fewer dimensions than names"):
-        st.to_spec(reduced, mesh=AUTO, strict=True)
+    for strict in (False, True):
+        with pytest.raises(ValueError, match=r"tree\['w'\].*fewer dimensions") as info:
+            st.to_spec(reduced, mesh=AUTO, strict=strict)
+        assert "st.scan" in str(info.value) and "params=" in str(info.value)
 
 
 def test_to_spec_keeps_unconstrained_and_to_sharding_drops_it():
@@ -171,9 +209,10 @@ def test_boxes_with_different_meshes_in_one_call():
 
 
 def test_a_box_holding_a_subtree_keeps_the_box():
-    vectors = st.Partitioned([jnp.ones(4), jnp.ones(8)], ("data", "model"))
+    vectors = st.Partitioned([jnp.ones((2, 4)), jnp.ones((4, 6))], ("data", "model"))
     specs = st.to_spec({"v": vectors}, mesh=AUTO)
-    assert type(specs["v"]) is st.Partitioned and specs["v"].value == [P(), P()]
+    assert type(specs["v"]) is st.Partitioned
+    assert specs["v"].value == [P("data", "model"), P("data", None)]
     shardings = st.to_sharding({"v": vectors}, AUTO)
     assert jax.tree.structure(shardings, is_leaf=lambda x: isinstance(x, NamedSharding)) == (
         jax.tree.structure({"v": st.Partitioned([0, 0], ("data", "model"))})

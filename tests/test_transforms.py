@@ -115,10 +115,18 @@ def test_scan_hands_per_layer_boxes_and_stacks_outputs():
 def test_scan_checks_the_scanned_name_and_supports_reverse():
     with pytest.raises(ValueError, match="'layers', not 'blocks'"):
         st.scan(lambda c, x: (c, x), 0.0, stacked(), partition_name="blocks")
-    carry, _ = st.scan(
-        lambda c, x: (c + st.unbox(x)["b"].sum(), None), 0.0, stacked(), reverse=True
+    layers = {"v": st.Partitioned(jnp.arange(3.0), ("layers",))}
+    # A carry that remembers the order: 10*c + v is 12.0 backwards, 210.0 forwards.
+    forwards, _ = st.scan(lambda c, x: (10 * c + st.unbox(x)["v"], None), 0.0, layers)
+    backwards, ys = st.scan(
+        lambda c, x: (10 * c + st.unbox(x)["v"], x),
+        0.0,
+        layers,
+        partition_name="layers",
+        reverse=True,
     )
-    assert float(carry) == 0.0
+    assert float(forwards) == 12.0 and float(backwards) == 210.0
+    assert ys["v"].names == ("layers",) and ys["v"].value.tolist() == [0.0, 1.0, 2.0]
 
 
 def test_scan_with_length_and_no_xs():

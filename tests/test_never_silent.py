@@ -1,0 +1,329 @@
+"""Everyday mistakes that used to pass silently: each is now an error or a visible fallback.
+
+Every test here reproduces a symptom seen with spmdtree 0.1.0 (a silently
+replicated sharding, a misleading error, or a crash inside JAX).
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+import spmdtree as st
+
+AUTO = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+EXPLICIT = jax.make_mesh((2, 4), ("data", "model"))
+TYPO = [("batch", "data"), ("embed", "data"), ("mlp", "modle")]
+
+
+def layer(key=0):
+    w = jax.random.normal(jax.random.key(key), (8, 16))
+    return {"w": st.LogicallyPartitioned(w, ("embed", "mlp"))}
+
+
+def stacked(n=3):
+    return st.vmap(lambda k: layer(0), partition_name="layers")(jnp.arange(n))
+
+
+# --- 1. a typo in a rule's mesh axis ---------------------------------------------------
+
+TYPO_CALLS = {
+    "to_sharding": lambda: st.to_sharding(layer(), AUTO, TYPO),
+    "to_spec": lambda: st.to_spec(layer(), TYPO, mesh=AUTO),
+    "to_abstract": lambda: st.to_abstract(layer(), AUTO, TYPO),
+    "shard": lambda: st.shard(layer(), AUTO, TYPO),
+    "sharded_init": lambda: st.sharded_init(lambda k: layer(), AUTO, TYPO)(jax.random.key(0)),
+    "with_logical_constraint": lambda: st.with_logical_constraint(
+        jnp.ones((4, 16)), ("batch", "mlp"), TYPO, AUTO
+    ),
+    "logical_to_mesh_sharding": lambda: st.logical_to_mesh_sharding(("batch", "mlp"), AUTO, TYPO),
+    "describe": lambda: st.describe(layer(), AUTO, TYPO),
+    "optimizer_sharding": lambda: st.optimizer_sharding(optax.adam(1e-3), layer(), AUTO, TYPO),
+}
+
+
+@pytest.mark.parametrize("function", list(TYPO_CALLS))
+def test_a_typo_in_a_rule_is_an_error_that_names_the_rule(function):
+    with pytest.raises(ValueError) as info:
+        TYPO_CALLS[function]()
+    message = str(info.value)
+    assert message.startswith(f"{function}: "), message
+    for fragment in ("rule 2", "('mlp', 'modle')", "'data' (size 2), 'model' (size 4)"):
+        assert fragment in message, message
+    assert "Did you mean 'model'?" in message
+
+
+def test_a_typo_inside_jit_is_an_error_too():
+    @jax.jit
+    def f(x):
+        return st.with_logical_constraint(x, ("batch", "mlp"), TYPO)
+
+    with jax.set_mesh(AUTO), pytest.raises(ValueError, match="Did you mean 'model'"):
+        f(jnp.ones((4, 16)))
+
+
+def test_a_partitioned_name_not_in_the_mesh_suggests_the_closest_axis():
+    box = {"w": st.Partitioned(jnp.zeros((4, 8)), ("data", "modle"))}
+    with pytest.raises(ValueError, match=r"tree\['w'\].*Did you mean 'model'\?"):
+        st.to_sharding(box, AUTO)
+
+
+def test_a_rule_not_reached_is_not_checked():
+    # 'embed' is served by rule 0 before rule 1 (a typo) is considered.
+    rules = [("embed", "data"), ("embed", "dtaa"), ("mlp", "model")]
+    assert st.to_spec(layer(), rules, mesh=AUTO) == {"w": P("data", "model")}
+
+
+def test_a_rule_set_shared_across_meshes_gives_each_mesh_all_its_axes():
+    rules = [("embed", "fsdp"), ("mlp", "tensor")]
+    big = jax.make_mesh((2, 4), ("fsdp", "tensor"), axis_types=(AxisType.Auto,) * 2)
+    small = jax.make_mesh((8, 1), ("fsdp", "tensor"), axis_types=(AxisType.Auto,) * 2)
+    assert st.to_spec(layer(), rules, mesh=big) == {"w": P("fsdp", "tensor")}
+    assert st.to_spec(layer(), rules, mesh=small) == {"w": P("fsdp", "tensor")}
+    assert st.to_sharding(layer(), small, rules)["w"].shard_shape((8, 16)) == (1, 16)
+
+
+# --- 2. stale names inside a plain jax.lax.scan --------------------------------------
+
+
+def test_stale_names_inside_a_plain_scan_are_an_error_not_replication():
+    def body(h, one_layer):
+        one_layer = st.constrain(one_layer, rules=[("embed", "data"), ("mlp", "model")])
+        return jnp.tanh(h @ st.unbox(one_layer)["w"][:, :8]), None
+
+    step = jax.jit(lambda p, x: jax.lax.scan(body, x, p)[0])
+    with jax.set_mesh(AUTO), pytest.raises(ValueError) as info:
+        step(stacked(), jnp.ones((2, 8)))
+    message = str(info.value)
+    assert message.startswith("constrain: the box at tree['w']"), message
+    for fix in ("st.scan", "st.vmap", "st.remove_axis", "params=", "st.optimizer_sharding"):
+        assert fix in message
+
+
+def test_st_scan_is_the_fix_for_the_plain_scan():
+    def body(h, one_layer):
+        one_layer = st.constrain(one_layer, rules=[("embed", "data"), ("mlp", "model")])
+        return jnp.tanh(h @ st.unbox(one_layer)["w"][:, :8]), None
+
+    step = jax.jit(lambda p, x: st.scan(body, x, p, partition_name="layers")[0])
+    with jax.set_mesh(AUTO):
+        out = step(stacked(), jnp.ones((2, 8)))
+    assert out.shape == (2, 8)
+
+
+def test_reduced_optimizer_state_without_params_is_the_same_error():
+    params = {"w": st.Partitioned(jnp.zeros((8, 16)), ("data", "model"))}
+    state = jax.eval_shape(optax.adafactor(1e-3, min_dim_size_to_factor=4).init, params)
+    with pytest.raises(ValueError) as info:
+        st.to_sharding(state, AUTO)
+    message = str(info.value)
+    assert "tree[0].v_row['w']" in message and "params=" in message
+    assert "st.optimizer_sharding" in message
+
+
+def test_size_one_placeholders_are_still_replicated():
+    params = {"scale": st.Partitioned(jnp.zeros(()), ())}
+    state = jax.eval_shape(optax.adafactor(1e-3).init, params)
+    assert state[0].v_row["scale"].value.shape == (1,)  # one dim more than names
+    assert st.to_sharding(state, AUTO)[0].v_row["scale"].spec == P()
+    full = {"b": st.Partitioned(jax.ShapeDtypeStruct((2, 8), jnp.float32), ("data", "model"))}
+    squeezed = jax.tree.map(lambda x: jax.ShapeDtypeStruct((1,), x.dtype), full)
+    assert st.to_spec(squeezed, mesh=AUTO) == {"b": P()}  # one dim fewer, size 1
+
+
+def test_describe_flags_the_rank_mismatch_instead_of_raising():
+    one = jax.eval_shape(lambda: jax.tree.map(lambda x: x[0], stacked()))
+    text = st.describe(one, AUTO, [("embed", "data"), ("mlp", "model")], rich=False)
+    assert "! w: replicated by a fallback: shape [8,16] under names (layers,embed,mlp)" in text
+
+
+# --- 3. RAISE_ERROR without a mesh -----------------------------------------------------
+
+
+def test_raise_error_fallback_raises_without_a_mesh():
+    x = jnp.ones((4, 8))
+    with pytest.raises(ValueError, match="no rule maps 'heads'"):
+        st.with_logical_constraint(
+            x, ("batch", "heads"), [("batch", "data")], fallback=st.RulesFallback.RAISE_ERROR
+        )
+    with pytest.raises(ValueError, match="no rule maps 'batch'"):
+        st.with_logical_constraint(x, ("batch",), fallback=st.RulesFallback.RAISE_ERROR)
+    covered = st.with_logical_constraint(
+        x, ("batch", None), [("batch", "data")], fallback=st.RulesFallback.RAISE_ERROR
+    )
+    assert covered is x  # nothing to constrain on: x unchanged
+
+
+def test_without_a_mesh_a_spec_longer_than_the_array_is_still_an_error():
+    with pytest.raises(ValueError, match="names 2 dimensions"):
+        st.with_logical_constraint(jnp.ones(4), ("batch", "embed"), [("batch", "data")])
+
+
+# --- 4. a captured constant inside jit ------------------------------------------------
+
+
+@pytest.mark.parametrize("mesh", [AUTO, EXPLICIT], ids=["auto", "explicit"])
+def test_a_captured_constant_is_constrained_like_a_traced_value(mesh):
+    constant = jnp.arange(32.0).reshape(4, 8)
+    rules = [("batch", "data"), ("embed", "model")]
+
+    def f(x):
+        return st.with_logical_constraint(constant, ("batch", "embed"), rules) + x
+
+    with jax.set_mesh(mesh):
+        out = jax.jit(f)(jnp.zeros((4, 8)))
+        kinds = [eqn.primitive.name for eqn in jax.make_jaxpr(f)(jnp.zeros((4, 8))).eqns]
+    np.testing.assert_array_equal(out, constant)
+    assert {"sharding_constraint", "reshard"} & set(kinds)
+
+
+def test_unrelated_errors_are_not_relabelled_as_prefix_errors():
+    with pytest.raises(ValueError) as info:
+        jax.jit(
+            lambda x: st.with_logical_constraint(
+                x, ("batch",), [("batch", "data")], jax.make_mesh((2, 4), ("data", "model"))
+            )
+        )(jnp.zeros(4))
+    assert "prefix" not in str(info.value) and "jax.set_mesh" in str(info.value)
+    with pytest.raises(ValueError, match="prefix of x"):
+        st.with_logical_constraint({"a": jnp.ones(2)}, {"b": ("batch",)}, [("b", "data")], AUTO)
+
+
+# --- 5 and 6. custom boxes' add_axis/remove_axis hooks --------------------------------
+
+LOG = []
+
+
+class Logged(st.Partitioned):
+    """A Partitioned whose hooks record the value shape they see."""
+
+    __slots__ = ()
+
+    def add_axis(self, index, params):
+        LOG.append(("add", tuple(self.value.shape), params[st.PARTITION_NAME]))
+        return super().add_axis(index, params)
+
+    def remove_axis(self, index, params):
+        LOG.append(("remove", tuple(self.value.shape), params[st.PARTITION_NAME]))
+        return super().remove_axis(index, params)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Averaged(st.AxisMetadata):
+    """A box that keeps the mean of its value over a stacked axis in add_axis,
+    and checks in remove_axis that it sees the same, stacked level."""
+
+    value: object
+    ndim: int = dataclasses.field(metadata=dict(static=True))
+    mean: tuple = dataclasses.field(default=(), metadata=dict(static=True))
+
+    def unbox(self):
+        return self.value
+
+    def replace_boxed(self, value):
+        return dataclasses.replace(self, value=value)
+
+    def add_axis(self, index, params):
+        means = tuple(np.asarray(self.value).mean(axis=index).round(3).ravel().tolist())
+        return dataclasses.replace(self, ndim=self.ndim + 1, mean=means)
+
+    def remove_axis(self, index, params):
+        assert np.ndim(self.value) == self.ndim, (np.ndim(self.value), self.ndim)
+        return dataclasses.replace(self, ndim=self.ndim - 1)
+
+
+def test_tree_add_and_remove_axis_call_the_boxes_own_hooks():
+    LOG.clear()
+    tree = {"w": Logged(jnp.zeros((2, 4)), ("a", "b"))}
+    added = st.add_axis(tree, 0, "layers")
+    st.remove_axis(added, 0, "layers")
+    assert LOG == [("add", (2, 4), "layers"), ("remove", (2, 4), "layers")]
+    assert type(added["w"]) is Logged and added["w"].names == ("layers", "a", "b")
+
+
+def test_vmap_calls_both_hooks_on_the_stacked_level():
+    LOG.clear()
+    stack = {"w": Logged(jnp.zeros((3, 4)), ("layers", "model"))}
+    out = st.vmap(lambda t: jax.tree.map(lambda x: x + 1, t), partition_name="layers")(stack)
+    assert LOG == [("remove", (3, 4), "layers"), ("add", (3, 4), "layers")]
+    assert type(out["w"]) is Logged and out["w"].names == ("layers", "model")
+
+
+def test_vmap_without_a_partition_name_passes_the_name_it_removes():
+    LOG.clear()
+    stack = {"w": Logged(jnp.zeros((3, 4)), ("layers", "model"))}
+    st.vmap(lambda t: t)(stack)
+    assert LOG[0] == ("remove", (3, 4), "layers")
+
+
+def test_scan_calls_both_hooks_on_the_stacked_level():
+    LOG.clear()
+    stack = {"w": Logged(jnp.ones((3, 4)), ("layers", "model"))}
+    _, ys = st.scan(lambda c, t: (c, t), 0.0, stack, partition_name="layers")
+    assert LOG == [("remove", (3, 4), "layers"), ("add", (3, 4), "layers")]
+    assert ys["w"].names == ("layers", "model")
+
+
+def test_a_custom_box_that_averages_in_add_axis_works_through_vmap():
+    stack = {"m": Averaged(jnp.arange(6.0).reshape(3, 2), ndim=2)}
+    out = st.vmap(lambda t: jax.tree.map(lambda x: x * 2, t), partition_name="layers")(stack)
+    assert out["m"].ndim == 2 and out["m"].mean == (4.0, 6.0)
+
+
+# --- 7. Explicit meshes: shape-aware logical_to_mesh_axes ----------------------------
+
+
+def test_logical_to_mesh_axes_is_shape_aware_with_shape_and_mesh():
+    rules = [("batch", "data"), ("mlp", "model"), ("mlp", "data")]
+    assert st.logical_to_mesh_axes(("batch", "mlp"), rules) == P("data", "model")
+    assert st.logical_to_mesh_axes(("batch", "mlp"), rules, shape=(8, 6), mesh=AUTO) == P(
+        "data", None
+    )
+    abstract = jax.sharding.AbstractMesh((2, 4), ("data", "model"))
+    assert st.logical_to_mesh_axes(("batch", "mlp"), rules, shape=(3, 8), mesh=abstract) == P(
+        None, "model"
+    )
+    with pytest.raises(TypeError, match="shape= and mesh= together"):
+        st.logical_to_mesh_axes(("batch",), rules, shape=(8,))
+    with pytest.raises(ValueError, match="Did you mean 'model'"):
+        st.logical_to_mesh_axes(("mlp",), TYPO, shape=(8,), mesh=AUTO)
+
+
+def test_a_matmul_on_the_default_explicit_mesh_with_out_sharding_by_logical_names():
+    rules = [("batch", "data"), ("embed", None), ("mlp", "model")]
+    w = st.shard({"w": st.LogicallyPartitioned(jnp.ones((16, 64)), ("embed", "mlp"))}, EXPLICIT)
+    x = jax.device_put(jnp.ones((8, 16)), jax.sharding.NamedSharding(EXPLICIT, P("data")))
+
+    @jax.jit
+    def f(p, x):
+        out = st.logical_to_mesh_axes(("batch", "mlp"), rules, shape=(8, 64), mesh=EXPLICIT)
+        return jnp.matmul(x, st.unbox(p)["w"], out_sharding=out)
+
+    with jax.set_mesh(EXPLICIT):
+        y = f(w, x)
+    assert y.sharding.spec == P("data", "model")
+    np.testing.assert_allclose(y, 16.0)
+
+
+# --- jnp functions on boxes ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "use",
+    [jnp.sum, jnp.tanh, lambda b: jnp.matmul(jnp.ones(4), b), lambda b: jnp.where(True, b, 0)],
+    ids=["sum", "tanh", "matmul", "where"],
+)
+def test_jnp_functions_on_a_box_say_to_unbox(use):
+    with pytest.raises(TypeError, match=r"Partitioned is a metadata box.*st\.unbox"):
+        use(st.Partitioned(jnp.ones(4), ("data",)))
+
+
+def test_comparing_an_array_with_a_box_still_never_raises():
+    box = st.Partitioned(jnp.ones(4), ("data",))
+    assert (jnp.ones(4) == box) is False and (jnp.ones(4) != box) is True
