@@ -22,6 +22,7 @@ def test_readme_python_blocks_run(capsys):
     assert "Partitioned(f32[256,512], names=('data', 'model'))" in printed
     assert "{'emb': P('data', 'model'), 'out': P('model', 'data')}" in printed
     assert "LogicallyPartitioned(f32[3,16,32], names=('layers', 'embed', 'mlp'))" in printed
+    assert "P('model', None)" in printed  # the tour on the default, Explicit mesh ran
 
 
 def test_readme_api_table_lists_every_public_name():
