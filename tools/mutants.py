@@ -1,0 +1,204 @@
+"""Mutation check: does the test suite notice a planted bug?
+
+For each mutant below, this copies the repository's tracked files to a
+temporary directory, plants one bug in the copy of the package (a text
+replacement that must apply exactly once), confirms that the copy is what
+``import spmdtree`` loads there, and runs the test suite (``pytest -x``) on it.
+A mutant is *killed* if a test fails, and *survives* if the suite passes.
+Every mutant changes a result a user would see; a survivor is a hole in the net.
+
+Run: python tools/mutants.py [names...] [--tests FILE...]   (about a minute per mutant)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+#: name -> [(file under spmdtree/, old text, new text), ...]
+MUTANTS: dict[str, list[tuple[str, str, str]]] = {
+    "own-rules-ignored": [
+        ("boxes.py", "return rules if own is None else own", "return rules"),
+    ],
+    "scan-drops-kwargs": [
+        ("transforms.py", "length=length, **kwargs)", "length=length)"),
+    ],
+    "optimizer-tie-resolved": [
+        ("optim.py", "return first if same else _AMBIGUOUS", "return first"),
+    ],
+    "no-divisibility-check-logical": [
+        (
+            "rules.py",
+            "if shape is not None and shape[pos] % _size(sizes, mesh_axes) != 0:",
+            "if False:",
+        ),
+    ],
+    "no-divisibility-check-mesh-names": [
+        (
+            "rules.py",
+            "indivisible = tuple(i for i, entry in enumerate(entries) if shape[i] % _size(sizes, entry) != 0)",
+            "indivisible = ()",
+        ),
+    ],
+    "rule-typo-skipped": [
+        ("rules.py", "if sizes is not None and missing:", "if False:"),
+        (
+            "rules.py",
+            "    def fits(pos: int, mesh_axes: Any) -> bool:\n        if sizes is None:",
+            "    def fits(pos: int, mesh_axes: Any) -> bool:\n        if sizes is not None and set(mesh_axes_of(mesh_axes)) - set(sizes):\n            return False\n        if sizes is None:",
+        ),
+    ],
+    "fewer-dims-replicated": [
+        (
+            "rules.py",
+            "if len(shape) != len(names) and any(size != 1 for size in shape):",
+            "if False:",
+        ),
+    ],
+    "raise-error-needs-a-mesh": [
+        (
+            "constraints.py",
+            "if res.unmatched and fallback is RulesFallback.RAISE_ERROR:",
+            "if res.unmatched and fallback is RulesFallback.RAISE_ERROR and live is not None:",
+        ),
+    ],
+    "unbox-one-level": [
+        (
+            "trees.py",
+            "return unbox(x.unbox()) if is_boxed(x) else x",
+            "return x.unbox() if is_boxed(x) else x",
+        ),
+    ],
+    "remove-axis-any-name": [
+        ("boxes.py", "if check and names[index] != name:", "if False:"),
+    ],
+    "add-axis-negative-index": [
+        (
+            "boxes.py",
+            "    index %= size\n    return (*names[:index], name, *names[index:])",
+            "    return (*names[:index], name, *names[index:])",
+        ),
+    ],
+    "explicit-axes-not-resharded": [
+        ("constraints.py", "x = jax.sharding.reshard(", "x = (lambda x, spec: x)("),
+    ],
+    "unconstrained-kept-in-shardings": [
+        ("rules.py", "if any(entry is UNCONSTRAINED for entry in spec):", "if False:"),
+    ],
+    "used-axis-not-checked": [
+        ("rules.py", "if used.intersection(axes) or (fits", "if (fits"),
+    ],
+    "box-mesh-not-checked": [
+        ("boxes.py", "    if own is None or mesh is None or own is mesh:", "    if True:"),
+    ],
+    "kept-dimensions-position-ignored": [
+        ("optim.py", "        position is not None\n", "        False\n"),
+    ],
+    "vmap-outputs-keep-names": [
+        ("transforms.py", 'return _per_prefix(add, out_axes, out, "outputs")', "return out"),
+    ],
+    "describe-device-bytes-unsharded": [
+        ("report.py", "dim // math.prod(sizes[a] for a in mesh_axes_of(entry))", "dim"),
+    ],
+    "validate-rules-never-used-missing": [
+        ("specs.py", "            if name not in used:", "            if False:"),
+    ],
+    "captured-constant-placed": [
+        ("constraints.py", "if trace_state_clean():", "if not isinstance(x, jax.core.Tracer):"),
+    ],
+    "custom-hooks-ignored": [
+        ("trees.py", "if hook is Partitioned.add_axis:", "if add:"),
+    ],
+    "strict-ignored": [
+        (
+            "rules.py",
+            "    if strict and indivisible:\n        raise _indivisible_error(names, shape, sizes, indivisible[0], rules)",
+            "    if False:\n        pass",
+        ),
+        (
+            "rules.py",
+            "    if strict and indivisible:\n        raise _indivisible_error(names, shape, sizes, indivisible[0])",
+            "    if False:\n        pass",
+        ),
+    ],
+}
+
+
+def copy_repository(into: pathlib.Path) -> None:
+    files = subprocess.run(
+        ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
+    for name in files:
+        target = into / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes((ROOT / name).read_bytes())
+
+
+def plant(into: pathlib.Path, edits: list[tuple[str, str, str]]) -> None:
+    for file, old, new in edits:
+        path = into / "spmdtree" / file
+        text = path.read_text()
+        count = text.count(old)
+        if count != 1:
+            raise SystemExit(f"mutant does not apply: {file} has {old!r} {count} times")
+        path.write_text(text.replace(old, new))
+
+
+def run(name: str, edits: list[tuple[str, str, str]], tests: list[str]) -> tuple[str, str, float]:
+    with tempfile.TemporaryDirectory(prefix=f"mutant-{name}-") as tmp:
+        copy = pathlib.Path(tmp)
+        copy_repository(copy)
+        plant(copy, edits)
+        env = {**os.environ, "PYTHONPATH": str(copy)}
+        where = subprocess.run(
+            [sys.executable, "-c", "import spmdtree; print(spmdtree.__file__)"],
+            cwd=copy,
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        if not where.startswith(str(copy)):
+            raise SystemExit(f"the copy is not what gets imported: {where}")
+        start = time.perf_counter()
+        done = subprocess.run(
+            [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests],
+            cwd=copy,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=1200,
+        )
+        seconds = time.perf_counter() - start
+        failed = re.findall(r"^FAILED (\S+)", done.stdout, flags=re.MULTILINE)
+        if done.returncode == 0:
+            return "SURVIVED", "", seconds
+        return "killed", failed[0] if failed else done.stdout.strip().splitlines()[-1], seconds
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("names", nargs="*", help="mutants to run (default: all)")
+    parser.add_argument("--tests", nargs="*", default=[], help="test files (default: all)")
+    args = parser.parse_args()
+    names = args.names or list(MUTANTS)
+    survivors = []
+    for name in names:
+        verdict, by, seconds = run(name, MUTANTS[name], args.tests)
+        print(f"{name:<36} {verdict:<9} {seconds:6.0f} s  {by}", flush=True)
+        if verdict == "SURVIVED":
+            survivors.append(name)
+    print(f"{len(names) - len(survivors)} of {len(names)} mutants killed")
+    return 1 if survivors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
