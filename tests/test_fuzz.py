@@ -112,7 +112,15 @@ def leaves(draw):
     value = draw(arrays())
     choice = draw(
         hst.sampled_from(
-            ["plain", "partitioned", "logical", "logical", "logical-own-rules", "none"]
+            [
+                "plain",
+                "partitioned",
+                "partitioned",
+                "logical",
+                "logical",
+                "logical-own-rules",
+                "none",
+            ]
         )
     )
     if choice == "plain":
@@ -120,7 +128,7 @@ def leaves(draw):
     if choice == "none":
         return None
     ndim = len(np.shape(value))
-    count = max(0, ndim + draw(hst.sampled_from([0, 0, 0, 0, -1, 1])))  # sometimes the wrong rank
+    count = max(0, ndim + draw(hst.sampled_from([0, 0, 0, 0, 0, 0, -1, 1])))  # sometimes wrong
     pool = AXES if choice == "partitioned" else LOGICAL
     if draw(hst.booleans()):  # distinct names, as real boxes mostly have
         distinct = draw(hst.permutations(["a", "b", None] if choice == "partitioned" else pool))
@@ -322,6 +330,26 @@ def test_to_sharding_equals_the_reference_or_is_the_right_error(tree, mesh, rule
     for sharding, (value, spec) in zip(flat, expected, strict=True):
         assert normal(sharding.spec, len(np.shape(value))) == spec, (sharding.spec, spec)
         check_placeable(sharding, value)
+
+
+@hst.composite
+def sharding_boxes(draw):
+    """One box of full rank whose names every mesh knows: these mostly shard."""
+    shape = tuple(draw(hst.lists(sizes_drawn, min_size=1, max_size=3)))
+    logical = draw(hst.booleans())
+    pool = LOGICAL if logical else ["a", "b", None]
+    names = tuple(draw(hst.permutations(pool))[: len(shape)])
+    names += (None,) * (len(shape) - len(names))
+    cls = st.LogicallyPartitioned if logical else st.Partitioned
+    return cls(jax.ShapeDtypeStruct(shape, jnp.float32), names)
+
+
+@settings(max_examples=150)
+@given(box=sharding_boxes(), mesh=meshes(), rules=covering, strict=hst.booleans())
+def test_one_sharding_box_equals_the_reference(box, mesh, rules, strict):
+    test_to_sharding_equals_the_reference_or_is_the_right_error.hypothesis.inner_test(
+        {"w": box}, mesh, rules, strict
+    )
 
 
 @settings(max_examples=80)

@@ -43,6 +43,13 @@ def test_public_surface_is_sorted_and_complete():
     assert public - modules == set(spmdtree.__all__)
 
 
+def test_the_implementation_is_private():
+    package = pathlib.Path(spmdtree.__file__).parent
+    modules = sorted(p.name for p in package.iterdir() if p.suffix == ".py" or p.is_dir())
+    assert [name for name in modules if not name.startswith("_")] == []
+    assert not hasattr(spmdtree, "rules") and not hasattr(spmdtree, "specs")
+
+
 def test_py_typed_ships():
     assert (pathlib.Path(spmdtree.__file__).parent / "py.typed").exists()
     setup = (pathlib.Path(spmdtree.__file__).parent.parent / "setup.cfg").read_text()

@@ -44,11 +44,16 @@ def test_rows_totals_and_flags_with_a_mesh():
 
 
 def test_byte_counts_are_exact():
-    rows = {row.path: row for row in st.report._rows(plan(), MESH, RULES)}
-    assert rows["emb"].global_bytes == 192 and rows["emb"].device_bytes == 24
-    assert rows["w"].per_device == (2, 6) and rows["w"].device_bytes == 48
-    assert rows["big"].replicated and rows["big"].device_bytes == 512 * 512 * 4
-    assert rows["step"].device_bytes == 4
+    # Each row's shard and bytes are what JAX places on a device for that array.
+    placed = st.shard(jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), plan()), MESH, RULES)
+    rows = {line.split()[0]: line.split() for line in st.describe(plan(), MESH, RULES).splitlines()}
+    for path, array in st.unbox(placed).items():
+        shard = array.addressable_shards[0].data
+        assert rows[path][2] == "[" + ",".join(map(str, shard.shape)) + "]", path
+        if shard.nbytes < 1024:
+            assert rows[path][3:] == [str(shard.nbytes), "B"], path
+    assert rows["emb"][2:] == ["[3,2]", "24", "B"] and rows["w"][2:] == ["[2,6]", "48", "B"]
+    assert rows["big"][2:] == ["[512,512]", "1.0", "MiB"] and rows["step"][2:] == ["[]", "4", "B"]
 
 
 def test_without_a_mesh_only_names_and_specs():
@@ -97,6 +102,13 @@ def test_rich_is_used_only_if_installed(monkeypatch):
     monkeypatch.setitem(sys.modules, "rich", None)  # import rich now fails
     text = st.describe(plan(), MESH, RULES)
     assert text == st.describe(plan(), MESH, RULES, rich=False)
+
+
+def test_the_text_is_the_same_whatever_is_installed():
+    import rich  # noqa: F401  installed with the tests: describe must not pick it up
+
+    assert st.describe(plan(), MESH, RULES) == st.describe(plan(), MESH, RULES, rich=False)
+    assert st.describe(plan(), MESH, RULES) != st.describe(plan(), MESH, RULES, rich=True)
 
 
 def test_describe_reports_bad_names_with_their_path():

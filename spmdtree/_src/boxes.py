@@ -1,7 +1,7 @@
 """Metadata boxes: an array together with the names of its dimensions.
 
 A box is a pytree node with exactly one child, its ``value``; the metadata
-(names, mesh, rules) is static aux data. ``jax.jit``, ``jax.grad``,
+(`Meta`: names, mesh, rules) is static aux data. ``jax.jit``, ``jax.grad``,
 ``jax.tree.map`` and optax therefore carry boxes through untouched, and equal
 metadata never causes a retrace.
 """
@@ -9,21 +9,20 @@ metadata never causes a retrace.
 from __future__ import annotations
 
 import abc
-import dataclasses
 import functools
-import operator
+import inspect
 import sys
 from collections.abc import Callable, Mapping
-from typing import Any, NoReturn, TypeVar
+from typing import Any, ClassVar, NamedTuple, NoReturn, TypeVar
 
 import jax
-import numpy as np
-from jax import tree_util
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
-from spmdtree.errors import LeafError, fmt, raise_one
-from spmdtree.rules import (
+from spmdtree._src import registry
+from spmdtree._src.errors import Mistake, fmt, public
+from spmdtree._src.rules import (
     AnyMesh,
+    MeshShape,
     Names,
     Resolution,
     Rules,
@@ -37,15 +36,6 @@ from spmdtree.rules import (
     rules_or_context,
 )
 
-__all__ = [
-    "PARTITION_NAME",
-    "AxisMetadata",
-    "LogicallyPartitioned",
-    "Partitioned",
-    "with_logical_partitioning",
-    "with_partitioning",
-]
-
 #: The key of the axis name in the ``params`` dict of `AxisMetadata.add_axis`
 #: and `AxisMetadata.remove_axis`, as in flax.linen.
 PARTITION_NAME = "partition_name"
@@ -53,39 +43,36 @@ PARTITION_NAME = "partition_name"
 B = TypeVar("B", bound="AxisMetadata")
 PB = TypeVar("PB", bound="Partitioned")
 
-_UNBOX_FIRST = (
-    "{cls} is a metadata box, not an array: {what}. Call st.unbox(tree) (or "
-    "box.unbox()) to get the arrays, and st.replace_boxed(tree, new_values) to "
-    "put results back into the boxes."
-)
+
+class Meta(NamedTuple):
+    """A box's metadata, its static aux data: read by name everywhere."""
+
+    names: Names
+    mesh: AnyMesh | None = None
+    rules: Rules | None = None
 
 
-def _not_an_array(what: str) -> Callable[..., NoReturn]:
-    def refuse(self: Any, *args: Any, **kwargs: Any) -> NoReturn:
-        raise TypeError(_UNBOX_FIRST.format(cls=type(self).__name__, what=what))
+def refuse(box: Any, what: str) -> NoReturn:
+    """The one "unbox first" error, for everything that treats a box as an array."""
+    raise TypeError(
+        f"{type(box).__name__} is a metadata box, not an array: {what}. Call "
+        "st.unbox(tree) (or box.unbox()) to get the arrays, and st.replace_boxed(tree, "
+        "new_values) to put results back into the boxes."
+    )
 
-    refuse.__name__ = f"refuse_{what.split()[0]}"
-    return refuse
+
+def _refusing(what: str) -> Callable[..., NoReturn]:
+    def method(self: Any, *args: Any, **kwargs: Any) -> NoReturn:
+        refuse(self, what)
+
+    return method
 
 
 #: The functions of jax's arrays that read `__jax_array__` to compare.
 _JAX_COMPARISONS = frozenset({"_operator_eq", "_operator_ne"})
 
 
-class _BoxType(abc.ABCMeta):
-    """ABCMeta with `type`'s own C-level isinstance and issubclass checks.
-
-    ABCMeta's checks run Python code on every call to support virtual
-    subclasses (``register``), which boxes do not use; tree walks test every
-    node, so this keeps `isinstance(x, AxisMetadata)` as cheap as for a plain
-    class. Abstract methods are still enforced.
-    """
-
-    __instancecheck__ = type.__instancecheck__
-    __subclasscheck__ = type.__subclasscheck__
-
-
-class AxisMetadata(metaclass=_BoxType):
+class AxisMetadata(metaclass=registry.BoxType):
     """Abstract base for metadata boxes: a value plus metadata about its axes.
 
     Subclass it for your own metadata and register the subclass as a pytree
@@ -93,10 +80,10 @@ class AxisMetadata(metaclass=_BoxType):
     ``jax.tree_util.register_dataclass``); every spmdtree function then treats
     it like the built-in boxes. `add_axis` and `remove_axis` must be inverses.
 
-    A box is neither an array nor a sequence: converting it to an array, taking
-    its length, iterating over it and arithmetic raise a `TypeError` that says
-    to unbox first. Subclass it for real: virtual subclasses (``register``)
-    are not boxes.
+    A box is neither an array nor a sequence: converting it to an array,
+    passing it to a jax function, taking its length, iterating over it and
+    arithmetic raise a `TypeError` that says to unbox first. Subclass it for
+    real: virtual subclasses (``register``) are not boxes.
 
     Example:
         >>> import dataclasses, jax, spmdtree as st
@@ -137,34 +124,31 @@ class AxisMetadata(metaclass=_BoxType):
     @property
     def __jax_array__(self) -> NoReturn:
         # jax functions look this up on arguments they do not know: refusing at
-        # the lookup gives jnp.sum(box), lax.add(box, 1) ... our message. jax's
-        # `array == box` looks it up too, and `==` must never raise, so there it
-        # is absent and the box's own __eq__ answers.
+        # the lookup gives jnp.sum(box) ... our message. jax's `array == box`
+        # looks it up too, and `==` must never raise, so there it is absent and
+        # the box's own __eq__ answers.
         if sys._getframe(1).f_code.co_name in _JAX_COMPARISONS:
             raise AttributeError("__jax_array__")
-        raise TypeError(
-            _UNBOX_FIRST.format(cls=type(self).__name__, what="jax functions act on arrays")
-        )
+        refuse(self, "jax functions act on arrays")
 
-    __array__ = _not_an_array("converting it to an array")
+    __array__ = _refusing("converting it to an array")
     # numpy operators then defer to the box's own (refusing) operators and __eq__.
     __array_ufunc__ = None
-    __len__ = _not_an_array("len() of a box is not defined")
-    __iter__ = _not_an_array("iterating over a box is not defined")
-    __getitem__ = _not_an_array("indexing a box is not defined")
+    __len__ = _refusing("len() of a box is not defined")
+    __iter__ = _refusing("iterating over a box is not defined")
+    __getitem__ = _refusing("indexing a box is not defined")
 
 
 # Arithmetic on a box is a mistake (it would be on the array inside): each
 # operator raises the same TypeError, where Python's would not say what to do.
-_OPERATORS = (
+for _op in (
     *("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul"),
     *("radd", "rsub", "rmul", "rtruediv", "rfloordiv", "rmod", "rpow", "rmatmul"),
     *("and", "or", "xor", "lshift", "rshift", "rand", "ror", "rxor"),
     *("neg", "pos", "abs", "invert", "lt", "le", "gt", "ge"),
     *("float", "int", "complex", "index"),
-)
-for _op in _OPERATORS:
-    setattr(AxisMetadata, f"__{_op}__", _not_an_array(f"__{_op}__ would act on the array inside"))
+):
+    setattr(AxisMetadata, f"__{_op}__", _refusing(f"__{_op}__ would act on the array inside"))
 del _op
 
 
@@ -185,14 +169,6 @@ def dtype_of(value: Any) -> Any:
     return jax.typeof(value).dtype if dtype is None else dtype
 
 
-def _short_value(value: Any) -> str:
-    """``f32[256,512]`` for an array-like, the repr for anything else."""
-    shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
-    if shape is None or dtype is None:
-        return fmt(value)
-    return f"{short_dtype(dtype)}[{','.join(str(d) for d in shape)}]"
-
-
 def shape_of(value: Any) -> tuple[int, ...] | None:
     """The shape of an array-like or Python number; None for anything else."""
     shape = getattr(value, "shape", None)
@@ -208,6 +184,14 @@ def is_array(value: Any) -> bool:
     return shape_of(value) is not None
 
 
+def short_value(value: Any) -> str:
+    """``f32[256,512]`` for an array-like, the repr for anything else."""
+    shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
+    if shape is None or dtype is None:
+        return fmt(value)
+    return f"{short_dtype(dtype)}[{','.join(str(d) for d in shape)}]"
+
+
 def _count(n: int, noun: str) -> str:
     return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
@@ -216,12 +200,12 @@ def checked_names(value: Any, names: Any) -> Names:
     """`names` normalised, checked to name each dimension of `value` once.
 
     Raises:
-        LeafError: if an entry is of the wrong kind or the rank differs.
+        Mistake: if an entry is of the wrong kind or the rank differs.
     """
     names = normalize_names(names)
     shape = shape_of(value)
     if shape is not None and len(shape) != len(names):
-        raise LeafError(
+        raise Mistake(
             ValueError,
             f"has names {names} for a value of shape {shape}: {_count(len(names), 'name')} "
             f"for {_count(len(shape), 'dimension')}. Give one name per dimension (None "
@@ -243,64 +227,9 @@ def _same_value(a: Any, b: Any) -> bool:
     return equal if type(equal) is bool else False
 
 
-def rebuild(cls: type[PB], tree: tuple[Any, Any]) -> PB:
-    """A box of type `cls` from its ``((value,), meta)``, without validation."""
-    box = object.__new__(cls)
-    box._tree = tree
-    return box
-
-
-@dataclasses.dataclass(frozen=True)
-class _MeshRecipe:
-    """A mesh as device ids, axis names and types: what a pickled box keeps of it."""
-
-    device_ids: tuple[int, ...]
-    shape: tuple[int, ...]
-    axis_names: tuple[str, ...]
-    axis_types: tuple[Any, ...]
-
-    @classmethod
-    def of(cls, mesh: Mesh) -> _MeshRecipe:
-        ids = tuple(device.id for device in mesh.devices.flat)
-        return cls(ids, mesh.devices.shape, tuple(mesh.axis_names), tuple(mesh.axis_types))
-
-    def build(self) -> Mesh:
-        by_id = {device.id: device for device in jax.devices()}
-        missing = [i for i in self.device_ids if i not in by_id]
-        if missing:
-            raise ValueError(
-                f"unpickling a box: its mesh has devices {missing[:5]}, which this process "
-                "does not have. Unpickle it where the mesh's devices exist, or drop the "
-                "mesh before pickling with box.replace(mesh=None)."
-            )
-        devices = np.array([by_id[i] for i in self.device_ids]).reshape(self.shape)
-        return Mesh(devices, self.axis_names, axis_types=self.axis_types)
-
-
-def _unpickle(cls: type[PB], value: Any, meta: tuple[Any, ...]) -> PB:
-    if isinstance(meta[1], _MeshRecipe):
-        meta = (meta[0], meta[1].build(), *meta[2:])
-    return rebuild(cls, ((value,), meta))
-
-
-def _read_only(name: str, get: Callable[[Any], Any], doc: str) -> Any:
-    """A property that refuses assignment and deletion with a message saying what to do.
-
-    Boxes are immutable through these properties rather than a ``__setattr__``
-    override, which would slow down every unflatten (a plain slot store is the
-    fastest way to build a box).
-    """
-
-    def refuse_set(self: Any, value: Any) -> NoReturn:
-        raise AttributeError(
-            f"{type(self).__name__} is immutable: cannot set {name!r}. Use "
-            f"box.replace({name}=...) or box.replace_boxed(value) for a new box."
-        )
-
-    def refuse_delete(self: Any) -> NoReturn:
-        raise AttributeError(f"{type(self).__name__} is immutable: cannot delete {name!r}.")
-
-    return property(get, refuse_set, refuse_delete, doc)
+def the_box(mistake: Mistake) -> Mistake:
+    """A leaf's mistake said of a box on its own, outside any tree."""
+    return Mistake(mistake.kind, f"the box {mistake.message}")
 
 
 class Partitioned(AxisMetadata):
@@ -326,40 +255,34 @@ class Partitioned(AxisMetadata):
         P('data', 'model')
     """
 
-    # The box stores exactly what flattening returns, ((value,), meta), so that
-    # jax flattens it with a C-level attribute read (see `_register`).
     __slots__ = ("_tree",)
-    _logical = False
-    _fields: tuple[str, ...] = ("names", "mesh")
-    _tree: tuple[tuple[Any], tuple[Any, ...]]
+    #: Whether the names are logical names (resolved through rules).
+    logical: ClassVar[bool] = False
+    _tree: tuple[tuple[Any], Meta]
 
+    @public
     def __init__(self, value: Any, names: Any, mesh: AnyMesh | None = None) -> None:
-        self._init(value, names, (mesh,))
+        self._init(value, Meta(names, mesh))
 
-    def _init(self, value: Any, names: Any, rest: tuple[Any, ...]) -> None:
-        check_mesh(type(self).__name__, rest[0], optional=True)
+    def _init(self, value: Any, meta: Meta) -> None:
+        check_mesh(meta.mesh, optional=True)
         try:
-            self._tree = ((value,), (checked_names(value, names), *rest))
-        except LeafError as e:
-            raise raise_one(type(self).__name__, "the box", e) from None
+            self._tree = ((value,), meta._replace(names=checked_names(value, meta.names)))
+        except Mistake as mistake:
+            raise the_box(mistake) from None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        _register(cls)
+        registry.register(cls)
 
-    value = _read_only("value", lambda self: self._tree[0][0], "The boxed value.")
-    names = _read_only(
-        "names", lambda self: self._tree[1][0], "The names of the value's dimensions (tuples)."
+    value = registry.read_only("value", lambda self: self._tree[0][0], "The boxed value.")
+    names = registry.read_only(
+        "names", lambda self: self._tree[1].names, "The names of the value's dimensions."
     )
-    mesh = _read_only(
-        "mesh", lambda self: self._tree[1][1], "The mesh the names refer to, or None."
+    mesh = registry.read_only(
+        "mesh", lambda self: self._tree[1].mesh, "The mesh the names refer to, or None."
     )
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        (value,), meta = self._tree
-        if isinstance(meta[1], Mesh):  # devices do not pickle; their ids do
-            meta = (meta[0], _MeshRecipe.of(meta[1]), *meta[2:])
-        return (_unpickle, (type(self), value, meta))
+    __reduce__ = registry.reduce
 
     def __eq__(self, other: object) -> bool:
         if self is other:
@@ -374,13 +297,13 @@ class Partitioned(AxisMetadata):
         return hash((type(self), self._tree[1]))
 
     def __repr__(self) -> str:
-        (value,), (names, *rest) = self._tree
+        (value,), meta = self._tree
         extra = "".join(
             f", {field}={item!r}"
-            for field, item in zip(self._fields[1:], rest, strict=True)
+            for field, item in zip(meta._fields[1:], meta[1:], strict=True)
             if item is not None
         )
-        return f"{type(self).__name__}({_short_value(value)}, names={names!r}{extra})"
+        return f"{type(self).__name__}({short_value(value)}, names={meta.names!r}{extra})"
 
     def unbox(self) -> Any:
         """Returns the boxed value.
@@ -400,10 +323,10 @@ class Partitioned(AxisMetadata):
             >>> st.Partitioned(jnp.zeros(4), ("data",)).replace_boxed(jnp.ones(4))
             Partitioned(f32[4], names=('data',))
         """
-        return rebuild(type(self), ((value,), self._tree[1]))
+        return registry.rebuild(type(self), value, self._tree[1])
 
     def replace(self: PB, **changes: Any) -> PB:
-        """Returns a new box with some of ``value``, ``names``, ``mesh`` (``rules``) changed.
+        """Returns a new box with some of its constructor's arguments changed.
 
         Unlike `replace_boxed`, the new box is validated like a constructed one.
 
@@ -413,15 +336,17 @@ class Partitioned(AxisMetadata):
             Partitioned(f32[2,4], names=(None, 'model'))
         """
         (value,), meta = self._tree
-        fields = dict(zip(("value", *self._fields), (value, *meta), strict=True))
+        current = {"value": value, **meta._asdict()}
+        fields = [name for name in inspect.signature(type(self)).parameters if name in current]
         unknown = set(changes) - set(fields)
         if unknown:
             raise TypeError(
                 f"{type(self).__name__}.replace: unknown field(s) {sorted(unknown)}; "
-                f"the fields are {list(fields)}."
+                f"the fields are {fields}."
             )
-        return type(self)(**{**fields, **changes})
+        return type(self)(**{**{name: current[name] for name in fields}, **changes})
 
+    @public
     def add_axis(self: PB, index: int, params: Mapping[str, Any]) -> PB:
         """Returns the box with a new axis named ``params[PARTITION_NAME]`` at `index`.
 
@@ -439,9 +364,10 @@ class Partitioned(AxisMetadata):
         """
         try:
             return self.with_names(insert_name(self.names, index, partition_name(params)))
-        except LeafError as e:
-            raise raise_one("add_axis", "the box", e) from None
+        except Mistake as mistake:
+            raise the_box(mistake) from None
 
+    @public
     def remove_axis(self: PB, index: int, params: Mapping[str, Any]) -> PB:
         """Returns the box without the axis at `index`, which must be named ``params[PARTITION_NAME]``.
 
@@ -458,13 +384,13 @@ class Partitioned(AxisMetadata):
         """
         try:
             return self.with_names(delete_name(self.names, index, partition_name(params)))
-        except LeafError as e:
-            raise raise_one("remove_axis", "the box", e) from None
+        except Mistake as mistake:
+            raise the_box(mistake) from None
 
     def with_names(self: PB, names: Names) -> PB:
         """The same box with other (already normalised) names; not validated."""
-        (value,), (_, *rest) = self._tree
-        return rebuild(type(self), ((value,), (names, *rest)))
+        (value,), meta = self._tree
+        return registry.rebuild(type(self), value, meta._replace(names=names))
 
     def get_partition_spec(self) -> PartitionSpec:
         """Returns ``PartitionSpec(*names)``, the names as written (not resolved).
@@ -476,29 +402,8 @@ class Partitioned(AxisMetadata):
         """
         return PartitionSpec(*self.names)
 
-    def resolution(
-        self,
-        shape: tuple[int, ...] | None,
-        rules: Rules,
-        mesh: AnyMesh | None,
-        strict: bool = False,
-    ) -> Resolution:
-        """How this box's names resolve for an array of `shape` on `mesh`.
-
-        `shape` is the boxed value's, or that of an array inside a boxed
-        subtree; `rules` serve logical names when the box has none of its own.
-
-        Raises:
-            LeafError: if the names cannot be right for this shape on this mesh.
-        """
-        mesh_shape = None if mesh is None else mesh_shape_of(mesh)
-        return resolve(self.names, shape, self._logical, self.own_rules(rules), mesh_shape, strict)
-
-    def own_rules(self, rules: Rules) -> Rules:
-        """The rules this box resolves with: its own if it has them, else `rules`."""
-        return rules
-
-    def get_sharding(self, mesh: Mesh) -> NamedSharding:
+    @public
+    def get_sharding(self, mesh: AnyMesh) -> NamedSharding:
         """Returns the resolved, shape-aware `NamedSharding` of the value on `mesh`.
 
         The same as ``st.to_sharding(box, mesh)``: logical names go through the
@@ -513,58 +418,25 @@ class Partitioned(AxisMetadata):
             >>> st.Partitioned(jnp.zeros((6, 8)), ("data", "model")).get_sharding(mesh).spec
             P('data', 'model')
         """
-        check_mesh("get_sharding", mesh)
+        check_mesh(mesh)
+        (value,), meta = self._tree
         try:
-            check_same_mesh(self.mesh, mesh)
-            resolution = self.resolution(shape_of(self.value), rules_or_context(None), mesh)
-            if resolution.problem is not None:
-                raise LeafError(ValueError, resolution.problem)
-            return named_sharding(mesh, resolution.spec)
-        except LeafError as e:
-            raise raise_one("get_sharding", "the box", e) from None
+            check_box_mesh(meta, mesh)
+            found = box_resolution(
+                type(self),
+                meta,
+                shape_of(value),
+                rules=rules_or_context(None),
+                mesh_shape=mesh_shape_of(mesh),
+            )
+            if found.problem is not None:
+                raise Mistake(ValueError, found.problem)
+        except Mistake as mistake:
+            raise the_box(mistake) from None
+        return named_sharding(mesh, found.spec)
 
 
-_VALUE_KEY = tree_util.GetAttrKey("value")
-
-
-def _register(cls: type[Partitioned]) -> None:
-    """Registers a box class as a pytree node with one child, ``value``.
-
-    Flattening is a C-level attribute read of the stored ``((value,), meta)``
-    and unflattening stores that one slot, skipping ``__init__``'s validation:
-    this keeps boxes within a small factor of a raw tree's flatten/unflatten
-    (see benchmarks/run.py).
-    """
-    new = object.__new__
-
-    def unflatten(meta: tuple[Any, ...], children: Any) -> Partitioned:
-        box = new(cls)
-        box._tree = (children, meta)
-        return box
-
-    def flatten_with_keys(box: Partitioned) -> tuple[Any, Any]:
-        (value,), meta = box._tree
-        return ((_VALUE_KEY, value),), meta
-
-    tree_util.register_pytree_with_keys(
-        cls, flatten_with_keys, unflatten, flatten_func=operator.attrgetter("_tree")
-    )
-
-
-_register(Partitioned)
-
-
-def check_same_mesh(own: AnyMesh | None, mesh: AnyMesh | None) -> None:
-    """Raises a LeafError if a box's own mesh is not the mesh of the call."""
-    if own is None or mesh is None or own is mesh:
-        return
-    if own == mesh or getattr(own, "abstract_mesh", own) == getattr(mesh, "abstract_mesh", mesh):
-        return
-    raise LeafError(
-        ValueError,
-        f"has its own mesh {own}, which is not the mesh of this call, {mesh}. "
-        "Pass the box's mesh, or drop it from the box with box.replace(mesh=None).",
-    )
+registry.register(Partitioned)
 
 
 class LogicallyPartitioned(Partitioned):
@@ -593,9 +465,9 @@ class LogicallyPartitioned(Partitioned):
     """
 
     __slots__ = ()
-    _logical = True
-    _fields = ("names", "mesh", "rules")
+    logical = True
 
+    @public
     def __init__(
         self,
         value: Any,
@@ -603,23 +475,51 @@ class LogicallyPartitioned(Partitioned):
         mesh: AnyMesh | None = None,
         rules: RulesLike | None = None,
     ) -> None:
-        own = None if rules is None else normalize_rules(rules, type(self).__name__)
-        self._init(value, names, (mesh, own))
+        self._init(value, Meta(names, mesh, None if rules is None else normalize_rules(rules)))
 
-    rules = _read_only(
-        "rules", lambda self: self._tree[1][2], "The box's own rules (normalised), or None."
+    rules = registry.read_only(
+        "rules", lambda self: self._tree[1].rules, "The box's own rules (normalised), or None."
     )
 
-    def own_rules(self, rules: Rules) -> Rules:
-        own = self._tree[1][2]
-        return rules if own is None else own
+
+def box_resolution(
+    kind: type[Partitioned],
+    meta: Meta,
+    shape: tuple[int, ...] | None,
+    *,
+    rules: Rules,
+    mesh_shape: MeshShape | None,
+) -> Resolution:
+    """How a box of `kind` with `meta` resolves for an array of `shape`: logical
+    names through the box's own rules, else `rules`.
+
+    Raises:
+        Mistake: for names that cannot be right for this array on this mesh.
+    """
+    own = rules if meta.rules is None else meta.rules
+    return resolve(meta.names, shape, logical=kind.logical, rules=own, mesh_shape=mesh_shape)
+
+
+def same_mesh(a: AnyMesh, b: AnyMesh) -> bool:
+    """Whether two meshes are the same mesh (an abstract one: the same shape)."""
+    return a is b or a == b or getattr(a, "abstract_mesh", a) == getattr(b, "abstract_mesh", b)
+
+
+def check_box_mesh(meta: Meta, mesh: AnyMesh | None) -> None:
+    """Raises a Mistake if a box's own mesh is not the mesh of the call."""
+    if meta.mesh is not None and mesh is not None and not same_mesh(meta.mesh, mesh):
+        raise Mistake(
+            ValueError,
+            f"has its own mesh {meta.mesh}, which is not the mesh of this call, {mesh}. "
+            "Pass the box's mesh, or drop it from the box with box.replace(mesh=None).",
+        )
 
 
 def partition_name(params: Any) -> Any:
     """The axis name from flax's ``{PARTITION_NAME: name}``, or a plain name."""
     if isinstance(params, Mapping):
         if PARTITION_NAME not in params:
-            raise LeafError(
+            raise Mistake(
                 TypeError,
                 f"got params {fmt(dict(params))} without the key {PARTITION_NAME!r}; "
                 f"pass {{st.PARTITION_NAME: 'layers'}}, or the name itself.",
@@ -632,7 +532,7 @@ def insert_name(names: Names, index: int, name: Any) -> Names:
     """`names` with `name` inserted so that it ends at position `index`."""
     size = len(names) + 1
     if not -size <= index < size:
-        raise LeafError(
+        raise Mistake(
             ValueError,
             f"has names {names}, so a new axis can go at positions {-size} to "
             f"{size - 1}, not {index}. Pass an index in range (-1 appends).",
@@ -645,13 +545,13 @@ def delete_name(names: Names, index: int, name: Any, *, check: bool = True) -> N
     """`names` without the entry at `index`, which must be `name` (if `check`)."""
     size = len(names)
     if not -size <= index < size:
-        raise LeafError(
+        raise Mistake(
             ValueError,
             f"has names {names}, so there is no axis {index} to remove. Pass the "
             "same index that add_axis was given.",
         )
     if check and names[index] != name:
-        raise LeafError(
+        raise Mistake(
             ValueError,
             f"has names {names}, so position {index} is {names[index]!r}, not "
             f"{name!r}. Pass the same index and name that add_axis was given.",
@@ -660,6 +560,14 @@ def delete_name(names: Names, index: int, name: Any, *, check: bool = True) -> N
     return names[:index] + names[index + 1 :]
 
 
+def _initialiser_names(names: Any) -> Names:
+    try:
+        return normalize_names(names)
+    except Mistake as mistake:
+        raise Mistake(mistake.kind, f"the initialiser {mistake.message}") from None
+
+
+@public
 def with_partitioning(
     fn: Callable[..., Any], names: Any, mesh: AnyMesh | None = None
 ) -> Callable[..., Partitioned]:
@@ -682,7 +590,7 @@ def with_partitioning(
         >>> init(jax.random.key(0), (4, 8))
         Partitioned(f32[4,8], names=(None, 'model'))
     """
-    names = _checked_names("with_partitioning", names)
+    names = _initialiser_names(names)
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Partitioned:
@@ -691,6 +599,7 @@ def with_partitioning(
     return wrapper
 
 
+@public
 def with_logical_partitioning(
     fn: Callable[..., Any],
     names: Any,
@@ -717,18 +626,11 @@ def with_logical_partitioning(
         >>> init(jax.random.key(0), (8,))
         LogicallyPartitioned(f32[8], names=('mlp',))
     """
-    names = _checked_names("with_logical_partitioning", names)
-    rules = None if rules is None else normalize_rules(rules, "with_logical_partitioning")
+    names = _initialiser_names(names)
+    rules = None if rules is None else normalize_rules(rules)
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> LogicallyPartitioned:
         return LogicallyPartitioned(fn(*args, **kwargs), names, mesh=mesh, rules=rules)
 
     return wrapper
-
-
-def _checked_names(function: str, names: Any) -> Names:
-    try:
-        return normalize_names(names)
-    except LeafError as e:
-        raise raise_one(function, "the initialiser", e) from None

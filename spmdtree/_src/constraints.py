@@ -17,9 +17,9 @@ import numpy as np
 from jax._src.core import trace_state_clean  # how JAX itself tells that it is tracing
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from spmdtree.boxes import shape_of
-from spmdtree.errors import LeafError, at, raise_collected
-from spmdtree.rules import (
+from spmdtree._src.boxes import shape_of
+from spmdtree._src.errors import Mistake, at, public, raise_collected
+from spmdtree._src.rules import (
     UNCONSTRAINED,
     AnyMesh,
     Names,
@@ -34,9 +34,7 @@ from spmdtree.rules import (
     resolve,
     rules_or_context,
 )
-from spmdtree.specs import Call, context_mesh
-
-__all__ = ["constrain", "shard", "with_logical_constraint"]
+from spmdtree._src.specs import context_mesh, resolve_tree
 
 
 def _only(entry: Any, axes: set[str]) -> Any:
@@ -54,7 +52,7 @@ def _concrete(mesh: AnyMesh) -> Mesh:
         return mesh
     concrete = jax.sharding.get_mesh()
     if concrete.empty:
-        raise LeafError(
+        raise Mistake(
             ValueError,
             f"is to be placed on the abstract mesh {mesh}, which has no devices. "
             "Pass a concrete mesh with mesh=, or call under jax.set_mesh(mesh).",
@@ -81,7 +79,7 @@ def apply_spec(x: Any, spec: PartitionSpec, mesh: AnyMesh) -> Any:
     """Constrains (inside a trace) or places (outside) one array on `spec` over `mesh`.
 
     Raises:
-        LeafError: for Explicit axes inside jit without `jax.set_mesh`.
+        Mistake: for Explicit axes inside jit without `jax.set_mesh`.
     """
     if trace_state_clean():  # not tracing: a captured constant inside jit is constrained
         return place(x, named_sharding(_concrete(mesh), spec))
@@ -94,7 +92,7 @@ def apply_spec(x: Any, spec: PartitionSpec, mesh: AnyMesh) -> Any:
     auto = {axis for axis, kind in types.items() if kind == AxisType.Auto}
     if explicit and any(_only(entry, explicit) for entry in spec if entry is not UNCONSTRAINED):
         if ctx is None:
-            raise LeafError(
+            raise Mistake(
                 ValueError,
                 f"is to be resharded onto Explicit mesh axes {sorted(explicit)} inside "
                 "jax.jit, which JAX allows only with the mesh in context. Call the "
@@ -112,6 +110,7 @@ def apply_spec(x: Any, spec: PartitionSpec, mesh: AnyMesh) -> Any:
     return x
 
 
+@public
 def with_logical_constraint(
     x: Any,
     logical_axis_resources: Any,
@@ -161,12 +160,13 @@ def with_logical_constraint(
         ...     f(jnp.ones((4, 8))).sharding.spec
         P('data', 'model')
     """
-    normal = rules_or_context(rules, "with_logical_constraint")
-    check_mesh("with_logical_constraint", mesh, optional=True)
+    normal = rules_or_context(rules)
+    check_mesh(mesh, optional=True)
     if not isinstance(fallback, RulesFallback):
-        raise TypeError(
-            f"with_logical_constraint: fallback is {fallback!r}; expected a "
-            "st.RulesFallback, e.g. st.RulesFallback.RAISE_ERROR."
+        raise Mistake(
+            TypeError,
+            f"fallback is {fallback!r}; expected a st.RulesFallback, e.g. "
+            "st.RulesFallback.RAISE_ERROR.",
         )
     if logical_axis_resources is None:
         return x
@@ -181,11 +181,12 @@ def with_logical_constraint(
     try:
         subtrees = treedef.flatten_up_to(x)
     except (ValueError, TypeError) as e:
-        raise ValueError(
-            "with_logical_constraint: logical_axis_resources must be a spec or a "
-            f"tree of specs that is a prefix of x, but it is not: {e}"
+        raise Mistake(
+            ValueError,
+            "logical_axis_resources must be a spec or a tree of specs that is a "
+            f"prefix of x, but it is not: {e}",
         ) from None
-    problems: list[tuple[str, LeafError]] = []
+    problems: list[tuple[str, Mistake]] = []
 
     def one_array(path: Any, names: Names, value: Any) -> Any:
         shape = shape_of(value)
@@ -193,7 +194,7 @@ def with_logical_constraint(
             return value
         try:
             if len(names) > len(shape):
-                raise LeafError(
+                raise Mistake(
                     ValueError,
                     f"has shape {shape}, but its logical spec {names} names "
                     f"{len(names)} dimensions. Give at most one name per dimension "
@@ -201,9 +202,9 @@ def with_logical_constraint(
                 )
             # As in a PartitionSpec, missing trailing names leave dimensions unsharded.
             names += (None,) * (len(shape) - len(names))
-            res = resolve(names, shape, True, normal, mesh_shape, False)
+            res = resolve(names, shape, logical=True, rules=normal, mesh_shape=mesh_shape)
             if res.unmatched and fallback is RulesFallback.RAISE_ERROR:
-                raise LeafError(
+                raise Mistake(
                     ValueError,
                     f"has logical names {names}, and no rule maps {res.unmatched[0]!r} "
                     f"(of shape {shape_of(value)})"
@@ -213,8 +214,8 @@ def with_logical_constraint(
             if live is None or (res.unmatched and fallback is RulesFallback.NO_CONSTRAINT):
                 return value
             return apply_spec(value, res.spec, live)
-        except LeafError as e:
-            problems.append((f"the array at {at('x', path)}", e))
+        except Mistake as mistake:
+            problems.append((f"the array at {at('x', path)}", mistake))
             return value
 
     out = []
@@ -226,7 +227,7 @@ def with_logical_constraint(
             problems.append(
                 (
                     f"the spec at {at('logical_axis_resources', path)}",
-                    LeafError(
+                    Mistake(
                         TypeError,
                         f"is {spec!r}; expected a tuple of logical names such as "
                         "('batch', 'embed'), a PartitionSpec, or None.",
@@ -237,8 +238,8 @@ def with_logical_constraint(
             continue
         try:
             names = normalize_names(tuple(spec), "logical names")
-        except LeafError as e:
-            problems.append((f"the spec at {at('logical_axis_resources', path)}", e))
+        except Mistake as mistake:
+            problems.append((f"the spec at {at('logical_axis_resources', path)}", mistake))
             out.append(subtree)
             continue
         out.append(
@@ -249,10 +250,11 @@ def with_logical_constraint(
                 subtree,
             )
         )
-    raise_collected("with_logical_constraint", problems)
+    raise_collected(problems)
     return x if live is None else jax.tree.unflatten(treedef, out)
 
 
+@public
 def constrain(tree: Any, mesh: AnyMesh | None = None, rules: RulesLike | None = None) -> Any:
     """Constrains every boxed value to its sharding, boxes kept (inside jit).
 
@@ -281,12 +283,18 @@ def constrain(tree: Any, mesh: AnyMesh | None = None, rules: RulesLike | None = 
         P('data', 'model')
     """
 
-    def finish(value: Any, res: Resolution, mesh: Any) -> Any:
-        return value if mesh is None else apply_spec(value, res.spec, mesh)
+    walk = resolve_tree(tree, rules, mesh=mesh)
+    if walk.mesh is None:
+        return tree
+    live = walk.mesh
 
-    return Call("constrain", rules, mesh).map(tree, finish, replace_boxes=False, boxed_only=True)
+    def finish(value: Any, res: Resolution) -> Any:
+        return value if res.names is None else apply_spec(value, res.spec, live)
+
+    return walk.map(finish, keep_boxes=True)
 
 
+@public
 def shard(tree: Any, mesh: Mesh, rules: RulesLike | None = None) -> Any:
     """Places every value on its sharding, boxes kept (outside jit).
 
@@ -314,15 +322,15 @@ def shard(tree: Any, mesh: Mesh, rules: RulesLike | None = None) -> Any:
         >>> params["w"].value.sharding.spec
         P('data', 'model')
     """
-    check_mesh("shard", mesh)
+    check_mesh(mesh)
 
-    def finish(value: Any, res: Resolution, mesh: Any) -> Any:
+    def finish(value: Any, res: Resolution) -> Any:
         if isinstance(value, jax.ShapeDtypeStruct):
-            raise LeafError(
+            raise Mistake(
                 TypeError,
                 "is a jax.ShapeDtypeStruct, which has no data to place; use "
                 "st.to_abstract for abstract trees, or st.sharded_init to build it.",
             )
         return place(value, named_sharding(mesh, res.spec))
 
-    return Call("shard", rules, mesh).map(tree, finish, replace_boxes=False)
+    return resolve_tree(tree, rules, mesh=mesh).map(finish, keep_boxes=True)

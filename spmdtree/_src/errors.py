@@ -1,34 +1,57 @@
-"""Error helpers: key-path formatting and errors collected over many leaves.
+"""User mistakes: found anywhere below the public boundary, named there once.
 
-Leaf-level code does not know where in a tree it is working, so it raises a
-`LeafError` holding only what is wrong with the leaf. The tree-level function
-that called it knows the key path: it collects every `LeafError` of the call
-and raises one `ValueError` or `TypeError` that names each path.
+Code below the boundary raises a `Mistake` holding only what is wrong. A tree
+walk that meets one at a leaf adds the leaf's key path, collects every wrong
+leaf and raises once (`raise_collected`). The public function, decorated with
+`public`, turns the mistake into a plain ``TypeError``/``ValueError`` that
+starts with its own name.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from typing import Any
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 from jax import tree_util
 
-__all__ = ["LeafError", "at", "collected", "fmt", "raise_collected", "raise_one"]
+F = TypeVar("F", bound=Callable[..., Any])
 
 _MOST_SHOWN = 5
 
 
-class LeafError(Exception):
-    """What is wrong with one leaf, before its key path is known.
+class Mistake(Exception):
+    """A user mistake: the exception `kind` to raise and what to say.
 
-    `detail` is a sentence fragment that follows the leaf's subject, e.g.
-    ``"has 3 dimensions but 2 names ..."`` after ``"the box at params['w']"``.
+    Said of a leaf, `message` is a predicate of the leaf ("has names ... .
+    Give one name per dimension."), which the walk puts after the leaf's
+    subject ("the box at tree['w']").
     """
 
-    def __init__(self, kind: type[Exception], detail: str) -> None:
-        super().__init__(detail)
+    def __init__(self, kind: type[Exception], message: str) -> None:
+        super().__init__(message)
         self.kind = kind
-        self.detail = detail
+        self.message = message
+
+    def error(self, function: str) -> Exception:
+        """The exception a user sees from `function`."""
+        return self.kind(f"{function}: {self.message}")
+
+
+def public(fn: F, name: str | None = None) -> F:
+    """Marks a public function: a `Mistake` below it becomes a ``TypeError`` or
+    ``ValueError`` whose message starts with `name` (the function's own, or
+    its class's for ``__init__``)."""
+
+    @functools.wraps(fn)
+    def boundary(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except Mistake as mistake:
+            called = name or (type(args[0]).__name__ if fn.__name__ == "__init__" else fn.__name__)
+            raise mistake.error(called) from None
+
+    return boundary  # type: ignore[return-value]
 
 
 def fmt(value: Any) -> str:
@@ -45,31 +68,18 @@ def at(argument: str, path: Sequence[Any]) -> str:
     return argument + tree_util.keystr(tuple(path))
 
 
-def collected(function: str, problems: Sequence[tuple[str, LeafError]]) -> Exception:
-    """One exception for all `problems`, each a (subject, error) pair.
+def raise_collected(problems: Sequence[tuple[str, Mistake]]) -> None:
+    """Raises one `Mistake` for all `problems`, each a (subject, mistake) pair.
 
-    The subject is what the detail is about, e.g. ``"the box at params['w']"``.
-    At most five problems are shown, then a count of the rest.
+    At most five are shown, then a count of the rest.
     """
-    kinds = {error.kind for _, error in problems}
+    if not problems:
+        return
+    kinds = {mistake.kind for _, mistake in problems}
     kind = kinds.pop() if len(kinds) == 1 else ValueError
+    lines = [f"{subject} {mistake.message}" for subject, mistake in problems[:_MOST_SHOWN]]
     if len(problems) == 1:
-        subject, error = problems[0]
-        return kind(f"{function}: {subject} {error.detail}")
-    lines = [f"{function}: {len(problems)} leaves are wrong:"]
-    lines += [f"  {subject} {error.detail}" for subject, error in problems[:_MOST_SHOWN]]
+        raise Mistake(kind, lines[0])
     if len(problems) > _MOST_SHOWN:
-        lines.append(f"  ... and {len(problems) - _MOST_SHOWN} more.")
-    return kind("\n".join(lines))
-
-
-def raise_collected(function: str, problems: Iterable[tuple[str, LeafError]]) -> None:
-    """Raises `collected(...)` if there are any problems."""
-    problems = list(problems)
-    if problems:
-        raise collected(function, problems)
-
-
-def raise_one(function: str, subject: str, error: LeafError) -> Exception:
-    """The exception for a single leaf's problem, for `raise ... from None`."""
-    return collected(function, [(subject, error)])
+        lines.append(f"... and {len(problems) - _MOST_SHOWN} more.")
+    raise Mistake(kind, f"{len(problems)} leaves are wrong:\n  " + "\n  ".join(lines))

@@ -18,12 +18,12 @@ import jax
 from jax import tree_util
 from jax.sharding import Mesh
 
-from spmdtree.boxes import IS_BOX, Partitioned, is_array, rebuild, shape_of
-from spmdtree.rules import Names, RulesLike, check_mesh
-from spmdtree.specs import shardings
-from spmdtree.trees import is_boxed
-
-__all__ = ["kept_dimensions", "optimizer_sharding"]
+from spmdtree._src.boxes import IS_BOX, Partitioned, is_array, shape_of
+from spmdtree._src.errors import Mistake, public
+from spmdtree._src.registry import rebuild
+from spmdtree._src.rules import Names, RulesLike, check_mesh
+from spmdtree._src.specs import resolve_tree, shardings
+from spmdtree._src.trees import is_boxed
 
 
 def kept_dimensions(
@@ -131,7 +131,7 @@ def _named_as_kept(box: Partitioned, param: Partitioned) -> Partitioned:
             return leaf
         position = path[0].idx if per_dimension else None
         kept = kept_names(shape_of(leaf), position)  # type: ignore[arg-type]
-        return rebuild(type(box), ((leaf,), (kept, *box._tree[1][1:])))
+        return rebuild(type(box), leaf, box._tree[1]._replace(names=kept))
 
     return box.replace_boxed(tree_util.tree_map_with_path(inner, value, is_leaf=IS_BOX))
 
@@ -146,11 +146,12 @@ def _replicated(box: Partitioned) -> Any:
         if not is_array(leaf) or is_boxed(leaf):
             return leaf
         names = (None,) * len(shape_of(leaf))  # type: ignore[arg-type]
-        return rebuild(type(box), ((leaf,), (names, *box._tree[1][1:])))
+        return rebuild(type(box), leaf, box._tree[1]._replace(names=names))
 
     return box.replace_boxed(jax.tree.map(inner, box.value, is_leaf=IS_BOX))
 
 
+@public
 def optimizer_sharding(tx: Any, params: Any, mesh: Mesh, rules: RulesLike | None = None) -> Any:
     """Shardings for the state of optimizer `tx` on `params`, reduced states included.
 
@@ -184,17 +185,17 @@ def optimizer_sharding(tx: Any, params: Any, mesh: Mesh, rules: RulesLike | None
         >>> state[0].v_row["w"].spec, state[0].v_col["w"].spec
         (P('data',), P('model',))
     """
-    check_mesh("optimizer_sharding", mesh)
+    check_mesh(mesh)
     boxes = [
         (path, leaf)
         for path, leaf in tree_util.tree_flatten_with_path(params, is_leaf=IS_BOX)[0]
         if isinstance(leaf, Partitioned)
     ]
     if not boxes:
-        raise ValueError(
-            "optimizer_sharding: params hold no boxes, so every state leaf would be "
-            "replicated. Pass the boxed params (as built, before st.unbox), or box "
-            "them with st.box."
+        raise Mistake(
+            ValueError,
+            "params hold no boxes, so every state leaf would be replicated. Pass the "
+            "boxed params (as built, before st.unbox), or box them with st.box.",
         )
     state = jax.eval_shape(tx.init, params)
 
@@ -207,4 +208,4 @@ def optimizer_sharding(tx: Any, params: Any, mesh: Mesh, rules: RulesLike | None
         return leaf if param is None else _named_as_kept(leaf, param)
 
     renamed = tree_util.tree_map_with_path(rename, state, is_leaf=IS_BOX)
-    return shardings("optimizer_sharding", renamed, mesh, rules)
+    return shardings(resolve_tree(renamed, rules, mesh=mesh), mesh)

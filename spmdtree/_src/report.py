@@ -12,11 +12,10 @@ import jax
 import numpy as np
 from jax import tree_util
 
-from spmdtree.boxes import dtype_of, shape_of, short_dtype
-from spmdtree.rules import UNCONSTRAINED, AnyMesh, Names, Resolution, RulesLike, mesh_axes_of
-from spmdtree.specs import Call
-
-__all__ = ["describe"]
+from spmdtree._src.boxes import dtype_of, shape_of, short_dtype
+from spmdtree._src.errors import public
+from spmdtree._src.rules import UNCONSTRAINED, AnyMesh, Names, Resolution, RulesLike, axes_of
+from spmdtree._src.specs import resolve_tree
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +48,7 @@ class Row:
         sizes = dict(mesh.shape)
         spec = tuple(self.leaf.resolution.spec) + (None,) * len(self.leaf.shape)
         return tuple(
-            dim // math.prod(sizes[a] for a in mesh_axes_of(entry))
+            dim // math.prod(sizes[a] for a in axes_of(entry))
             for dim, entry in zip(self.leaf.shape, spec, strict=False)
         )
 
@@ -64,11 +63,16 @@ class Row:
 
 
 def _rows(tree: Any, mesh: AnyMesh | None, rules: RulesLike | None) -> list[Row]:
-    def finish(value: Any, res: Resolution, mesh: Any) -> Leaf:
-        dtype = dtype_of(value)
-        return Leaf(shape_of(value) or (), short_dtype(dtype), np.dtype(dtype).itemsize, res, mesh)
+    walk = resolve_tree(tree, rules, mesh=mesh, lenient=True)
 
-    planned = Call("describe", rules, mesh, lenient=True).map(tree, finish, replace_boxes=True)
+    def finish(value: Any, res: Resolution) -> Leaf:
+        dtype = dtype_of(value)
+        itemsize = np.dtype(dtype).itemsize
+        return Leaf(
+            shape_of(value) or (), short_dtype(dtype), itemsize, res, walk.mesh if mesh else None
+        )
+
+    planned = walk.map(finish, keep_boxes=False)
     found = tree_util.tree_flatten_with_path(planned, is_leaf=lambda x: isinstance(x, Leaf))[0]
     return [
         Row(tree_util.keystr(path, simple=True, separator="/") or "(root)", leaf)
@@ -104,7 +108,7 @@ def _shape(shape: tuple[int, ...] | None) -> str:
 def _notes(row: Row, large: int) -> list[str]:
     res, notes = row.leaf.resolution, []
     names: Names = res.names or ()
-    if res.rank_fallback:
+    if res.fallback is not None:
         notes.append(
             f"{row.path}: replicated by a fallback: shape {_shape(row.leaf.shape)} under "
             f"names ({_entries(names, len(names))})"
@@ -201,16 +205,7 @@ def _local_devices(mesh: AnyMesh) -> int | None:
     return sum(device.process_index == jax.process_index() for device in devices.flat)
 
 
-def _use_rich(rich: bool | None) -> bool:
-    if rich is not None:
-        return rich
-    try:
-        import rich as _  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
+@public
 def describe(
     tree: Any,
     mesh: AnyMesh | None = None,
@@ -218,7 +213,7 @@ def describe(
     *,
     large: int = 1 << 20,
     width: int = 80,
-    rich: bool | None = None,
+    rich: bool = False,
 ) -> str:
     """The sharding plan of a tree, as a table: one row per array leaf, then totals.
 
@@ -241,7 +236,8 @@ def describe(
         large: the size in bytes from which a replicated array is flagged.
         width: the width to fit, in characters (long paths are shortened
             from the front).
-        rich: render with `rich` (None: if it is installed).
+        rich: render with `rich` (installed separately); the plain text by
+            default, the same whatever else is installed.
 
     Returns:
         The table, as a string to print.
@@ -263,7 +259,7 @@ def describe(
         replicated  0 B on every device
     """
     rows = _rows(tree, mesh, rules)
-    lines = (_rich if _use_rich(rich) else _plain)(rows, mesh, width)
+    lines = (_rich if rich else _plain)(rows, mesh, width)
     total = sum(r.global_bytes for r in rows)
     noun = "array" if len(rows) == 1 else "arrays"
     lines.append(f"total       {_bytes(total)} in {len(rows)} {noun}")
@@ -284,6 +280,6 @@ def describe(
             )
     for note in (note for row in rows for note in _notes(row, large)):
         lines += textwrap.wrap(note, width, initial_indent="! ", subsequent_indent="  ")
-    if any(row.leaf.resolution.rank_fallback for row in rows):
+    if any(row.leaf.resolution.fallback is not None for row in rows):
         lines.append("  (reduced optimizer states: st.optimizer_sharding keeps them sharded)")
     return "\n".join(lines)

@@ -1,4 +1,4 @@
-"""Logical axis rules: normalisation, the rules context and name resolution.
+"""Logical axis rules: normalisation, the rules context, and resolution.
 
 A rule maps a logical name (``"embed"``) to mesh axes (``"fsdp"``, a tuple of
 axes, ``None`` for replicated, or ``PartitionSpec.UNCONSTRAINED``). Names and
@@ -6,8 +6,9 @@ rules are normalised to tuples where they are given, so equal metadata is equal
 (and hashes equal) however it was written, and a jitted function never
 retraces because a list became a tuple.
 
-This module works on names, shapes and meshes only; the tree functions in
-`spmdtree.specs` and `spmdtree.constraints` call `resolve` once per leaf.
+`resolve` is the one place where names become a mesh spec. It records what
+happened to each dimension (`Dim`): the rule that served it, the rules passed
+over and why; `strict`, `describe` and the plan's reasons read that record.
 """
 
 from __future__ import annotations
@@ -17,15 +18,14 @@ import contextvars
 import dataclasses
 import difflib
 import enum
-import functools
 import math
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, TypeAlias
+from typing import Any, NamedTuple, TypeAlias
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from spmdtree.errors import LeafError, at, fmt, raise_collected
+from spmdtree._src.errors import Mistake, at, fmt, public, raise_collected
 
 UNCONSTRAINED = PartitionSpec.UNCONSTRAINED
 
@@ -40,16 +40,8 @@ Rules: TypeAlias = tuple[tuple[str, Any], ...]
 RulesLike: TypeAlias = Sequence[Sequence[Any]] | Mapping[str, Any]
 #: A mesh or an abstract mesh: anything with axis names and sizes.
 AnyMesh: TypeAlias = Mesh | jax.sharding.AbstractMesh
-
-__all__ = [
-    "RulesFallback",
-    "get_logical_axis_rules",
-    "logical_axis_rules",
-    "logical_to_mesh",
-    "logical_to_mesh_axes",
-    "logical_to_mesh_sharding",
-    "set_logical_axis_rules",
-]
+#: A mesh's ``((axis, size), ...)``.
+MeshShape: TypeAlias = tuple[tuple[str, int], ...]
 
 _NAME_HELP = (
     "Each entry names one dimension: a str, None (replicated), a tuple of str "
@@ -60,22 +52,20 @@ _NAME_HELP = (
 # --- normalisation ---------------------------------------------------------
 
 
-def _axis_tuple(entry: Sequence[Any]) -> tuple[str, ...] | None:
-    """`entry` as a tuple of str, or None if it holds anything else."""
-    entry = tuple(entry)
-    return entry if all(isinstance(axis, str) for axis in entry) else None
+def _axis_tuple(entry: Any) -> bool:
+    return isinstance(entry, (tuple, list)) and all(isinstance(axis, str) for axis in entry)
 
 
 def normalize_names(names: Any, what: str = "names") -> Names:
     """`names` as a tuple whose entries are str, None, tuples of str or UNCONSTRAINED.
 
     Raises:
-        LeafError: (TypeError) for anything else, naming the bad entry.
+        Mistake: (TypeError) for anything else, naming the bad entry.
     """
     if type(names) is tuple and all(n is None or type(n) is str for n in names):
         return names  # the common case, already normal
     if isinstance(names, str) or not isinstance(names, (tuple, list, PartitionSpec)):
-        raise LeafError(
+        raise Mistake(
             TypeError,
             f"has {what} {fmt(names)}; expected a tuple with one entry per "
             f"dimension, e.g. ('data', None). {_NAME_HELP}",
@@ -84,65 +74,46 @@ def normalize_names(names: Any, what: str = "names") -> Names:
     for i, entry in enumerate(names):
         if entry is None or entry is UNCONSTRAINED or isinstance(entry, str):
             out.append(entry)
-        elif isinstance(entry, (tuple, list)) and _axis_tuple(entry) is not None:
+        elif _axis_tuple(entry):
             out.append(tuple(entry))
         else:
-            raise LeafError(
+            raise Mistake(
                 TypeError,
                 f"has {what} {fmt(tuple(names))} whose entry {i} is {fmt(entry)}. " + _NAME_HELP,
             )
     return tuple(out)
 
 
-def _normalize_mesh_axes(logical: str, mesh_axes: Any, index: int) -> Any:
-    if mesh_axes is None or mesh_axes is UNCONSTRAINED or isinstance(mesh_axes, str):
-        return mesh_axes
-    if isinstance(mesh_axes, (tuple, list)) and _axis_tuple(mesh_axes) is not None:
-        if len(set(mesh_axes)) != len(mesh_axes):
-            raise LeafError(
+def _normalize_target(logical: str, target: Any, index: int) -> Any:
+    if target is None or target is UNCONSTRAINED or isinstance(target, str):
+        return target
+    if _axis_tuple(target):
+        if len(set(target)) != len(target):
+            raise Mistake(
                 ValueError,
-                f"rule {index} maps {logical!r} to {tuple(mesh_axes)!r}, which names a "
+                f"rule {index} maps {logical!r} to {tuple(target)!r}, which names a "
                 "mesh axis twice; a mesh axis can shard a dimension once. Name each "
                 "axis once.",
             )
-        return tuple(mesh_axes)
-    raise LeafError(
+        return tuple(target)
+    raise Mistake(
         TypeError,
-        f"rule {index} maps {logical!r} to {fmt(mesh_axes)}; a rule maps a logical "
+        f"rule {index} maps {logical!r} to {fmt(target)}; a rule maps a logical "
         "name to a mesh axis name, a tuple of mesh axis names, None (replicated) or "
         f"PartitionSpec.UNCONSTRAINED. Write it as ({logical!r}, 'data') or "
         f"({logical!r}, ('fsdp', 'tensor')).",
     )
 
 
-@functools.lru_cache(maxsize=256)
-def _normalize_rules_cached(rules: Rules) -> Rules:
-    return _normalize_rules(rules)
-
-
-def normalize_rules(rules: Any, function: str = "rules") -> Rules:
-    """`rules` as a tuple of ``(str, mesh_axes)`` pairs, mesh axes normalised.
-
-    A mapping is taken in its order; lists become tuples.
+def normalize_rules(rules: Any) -> Rules:
+    """`rules` as a tuple of ``(str, mesh_axes)`` pairs; a mapping is taken in its order.
 
     Raises:
-        TypeError: from `function`, naming the first malformed rule and how to
-            write it; ValueError for a rule that names a mesh axis twice.
+        Mistake: (TypeError) naming the first malformed rule and how to write
+            it; (ValueError) for a rule that names a mesh axis twice.
     """
-    try:
-        if type(rules) is tuple:
-            try:
-                return _normalize_rules_cached(rules)
-            except TypeError:  # unhashable entries: normalise without the cache
-                pass
-        return _normalize_rules(rules)
-    except LeafError as e:
-        raise e.kind(f"{function}: {e.detail}") from None
-
-
-def _normalize_rules(rules: Any) -> Rules:
     if isinstance(rules, (Mesh, jax.sharding.AbstractMesh)):
-        raise LeafError(
+        raise Mistake(
             TypeError,
             f"rules are a mesh, {fmt(rules)}, given where rules go. Pass the mesh "
             "as mesh= (and rules, if any, as rules=), e.g. "
@@ -151,7 +122,7 @@ def _normalize_rules(rules: Any) -> Rules:
     if isinstance(rules, Mapping):
         rules = tuple(rules.items())
     if isinstance(rules, (str, bytes)) or not isinstance(rules, (tuple, list)):
-        raise LeafError(
+        raise Mistake(
             TypeError,
             f"rules are {fmt(rules)}; expected a sequence of (logical_name, mesh_axes) "
             "pairs or a mapping. Write e.g. [('batch', 'data'), ('embed', 'fsdp')].",
@@ -159,19 +130,19 @@ def _normalize_rules(rules: Any) -> Rules:
     out = []
     for i, rule in enumerate(rules):
         if isinstance(rule, (str, bytes)) or not isinstance(rule, (tuple, list)) or len(rule) != 2:
-            raise LeafError(
+            raise Mistake(
                 TypeError,
                 f"rule {i} is {fmt(rule)}; each rule is a pair (logical_name, "
                 "mesh_axes), e.g. ('embed', 'fsdp').",
             )
-        logical, mesh_axes = rule
+        logical, target = rule
         if not isinstance(logical, str):
-            raise LeafError(
+            raise Mistake(
                 TypeError,
                 f"rule {i} is {fmt(tuple(rule))}, whose logical name {fmt(logical)} is "
                 "not a str. Logical names are str, e.g. ('embed', 'fsdp').",
             )
-        out.append((logical, _normalize_mesh_axes(logical, mesh_axes, i)))
+        out.append((logical, _normalize_target(logical, target, i)))
     return tuple(out)
 
 
@@ -207,7 +178,10 @@ def logical_axis_rules(rules: RulesLike) -> Iterator[Rules]:
         >>> st.get_logical_axis_rules()
         ()
     """
-    normal = normalize_rules(rules, "logical_axis_rules")
+    try:  # the boundary, by hand: a generator's errors surface on entering `with`
+        normal = normalize_rules(rules)
+    except Mistake as mistake:
+        raise mistake.error("logical_axis_rules") from None
     token = _RULES.set(normal)
     try:
         yield normal
@@ -215,6 +189,7 @@ def logical_axis_rules(rules: RulesLike) -> Iterator[Rules]:
         _RULES.reset(token)
 
 
+@public
 def set_logical_axis_rules(rules: RulesLike) -> None:
     """Sets the logical axis rules of the current context until changed again.
 
@@ -235,7 +210,7 @@ def set_logical_axis_rules(rules: RulesLike) -> None:
         (('embed', 'fsdp'),)
         >>> st.set_logical_axis_rules(())
     """
-    _RULES.set(normalize_rules(rules, "set_logical_axis_rules"))
+    _RULES.set(normalize_rules(rules))
 
 
 def get_logical_axis_rules() -> Rules:
@@ -249,143 +224,167 @@ def get_logical_axis_rules() -> Rules:
     return _RULES.get()
 
 
-def rules_or_context(rules: Any, function: str = "rules") -> Rules:
+def rules_or_context(rules: Any) -> Rules:
     """`rules` normalised, or the context's rules when `rules` is None."""
-    return _RULES.get() if rules is None else normalize_rules(rules, function)
+    return _RULES.get() if rules is None else normalize_rules(rules)
+
+
+# --- meshes ------------------------------------------------------------------
+
+
+def check_mesh(mesh: Any, *, optional: bool = False) -> None:
+    """Raises a Mistake unless `mesh` is a Mesh or AbstractMesh (or None, if optional)."""
+    if mesh is None and optional:
+        return
+    if not isinstance(mesh, (Mesh, jax.sharding.AbstractMesh)):
+        raise Mistake(
+            TypeError,
+            f"mesh is {fmt(mesh)}; expected a jax.sharding.Mesh, e.g. "
+            "jax.make_mesh((2, 4), ('data', 'model')).",
+        )
+    if mesh.empty:
+        raise Mistake(
+            ValueError,
+            f"mesh {mesh} has no axes; build one with jax.make_mesh((2, 4), ('data', 'model')).",
+        )
+
+
+def mesh_shape_of(mesh: AnyMesh) -> MeshShape:
+    """The ``((axis, size), ...)`` of a mesh."""
+    return tuple(mesh.shape.items())
+
+
+def named_sharding(mesh: AnyMesh, spec: PartitionSpec) -> NamedSharding:
+    """A `NamedSharding`; UNCONSTRAINED entries become None, since `jax.jit` and
+    `jax.device_put` accept them only in constraints."""
+    if any(entry is UNCONSTRAINED for entry in spec):
+        spec = PartitionSpec(*(None if e is UNCONSTRAINED else e for e in spec))
+    return NamedSharding(mesh, spec)
 
 
 # --- resolution ----------------------------------------------------------------
 
-
-class _Unassigned:
-    """A logical dimension that no rule has mapped yet."""
-
-    def __repr__(self) -> str:
-        return "UNASSIGNED"
+#: Why a rule (or a box's own mesh axes) was passed over for a dimension.
+USED, INDIVISIBLE = "used", "indivisible"
+#: Why a whole array is replicated although boxed.
+PLACEHOLDER, FEWER_DIMENSIONS, AMBIGUOUS = "placeholder", "fewer dimensions", "ambiguous"
 
 
-UNASSIGNED: Any = _Unassigned()
+class Passed(NamedTuple):
+    """Mesh axes passed over for a dimension: those of rule `rule` (None: the
+    names themselves), of total size `size`, because `reason` (USED: an axis
+    already shards dimension `by`; INDIVISIBLE: `size` does not divide it)."""
+
+    rule: int | None
+    axes: Any
+    size: int
+    reason: str
+    by: int | None = None
 
 
-def mesh_axes_of(entry: Any) -> tuple[str, ...]:
-    """The mesh axis names an entry of a spec uses."""
-    if isinstance(entry, str):
-        return (entry,)
-    if isinstance(entry, tuple):
-        return entry
-    return ()
+class Dim(NamedTuple):
+    """What one dimension got: its name as written, its size (None if unknown),
+    the mesh axes it ended with, the rule that gave them (logical names), and
+    the candidates passed over."""
+
+    name: AxisName
+    size: int | None
+    axes: Any
+    rule: int | None = None
+    passed: tuple[Passed, ...] = ()
+
+    @property
+    def indivisible(self) -> bool:
+        """Left unsharded although some candidate's mesh axes would shard it but
+        for its size."""
+        return (
+            self.axes is None
+            and self.rule is None
+            and any(p.reason == INDIVISIBLE for p in self.passed)
+        )
 
 
-def check_duplicate_names(names: Names) -> None:
-    """Raises a LeafError if a logical name names two dimensions."""
-    seen: set[str] = set()
-    for name in names:
-        if isinstance(name, str):
-            if name in seen:
-                raise LeafError(
-                    ValueError,
-                    f"has logical names {names} with {name!r} given twice; each "
-                    "logical name may name one dimension. Give the dimensions "
-                    "distinct names, e.g. ('embed', 'embed_out').",
-                )
-            seen.add(name)
+class Kept(NamedTuple):
+    """A reduced state resolved through its param: the param's key path, its
+    names and shape, and which of its dimensions the state kept (None: ambiguous)."""
+
+    path: str
+    names: Names
+    shape: tuple[int, ...]
+    dims: tuple[int, ...] | None
 
 
-def assign(names: Names, rules: Rules, fits: Any = None, check: Any = None) -> list[Any]:
-    """The priority algorithm: which mesh axes each logical dimension gets.
-
-    Rules are tried in order. A rule gives its mesh axes to its dimension only if
-    the dimension is still unassigned and none of the mesh axes is used yet (a
-    tuple is all-or-nothing); a rule to None claims the dimension replicated.
-    `fits(position, mesh_axes)`, if given, can veto a rule for this array (a
-    size that does not divide); a vetoed rule is skipped as if absent, so a
-    later rule for the same name may apply. `check(index, position,
-    mesh_axes)`, if given, sees every rule that reaches a dimension (and may
-    raise: a mesh axis not in the mesh).
-    Entries that are not str pass through; unmatched names stay UNASSIGNED.
-    """
-    check_duplicate_names(names)
-    result: list[Any] = [UNASSIGNED if isinstance(n, str) else n for n in names]
-    used = {axis for entry in result for axis in mesh_axes_of(entry)}
-    position = {name: i for i, name in enumerate(names) if isinstance(name, str)}
-    for index, (logical, mesh_axes) in enumerate(rules):
-        pos = position.get(logical)
-        if pos is None or result[pos] is not UNASSIGNED:
-            continue
-        axes = mesh_axes_of(mesh_axes)
-        if check is not None:
-            check(index, pos, mesh_axes)
-        if used.intersection(axes) or (fits is not None and not fits(pos, mesh_axes)):
-            continue
-        result[pos] = mesh_axes
-        used.update(axes)
-    return result
-
-
-# eq=False: a Resolution is hashed and compared by identity, which is cheap, and
-# resolutions are shared (cached), so identity is what callers' memos need.
+# eq=False: resolutions are shared between equal leaves and compared by identity.
 @dataclasses.dataclass(frozen=True, eq=False)
 class Resolution:
-    """The mesh spec of one array, and how it was reached.
+    """The mesh spec of one array, and the record of how it was reached.
 
     Attributes:
         spec: the mesh `PartitionSpec` (UNCONSTRAINED entries kept).
-        unmatched: logical names that no applicable rule mapped.
-        indivisible: dimensions left unsharded because their mesh axes do not
-            divide them.
-        rank_fallback: the value has fewer dimensions than names (or only
-            size-1 ones), so it is replicated.
-        problem: why that replication is a mistake (fewer dimensions than
-            names, not all of size 1), for callers that raise it.
-        names: the names it was resolved from (None for an unboxed array).
-        logical: whether those names are logical names.
+        names: the names resolved (None for an array in no box).
+        logical: whether they are logical names.
+        dims: per dimension, what it got and why (empty if the rank differs).
+        fallback: why the whole array is replicated although boxed
+            (PLACEHOLDER, FEWER_DIMENSIONS, AMBIGUOUS), or None.
+        problem: a mistake to raise (all but the plan raise it), or None.
+        kept: for a reduced state resolved through `params=`, where from.
     """
 
     spec: PartitionSpec
-    unmatched: tuple[str, ...] = ()
-    indivisible: tuple[int, ...] = ()
-    rank_fallback: bool = False
-    problem: str | None = None
     names: Names | None = None
     logical: bool = False
+    dims: tuple[Dim, ...] = ()
+    fallback: str | None = None
+    problem: str | None = None
+    kept: Kept | None = None
+
+    @property
+    def unmatched(self) -> tuple[str, ...]:
+        """Logical names that no applicable rule mapped."""
+        return tuple(
+            d.name for d in self.dims if self.logical and type(d.name) is str and d.rule is None
+        )
+
+    @property
+    def indivisible(self) -> tuple[int, ...]:
+        """Dimensions left unsharded because the candidates' mesh axes do not divide them."""
+        return tuple(i for i, d in enumerate(self.dims) if d.indivisible)
+
+    def strict_problem(self) -> str | None:
+        """Why ``strict=True`` refuses this resolution, or None."""
+        if self.problem is not None or not self.indivisible:
+            return self.problem
+        dim = self.dims[self.indivisible[0]]
+        candidates = [p for p in dim.passed if p.reason == INDIVISIBLE]
+        if candidates[0].rule is None:
+            tried = f"mesh axes {candidates[0].axes!r} of total size {candidates[0].size}"
+        else:
+            listed = ", ".join(f"{p.axes!r}: size {p.size}" for p in candidates)
+            tried = f"the mesh axes of every rule for it ({listed})"
+        return (
+            f"has names {self.names} and shape {tuple(d.size for d in self.dims)}: dimension "
+            f"{self.indivisible[0]} ({dim.name!r}) has size {dim.size}, which {tried} do "
+            "not divide, so it would be left unsharded. Pick a size the mesh axes divide, "
+            "add a rule whose axes do, or pass strict=False to leave it unsharded."
+        )
 
 
-def _mesh_help(mesh_shape: tuple[tuple[str, int], ...]) -> str:
-    return ", ".join(f"{name!r} (size {size})" for name, size in mesh_shape)
+REPLICATED = Resolution(PartitionSpec())
 
 
-def _not_in_mesh(axis: str, mesh_shape: tuple[tuple[str, int], ...]) -> str:
+def axes_of(entry: Any) -> tuple[str, ...]:
+    """The mesh axis names an entry of a spec uses."""
+    if isinstance(entry, str):
+        return (entry,)
+    return entry if isinstance(entry, tuple) else ()
+
+
+def _not_in_mesh(axis: str, mesh_shape: MeshShape) -> str:
     """`axis` is not in the mesh: the mesh's axes, and the closest one if any is close."""
+    axes = ", ".join(f"{name!r} (size {size})" for name, size in mesh_shape)
     close = difflib.get_close_matches(axis, [name for name, _ in mesh_shape], n=1, cutoff=0.5)
     guess = f" Did you mean {close[0]!r}?" if close else ""
-    return (
-        f"mesh axis {axis!r}, which is not in the mesh; its axes are "
-        f"{_mesh_help(mesh_shape)}.{guess}"
-    )
-
-
-def _size(sizes: dict[str, int], entry: Any) -> int:
-    return math.prod(sizes[axis] for axis in mesh_axes_of(entry))
-
-
-def _rank_problem(names: Names, shape: tuple[int, ...]) -> Resolution | None:
-    if len(shape) > len(names) and any(size != 1 for size in shape):
-        raise LeafError(
-            ValueError,
-            f"has {len(names)} names {names} for a value of shape {shape}: the "
-            "value has more dimensions than names, as after stacking it or a "
-            "plain jax.vmap. Name the new axis: st.add_axis(tree, 0, 'layers'), "
-            "or build it with st.vmap(..., partition_name='layers').",
-        )
-    if len(shape) != len(names) and any(size != 1 for size in shape):
-        # Replicated only where the caller accepts it (describe flags it).
-        problem = fewer_dimensions(names, shape)
-        return Resolution(PartitionSpec(), rank_fallback=True, problem=problem)
-    if len(shape) != len(names):
-        # Only dimensions of size 1 (a placeholder such as adafactor's for a
-        # scalar param): replicating it is always right.
-        return Resolution(PartitionSpec(), rank_fallback=True)
-    return None
+    return f"mesh axis {axis!r}, which is not in the mesh; its axes are {axes}.{guess}"
 
 
 def fewer_dimensions(names: Names, shape: tuple[int, ...]) -> str:
@@ -400,159 +399,142 @@ def fewer_dimensions(names: Names, shape: tuple[int, ...]) -> str:
     )
 
 
-def _check_mesh_axes(
-    entries: Names, mesh_shape: tuple[tuple[str, int], ...] | None, names: Names
-) -> None:
-    """Every mesh axis of `entries` is in the mesh (if known) and used once.
-
-    `names` are the box's names, as the message shows them.
-    """
-    seen: set[str] = set()
-    for entry in entries:
-        for axis in mesh_axes_of(entry):
-            if mesh_shape is not None and axis not in dict(mesh_shape):
-                raise LeafError(
-                    ValueError,
-                    f"has names {names} with {_not_in_mesh(axis, mesh_shape)} Use "
-                    "one of them, or LogicallyPartitioned with rules for names that "
-                    "are not mesh axes.",
-                )
-            if axis in seen:
-                raise LeafError(
-                    ValueError,
-                    f"has names {names}, which use mesh axis {axis!r} twice; a mesh "
-                    "axis can shard only one dimension. Replace one use with None.",
-                )
-            seen.add(axis)
-
-
-@functools.lru_cache(maxsize=65536)
 def resolve(
     names: Names,
     shape: tuple[int, ...] | None,
+    *,
     logical: bool,
     rules: Rules,
-    mesh_shape: tuple[tuple[str, int], ...] | None,
-    strict: bool = False,
+    mesh_shape: MeshShape | None,
 ) -> Resolution:
-    """The mesh spec for an array with `names`, `shape` on a mesh of `mesh_shape`.
+    """How `names` resolve for an array of `shape` on a mesh of `mesh_shape`.
 
-    `logical` says whether `names` are logical names (resolved through `rules`)
-    or mesh axis names. Without a mesh (`mesh_shape` None) nothing about the
-    mesh is checked; without a shape nothing about the shape is.
-    Cached: the same (names, shape, rules, mesh) is resolved once.
+    Logical names go through `rules` by flax's priority algorithm; mesh axis
+    names are taken as written. Without a mesh nothing about the mesh or the
+    shape is checked; without a shape nothing about the shape is.
 
     Raises:
-        LeafError: for names that cannot be right for this array on this mesh.
+        Mistake: for names that cannot be right for this array on this mesh.
     """
-    found = _resolve(names, shape, logical, rules, mesh_shape, strict)
-    return dataclasses.replace(found, names=names, logical=logical)
+    if shape is not None and len(shape) != len(names):
+        return _rank_differs(names, shape, logical)
+    sizes = None if mesh_shape is None else dict(mesh_shape)
+    dims = [Dim(name, None if shape is None else shape[i], name) for i, name in enumerate(names)]
+    if logical:
+        _check_duplicates(names)
+        _apply_rules(dims, rules, sizes, mesh_shape)
+        if mesh_shape is not None:  # mesh-axis tuples among logical names are checked alike
+            _check_mesh_axes(names, dims, sizes, mesh_shape, only=tuple)
+    else:
+        _check_mesh_axes(names, dims, sizes, mesh_shape, only=object)
+    return Resolution(PartitionSpec(*(d.axes for d in dims)), names, logical, tuple(dims))
 
 
-def _resolve(
-    names: Names,
-    shape: tuple[int, ...] | None,
-    logical: bool,
-    rules: Rules,
-    mesh_shape: tuple[tuple[str, int], ...] | None,
-    strict: bool,
-) -> Resolution:
-    if shape is not None:
-        fallback = _rank_problem(names, shape)
-        if fallback is not None:
-            return fallback
-    if not logical:
-        entries, indivisible = _fit_mesh_axes(names, names, shape, mesh_shape, strict)
-        return Resolution(PartitionSpec(*entries), indivisible=indivisible)
-    sizes = dict(mesh_shape) if mesh_shape is not None else None
-    tried: set[int] = set()
+def _rank_differs(names: Names, shape: tuple[int, ...], logical: bool) -> Resolution:
+    placeholder = all(size == 1 for size in shape)  # adafactor's (1,) for a scalar param
+    if len(shape) > len(names) and not placeholder:
+        raise Mistake(
+            ValueError,
+            f"has {len(names)} names {names} for a value of shape {shape}: the "
+            "value has more dimensions than names, as after stacking it or a "
+            "plain jax.vmap. Name the new axis: st.add_axis(tree, 0, 'layers'), "
+            "or build it with st.vmap(..., partition_name='layers').",
+        )
+    if len(shape) < len(names) and not placeholder:
+        problem = fewer_dimensions(names, shape)
+        return Resolution(PartitionSpec(), names, logical, (), FEWER_DIMENSIONS, problem)
+    return Resolution(PartitionSpec(), names, logical, (), PLACEHOLDER)
 
-    def check(index: int, pos: int, mesh_axes: Any) -> None:
-        missing = [axis for axis in mesh_axes_of(mesh_axes) if axis not in (sizes or ())]
-        if sizes is not None and missing:
-            raise LeafError(
+
+def _check_duplicates(names: Names) -> None:
+    strs = [name for name in names if isinstance(name, str)]
+    for name in strs:
+        if strs.count(name) > 1:
+            raise Mistake(
                 ValueError,
-                f"has logical names {names}, and rule {index} ({names[pos]!r}, "
-                f"{mesh_axes!r}) for {names[pos]!r} names "
-                f"{_not_in_mesh(missing[0], mesh_shape or ())} Fix the rule; a rule "
-                "set shared across meshes gives every mesh all its axes (size 1 "
-                "where unused).",
+                f"has logical names {names} with {name!r} given twice; each logical "
+                "name may name one dimension. Give the dimensions distinct names, "
+                "e.g. ('embed', 'embed_out').",
             )
 
-    def fits(pos: int, mesh_axes: Any) -> bool:
-        if sizes is None:
-            return True
-        if shape is not None and shape[pos] % _size(sizes, mesh_axes) != 0:
-            tried.add(pos)
-            return False
-        return True
 
-    result = assign(names, rules, fits, check)
-    literal_indivisible: tuple[int, ...] = ()
-    if mesh_shape is not None:
-        # Entries that are already mesh axes (tuples among logical names) pass
-        # through the rules; on a mesh they are checked like a Partitioned's.
-        # (Without one, the result stays flax's, as logical_to_mesh_axes promises.)
-        only_literal = tuple(n if isinstance(n, tuple) else None for n in names)
-        literal, literal_indivisible = _fit_mesh_axes(
-            names, only_literal, shape, mesh_shape, strict
-        )
-        result = [
-            lit if isinstance(n, tuple) else r
-            for n, r, lit in zip(names, result, literal, strict=True)
-        ]
-    unmatched = tuple(names[i] for i, r in enumerate(result) if r is UNASSIGNED)
-    indivisible = tuple(i for i in sorted(tried) if result[i] is UNASSIGNED)
-    if strict and indivisible:
-        raise _indivisible_error(names, shape, sizes, indivisible[0], rules)
-    spec = PartitionSpec(*(None if r is UNASSIGNED else r for r in result))
-    return Resolution(spec, unmatched, tuple(sorted(indivisible + literal_indivisible)))
+def _apply_rules(
+    dims: list[Dim], rules: Rules, sizes: dict[str, int] | None, mesh_shape: MeshShape | None
+) -> None:
+    """Flax's priority algorithm, with a mesh veto, recorded in `dims`.
 
-
-def _fit_mesh_axes(
-    names: Names,
-    entries: Names,
-    shape: tuple[int, ...] | None,
-    mesh_shape: tuple[tuple[str, int], ...] | None,
-    strict: bool,
-) -> tuple[list[Any], tuple[int, ...]]:
-    """Mesh-axis `entries` checked against the mesh: known axes, each used once.
-
-    A dimension its axes do not divide becomes None (an error with `strict`).
-    Returns the entries and the dimensions left unsharded that way.
+    Rules are tried in order. A rule gives its mesh axes to its dimension only
+    if the dimension is still unassigned and none of the axes is used yet (a
+    tuple is all-or-nothing); a rule to None claims the dimension replicated.
+    With a mesh, a rule naming an axis not in it is a mistake, and a rule whose
+    axes do not divide the dimension is passed over for the next one.
     """
-    _check_mesh_axes(entries, mesh_shape, names)
-    entries_out = list(entries)
-    if mesh_shape is None or shape is None:
-        return entries_out, ()
-    sizes = dict(mesh_shape)
-    indivisible = tuple(i for i, entry in enumerate(entries) if shape[i] % _size(sizes, entry) != 0)
-    if strict and indivisible:
-        raise _indivisible_error(names, shape, sizes, indivisible[0])
-    for i in indivisible:
-        entries_out[i] = None
-    return entries_out, indivisible
+    names = [d.name for d in dims]
+    open_ = {name: i for i, name in enumerate(names) if isinstance(name, str)}
+    for i in open_.values():
+        dims[i] = dims[i]._replace(axes=None)
+    used = {axis: i for i, d in enumerate(dims) for axis in axes_of(d.axes)}
+    for index, (name, target) in enumerate(rules):
+        pos = open_.get(name)
+        if pos is None:
+            continue
+        axes, dim = axes_of(target), dims[pos]
+        missing = [axis for axis in axes if sizes is not None and axis not in sizes]
+        if missing:
+            raise Mistake(
+                ValueError,
+                f"has logical names {tuple(names)}, and rule {index} ({name!r}, {target!r}) "
+                f"for {name!r} names {_not_in_mesh(missing[0], mesh_shape or ())} Fix the "
+                "rule; a rule set shared across meshes gives every mesh all its axes "
+                "(size 1 where unused).",
+            )
+        size = math.prod(sizes[axis] for axis in axes) if sizes is not None else 1
+        clash = [axis for axis in axes if axis in used]
+        if clash:
+            passed = Passed(index, target, size, USED, used[clash[0]])
+        elif dim.size is not None and dim.size % size:
+            passed = Passed(index, target, size, INDIVISIBLE)
+        else:
+            dims[pos] = dim._replace(axes=target, rule=index)
+            used.update(dict.fromkeys(axes, pos))
+            del open_[name]
+            continue
+        dims[pos] = dim._replace(passed=(*dim.passed, passed))
 
 
-def _indivisible_error(
-    names: Names, shape: Any, sizes: Any, dim: int, rules: Rules | None = None
-) -> LeafError:
-    if rules is None:
-        tried = f"mesh axes {names[dim]!r} of total size {_size(sizes, names[dim])}"
-    else:
-        candidates = [axes for name, axes in rules if name == names[dim]]
-        tried = (
-            "the mesh axes of every rule for it ("
-            + ", ".join(f"{axes!r}: size {_size(sizes, axes)}" for axes in candidates)
-            + ")"
-        )
-    return LeafError(
-        ValueError,
-        f"has names {names} and shape {tuple(shape)}: dimension {dim} "
-        f"({names[dim]!r}) has size {shape[dim]}, which {tried} do not divide, "
-        "so it would be left unsharded. Pick a size the mesh axes divide, add a "
-        "rule whose axes do, or pass strict=False to leave it unsharded.",
-    )
+def _check_mesh_axes(
+    names: Names,
+    dims: list[Dim],
+    sizes: dict[str, int] | None,
+    mesh_shape: MeshShape | None,
+    *,
+    only: type,
+) -> None:
+    """Mesh-axis entries (of type `only`) checked: each axis in the mesh (if
+    known) and used once; a dimension its axes do not divide is left unsharded."""
+    seen: set[str] = set()
+    for i, name in enumerate(names):
+        if not isinstance(name, only):
+            continue
+        for axis in axes_of(name):
+            if sizes is not None and axis not in sizes:
+                raise Mistake(
+                    ValueError,
+                    f"has names {names} with {_not_in_mesh(axis, mesh_shape or ())} Use one "
+                    "of them, or LogicallyPartitioned with rules for names that are not "
+                    "mesh axes.",
+                )
+            if axis in seen:
+                raise Mistake(
+                    ValueError,
+                    f"has names {names}, which use mesh axis {axis!r} twice; a mesh axis "
+                    "can shard only one dimension. Replace one use with None.",
+                )
+            seen.add(axis)
+        size = math.prod(sizes[axis] for axis in axes_of(name)) if sizes is not None else 1
+        length = dims[i].size
+        if length is not None and length % size:
+            dims[i] = dims[i]._replace(axes=None, passed=(Passed(None, name, size, INDIVISIBLE),))
 
 
 # --- logical specs -----------------------------------------------------------------
@@ -577,6 +559,7 @@ class RulesFallback(enum.Enum):
     NO_CONSTRAINT = "no_constraint"
 
 
+@public
 def logical_to_mesh_axes(
     array_dim_names: Sequence[AxisName] | PartitionSpec | None,
     rules: RulesLike | None = None,
@@ -626,27 +609,26 @@ def logical_to_mesh_axes(
     if array_dim_names is None:
         return None
     if (shape is None) != (mesh is None):
-        raise TypeError(
-            "logical_to_mesh_axes: give shape= and mesh= together (a shape-aware "
-            "spec) or neither (flax's spec); got only "
-            f"{'shape' if mesh is None else 'mesh'}=."
+        raise Mistake(
+            TypeError,
+            "give shape= and mesh= together (a shape-aware spec) or neither (flax's "
+            f"spec); got only {'shape' if mesh is None else 'mesh'}=.",
         )
-    check_mesh("logical_to_mesh_axes", mesh, optional=True)
+    check_mesh(mesh, optional=True)
+    normal = rules_or_context(rules)
     try:
         names = normalize_names(array_dim_names, "logical names")
-        normal = rules_or_context(rules, "logical_to_mesh_axes")
         if shape is not None and len(tuple(shape)) != len(names):
-            raise LeafError(
+            raise Mistake(
                 ValueError,
-                f"{names} names {len(names)} dimensions, but shape= is "
-                f"{tuple(shape)}. Give one name per dimension (None for a "
-                "replicated one).",
+                f"{names} names {len(names)} dimensions, but shape= is {tuple(shape)}. "
+                "Give one name per dimension (None for a replicated one).",
             )
         mesh_shape = None if mesh is None else mesh_shape_of(mesh)
-        found = resolve(names, None if shape is None else tuple(shape), True, normal, mesh_shape)
-        return found.spec
-    except LeafError as e:
-        raise e.kind(f"logical_to_mesh_axes: the spec {e.detail}") from None
+        sized = None if shape is None else tuple(shape)
+        return resolve(names, sized, logical=True, rules=normal, mesh_shape=mesh_shape).spec
+    except Mistake as mistake:
+        raise Mistake(mistake.kind, f"the spec {mistake.message}") from None
 
 
 def is_logical_spec(x: Any) -> bool:
@@ -656,24 +638,30 @@ def is_logical_spec(x: Any) -> bool:
     )
 
 
-def _map_specs(function: str, fn: Any, tree: Any) -> Any:
+def _map_specs(tree: Any, rules: Any, mesh: AnyMesh | None) -> Any:
+    """Each logical spec of `tree` resolved (on `mesh`, if given)."""
+    normal = rules_or_context(rules)
+    mesh_shape = None if mesh is None else mesh_shape_of(mesh)
     paths_specs, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_logical_spec)
     out, problems = [], []
     for path, spec in paths_specs:
         try:
             if not is_logical_spec(spec):
-                raise LeafError(
+                raise Mistake(
                     TypeError,
                     f"is {fmt(spec)}; expected a logical spec: a PartitionSpec or "
                     "a tuple of logical names such as ('batch', 'embed').",
                 )
-            out.append(fn(normalize_names(tuple(spec), "logical names")))
-        except LeafError as e:
-            problems.append((f"the spec at {at('tree', path)}", e))
-    raise_collected(function, problems)
+            names = normalize_names(tuple(spec), "logical names")
+            found = resolve(names, None, logical=True, rules=normal, mesh_shape=mesh_shape)
+            out.append(found.spec if mesh is None else named_sharding(mesh, found.spec))
+        except Mistake as mistake:
+            problems.append((f"the spec at {at('tree', path)}", mistake))
+    raise_collected(problems)
     return jax.tree.unflatten(treedef, out)
 
 
+@public
 def logical_to_mesh(tree: Any, rules: RulesLike | None = None) -> Any:
     """Applies `logical_to_mesh_axes` to every logical spec in a tree.
 
@@ -694,29 +682,10 @@ def logical_to_mesh(tree: Any, rules: RulesLike | None = None) -> Any:
         >>> st.logical_to_mesh({"x": ("batch", "embed")}, [("batch", "data")])
         {'x': P('data', None)}
     """
-    normal = rules_or_context(rules, "logical_to_mesh")
-    return _map_specs(
-        "logical_to_mesh", lambda names: resolve(names, None, True, normal, None).spec, tree
-    )
+    return _map_specs(tree, rules, None)
 
 
-def mesh_shape_of(mesh: AnyMesh) -> tuple[tuple[str, int], ...]:
-    """The ``((axis, size), ...)`` of a mesh, hashable for caches."""
-    return tuple(mesh.shape.items())
-
-
-@functools.lru_cache(maxsize=4096)
-def named_sharding(mesh: Mesh, spec: PartitionSpec) -> NamedSharding:
-    """A `NamedSharding`, made once per (mesh, spec).
-
-    UNCONSTRAINED entries become None: `jax.jit` and `jax.device_put` do not
-    accept them in a sharding (only constraints do).
-    """
-    if any(entry is UNCONSTRAINED for entry in spec):
-        spec = PartitionSpec(*(None if e is UNCONSTRAINED else e for e in spec))
-    return NamedSharding(mesh, spec)
-
-
+@public
 def logical_to_mesh_sharding(tree: Any, mesh: Mesh, rules: RulesLike | None = None) -> Any:
     """Maps a tree of logical specs to `NamedSharding`s on `mesh`.
 
@@ -744,26 +713,5 @@ def logical_to_mesh_sharding(tree: Any, mesh: Mesh, rules: RulesLike | None = No
         >>> s["x"].spec
         P('data', None)
     """
-    check_mesh("logical_to_mesh_sharding", mesh)
-    normal, mesh_shape = rules_or_context(rules, "logical_to_mesh_sharding"), mesh_shape_of(mesh)
-    return _map_specs(
-        "logical_to_mesh_sharding",
-        lambda names: named_sharding(mesh, resolve(names, None, True, normal, mesh_shape).spec),
-        tree,
-    )
-
-
-def check_mesh(function: str, mesh: Any, *, optional: bool = False) -> None:
-    """Raises a TypeError unless `mesh` is a Mesh (or None, if optional)."""
-    if mesh is None and optional:
-        return
-    if not isinstance(mesh, (Mesh, jax.sharding.AbstractMesh)):
-        raise TypeError(
-            f"{function}: mesh is {fmt(mesh)}; expected a jax.sharding.Mesh, e.g. "
-            "jax.make_mesh((2, 4), ('data', 'model'))."
-        )
-    if mesh.empty:
-        raise ValueError(
-            f"{function}: mesh {mesh} has no axes; build one with "
-            "jax.make_mesh((2, 4), ('data', 'model'))."
-        )
+    check_mesh(mesh)
+    return _map_specs(tree, rules, mesh)

@@ -1,54 +1,48 @@
 """From boxes to `PartitionSpec`s, `NamedSharding`s and abstract arrays.
 
 `get_partition_spec` reports names as written (flax.linen's semantics). The
-other functions resolve them: logical names through rules, and with a mesh,
-shape-aware, so that a spec never names a mesh axis that is not there, uses an
-axis twice, or shards a dimension the axes do not divide.
+other functions resolve them, through one pass (`resolve_tree`) that gives a
+`Resolution` per array leaf; each public function is one map over it. With a
+mesh the result is shape-aware: a spec never names a mesh axis that is not
+there, uses an axis twice, or shards a dimension the axes do not divide.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 from jax.sharding import Mesh, PartitionSpec
 
-from spmdtree.boxes import (
+from spmdtree._src.boxes import (
     IS_BOX,
     AxisMetadata,
+    Meta,
     Partitioned,
-    check_same_mesh,
+    box_resolution,
+    check_box_mesh,
     dtype_of,
     is_array,
     shape_of,
 )
-from spmdtree.errors import LeafError
-from spmdtree.rules import (
+from spmdtree._src.errors import Mistake, public
+from spmdtree._src.rules import (
+    REPLICATED,
     AnyMesh,
     Resolution,
-    Rules,
     RulesLike,
+    axes_of,
     check_mesh,
-    mesh_axes_of,
+    mesh_shape_of,
     named_sharding,
     rules_or_context,
 )
-from spmdtree.trees import is_boxed, map_leaves
+from spmdtree._src.trees import each_leaf, is_boxed
 
-__all__ = [
-    "get_partition_spec",
-    "get_sharding",
-    "to_abstract",
-    "to_sharding",
-    "to_spec",
-    "validate_rules",
-]
-
-REPLICATED = Resolution(PartitionSpec())
-
-#: ``finish(value, resolution, mesh)``: what one array leaf becomes.
-Finish = Callable[[Any, Resolution, Any], Any]
+#: What a box holding no array resolves to: it passes through unchanged.
+PASS: Any = object()
 
 
 def holds_array(value: Any) -> bool:
@@ -62,125 +56,143 @@ def context_mesh() -> AnyMesh | None:
     return None if mesh.empty else mesh
 
 
-class Call:
-    """What one call resolves with: its name, rules, mesh and strictness.
+class Nested(NamedTuple):
+    """The resolutions inside a box that holds a subtree (SM3's per-dimension vectors)."""
 
-    Mesh precedence: the call's ``mesh=``; else a box's own mesh (all boxes of
-    a call must agree); else the mesh set with `jax.set_mesh`.
+    leaves: list[Any]
+    treedef: Any
+    resolutions: list[Any]
 
-    A call resolves each distinct (box kind, metadata, shape, mesh) once, and
-    with ``shared`` finishes each once: layers repeat, so a tree of thousands
-    of leaves costs little more than its flattening (benchmarks/run.py, B2).
-    """
 
-    def __init__(
-        self,
-        function: str,
-        rules: RulesLike | None,
-        mesh: AnyMesh | None,
-        strict: bool = False,
-        *,
-        lenient: bool = False,
-    ) -> None:
-        check_mesh(function, mesh, optional=True)
-        self.function = function
-        self.rules: Rules = rules_or_context(rules, function)
-        self.mesh = mesh
-        self.strict = strict
-        self.lenient = lenient
-        self.fallback_mesh = context_mesh() if mesh is None else None
-        self._box_mesh: AnyMesh | None = None
-        self._boxed_only = False
-        self._resolved: dict[Any, Resolution] = {}
+@dataclasses.dataclass(frozen=True)
+class Walk:
+    """A tree's leaves (boxes as leaves) with what each resolved to: a
+    `Resolution` for an array, `Nested` for a box holding a subtree, `PASS`
+    for a box holding no array, None for anything else."""
 
-    def mesh_for(self, box: Partitioned) -> AnyMesh | None:
-        """The mesh `box` resolves on, checking its own mesh against the call's."""
-        own = box.mesh
-        if self.mesh is not None or own is None:
-            check_same_mesh(own, self.mesh)
-            return self.mesh if self.mesh is not None else self.fallback_mesh
-        if self._box_mesh is None:
-            self._box_mesh = own
-        check_same_mesh(own, self._box_mesh)
-        return own
+    tree: Any
+    leaves: list[Any]
+    treedef: Any
+    resolutions: list[Any]
+    mesh: AnyMesh | None
 
-    def default_mesh(self) -> AnyMesh | None:
-        return self.mesh if self.mesh is not None else self.fallback_mesh
+    def map(self, finish: Callable[[Any, Resolution], Any], *, keep_boxes: bool) -> Any:
+        """The tree with every array replaced by ``finish(value, resolution)``.
 
-    def map(
-        self,
-        tree: Any,
-        finish: Finish,
-        *,
-        replace_boxes: bool,
-        boxed_only: bool = False,
-        shared: bool = False,
-    ) -> Any:
-        """Maps every array leaf of `tree` to ``finish(value, resolution, mesh)``.
-
-        With `replace_boxes` a box holding an array becomes the result (as for
-        specs and shardings); otherwise the box is kept around it. A box holding
-        a subtree is kept, its arrays resolved with its names; a box holding no
-        array comes back unchanged. Leaves that are not arrays become None with
-        `replace_boxes`, and are kept otherwise. With `boxed_only`, arrays in no
-        box are kept as they are. With `shared` (for a `finish` that ignores the
-        value, and `replace_boxes`), boxes of equal metadata and shape share one
-        result, computed once.
+        A box holding an array becomes the result (`keep_boxes` False: specs,
+        shardings) or holds it (`keep_boxes` True). A box holding a subtree is
+        kept around its results; one holding no array comes back unchanged.
+        Leaves that are not arrays become None, or stay with `keep_boxes`.
+        Mistakes `finish` raises are collected with their key paths.
         """
-        self._boxed_only = boxed_only
-        if shared and replace_boxes:
-            memo: dict[Any, Any] = {}
 
-            def leaf(x: Any) -> Any:
-                if isinstance(x, Partitioned):
-                    (value,), meta = x._tree
-                    key = (type(x), meta, shape_of(value))
-                    if key[2] is not None:
-                        found = memo.get(key)
-                        if found is None:
-                            found = memo[key] = self._leaf(x, finish, True, None)
-                        return found
-                return self._leaf(x, finish, True, None)
+        def one(leaf: Any, res: Any) -> Any:
+            if res is None:
+                return leaf if keep_boxes else None
+            if res is PASS:
+                return leaf
+            if type(res) is Nested:
+                inner = [one(x, r) for x, r in zip(res.leaves, res.resolutions, strict=True)]
+                return leaf.replace_boxed(res.treedef.unflatten(inner))
+            if not isinstance(leaf, AxisMetadata):
+                return finish(leaf, res)
+            out = finish(leaf.unbox(), res)
+            return leaf.replace_boxed(out) if keep_boxes else out
 
-            return map_leaves(self.function, leaf, tree)
-        return map_leaves(self.function, lambda x: self._leaf(x, finish, replace_boxes, None), tree)
+        pairs = list(zip(self.leaves, self.resolutions, strict=True))
+        return self.treedef.unflatten(each_leaf(lambda pair: one(*pair), pairs, self.tree))
 
-    def _leaf(self, x: Any, finish: Finish, replace: bool, outer: Partitioned | None) -> Any:
-        if isinstance(x, AxisMetadata):
-            value = x.unbox()
-            named: Partitioned | None
-            named = x if isinstance(x, Partitioned) else outer
-            mesh = self.mesh_for(named) if named is not None else self.default_mesh()
+
+def _boxes_mesh(leaves: list[Any]) -> AnyMesh | None:
+    """The first mesh a box of `leaves` carries, or None."""
+    for leaf in leaves:
+        if isinstance(leaf, Partitioned) and leaf._tree[1].mesh is not None:
+            return leaf._tree[1].mesh
+    return None
+
+
+def resolve_tree(
+    tree: Any,
+    rules: RulesLike | None,
+    *,
+    mesh: AnyMesh | None,
+    strict: bool = False,
+    lenient: bool = False,
+) -> Walk:
+    """The one resolution pass: a `Resolution` for every array leaf of `tree`.
+
+    The mesh is chosen first: `mesh`; else the boxes' own (the first found;
+    every other box's must be the same); else the one set with `jax.set_mesh`.
+    Logical boxes resolve through their own rules, else `rules`, else the
+    context. Each distinct (box kind, metadata, shape) resolves once: layers
+    repeat, so a tree of thousands of leaves costs little more than its
+    flattening (benchmarks/run.py, B2). A resolution's `problem` is raised
+    unless `lenient` (the plan reports it instead); with `strict`, so is any
+    dimension left unsharded.
+
+    Raises:
+        Mistake: naming the key path of every wrong leaf.
+    """
+    check_mesh(mesh, optional=True)
+    normal = rules_or_context(rules)
+    leaves, treedef = jax.tree.flatten(tree, is_leaf=IS_BOX)
+    if mesh is None:
+        mesh = _boxes_mesh(leaves)
+    if mesh is None:
+        mesh = context_mesh()
+    mesh_shape = None if mesh is None else mesh_shape_of(mesh)
+    memo: dict[Any, Resolution] = {}
+
+    def of_box(kind: type[Partitioned], meta: Meta, shape: tuple[int, ...]) -> Resolution:
+        key = (kind, meta, shape)
+        found = memo.get(key)
+        if found is None:
+            found = memo[key] = box_resolution(
+                kind, meta, shape, rules=normal, mesh_shape=mesh_shape
+            )
+        problem = found.strict_problem() if strict else found.problem
+        if problem is not None and not lenient:
+            raise Mistake(ValueError, problem)
+        return found
+
+    def one(leaf: Any, named: tuple[type[Partitioned], Meta] | None) -> Any:
+        if isinstance(leaf, Partitioned):
+            (value,), meta = leaf._tree
+            if meta.mesh is not None:
+                check_box_mesh(meta, mesh)
             shape = shape_of(value)
             if shape is not None:
-                out = finish(value, self._resolution(named, shape, mesh), mesh)
-                return out if replace else x.replace_boxed(out)
-            if not holds_array(value):
-                return x
-            inner = jax.tree.map(
-                lambda leaf: self._leaf(leaf, finish, replace, named), value, is_leaf=IS_BOX
-            )
-            return x.replace_boxed(inner)
-        shape = shape_of(x)
-        if shape is not None:
-            if outer is None and self._boxed_only:
-                return x
-            mesh = self.mesh_for(outer) if outer is not None else self.default_mesh()
-            return finish(x, self._resolution(outer, shape, mesh), mesh)
-        return None if replace else x
+                return of_box(type(leaf), meta, shape)
+            return nested(value, (type(leaf), meta))
+        if isinstance(leaf, AxisMetadata):
+            value = leaf.unbox()
+            return REPLICATED if is_array(value) else nested(value, named)
+        shape = shape_of(leaf)
+        if shape is None:
+            return None
+        return REPLICATED if named is None else of_box(*named, shape)
 
-    def _resolution(
-        self, named: Partitioned | None, shape: tuple[int, ...], mesh: Any
-    ) -> Resolution:
-        if named is None:
-            return REPLICATED
-        key = (type(named), named._tree[1], shape, id(mesh))
-        found = self._resolved.get(key)
+    def nested(value: Any, named: tuple[type[Partitioned], Meta] | None) -> Any:
+        if not holds_array(value):
+            return PASS
+        inner, inner_def = jax.tree.flatten(value, is_leaf=IS_BOX)
+        return Nested(inner, inner_def, [one(x, named) for x in inner])
+
+    resolutions = each_leaf(lambda leaf: one(leaf, None), leaves, tree)
+    return Walk(tree, leaves, treedef, resolutions, mesh)
+
+
+def shardings(walk: Walk, mesh: AnyMesh) -> Any:
+    """A `NamedSharding` per array of `walk`, one object per distinct resolution."""
+    made: dict[Resolution, Any] = {}
+
+    def finish(value: Any, res: Resolution) -> Any:
+        found = made.get(res)
         if found is None:
-            found = self._resolved[key] = named.resolution(shape, self.rules, mesh, self.strict)
-        if found.problem is not None and not self.lenient:
-            raise LeafError(ValueError, found.problem)
+            found = made[res] = named_sharding(mesh, res.spec)
         return found
+
+    return walk.map(finish, keep_boxes=False)
 
 
 def get_partition_spec(tree: Any) -> Any:
@@ -219,6 +231,7 @@ def get_partition_spec(tree: Any) -> Any:
     return jax.tree.map(one, tree, is_leaf=IS_BOX)
 
 
+@public
 def to_spec(
     tree: Any,
     rules: RulesLike | None = None,
@@ -232,14 +245,14 @@ def to_spec(
     rules context. With a mesh (``mesh=``, else the boxes' own, else the one
     set with `jax.set_mesh`) the result is shape-aware:
 
-    * a mesh axis not in the mesh is a ValueError for a `Partitioned` box; for
-      a logical box, that rule is skipped for the next one (``strict=True``:
-      an error);
+    * a mesh axis not in the mesh is a ValueError, in a `Partitioned` box's
+      names as in a rule that a logical box reaches (a typo is never skipped);
     * a dimension its mesh axes do not divide tries the next rule for its
       logical name, else stays unsharded (``strict=True``: an error);
     * a value with more dimensions than names is an error (use `add_axis` or
-      `spmdtree.vmap`); one with fewer (a reduced optimizer state) is
-      replicated (``strict=True``: an error).
+      `spmdtree.vmap`), and so is one with fewer (stale names inside a plain
+      `jax.lax.scan`, or a reduced optimizer state: see `optimizer_sharding`),
+      unless every dimension has size 1 (a placeholder: replicated).
 
     ``UNCONSTRAINED`` entries stay in the spec.
 
@@ -265,10 +278,11 @@ def to_spec(
         >>> st.to_spec(params, rules, mesh=mesh)  # 4 does not divide 6: 'data' it is
         {'emb': P('data', 'model')}
     """
-    call = Call("to_spec", rules, mesh, strict)
-    return call.map(tree, lambda value, res, mesh: res.spec, replace_boxes=True, shared=True)
+    walk = resolve_tree(tree, rules, mesh=mesh, strict=strict)
+    return walk.map(lambda value, res: res.spec, keep_boxes=False)
 
 
+@public
 def to_sharding(
     tree: Any, mesh: Mesh, rules: RulesLike | None = None, *, strict: bool = False
 ) -> Any:
@@ -299,23 +313,11 @@ def to_sharding(
         >>> st.to_sharding(params, mesh)["w"].spec
         P('data', 'model')
     """
-    return shardings("to_sharding", tree, mesh, rules, strict=strict)
+    check_mesh(mesh)
+    return shardings(resolve_tree(tree, rules, mesh=mesh, strict=strict), mesh)
 
 
-def shardings(
-    function: str, tree: Any, mesh: Mesh, rules: RulesLike | None, *, strict: bool = False
-) -> Any:
-    """`to_sharding` for the public `function` that calls it."""
-    check_mesh(function, mesh)
-    call = Call(function, rules, mesh, strict)
-    return call.map(
-        tree,
-        lambda value, res, mesh: named_sharding(mesh, res.spec),
-        replace_boxes=True,
-        shared=True,
-    )
-
-
+@public
 def get_sharding(tree: Any, mesh: Mesh) -> Any:
     """The same as ``to_sharding(tree, mesh)``, under flax.linen's name.
 
@@ -338,21 +340,11 @@ def get_sharding(tree: Any, mesh: Mesh) -> Any:
         >>> st.get_sharding({"b": jnp.zeros(8)}, mesh)["b"].spec
         P()
     """
-    check_mesh("get_sharding", mesh)
-    call = Call("get_sharding", None, mesh)
-    return call.map(
-        tree,
-        lambda value, res, mesh: named_sharding(mesh, res.spec),
-        replace_boxes=True,
-        shared=True,
-    )
+    check_mesh(mesh)
+    return shardings(resolve_tree(tree, None, mesh=mesh), mesh)
 
 
-def _abstract(value: Any, res: Resolution, mesh: Any) -> jax.ShapeDtypeStruct:
-    sharding = named_sharding(mesh, res.spec)
-    return jax.ShapeDtypeStruct(shape_of(value), dtype_of(value), sharding=sharding)
-
-
+@public
 def to_abstract(tree: Any, mesh: Mesh, rules: RulesLike | None = None) -> Any:
     """Returns a sharded `jax.ShapeDtypeStruct` per array leaf, boxes kept.
 
@@ -378,10 +370,16 @@ def to_abstract(tree: Any, mesh: Mesh, rules: RulesLike | None = None) -> Any:
         >>> st.to_abstract(params, mesh)["w"].value.sharding.spec
         P('data', 'model')
     """
-    check_mesh("to_abstract", mesh)
-    return Call("to_abstract", rules, mesh).map(tree, _abstract, replace_boxes=False)
+    check_mesh(mesh)
+
+    def abstract(value: Any, res: Resolution) -> jax.ShapeDtypeStruct:
+        sharding = named_sharding(mesh, res.spec)
+        return jax.ShapeDtypeStruct(shape_of(value), dtype_of(value), sharding=sharding)
+
+    return resolve_tree(tree, rules, mesh=mesh).map(abstract, keep_boxes=True)
 
 
+@public
 def validate_rules(
     rules: RulesLike | None, mesh: AnyMesh | None = None, tree: Any = None
 ) -> list[str]:
@@ -412,13 +410,13 @@ def validate_rules(
         logical name 'heads' (at tree['w']) is not covered by any rule; its dimensions stay unsharded.
         rule 1 ('vocab', 'model') is never used: no box in the tree has the logical name 'vocab'.
     """
-    normal = rules_or_context(rules, "validate_rules")
-    check_mesh("validate_rules", mesh, optional=True)
+    normal = rules_or_context(rules)
+    check_mesh(mesh, optional=True)
     problems = []
     if mesh is not None:
         axes = tuple(mesh.axis_names)
         for i, (name, mesh_axes) in enumerate(normal):
-            for axis in mesh_axes_of(mesh_axes):
+            for axis in axes_of(mesh_axes):
                 if axis not in axes:
                     problems.append(
                         f"rule {i} {(name, mesh_axes)!r} names mesh axis {axis!r}, which is "
@@ -451,7 +449,7 @@ def _logical_names_in(tree: Any) -> dict[str, str]:
     for path, leaf in paths:
         while isinstance(leaf, AxisMetadata) and not isinstance(leaf, Partitioned):
             leaf = leaf.unbox()
-        if isinstance(leaf, Partitioned) and leaf._logical and getattr(leaf, "rules", None) is None:
+        if isinstance(leaf, Partitioned) and leaf.logical and leaf._tree[1].rules is None:
             for name in leaf.names:
                 if isinstance(name, str):
                     found.setdefault(name, "tree" + jax.tree_util.keystr(path))

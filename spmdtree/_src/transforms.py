@@ -15,11 +15,10 @@ from typing import Any
 
 import jax
 
-from spmdtree.rules import RulesLike, check_mesh
-from spmdtree.specs import shardings
-from spmdtree.trees import change_axes
-
-__all__ = ["scan", "sharded_init", "vmap"]
+from spmdtree._src.errors import public
+from spmdtree._src.rules import RulesLike, check_mesh
+from spmdtree._src.specs import resolve_tree, shardings
+from spmdtree._src.trees import change_axes
 
 
 def _per_prefix(fn: Callable[[Any, Any, str], Any], axes: Any, tree: Any, argument: str) -> Any:
@@ -33,9 +32,9 @@ def _per_prefix(fn: Callable[[Any, Any, str], Any], axes: Any, tree: Any, argume
     )
 
 
-def _without_axis(function: str, partition_name: Any) -> Callable[[Any, Any, str], Any]:
-    """`(tree, axis) -> tree` whose boxes lose the axis `axis` about to be mapped
-    over (any name, or `partition_name` if given).
+def _without_axis(partition_name: Any) -> Callable[[Any, Any, str], Any]:
+    """`(tree, axis, where) -> tree` whose boxes lose the axis `axis` about to be
+    mapped over (any name, or `partition_name` if given).
 
     As in flax's lifted transforms, each box's `remove_axis` sees the whole,
     unmapped value, as its `add_axis` sees the stacked result.
@@ -45,7 +44,6 @@ def _without_axis(function: str, partition_name: Any) -> Callable[[Any, Any, str
         if axis is None:
             return tree
         return change_axes(
-            function,
             tree,
             axis,
             partition_name,
@@ -58,13 +56,13 @@ def _without_axis(function: str, partition_name: Any) -> Callable[[Any, Any, str
     return strip
 
 
-def _with_axis(function: str, partition_name: Any) -> Callable[[Any, Any, str], Any]:
-    """`(tree, axis) -> tree` whose boxes gain the axis `axis`, named `partition_name`."""
+def _with_axis(partition_name: Any) -> Callable[[Any, Any, str], Any]:
+    """`(tree, axis, where) -> tree` whose boxes gain the axis `axis`, named `partition_name`."""
 
     def add(tree: Any, axis: int | None, argument: str) -> Any:
         if axis is None:
             return tree
-        return change_axes(function, tree, axis, partition_name, add=True, argument=argument)
+        return change_axes(tree, axis, partition_name, add=True, argument=argument)
 
     return add
 
@@ -107,10 +105,9 @@ def vmap(
         >>> layers["w"]
         LogicallyPartitioned(f32[3,4,8], names=('layers', 'embed', 'mlp'))
     """
-    strip = _without_axis("vmap", partition_name)
-    add = _with_axis("vmap", partition_name)
+    strip = _without_axis(partition_name)
+    add = _with_axis(partition_name)
 
-    @functools.wraps(fn)
     def mapped(*args: Any, **kw: Any) -> Any:
         axes = in_axes if isinstance(in_axes, (tuple, list)) else (in_axes,) * len(args)
         args = tuple(_per_prefix(strip, tuple(axes), args, "args"))
@@ -118,9 +115,10 @@ def vmap(
         out = jax.vmap(fn, in_axes=in_axes, out_axes=out_axes, **kwargs)(*args, **kw)
         return _per_prefix(add, out_axes, out, "outputs")
 
-    return mapped
+    return functools.wraps(fn)(public(mapped, "vmap"))
 
 
+@public
 def scan(
     f: Callable[[Any, Any], tuple[Any, Any]],
     init: Any,
@@ -161,11 +159,12 @@ def scan(
         >>> float(total), ys["w"].names
         (12.0, ('layers', 'model'))
     """
-    xs = _without_axis("scan", partition_name)(xs, 0, "xs")
+    xs = _without_axis(partition_name)(xs, 0, "xs")
     carry, ys = jax.lax.scan(f, init, xs, length=length, **kwargs)
-    return carry, _with_axis("scan", partition_name)(ys, 0, "ys")
+    return carry, _with_axis(partition_name)(ys, 0, "ys")
 
 
+@public
 def sharded_init(
     init_fn: Callable[..., Any],
     mesh: jax.sharding.Mesh,
@@ -203,7 +202,7 @@ def sharded_init(
         >>> params["w"].value.addressable_shards[0].data.shape
         (4, 4)
     """
-    check_mesh("sharded_init", mesh)
+    check_mesh(mesh)
     static_nums = _as_tuple(jit_kwargs.get("static_argnums", ()))
     static_names = _as_tuple(jit_kwargs.get("static_argnames", ()))
 
@@ -221,18 +220,18 @@ def sharded_init(
             [a for i, a in enumerate(args) if i not in nums],
             {k: v for k, v in kwargs.items() if k not in static_names},
         )
-        out = shardings("sharded_init", abstract, mesh, rules)
+        out = shardings(resolve_tree(abstract, rules, mesh=mesh), mesh)
         return jax.jit(init_fn, out_shardings=out, **jit_kwargs)
 
-    @functools.wraps(init_fn)
     def init(*args: Any, **kwargs: Any) -> Any:
         return jitted(args, kwargs)(*args, **kwargs)
 
     def lower(*args: Any, **kwargs: Any) -> Any:
         return jitted(args, kwargs).lower(*args, **kwargs)
 
-    init.lower = lower  # type: ignore[attr-defined]
-    return init
+    built = functools.wraps(init_fn)(public(init, "sharded_init"))
+    built.lower = public(lower, "sharded_init")  # type: ignore[attr-defined]
+    return built
 
 
 def _as_tuple(x: Any) -> tuple[Any, ...]:

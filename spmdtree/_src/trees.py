@@ -11,35 +11,31 @@ from typing import Any, TypeAlias
 
 import jax
 from jax import tree_util
-from jax.sharding import PartitionSpec
 
-from spmdtree.boxes import (
+from spmdtree._src import registry
+from spmdtree._src.boxes import (
     IS_BOX,
     PARTITION_NAME,
     AxisMetadata,
     LogicallyPartitioned,
+    Meta,
     Partitioned,
     checked_names,
     delete_name,
     insert_name,
     is_array,
     partition_name,
-    rebuild,
     shape_of,
 )
-from spmdtree.errors import LeafError, at, fmt, raise_collected, raise_one
-from spmdtree.rules import AnyMesh, Names, RulesLike, check_mesh, normalize_names, normalize_rules
-
-__all__ = [
-    "add_axis",
-    "box",
-    "is_boxed",
-    "map_boxes",
-    "match",
-    "remove_axis",
-    "replace_boxed",
-    "unbox",
-]
+from spmdtree._src.errors import Mistake, at, fmt, public, raise_collected
+from spmdtree._src.rules import (
+    AnyMesh,
+    Names,
+    RulesLike,
+    check_mesh,
+    normalize_names,
+    normalize_rules,
+)
 
 KeyPath: TypeAlias = tuple[Any, ...]
 #: A function choosing the names of a leaf from its key path, or None.
@@ -63,25 +59,33 @@ def subject(tree_leaf: Any, path: KeyPath, argument: str = "tree") -> str:
     return f"the {kind} at {at(argument, path)}"
 
 
-def map_leaves(function: str, fn: Callable[[Any], Any], tree: Any, argument: str = "tree") -> Any:
-    """Maps `fn` over the leaves of `tree`, boxes taken as leaves.
+def each_leaf(
+    fn: Callable[[Any], Any], items: Sequence[Any], tree: Any, *, argument: str = "tree"
+) -> list[Any]:
+    """``[fn(item) for item in items]``, one item per leaf of `tree` (boxes as leaves).
 
-    Every LeafError `fn` raises is collected with its key path (under the name
-    `argument`) and raised once, as one error from `function`. Paths are
-    computed only when something failed.
+    Every Mistake `fn` raises is collected with the key path of its leaf in
+    `tree` (under the name `argument`) and raised once. Paths are computed
+    only when something failed.
     """
-    leaves, treedef = jax.tree.flatten(tree, is_leaf=IS_BOX)
     out, failed = [], []
-    for i, leaf in enumerate(leaves):
+    for i, item in enumerate(items):
         try:
-            out.append(fn(leaf))
-        except LeafError as e:
-            failed.append((i, e))
+            out.append(fn(item))
+        except Mistake as mistake:
+            failed.append((i, mistake))
             out.append(None)
     if failed:
-        paths = [path for path, _ in tree_util.tree_flatten_with_path(tree, is_leaf=IS_BOX)[0]]
-        raise_collected(function, [(subject(leaves[i], paths[i], argument), e) for i, e in failed])
-    return jax.tree.unflatten(treedef, out)
+        found = tree_util.tree_flatten_with_path(tree, is_leaf=IS_BOX)[0]
+        raise_collected([(subject(found[i][1], found[i][0], argument), m) for i, m in failed])
+    return out
+
+
+def map_leaves(fn: Callable[[Any], Any], tree: Any, *, argument: str = "tree") -> Any:
+    """Maps `fn` over the leaves of `tree`, boxes taken as leaves, collecting
+    mistakes as `each_leaf` does."""
+    leaves, treedef = jax.tree.flatten(tree, is_leaf=IS_BOX)
+    return jax.tree.unflatten(treedef, each_leaf(fn, leaves, tree, argument=argument))
 
 
 def unbox(tree: Any) -> Any:
@@ -108,6 +112,7 @@ def _unbox_one(x: Any) -> Any:
     return unbox(x.unbox()) if is_boxed(x) else x
 
 
+@public
 def replace_boxed(tree: Any, values: Any) -> Any:
     """Puts new values into the boxes of a tree.
 
@@ -139,9 +144,10 @@ def replace_boxed(tree: Any, values: Any) -> Any:
     try:
         return jax.tree.map(put, tree, values, is_leaf=IS_BOX)
     except ValueError as e:
-        raise ValueError(
-            "replace_boxed: `values` must have the structure of st.unbox(tree), "
-            f"but they differ: {e}. Build `values` from st.unbox(tree)."
+        raise Mistake(
+            ValueError,
+            "`values` must have the structure of st.unbox(tree), but they differ: "
+            f"{e}. Build `values` from st.unbox(tree).",
         ) from None
 
 
@@ -164,6 +170,7 @@ def map_boxes(fn: Callable[[AxisMetadata], Any], tree: Any) -> Any:
     return jax.tree.map(lambda x: fn(x) if is_boxed(x) else x, tree, is_leaf=IS_BOX)
 
 
+@public
 def box(
     tree: Any,
     names: Any | NamesFn,
@@ -201,44 +208,43 @@ def box(
         >>> st.box(params, {"w": ("embed", "mlp"), "b": None}, logical=True)
         {'b': Array([0., 0., 0., 0., 0., 0., 0., 0.], dtype=float32), 'w': LogicallyPartitioned(f32[4,8], names=('embed', 'mlp'))}
     """
-    check_mesh("box", mesh, optional=True)
+    check_mesh(mesh, optional=True)
     if rules is not None and not logical:
-        raise ValueError(
-            "box: rules= was given with logical=False; rules map logical names to "
-            "mesh axes. Pass logical=True, or drop rules=."
+        raise Mistake(
+            ValueError,
+            "rules= was given with logical=False; rules map logical names to mesh "
+            "axes. Pass logical=True, or drop rules=.",
         )
     cls = LogicallyPartitioned if logical else Partitioned
-    meta_rest = (
-        (mesh, None if rules is None else normalize_rules(rules, "box")) if logical else (mesh,)
-    )
+    meta = Meta((), mesh, None if rules is None else normalize_rules(rules))
     paths_leaves, treedef = tree_util.tree_flatten_with_path(tree, is_leaf=IS_BOX)
     if callable(names):
         chosen = _names_from_function(names, paths_leaves)
     else:
-        chosen = _names_from_tree(treedef, names, paths_leaves)
+        chosen = _names_from_tree(treedef, names)
     out, problems = [], []
     for (path, leaf), leaf_names in zip(paths_leaves, chosen, strict=True):
         try:
-            out.append(leaf if leaf_names is None else _box_one(cls, leaf, leaf_names, meta_rest))
-        except LeafError as e:
-            problems.append((subject(leaf, path), e))
-    raise_collected("box", problems)
+            out.append(leaf if leaf_names is None else _box_one(cls, leaf, leaf_names, meta))
+        except Mistake as mistake:
+            problems.append((subject(leaf, path), mistake))
+    raise_collected(problems)
     return jax.tree.unflatten(treedef, out)
 
 
-def _box_one(cls: type[Partitioned], leaf: Any, names: Any, meta_rest: tuple[Any, ...]) -> Any:
+def _box_one(cls: type[Partitioned], leaf: Any, names: Any, meta: Meta) -> Any:
     if is_boxed(leaf):
-        raise LeafError(
+        raise Mistake(
             ValueError,
             f"is already boxed as {leaf!r}; give it None in `names`, or "
             "st.unbox the tree first to box it anew.",
         )
     if not is_array(leaf):
-        raise LeafError(
+        raise Mistake(
             TypeError,
             f"is {fmt(leaf)}, not an array, so it cannot be boxed; give it None in `names`.",
         )
-    return rebuild(cls, ((leaf,), (checked_names(leaf, names), *meta_rest)))
+    return registry.rebuild(cls, leaf, meta._replace(names=checked_names(leaf, names)))
 
 
 def _names_from_function(fn: NamesFn, paths_leaves: Sequence[tuple[Any, Any]]) -> list[Any]:
@@ -246,31 +252,27 @@ def _names_from_function(fn: NamesFn, paths_leaves: Sequence[tuple[Any, Any]]) -
     for path, leaf in paths_leaves:
         try:
             chosen.append(fn(path, leaf) if is_array(leaf) and not is_boxed(leaf) else None)
-        except LeafError as e:
-            problems.append((subject(leaf, path), e))
-    raise_collected("box", problems)
+        except Mistake as mistake:
+            problems.append((subject(leaf, path), mistake))
+    raise_collected(problems)
     return chosen
 
 
-def _is_names(x: Any) -> bool:
-    return x is None or isinstance(x, PartitionSpec)
-
-
-def _names_from_tree(
-    treedef: Any, names: Any, paths_leaves: Sequence[tuple[Any, Any]]
-) -> list[Any]:
+def _names_from_tree(treedef: Any, names: Any) -> list[Any]:
     try:
         return treedef.flatten_up_to(names)
     except (ValueError, TypeError) as e:
         expected = jax.tree.unflatten(treedef, ["*"] * treedef.num_leaves)
-        raise ValueError(
-            "box: `names` must follow the structure of `tree`, with a names tuple, "
-            "a PartitionSpec or None at each of its leaves, but it does not: "
-            f"{str(e).rstrip('.')}. `tree` has the structure {fmt(expected)} (* marks a leaf). "
-            "Or pass a function (path, leaf) -> names, e.g. st.match([...])."
+        raise Mistake(
+            ValueError,
+            "`names` must follow the structure of `tree`, with a names tuple, a "
+            "PartitionSpec or None at each of its leaves, but it does not: "
+            f"{str(e).rstrip('.')}. `tree` has the structure {fmt(expected)} (* marks a "
+            "leaf). Or pass a function (path, leaf) -> names, e.g. st.match([...]).",
         ) from None
 
 
+@public
 def match(
     patterns: Sequence[tuple[str, Any]], *, strict: bool = False
 ) -> Callable[[KeyPath, Any], Names | None]:
@@ -304,21 +306,22 @@ def match(
     compiled = []
     for i, pattern in enumerate(patterns):
         if not isinstance(pattern, (tuple, list)) or len(pattern) != 2:
-            raise TypeError(
-                f"match: pattern {i} is {fmt(pattern)}; each pattern is a pair "
-                "(regex, names), e.g. (r'kernel$', ('embed', 'mlp'))."
+            raise Mistake(
+                TypeError,
+                f"pattern {i} is {fmt(pattern)}; each pattern is a pair (regex, names), "
+                "e.g. (r'kernel$', ('embed', 'mlp')).",
             )
         regex, names = pattern
         try:
             compiled.append((re.compile(regex), None if names is None else normalize_names(names)))
         except re.error as e:
-            raise ValueError(
-                f"match: pattern {i}, {regex!r}, is not a valid regular expression: "
-                f"{e}. Escape special characters with re.escape if you meant them "
-                "literally."
+            raise Mistake(
+                ValueError,
+                f"pattern {i}, {regex!r}, is not a valid regular expression: {e}. Escape "
+                "special characters with re.escape if you meant them literally.",
             ) from None
-        except LeafError as e:
-            raise raise_one("match", f"pattern {i}, {regex!r},", e) from None
+        except Mistake as mistake:
+            raise Mistake(mistake.kind, f"pattern {i} ({regex!r}) {mistake.message}") from None
     shown = [regex.pattern for regex, _ in compiled]
 
     def names_for(path: KeyPath, leaf: Any) -> Names | None:
@@ -327,7 +330,7 @@ def match(
             if regex.search(text):
                 return names
         if strict:
-            raise LeafError(
+            raise Mistake(
                 ValueError,
                 f"(path {text!r}) matches none of the patterns {shown}. Add a "
                 f"pattern for it, e.g. ({re.escape(text) + '$'!r}, None) to leave "
@@ -338,6 +341,7 @@ def match(
     return names_for
 
 
+@public
 def add_axis(tree: Any, index: int, name: Any) -> Any:
     """Adds an axis to the names of every box, as a vmap or scan does to its values.
 
@@ -363,9 +367,10 @@ def add_axis(tree: Any, index: int, name: Any) -> Any:
         >>> st.add_axis(layer, 0, "layers")["w"].names
         ('layers', None, 'model')
     """
-    return change_axes("add_axis", tree, index, name, add=True)
+    return change_axes(tree, index, name, add=True)
 
 
+@public
 def remove_axis(tree: Any, index: int, name: Any) -> Any:
     """Removes a named axis from every box: the exact inverse of `add_axis`.
 
@@ -388,11 +393,10 @@ def remove_axis(tree: Any, index: int, name: Any) -> Any:
         >>> st.remove_axis(tree, 0, "layers")["w"].names
         ('model',)
     """
-    return change_axes("remove_axis", tree, index, name, add=False)
+    return change_axes(tree, index, name, add=False)
 
 
 def change_axes(
-    function: str,
     tree: Any,
     index: int,
     name: Any,
@@ -409,27 +413,24 @@ def change_axes(
     With `match_name` False, removal takes whatever name is at `index`. With
     `unmapped`, the boxes' values are about to be mapped over that axis (by a
     vmap or scan), so each box must have one name per dimension of its value.
-    Errors name `function` and the key path under `argument`.
+    Errors name the key path under `argument`.
     """
     if not isinstance(index, int) or isinstance(index, bool):
-        raise TypeError(f"{function}: index is {fmt(index)}; expected an int.")
+        raise Mistake(TypeError, f"index is {fmt(index)}; expected an int.")
     try:
         axis = partition_name(name)
-    except LeafError as e:
-        raise raise_one(function, "the axis name", e) from None
+    except Mistake as mistake:
+        raise Mistake(mistake.kind, f"the axis name {mistake.message}") from None
 
     def one(x: Any) -> Any:
         if not is_boxed(x):
             return x
         if not isinstance(x, Partitioned):
-            return (
-                x.add_axis(index, {PARTITION_NAME: axis})
-                if add
-                else x.remove_axis(index, {PARTITION_NAME: axis})
-            )
+            hook = x.add_axis if add else x.remove_axis
+            return hook(index, {PARTITION_NAME: axis})
         shape = shape_of(x.value)
         if unmapped and shape is not None and len(shape) != len(x.names):
-            raise LeafError(
+            raise Mistake(
                 ValueError,
                 f"has names {x.names} for a value of shape {shape}, so its names do "
                 f"not include the mapped axis (axis {index}). Stack boxes with "
@@ -441,8 +442,7 @@ def change_axes(
         if hook is Partitioned.remove_axis:
             return x.with_names(delete_name(x.names, index, axis, check=match_name))
         if not add and not match_name and -len(x.names) <= index < len(x.names):
-            axis_here = x.names[index]  # the name to remove is whatever is there
-            return hook(x, index, {PARTITION_NAME: axis_here})
+            return hook(x, index, {PARTITION_NAME: x.names[index]})  # whatever is there
         return hook(x, index, {PARTITION_NAME: axis})
 
-    return map_leaves(function, one, tree, argument)
+    return map_leaves(one, tree, argument=argument)

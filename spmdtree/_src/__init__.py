@@ -1,0 +1,1 @@
+"""spmdtree's implementation; the public names are re-exported by `spmdtree`."""
