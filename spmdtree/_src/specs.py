@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 from jax.sharding import Mesh, PartitionSpec
@@ -56,7 +56,8 @@ def context_mesh() -> AnyMesh | None:
     return None if mesh.empty else mesh
 
 
-class Nested(NamedTuple):
+@dataclasses.dataclass(frozen=True, eq=False)
+class Nested:
     """The resolutions inside a box that holds a subtree (SM3's per-dimension vectors)."""
 
     leaves: list[Any]
@@ -87,20 +88,32 @@ class Walk:
         """
 
         def one(leaf: Any, res: Any) -> Any:
+            if type(res) is Resolution:
+                if not isinstance(leaf, AxisMetadata):
+                    return finish(leaf, res)
+                out = finish(
+                    leaf._tree[0][0] if isinstance(leaf, Partitioned) else leaf.unbox(), res
+                )
+                return leaf.replace_boxed(out) if keep_boxes else out
             if res is None:
                 return leaf if keep_boxes else None
             if res is PASS:
                 return leaf
-            if type(res) is Nested:
-                inner = [one(x, r) for x, r in zip(res.leaves, res.resolutions, strict=True)]
-                return leaf.replace_boxed(res.treedef.unflatten(inner))
-            if not isinstance(leaf, AxisMetadata):
-                return finish(leaf, res)
-            out = finish(leaf.unbox(), res)
-            return leaf.replace_boxed(out) if keep_boxes else out
+            inner = [one(x, r) for x, r in zip(res.leaves, res.resolutions, strict=True)]
+            return leaf.replace_boxed(res.treedef.unflatten(inner))
 
-        pairs = list(zip(self.leaves, self.resolutions, strict=True))
-        return self.treedef.unflatten(each_leaf(lambda pair: one(*pair), pairs, self.tree))
+        return self.treedef.unflatten(each_leaf(one, self.tree, self.leaves, self.resolutions))
+
+    def replace(self, fn: Callable[[Resolution], Any]) -> Any:
+        """`map` for a result that depends on the resolution only (specs,
+        shardings): ``fn`` runs once per distinct resolution, and boxes holding
+        an array are replaced."""
+        unique = set(self.resolutions)
+        if any(res is PASS or type(res) is Nested for res in unique):
+            return self.map(lambda value, res: fn(res), keep_boxes=False)
+        done = {res: fn(res) for res in unique if res is not None}
+        done[None] = None
+        return self.treedef.unflatten([done[res] for res in self.resolutions])
 
 
 def _boxes_mesh(leaves: list[Any]) -> AnyMesh | None:
@@ -161,9 +174,9 @@ def resolve_tree(
             if meta.mesh is not None:
                 check_box_mesh(meta, mesh)
             shape = shape_of(value)
-            if shape is not None:
-                return of_box(type(leaf), meta, shape)
-            return nested(value, (type(leaf), meta))
+            if shape is None:
+                return nested(value, (type(leaf), meta))
+            return of_box(type(leaf), meta, shape)
         if isinstance(leaf, AxisMetadata):
             value = leaf.unbox()
             return REPLICATED if is_array(value) else nested(value, named)
@@ -178,21 +191,23 @@ def resolve_tree(
         inner, inner_def = jax.tree.flatten(value, is_leaf=IS_BOX)
         return Nested(inner, inner_def, [one(x, named) for x in inner])
 
-    resolutions = each_leaf(lambda leaf: one(leaf, None), leaves, tree)
+    def fast(leaf: Any) -> Any:
+        # The common case (a box of an array whose metadata and shape were seen)
+        # without function calls: layers repeat, so most leaves take this path.
+        if isinstance(leaf, Partitioned):
+            (value,), meta = leaf._tree
+            found = memo.get((type(leaf), meta, getattr(value, "shape", None)))
+            if found is not None and meta.mesh is None and found.problem is None and not strict:
+                return found
+        return one(leaf, None)
+
+    resolutions = each_leaf(fast, tree, leaves)
     return Walk(tree, leaves, treedef, resolutions, mesh)
 
 
 def shardings(walk: Walk, mesh: AnyMesh) -> Any:
     """A `NamedSharding` per array of `walk`, one object per distinct resolution."""
-    made: dict[Resolution, Any] = {}
-
-    def finish(value: Any, res: Resolution) -> Any:
-        found = made.get(res)
-        if found is None:
-            found = made[res] = named_sharding(mesh, res.spec)
-        return found
-
-    return walk.map(finish, keep_boxes=False)
+    return walk.replace(lambda res: named_sharding(mesh, res.spec))
 
 
 def get_partition_spec(tree: Any) -> Any:
@@ -278,8 +293,7 @@ def to_spec(
         >>> st.to_spec(params, rules, mesh=mesh)  # 4 does not divide 6: 'data' it is
         {'emb': P('data', 'model')}
     """
-    walk = resolve_tree(tree, rules, mesh=mesh, strict=strict)
-    return walk.map(lambda value, res: res.spec, keep_boxes=False)
+    return resolve_tree(tree, rules, mesh=mesh, strict=strict).replace(lambda res: res.spec)
 
 
 @public

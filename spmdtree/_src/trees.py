@@ -60,32 +60,34 @@ def subject(tree_leaf: Any, path: KeyPath, argument: str = "tree") -> str:
 
 
 def each_leaf(
-    fn: Callable[[Any], Any], items: Sequence[Any], tree: Any, *, argument: str = "tree"
+    fn: Callable[..., Any], tree: Any, *columns: Sequence[Any], argument: str = "tree"
 ) -> list[Any]:
-    """``[fn(item) for item in items]``, one item per leaf of `tree` (boxes as leaves).
+    """``[fn(*row) for row in zip(*columns)]``, one row per leaf of `tree` (boxes as leaves).
 
     Every Mistake `fn` raises is collected with the key path of its leaf in
     `tree` (under the name `argument`) and raised once. Paths are computed
     only when something failed.
     """
-    out, failed = [], []
-    for i, item in enumerate(items):
+    try:
+        return [fn(*row) for row in zip(*columns, strict=True)]
+    except Mistake:
+        pass  # once more, leaf by leaf, to name every wrong one
+    failed = []
+    for i, row in enumerate(zip(*columns, strict=True)):
         try:
-            out.append(fn(item))
+            fn(*row)
         except Mistake as mistake:
             failed.append((i, mistake))
-            out.append(None)
-    if failed:
-        found = tree_util.tree_flatten_with_path(tree, is_leaf=IS_BOX)[0]
-        raise_collected([(subject(found[i][1], found[i][0], argument), m) for i, m in failed])
-    return out
+    found = tree_util.tree_flatten_with_path(tree, is_leaf=IS_BOX)[0]
+    raise_collected([(subject(found[i][1], found[i][0], argument), m) for i, m in failed])
+    raise AssertionError("unreachable: a Mistake was raised above")
 
 
 def map_leaves(fn: Callable[[Any], Any], tree: Any, *, argument: str = "tree") -> Any:
     """Maps `fn` over the leaves of `tree`, boxes taken as leaves, collecting
     mistakes as `each_leaf` does."""
     leaves, treedef = jax.tree.flatten(tree, is_leaf=IS_BOX)
-    return jax.tree.unflatten(treedef, each_leaf(fn, leaves, tree, argument=argument))
+    return jax.tree.unflatten(treedef, each_leaf(fn, tree, leaves, argument=argument))
 
 
 def unbox(tree: Any) -> Any:
