@@ -14,7 +14,6 @@ from spmdtree._src.boxes import with_partitioning as with_partitioning
 from spmdtree._src.constraints import constrain as constrain
 from spmdtree._src.constraints import shard as shard
 from spmdtree._src.constraints import with_logical_constraint as with_logical_constraint
-from spmdtree._src.optim import kept_dimensions as kept_dimensions
 from spmdtree._src.optim import optimizer_sharding as optimizer_sharding
 from spmdtree._src.report import describe as describe
 from spmdtree._src.rules import RulesFallback as RulesFallback
@@ -26,6 +25,7 @@ from spmdtree._src.rules import logical_to_mesh_sharding as logical_to_mesh_shar
 from spmdtree._src.rules import set_logical_axis_rules as set_logical_axis_rules
 from spmdtree._src.specs import get_partition_spec as get_partition_spec
 from spmdtree._src.specs import get_sharding as get_sharding
+from spmdtree._src.specs import kept_dimensions as kept_dimensions
 from spmdtree._src.specs import to_abstract as to_abstract
 from spmdtree._src.specs import to_sharding as to_sharding
 from spmdtree._src.specs import to_spec as to_spec

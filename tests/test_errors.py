@@ -265,6 +265,23 @@ CASES = {
         ValueError,
         ["optimizer_sharding:", "params", "no boxes", "st.unbox"],
     ),
+    "params-from-another-model": (
+        lambda: st.to_sharding(
+            jax.eval_shape(
+                optax.adafactor(1e-3, min_dim_size_to_factor=1).init, w(("data", "model"))
+            ),
+            MESH,
+            params={"other": st.Partitioned(jnp.zeros((2, 4)), ("model", "data"))},
+        ),
+        ValueError,
+        [
+            "to_sharding:",
+            "tree[0].v_row['layer']['w']",
+            "(2,)",
+            "no box in params= has",
+            "the tree given to tx.init",
+        ],
+    ),
     "constrain-a-box-with-its-own-other-mesh": (
         lambda: st.constrain(
             {

@@ -99,6 +99,10 @@ def reference(name, x):
     return params
 
 
+def flat(shardings):
+    return jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, NamedSharding))
+
+
 def shardings_of(tree):
     return [leaf.sharding for leaf in jax.tree.leaves(tree)]
 
@@ -136,12 +140,16 @@ def test_optimizer_state_shards_and_trains(name, cls, mesh):
         if name in REDUCED:  # fewer dimensions than names: resolved against the params
             with pytest.raises(ValueError, match=r"st\.optimizer_sharding"):
                 st.to_sharding(state, mesh)
-            state_shardings = st.optimizer_sharding(tx, params, mesh)
-        else:
-            state_shardings = st.to_sharding(state, mesh)
+        state_shardings = st.to_sharding(state, mesh, params=params)
+        # One train state, one set of shardings: every way of asking agrees.
+        assert st.optimizer_sharding(tx, params, mesh) == state_shardings
+        abstract = st.to_abstract(state, mesh, params=params)
+        assert [x.sharding for x in jax.tree.leaves(abstract)] == flat(state_shardings)
         (params, state), (new_params, new_state) = train_twice(
             tx, params, param_shardings, state_shardings, mesh, lookahead
         )
+    for leaf, want in zip(jax.tree.leaves(new_state), flat(state_shardings), strict=True):
+        assert leaf.sharding.is_equivalent_to(want, leaf.ndim), (leaf.sharding, want)
 
     fast_in = params.fast if lookahead else params
     fast_out = new_params.fast if lookahead else new_params

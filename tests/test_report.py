@@ -72,7 +72,9 @@ def test_reduced_optimizer_states_are_flagged_as_fallbacks():
     text = st.describe(state, MESH, rich=False)
     assert "0/v_row/w  f32[8]" in text
     assert "! 0/v_row/w: replicated by a fallback: shape [8] under names (data,model)" in text
-    assert "(reduced optimizer states: st.optimizer_sharding keeps them sharded)" in text
+    assert "(reduced optimizer states: pass params= to keep them sharded)" in text
+    kept = st.describe(state, MESH, params=params, rich=False)
+    assert "0/v_row/w  f32[8]   [4]" in kept and "replicated by a fallback" not in kept
 
 
 def test_long_paths_fit_80_columns_and_keep_their_end():

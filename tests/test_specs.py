@@ -316,3 +316,75 @@ def test_every_spec_fits_its_array(case):
         assert dim % math.prod(mesh.shape[a] for a in parts) == 0
     placed = jax.device_put(tree, st.to_sharding(tree, mesh))
     assert placed["w"].value.sharding.spec == spec
+
+
+# --- params=: reduced states resolved through the params they came from ----------------
+
+ADAFACTOR = optax.adafactor(1e-3, min_dim_size_to_factor=4)
+
+
+def boxed_params():
+    return {
+        "enc": {"w": st.LogicallyPartitioned(jnp.zeros((8, 16)), ("embed", "mlp"))},
+        "dec": {"w": st.LogicallyPartitioned(jnp.zeros((16, 8)), ("mlp", "embed"))},
+        "square": st.LogicallyPartitioned(jnp.zeros((16, 16)), ("embed", "mlp")),
+    }
+
+
+def test_params_resolve_reduced_states_to_the_dimensions_they_kept():
+    rules = [("embed", "data"), ("mlp", "model")]
+    params = boxed_params()
+    state = jax.eval_shape(ADAFACTOR.init, params)[0]
+    specs = st.to_spec(state, rules, mesh=AUTO, params=params)
+    # v_row keeps the rows, v_col the columns, each with its names' mesh axes.
+    assert specs.v_row["enc"]["w"] == P("data") and specs.v_col["enc"]["w"] == P("model")
+    # adafactor reduces (16, 8) to rows of 8 (its 'embed') and columns of 16 ('mlp').
+    assert specs.v_row["dec"]["w"] == P("data") and specs.v_col["dec"]["w"] == P("model")
+    assert specs.v_row["square"] == P()  # rows or columns? ambiguous: replicated
+    with pytest.raises(ValueError, match=r"tree\.v_row\['square'\].*ambiguous"):
+        st.to_spec(state, rules, mesh=AUTO, params=params, strict=True)
+
+
+def test_params_work_on_a_tree_holding_params_and_state():
+    rules = [("embed", "data"), ("mlp", "model")]
+    params = boxed_params()
+    train_state = {"params": params, "opt": jax.eval_shape(ADAFACTOR.init, params)}
+    shardings = st.to_sharding(train_state, AUTO, rules, params=params)
+    assert shardings["params"]["enc"]["w"].spec == P("data", "model")
+    assert shardings["opt"][0].v_row["enc"]["w"].spec == P("data")
+    abstract = st.to_abstract(train_state, AUTO, rules, params=params)
+    assert (
+        abstract["opt"][0].v_col["dec"]["w"].value.sharding == shardings["opt"][0].v_col["dec"]["w"]
+    )
+
+
+def test_params_of_another_model_are_an_error_naming_the_leaf():
+    rules = [("embed", "data"), ("mlp", "model")]
+    state = jax.eval_shape(ADAFACTOR.init, boxed_params())
+    other = {"w": st.LogicallyPartitioned(jnp.zeros((8, 16)), ("vocab", "embed"))}
+    with pytest.raises(ValueError) as info:
+        st.to_sharding(state, AUTO, rules, params=other)
+    message = str(info.value)
+    assert message.startswith("to_sharding: ") and "tree[0].v_row['enc']['w']" in message
+    assert "no box in params= has these names" in message
+
+
+def test_params_without_boxes_are_an_error():
+    state = jax.eval_shape(ADAFACTOR.init, boxed_params())
+    with pytest.raises(ValueError, match=r"to_spec: params= holds no boxes.*st\.unbox"):
+        st.to_spec(state, mesh=AUTO, params=st.unbox(boxed_params()))
+
+
+def test_params_match_by_the_longest_key_path_suffix_with_the_same_names():
+    # Both params end in 'w' with the same names but different shapes; the state
+    # leaf's path ('dec', 'w') picks dec. A leaf under 'w' alone would tie.
+    params = {
+        "enc": {"w": st.Partitioned(jnp.zeros((8, 16)), ("data", "model"))},
+        "dec": {"w": st.Partitioned(jnp.zeros((16, 8)), ("data", "model"))},
+    }
+    row = jax.ShapeDtypeStruct((8,), jnp.float32)
+    reduced = jax.tree.map(lambda _: row, params["dec"]["w"])  # names kept, one dim
+    assert st.to_spec({"dec": {"w": reduced}}, mesh=AUTO, params=params) == {
+        "dec": {"w": P("model")}
+    }
+    assert st.to_spec({"w": reduced}, mesh=AUTO, params=params) == {"w": P()}  # a tie

@@ -295,7 +295,7 @@ def constrain(tree: Any, mesh: AnyMesh | None = None, rules: RulesLike | None = 
 
 
 @public
-def shard(tree: Any, mesh: Mesh, rules: RulesLike | None = None) -> Any:
+def shard(tree: Any, mesh: Mesh, rules: RulesLike | None = None, *, params: Any = None) -> Any:
     """Places every value on its sharding, boxes kept (outside jit).
 
     Unboxed arrays are replicated. On a mesh that spans processes, each
@@ -307,6 +307,8 @@ def shard(tree: Any, mesh: Mesh, rules: RulesLike | None = None) -> Any:
         tree: a tree with boxes of arrays.
         mesh: the device mesh.
         rules: rules for logical boxes without their own.
+        params: the boxed params `tree` was derived from, for reduced states
+            (as for `to_spec`).
 
     Returns:
         `tree` with every array placed on its `NamedSharding`.
@@ -333,4 +335,4 @@ def shard(tree: Any, mesh: Mesh, rules: RulesLike | None = None) -> Any:
             )
         return place(value, named_sharding(mesh, res.spec))
 
-    return resolve_tree(tree, rules, mesh=mesh).map(finish, keep_boxes=True)
+    return resolve_tree(tree, rules, mesh=mesh, params=params).map(finish, keep_boxes=True)

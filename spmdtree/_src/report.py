@@ -14,7 +14,16 @@ from jax import tree_util
 
 from spmdtree._src.boxes import dtype_of, shape_of, short_dtype
 from spmdtree._src.errors import public
-from spmdtree._src.rules import UNCONSTRAINED, AnyMesh, Names, Resolution, RulesLike, axes_of
+from spmdtree._src.rules import (
+    AMBIGUOUS,
+    FEWER_DIMENSIONS,
+    UNCONSTRAINED,
+    AnyMesh,
+    Names,
+    Resolution,
+    RulesLike,
+    axes_of,
+)
 from spmdtree._src.specs import resolve_tree
 
 
@@ -62,8 +71,8 @@ class Row:
         return self.leaf.mesh is not None and self.per_device == self.leaf.shape
 
 
-def _rows(tree: Any, mesh: AnyMesh | None, rules: RulesLike | None) -> list[Row]:
-    walk = resolve_tree(tree, rules, mesh=mesh, lenient=True)
+def _rows(tree: Any, mesh: AnyMesh | None, rules: RulesLike | None, params: Any) -> list[Row]:
+    walk = resolve_tree(tree, rules, mesh=mesh, params=params, lenient=True)
 
     def finish(value: Any, res: Resolution) -> Leaf:
         dtype = dtype_of(value)
@@ -108,7 +117,7 @@ def _shape(shape: tuple[int, ...] | None) -> str:
 def _notes(row: Row, large: int) -> list[str]:
     res, notes = row.leaf.resolution, []
     names: Names = res.names or ()
-    if res.fallback is not None:
+    if res.fallback in (FEWER_DIMENSIONS, AMBIGUOUS):
         notes.append(
             f"{row.path}: replicated by a fallback: shape {_shape(row.leaf.shape)} under "
             f"names ({_entries(names, len(names))})"
@@ -211,6 +220,7 @@ def describe(
     mesh: AnyMesh | None = None,
     rules: RulesLike | None = None,
     *,
+    params: Any = None,
     large: int = 1 << 20,
     width: int = 80,
     rich: bool = False,
@@ -233,6 +243,8 @@ def describe(
         tree: a tree with boxes, of arrays or `jax.ShapeDtypeStruct`s.
         mesh: the mesh; without one only names and specs are shown.
         rules: rules for logical boxes without their own.
+        params: the boxed params `tree` was derived from, for reduced states
+            (as for `to_spec`).
         large: the size in bytes from which a replicated array is flagged.
         width: the width to fit, in characters (long paths are shortened
             from the front).
@@ -258,7 +270,7 @@ def describe(
         per device  24 B on the most loaded device (12.5% of the total)
         replicated  0 B on every device
     """
-    rows = _rows(tree, mesh, rules)
+    rows = _rows(tree, mesh, rules, params)
     lines = (_rich if rich else _plain)(rows, mesh, width)
     total = sum(r.global_bytes for r in rows)
     noun = "array" if len(rows) == 1 else "arrays"
@@ -280,6 +292,6 @@ def describe(
             )
     for note in (note for row in rows for note in _notes(row, large)):
         lines += textwrap.wrap(note, width, initial_indent="! ", subsequent_indent="  ")
-    if any(row.leaf.resolution.fallback is not None for row in rows):
-        lines.append("  (reduced optimizer states: st.optimizer_sharding keeps them sharded)")
+    if any(row.leaf.resolution.fallback == FEWER_DIMENSIONS for row in rows):
+        lines.append("  (reduced optimizer states: pass params= to keep them sharded)")
     return "\n".join(lines)

@@ -305,10 +305,9 @@ class Dim(NamedTuple):
 
 
 class Kept(NamedTuple):
-    """A reduced state resolved through its param: the param's key path, its
-    names and shape, and which of its dimensions the state kept (None: ambiguous)."""
+    """A reduced state resolved through its param: the param's names and shape,
+    and which of its dimensions the state kept (None: ambiguous)."""
 
-    path: str
     names: Names
     shape: tuple[int, ...]
     dims: tuple[int, ...] | None
@@ -352,6 +351,11 @@ class Resolution:
 
     def strict_problem(self) -> str | None:
         """Why ``strict=True`` refuses this resolution, or None."""
+        if self.fallback == AMBIGUOUS:
+            return (
+                f"has names {self.names}, and which dimensions of its param it kept is "
+                "ambiguous, so it would be replicated. Pass strict=False to replicate it."
+            )
         if self.problem is not None or not self.indivisible:
             return self.problem
         dim = self.dims[self.indivisible[0]]

@@ -10,7 +10,8 @@ there, uses an axis twice, or shards a dimension the axes do not divide.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import itertools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -29,8 +30,12 @@ from spmdtree._src.boxes import (
 )
 from spmdtree._src.errors import Mistake, public
 from spmdtree._src.rules import (
+    AMBIGUOUS,
+    FEWER_DIMENSIONS,
     REPLICATED,
     AnyMesh,
+    Kept,
+    Names,
     Resolution,
     RulesLike,
     axes_of,
@@ -116,6 +121,103 @@ class Walk:
         return self.treedef.unflatten([done[res] for res in self.resolutions])
 
 
+@public
+def kept_dimensions(
+    shape: Sequence[int], param_shape: Sequence[int], position: int | None = None
+) -> tuple[int, ...] | None:
+    """Which dimensions of a param of `param_shape` a reduced state of `shape` kept.
+
+    The rule: if the state is the `position`-th of a sequence holding one 1-D
+    array per dimension of the param (SM3's accumulators) and its size is that
+    dimension's, it kept that dimension. Otherwise it kept the dimensions, in
+    order, whose sizes are its sizes — if exactly one choice of dimensions
+    fits. With no fit or several (a square matrix's row and column
+    statistics), the answer is None: the state is replicated.
+
+    Args:
+        shape: the reduced state's shape.
+        param_shape: its param's shape.
+        position: its index in a per-dimension sequence, if it is in one.
+
+    Returns:
+        The kept dimensions of the param, or None if they are ambiguous.
+
+    Example:
+        >>> import spmdtree as st
+        >>> st.kept_dimensions((8,), (8, 16))  # adafactor's row statistics
+        (0,)
+        >>> st.kept_dimensions((16,), (16, 16)) is None  # row or column?
+        True
+        >>> st.kept_dimensions((16,), (16, 16), position=1)  # SM3's second vector
+        (1,)
+    """
+    shape, param_shape = tuple(shape), tuple(param_shape)
+    if (
+        position is not None
+        and len(shape) == 1
+        and position < len(param_shape)
+        and param_shape[position] == shape[0]
+    ):
+        return (position,)
+    fits = [
+        dims
+        for dims in itertools.combinations(range(len(param_shape)), len(shape))
+        if all(param_shape[d] == size for d, size in zip(dims, shape, strict=True))
+    ]
+    return fits[0] if len(fits) == 1 else None
+
+
+class ParamIndex:
+    """The boxed params a tree was derived from, indexed by (names, key-path suffix).
+
+    Building it and each lookup cost time linear in a key path's length, so
+    matching a whole tree is linear in its number of leaves.
+    """
+
+    def __init__(self, params: Any) -> None:
+        self.params = params
+        self.shapes: dict[tuple[Names, tuple[Any, ...]], set[tuple[int, ...]]] = {}
+        if not any(
+            isinstance(leaf, Partitioned) for leaf in jax.tree.leaves(params, is_leaf=IS_BOX)
+        ):
+            raise Mistake(
+                ValueError,
+                "params= holds no boxes, so no state leaf can be matched to its param. "
+                "Pass the boxed params (as built, before st.unbox), or box them with "
+                "st.box.",
+            )
+
+    def _build(self) -> None:
+        for path, leaf in jax.tree_util.tree_flatten_with_path(self.params, is_leaf=IS_BOX)[0]:
+            shape = shape_of(leaf.value) if isinstance(leaf, Partitioned) else None
+            if shape is None:
+                continue
+            for k in range(1, len(path) + 1):
+                self.shapes.setdefault((leaf.names, tuple(path[-k:])), set()).add(shape)
+
+    def shape_for(self, path: tuple[Any, ...], names: Names) -> Any:
+        """The shape of the param with `names` whose key path shares the longest
+        suffix with `path`: None if there is none, AMBIGUOUS if params of
+        different shapes tie. The index is built at the first lookup: a state
+        with no reduced leaf never needs it."""
+        if not self.shapes:
+            self._build()
+        for k in range(len(path), 0, -1):
+            shapes = self.shapes.get((names, path[-k:]))
+            if shapes:
+                return next(iter(shapes)) if len(shapes) == 1 else AMBIGUOUS
+        return None
+
+
+def _unmatched(names: Names, shape: tuple[int, ...]) -> str:
+    return (
+        f"has {len(names)} names {names} for a value of shape {shape}, which has fewer "
+        "dimensions, and no box in params= has these names at a key path that this "
+        "one ends with. Pass the params this tree was derived from (the tree given "
+        "to tx.init)."
+    )
+
+
 def _boxes_mesh(leaves: list[Any]) -> AnyMesh | None:
     """The first mesh a box of `leaves` carries, or None."""
     for leaf in leaves:
@@ -129,6 +231,7 @@ def resolve_tree(
     rules: RulesLike | None,
     *,
     mesh: AnyMesh | None,
+    params: Any = None,
     strict: bool = False,
     lenient: bool = False,
 ) -> Walk:
@@ -141,7 +244,9 @@ def resolve_tree(
     repeat, so a tree of thousands of leaves costs little more than its
     flattening (benchmarks/run.py, B2). A resolution's `problem` is raised
     unless `lenient` (the plan reports it instead); with `strict`, so is any
-    dimension left unsharded.
+    dimension left unsharded. With `params`, a box with fewer dimensions than
+    names resolves through the param it came from (`ParamIndex`) and keeps the
+    mesh axes of the dimensions it kept (`kept_dimensions`).
 
     Raises:
         Mistake: naming the key path of every wrong leaf.
@@ -154,54 +259,115 @@ def resolve_tree(
     if mesh is None:
         mesh = context_mesh()
     mesh_shape = None if mesh is None else mesh_shape_of(mesh)
+    index = params if params is None or isinstance(params, ParamIndex) else ParamIndex(params)
+    paths: list[tuple[Any, ...]] = []
     memo: dict[Any, Resolution] = {}
 
-    def of_box(kind: type[Partitioned], meta: Meta, shape: tuple[int, ...]) -> Resolution:
+    def resolved(kind: type[Partitioned], meta: Meta, shape: tuple[int, ...]) -> Resolution:
         key = (kind, meta, shape)
         found = memo.get(key)
         if found is None:
             found = memo[key] = box_resolution(
                 kind, meta, shape, rules=normal, mesh_shape=mesh_shape
             )
+        return found
+
+    def through_params(
+        index: ParamIndex,
+        kind: type[Partitioned],
+        meta: Meta,
+        shape: tuple[int, ...],
+        at: tuple[int, int | None],
+    ) -> Resolution:
+        if not paths:  # the key paths, once, and only for a reduced state
+            found_paths = jax.tree_util.tree_flatten_with_path(tree, is_leaf=IS_BOX)[0]
+            paths.extend(tuple(path) for path, _ in found_paths)
+        param_shape = index.shape_for(paths[at[0]], meta.names)
+        if param_shape is None:
+            return Resolution(
+                PartitionSpec(),
+                meta.names,
+                kind.logical,
+                (),
+                FEWER_DIMENSIONS,
+                _unmatched(meta.names, shape),
+            )
+        if param_shape is AMBIGUOUS:
+            return Resolution(PartitionSpec(), meta.names, kind.logical, (), AMBIGUOUS)
+        key = (kind, meta, shape, param_shape, at[1])
+        found = memo.get(key)
+        if found is None:
+            found = memo[key] = kept_resolution(kind, meta, shape, param_shape, at[1])
+        return found
+
+    def kept_resolution(
+        kind: type[Partitioned],
+        meta: Meta,
+        shape: tuple[int, ...],
+        param_shape: tuple[int, ...],
+        position: int | None,
+    ) -> Resolution:
+        dims = kept_dimensions(shape, param_shape, position)
+        kept = Kept(meta.names, param_shape, dims)
+        if dims is None:
+            return Resolution(PartitionSpec(), meta.names, kind.logical, (), AMBIGUOUS, kept=kept)
+        found = resolved(kind, meta._replace(names=tuple(meta.names[d] for d in dims)), shape)
+        return dataclasses.replace(found, kept=kept)
+
+    def of_box(
+        kind: type[Partitioned], meta: Meta, shape: tuple[int, ...], at: tuple[int, int | None]
+    ) -> Resolution:
+        found = resolved(kind, meta, shape)
+        if found.fallback == FEWER_DIMENSIONS and index is not None:
+            found = through_params(index, kind, meta, shape, at)
         problem = found.strict_problem() if strict else found.problem
         if problem is not None and not lenient:
             raise Mistake(ValueError, problem)
         return found
 
-    def one(leaf: Any, named: tuple[type[Partitioned], Meta] | None) -> Any:
+    def one(
+        leaf: Any, named: tuple[type[Partitioned], Meta] | None, at: tuple[int, int | None]
+    ) -> Any:
         if isinstance(leaf, Partitioned):
             (value,), meta = leaf._tree
             if meta.mesh is not None:
                 check_box_mesh(meta, mesh)
             shape = shape_of(value)
             if shape is None:
-                return nested(value, (type(leaf), meta))
-            return of_box(type(leaf), meta, shape)
+                return nested(value, (type(leaf), meta), at[0])
+            return of_box(type(leaf), meta, shape, at)
         if isinstance(leaf, AxisMetadata):
             value = leaf.unbox()
-            return REPLICATED if is_array(value) else nested(value, named)
+            return REPLICATED if is_array(value) else nested(value, named, at[0])
         shape = shape_of(leaf)
         if shape is None:
             return None
-        return REPLICATED if named is None else of_box(*named, shape)
+        return REPLICATED if named is None else of_box(*named, shape, at)
 
-    def nested(value: Any, named: tuple[type[Partitioned], Meta] | None) -> Any:
+    def nested(value: Any, named: tuple[type[Partitioned], Meta] | None, i: int) -> Any:
         if not holds_array(value):
             return PASS
         inner, inner_def = jax.tree.flatten(value, is_leaf=IS_BOX)
-        return Nested(inner, inner_def, [one(x, named) for x in inner])
+        # One 1-D array per dimension of the param (SM3): each knows its dimension.
+        per_dimension = named is not None and isinstance(value, (list, tuple))
+        per_dimension = per_dimension and len(inner) == len(named[1].names)  # type: ignore[index]
+        return Nested(
+            inner,
+            inner_def,
+            [one(x, named, (i, j if per_dimension else None)) for j, x in enumerate(inner)],
+        )
 
-    def fast(leaf: Any) -> Any:
+    def fast(leaf: Any, i: int) -> Any:
         # The common case (a box of an array whose metadata and shape were seen)
         # without function calls: layers repeat, so most leaves take this path.
         if isinstance(leaf, Partitioned):
             (value,), meta = leaf._tree
             found = memo.get((type(leaf), meta, getattr(value, "shape", None)))
-            if found is not None and meta.mesh is None and found.problem is None and not strict:
+            if found is not None and meta.mesh is None and found.fallback is None and not strict:
                 return found
-        return one(leaf, None)
+        return one(leaf, None, (i, None))
 
-    resolutions = each_leaf(fast, tree, leaves)
+    resolutions = each_leaf(fast, tree, leaves, range(len(leaves)))
     return Walk(tree, leaves, treedef, resolutions, mesh)
 
 
@@ -253,6 +419,7 @@ def to_spec(
     *,
     mesh: AnyMesh | None = None,
     strict: bool = False,
+    params: Any = None,
 ) -> Any:
     """Returns the mesh `PartitionSpec` each box stands for.
 
@@ -266,8 +433,15 @@ def to_spec(
       logical name, else stays unsharded (``strict=True``: an error);
     * a value with more dimensions than names is an error (use `add_axis` or
       `spmdtree.vmap`), and so is one with fewer (stale names inside a plain
-      `jax.lax.scan`, or a reduced optimizer state: see `optimizer_sharding`),
-      unless every dimension has size 1 (a placeholder: replicated).
+      `jax.lax.scan`, or a reduced optimizer state), unless every dimension
+      has size 1 (a placeholder: replicated), or `params` resolves it.
+
+    With ``params=``, the boxed params that `tree` (an optimizer state, or a
+    dict holding params and state) was derived from, a box with fewer
+    dimensions than names is a reduced state: it is matched to its param (the
+    longest common key-path suffix among params with the same names) and
+    keeps the mesh axes of the dimensions it kept (`kept_dimensions`); where
+    that is ambiguous it is replicated (``strict=True``: an error).
 
     ``UNCONSTRAINED`` entries stay in the spec.
 
@@ -276,6 +450,7 @@ def to_spec(
         rules: rules for logical boxes without their own.
         mesh: the mesh to resolve on.
         strict: raise where the result would fall back.
+        params: the boxed params `tree` was derived from, for reduced states.
 
     Returns:
         A tree of `PartitionSpec`s, a prefix of `tree`; unboxed arrays get
@@ -293,12 +468,18 @@ def to_spec(
         >>> st.to_spec(params, rules, mesh=mesh)  # 4 does not divide 6: 'data' it is
         {'emb': P('data', 'model')}
     """
-    return resolve_tree(tree, rules, mesh=mesh, strict=strict).replace(lambda res: res.spec)
+    walk = resolve_tree(tree, rules, mesh=mesh, params=params, strict=strict)
+    return walk.replace(lambda res: res.spec)
 
 
 @public
 def to_sharding(
-    tree: Any, mesh: Mesh, rules: RulesLike | None = None, *, strict: bool = False
+    tree: Any,
+    mesh: Mesh,
+    rules: RulesLike | None = None,
+    *,
+    strict: bool = False,
+    params: Any = None,
 ) -> Any:
     """Returns a `NamedSharding` per array leaf, from the shape-aware `to_spec`.
 
@@ -312,6 +493,8 @@ def to_sharding(
         mesh: the device mesh.
         rules: rules for logical boxes without their own.
         strict: raise where the spec would fall back, as for `to_spec`.
+        params: the boxed params `tree` was derived from, for reduced states
+            (as for `to_spec`).
 
     Returns:
         A tree of `NamedSharding`s, a prefix of `tree`.
@@ -328,7 +511,7 @@ def to_sharding(
         P('data', 'model')
     """
     check_mesh(mesh)
-    return shardings(resolve_tree(tree, rules, mesh=mesh, strict=strict), mesh)
+    return shardings(resolve_tree(tree, rules, mesh=mesh, params=params, strict=strict), mesh)
 
 
 @public
@@ -359,16 +542,23 @@ def get_sharding(tree: Any, mesh: Mesh) -> Any:
 
 
 @public
-def to_abstract(tree: Any, mesh: Mesh, rules: RulesLike | None = None) -> Any:
+def to_abstract(
+    tree: Any, mesh: Mesh, rules: RulesLike | None = None, *, params: Any = None
+) -> Any:
     """Returns a sharded `jax.ShapeDtypeStruct` per array leaf, boxes kept.
 
-    A restore target for checkpoint libraries and an argument for
-    ``jax.jit(f).lower(...)``: nothing is allocated.
+    A restore target for checkpoint libraries (orbax restores onto these
+    shardings, on any mesh) and an argument for ``jax.jit(f).lower(...)``:
+    nothing is allocated. With ``params=`` the shardings are exactly those of
+    `to_sharding` and `optimizer_sharding`, so a restored train state matches
+    the train step's ``in_shardings``.
 
     Args:
         tree: a tree with boxes (of arrays or of `jax.ShapeDtypeStruct`s).
         mesh: the device mesh.
         rules: rules for logical boxes without their own.
+        params: the boxed params `tree` was derived from, for reduced states
+            (as for `to_spec`).
 
     Returns:
         `tree` with every array replaced by ``ShapeDtypeStruct(shape, dtype,
@@ -378,11 +568,16 @@ def to_abstract(tree: Any, mesh: Mesh, rules: RulesLike | None = None) -> Any:
         ValueError: for names that cannot be right for their value on `mesh`.
 
     Example:
-        >>> import jax, jax.numpy as jnp, spmdtree as st
+        >>> import jax, jax.numpy as jnp, optax, spmdtree as st
         >>> mesh = jax.make_mesh((2, 4), ("data", "model"))
-        >>> params = {"w": st.Partitioned(jnp.zeros((4, 8)), ("data", "model"))}
+        >>> params = {"w": st.Partitioned(jnp.zeros((8, 16)), ("data", "model"))}
         >>> st.to_abstract(params, mesh)["w"].value.sharding.spec
         P('data', 'model')
+        >>> tx = optax.adafactor(1e-3, min_dim_size_to_factor=4)
+        >>> state = jax.eval_shape(tx.init, params)
+        >>> target = st.to_abstract({"params": params, "opt": state}, mesh, params=params)
+        >>> target["opt"][0].v_row["w"].value.sharding.spec  # the rows kept 'data'
+        P('data',)
     """
     check_mesh(mesh)
 
@@ -390,7 +585,7 @@ def to_abstract(tree: Any, mesh: Mesh, rules: RulesLike | None = None) -> Any:
         sharding = named_sharding(mesh, res.spec)
         return jax.ShapeDtypeStruct(shape_of(value), dtype_of(value), sharding=sharding)
 
-    return resolve_tree(tree, rules, mesh=mesh).map(abstract, keep_boxes=True)
+    return resolve_tree(tree, rules, mesh=mesh, params=params).map(abstract, keep_boxes=True)
 
 
 @public
