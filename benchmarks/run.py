@@ -34,6 +34,9 @@ from jax.sharding import PartitionSpec as P
 import spmdtree as st
 from spmdtree._src.boxes import IS_BOX  # the C-level test jax walks with
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+import llama  # abstract Llama-3 trees
+
 RULES = [
     ("layers", None),
     ("batch", "data"),
@@ -285,6 +288,53 @@ def b5_sharded_init(bench: Bench, mesh: jax.sharding.Mesh, size: int) -> None:
     bench.at_most("B5 peak device bytes / full array, worst array", worst, 1.0)
 
 
+def b6_optimizer_sharding(bench: Bench, mesh: jax.sharding.Mesh, sizes: list[int]) -> None:
+    """optimizer_sharding matches state leaves to params by key-path suffix in linear time."""
+    tx = optax.adafactor(1e-3, min_dim_size_to_factor=4)  # every kernel's statistics reduced
+    per_leaf = []
+    for n_leaves in sizes:
+        params = jax.eval_shape(lambda n=n_leaves: layered(n // 2, "logical"))
+        seconds = bench.best([lambda p=params: st.optimizer_sharding(tx, p, mesh, RULES)], 1, 5)
+        per_leaf.append(seconds[0] / n_leaves)
+        bench.figure(
+            f"B6 optimizer_sharding per param at {n_leaves} params",
+            per_leaf[-1] * 1e6,
+            "reported",
+            unit="us",
+        )
+    bench.at_most(
+        f"B6 optimizer_sharding per param, {sizes[-1]} / {sizes[0]}",
+        per_leaf[-1] / per_leaf[0],
+        1.5,
+    )
+    params = llama.params("405B", stacked=False)  # 1,137 arrays, one subtree per layer
+    abstract_mesh = jax.sharding.AbstractMesh((256, 8), ("fsdp", "tensor"))
+    rules = [("embed", "fsdp"), ("mlp", "tensor"), ("q_heads", "tensor"), ("heads", "tensor")]
+    adamw = optax.adamw(1e-4)
+    state = jax.eval_shape(adamw.init, params)
+    plain, matched = bench.best(
+        [
+            lambda: st.to_sharding(state, abstract_mesh, rules),
+            lambda: st.to_sharding(state, abstract_mesh, rules, params=params),
+        ],
+        1,
+        5 if bench.quick else 15,
+    )
+    bench.at_most("B6 405B adamw state: to_sharding params= / without", matched / plain, 2.0)
+    whole, traced = bench.best(
+        [
+            lambda: st.optimizer_sharding(adamw, params, abstract_mesh, rules),
+            lambda: st.to_sharding(jax.eval_shape(adamw.init, params), abstract_mesh, rules),
+        ],
+        1,
+        3 if bench.quick else 7,
+    )
+    bench.at_most(
+        "B6 405B adamw: optimizer_sharding / (eval_shape + to_sharding)", whole / traced, 2.0
+    )
+    bench.figure("B6 405B adamw: optimizer_sharding", whole * 1e3, "reported", unit="ms")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes; never fails on a goal")
@@ -297,6 +347,7 @@ def main() -> int:
     b3_dispatch(bench, mesh)
     b4_compiled(bench, mesh, 64 if args.quick else 512)
     b5_sharded_init(bench, mesh, 256 if args.quick else 2048)
+    b6_optimizer_sharding(bench, mesh, [200, 2000] if args.quick else [1000, 10000])
     if bench.missed and not args.quick:
         print(f"missed: {', '.join(bench.missed)}")
         return 1

@@ -15,10 +15,14 @@ SMALL = {
     "scan_layers.py": ["--layers", "2", "--width", "16", "--steps", "3"],
     "multihost.py": ["--processes", "1"],
     "train.py": ["--steps", "20", "--log-every", "10", "--width", "32", "--mlp", "64"],
+    "checkpoint.py": ["--steps", "4", "--save-every", "2"],
 }
 
 
-@pytest.mark.parametrize("script", sorted(p.name for p in EXAMPLES.glob("*.py")))
+SCRIPTS = sorted(p.name for p in EXAMPLES.glob("*.py") if "__main__" in p.read_text())
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
 def test_example_runs(script):
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
     done = subprocess.run(
@@ -29,6 +33,10 @@ def test_example_runs(script):
         env=env,
     )
     assert done.returncode == 0, done.stdout + done.stderr
+    if script == "checkpoint.py":  # every restore, both optimizers, went on alike
+        assert done.stdout.count("equal, bit for bit") >= 4, done.stdout
+        assert done.stdout.count("(d) fresh process") == 2
+        assert "every restore went on with the unbroken run's losses" in done.stdout
     if script == "train.py":  # the plan table, progress lines and the summary
         assert "names -> mesh spec" in done.stdout and "per device" in done.stdout
         assert "step   10  loss" in done.stdout and "steps/s" in done.stdout
