@@ -335,6 +335,34 @@ def b6_optimizer_sharding(bench: Bench, mesh: jax.sharding.Mesh, sizes: list[int
     bench.figure("B6 405B adamw: optimizer_sharding", whole * 1e3, "reported", unit="ms")
 
 
+def b7_b8_plan(bench: Bench, mesh: jax.sharding.Mesh, sizes: list[int]) -> None:
+    """A plan costs little more than to_sharding: rows share what layers repeat."""
+    params = llama.params("405B", stacked=False)  # 126 layers x 9 arrays, + 3
+    tree = {"params": params, "opt_state": jax.eval_shape(optax.adamw(1e-4).init, params)}
+    chips = jax.sharding.AbstractMesh((256, 8), ("fsdp", "tensor"))  # 2,048 chips
+    rules = [("embed", "fsdp"), ("mlp", "tensor"), ("q_heads", "tensor"), ("heads", "tensor")]
+    shardings, planned = bench.best(
+        [
+            lambda: st.to_sharding(tree, chips, rules, params=params),
+            lambda: st.plan(tree, chips, rules, params=params),
+        ],
+        1,
+        5 if bench.quick else 15,
+    )
+    leaves = len(jax.tree.leaves(tree))
+    bench.at_most(f"B7 plan / to_sharding, 405B + adamw ({leaves} leaves)", planned / shardings, 10)
+    bench.figure("B7 plan of 405B + adamw on 2048 chips", planned * 1e3, "reported", unit="ms")
+    per_leaf = []
+    for n_leaves in sizes:
+        tree = jax.eval_shape(lambda n=n_leaves: layered(n // 2, "logical"))
+        seconds = bench.best([lambda t=tree: st.plan(t, mesh, RULES)], 1, 3 if bench.quick else 7)
+        per_leaf.append(seconds[0] / n_leaves)
+        bench.figure(
+            f"B8 plan per leaf at {n_leaves} leaves", per_leaf[-1] * 1e6, "reported", unit="us"
+        )
+    bench.at_most(f"B8 plan per leaf, {sizes[-1]} / {sizes[0]}", per_leaf[-1] / per_leaf[0], 1.5)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes; never fails on a goal")
@@ -348,6 +376,7 @@ def main() -> int:
     b4_compiled(bench, mesh, 64 if args.quick else 512)
     b5_sharded_init(bench, mesh, 256 if args.quick else 2048)
     b6_optimizer_sharding(bench, mesh, [200, 2000] if args.quick else [1000, 10000])
+    b7_b8_plan(bench, mesh, [400, 4000] if args.quick else [1000, 100000])
     if bench.missed and not args.quick:
         print(f"missed: {', '.join(bench.missed)}")
         return 1

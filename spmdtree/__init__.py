@@ -15,6 +15,11 @@ from spmdtree._src.constraints import constrain as constrain
 from spmdtree._src.constraints import shard as shard
 from spmdtree._src.constraints import with_logical_constraint as with_logical_constraint
 from spmdtree._src.optim import optimizer_sharding as optimizer_sharding
+from spmdtree._src.plan import DiffRow as DiffRow
+from spmdtree._src.plan import Plan as Plan
+from spmdtree._src.plan import PlanDiff as PlanDiff
+from spmdtree._src.plan import PlanRow as PlanRow
+from spmdtree._src.plan import plan as plan
 from spmdtree._src.report import describe as describe
 from spmdtree._src.rules import RulesFallback as RulesFallback
 from spmdtree._src.rules import get_logical_axis_rules as get_logical_axis_rules
@@ -47,8 +52,12 @@ __version__ = "0.1.0"
 __all__ = [
     "PARTITION_NAME",
     "AxisMetadata",
+    "DiffRow",
     "LogicallyPartitioned",
     "Partitioned",
+    "Plan",
+    "PlanDiff",
+    "PlanRow",
     "RulesFallback",
     "add_axis",
     "box",
@@ -66,6 +75,7 @@ __all__ = [
     "map_boxes",
     "match",
     "optimizer_sharding",
+    "plan",
     "remove_axis",
     "replace_boxed",
     "scan",

@@ -37,6 +37,9 @@ def test_example_runs(script):
         assert done.stdout.count("equal, bit for bit") >= 4, done.stdout
         assert done.stdout.count("(d) fresh process") == 2
         assert "every restore went on with the unbroken run's losses" in done.stdout
+    if script == "plan_llama.py":  # every model, chip count and rule set; a diff
+        assert done.stdout.count(" yes") + done.stdout.count(" no, ") == 24, done.stdout
+        assert "405B     256  data*tensor" in done.stdout and "received" in done.stdout
     if script == "train.py":  # the plan table, progress lines and the summary
         assert "names -> mesh spec" in done.stdout and "per device" in done.stdout
         assert "step   10  loss" in done.stdout and "steps/s" in done.stdout

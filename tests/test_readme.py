@@ -24,6 +24,7 @@ def test_readme_python_blocks_run(capsys):
     assert "LogicallyPartitioned(f32[3,16,32], names=('layers', 'embed', 'mlp'))" in printed
     assert "P('model', None)" in printed  # the tour on the default, Explicit mesh ran
     assert "P(None, 'data', 'model') P(None, 'data')" in printed  # restored onto 4x2
+    assert "(256, 3584) 1835008 True\n7340036\n" in printed  # planning at scale
 
 
 def test_readme_api_table_lists_every_public_name():

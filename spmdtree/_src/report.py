@@ -1,152 +1,41 @@
-"""`describe`: the sharding plan of a tree as a table, checked before allocating."""
+"""Rendering plans: `describe`, and the tables of `str(plan)` and `str(diff)`.
+
+Nothing here resolves or computes a figure: `plan` does, and this prints it.
+"""
 
 from __future__ import annotations
 
-import dataclasses
 import io
-import math
 import textwrap
 from typing import Any
 
 import jax
-import numpy as np
-from jax import tree_util
+from jax.sharding import Mesh
 
-from spmdtree._src.boxes import dtype_of, shape_of, short_dtype
-from spmdtree._src.errors import public
-from spmdtree._src.rules import (
-    AMBIGUOUS,
-    FEWER_DIMENSIONS,
-    UNCONSTRAINED,
-    AnyMesh,
-    Names,
-    Resolution,
-    RulesLike,
-    axes_of,
+from spmdtree._src.boxes import short_dtype
+from spmdtree._src.errors import Mistake, public
+from spmdtree._src.plan import (
+    FALLBACK,
+    Plan,
+    PlanDiff,
+    PlanRow,
+    entries_text,
+    make_plan,
+    shape_text,
+    size_text,
 )
-from spmdtree._src.specs import resolve_tree
+from spmdtree._src.rules import AnyMesh, RulesLike
 
 
-@dataclasses.dataclass(frozen=True)
-class Leaf:
-    """One array of the tree and how it resolved (its path comes later)."""
-
-    shape: tuple[int, ...]
-    dtype: str
-    itemsize: int
-    resolution: Resolution
-    mesh: AnyMesh | None
-
-
-@dataclasses.dataclass(frozen=True)
-class Row:
-    """One line of the table."""
-
-    path: str
-    leaf: Leaf
-
-    @property
-    def global_bytes(self) -> int:
-        return math.prod(self.leaf.shape) * self.leaf.itemsize
-
-    @property
-    def per_device(self) -> tuple[int, ...] | None:
-        mesh = self.leaf.mesh
-        if mesh is None:
-            return None
-        sizes = dict(mesh.shape)
-        spec = tuple(self.leaf.resolution.spec) + (None,) * len(self.leaf.shape)
-        return tuple(
-            dim // math.prod(sizes[a] for a in axes_of(entry))
-            for dim, entry in zip(self.leaf.shape, spec, strict=False)
-        )
-
-    @property
-    def device_bytes(self) -> int | None:
-        shape = self.per_device
-        return None if shape is None else math.prod(shape) * self.leaf.itemsize
-
-    @property
-    def replicated(self) -> bool:
-        return self.leaf.mesh is not None and self.per_device == self.leaf.shape
-
-
-def _rows(tree: Any, mesh: AnyMesh | None, rules: RulesLike | None, params: Any) -> list[Row]:
-    walk = resolve_tree(tree, rules, mesh=mesh, params=params, lenient=True)
-
-    def finish(value: Any, res: Resolution) -> Leaf:
-        dtype = dtype_of(value)
-        itemsize = np.dtype(dtype).itemsize
-        return Leaf(
-            shape_of(value) or (), short_dtype(dtype), itemsize, res, walk.mesh if mesh else None
-        )
-
-    planned = walk.map(finish, keep_boxes=False)
-    found = tree_util.tree_flatten_with_path(planned, is_leaf=lambda x: isinstance(x, Leaf))[0]
-    return [
-        Row(tree_util.keystr(path, simple=True, separator="/") or "(root)", leaf)
-        for path, leaf in found
-        if isinstance(leaf, Leaf)
-    ]
-
-
-def _bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024  # type: ignore[assignment]
-    raise AssertionError("unreachable")
-
-
-def _entries(entries: Any, count: int) -> str:
-    def one(entry: Any) -> str:
-        if entry is None:
-            return "-"
-        if entry is UNCONSTRAINED:
-            return "?"
-        return entry if isinstance(entry, str) else "+".join(entry)
-
-    padded = tuple(entries) + (None,) * (count - len(tuple(entries)))
-    return ",".join(one(e) for e in padded)
-
-
-def _shape(shape: tuple[int, ...] | None) -> str:
-    return "" if shape is None else "[" + ",".join(map(str, shape)) + "]"
-
-
-def _notes(row: Row, large: int) -> list[str]:
-    res, notes = row.leaf.resolution, []
-    names: Names = res.names or ()
-    if res.fallback in (FEWER_DIMENSIONS, AMBIGUOUS):
-        notes.append(
-            f"{row.path}: replicated by a fallback: shape {_shape(row.leaf.shape)} under "
-            f"names ({_entries(names, len(names))})"
-        )
-    for dim in res.indivisible:
-        notes.append(
-            f"{row.path}: dimension {dim} ({names[dim]}, size {row.leaf.shape[dim]}) left "
-            "unsharded: its mesh axes do not divide it"
-        )
-    if row.replicated and row.global_bytes >= large and math.prod(row.leaf.shape) > 1:
-        notes.append(f"{row.path}: {_bytes(row.global_bytes)} replicated on every device")
-    return notes
-
-
-def _array(row: Row) -> str:
-    return row.leaf.dtype + _shape(row.leaf.shape)
-
-
-def _names_line(row: Row) -> str | None:
+def _names_line(row: PlanRow) -> str | None:
     """``names -> mesh spec`` for a boxed array, None for an unboxed one."""
-    res = row.leaf.resolution
-    if res.names is None:
+    if row.names is None:
         return None
-    count = len(row.leaf.shape)
-    return f"{_entries(res.names, len(res.names))} -> {_entries(res.spec, count)}"
+    return f"{entries_text(row.names, len(row.names))} -> {entries_text(row.spec, len(row.shape))}"
 
 
 def _layout(
-    rows: list[Row], mesh: AnyMesh | None, width: int
+    rows: tuple[PlanRow, ...], mesh: AnyMesh | None, width: int
 ) -> tuple[list[str], list[int], list[tuple[list[str], str | None]]]:
     """Header, column widths, and per array its cells and names line.
 
@@ -155,8 +44,8 @@ def _layout(
     """
     header = ["path", "array"] + (["shard", "bytes/dev"] if mesh is not None else [])
     cells = [
-        [row.path, _array(row)]
-        + ([_shape(row.per_device), _bytes(row.device_bytes or 0)] if mesh is not None else [])
+        [row.path, short_dtype(row.dtype) + shape_text(row.shape)]
+        + ([shape_text(row.shard_shape), size_text(row.device_bytes)] if mesh is not None else [])
         for row in rows
     ]
     widths = [max([len(h)] + [len(c[i]) for c in cells]) for i, h in enumerate(header)]
@@ -167,7 +56,7 @@ def _layout(
     return header, widths, [(c, _names_line(r)) for c, r in zip(cells, rows, strict=True)]
 
 
-def _plain(rows: list[Row], mesh: AnyMesh | None, width: int) -> list[str]:
+def _plain(rows: tuple[PlanRow, ...], mesh: AnyMesh | None, width: int) -> list[str]:
     """Per array a line (path, array, shard, bytes), then its names -> mesh spec."""
     header, widths, body = _layout(rows, mesh, width)
 
@@ -186,7 +75,7 @@ def _plain(rows: list[Row], mesh: AnyMesh | None, width: int) -> list[str]:
     return lines
 
 
-def _rich(rows: list[Row], mesh: AnyMesh | None, width: int) -> list[str]:
+def _rich(rows: tuple[PlanRow, ...], mesh: AnyMesh | None, width: int) -> list[str]:
     """The table drawn by rich: one row per array, long cells folded (no colour codes)."""
     from rich import box
     from rich.console import Console
@@ -208,10 +97,85 @@ def _rich(rows: list[Row], mesh: AnyMesh | None, width: int) -> list[str]:
 
 def _local_devices(mesh: AnyMesh) -> int | None:
     """How many of the mesh's devices this process holds, when several share it."""
-    devices = getattr(mesh, "devices", None)
-    if jax.process_count() == 1 or not isinstance(devices, np.ndarray):
+    if jax.process_count() == 1 or not isinstance(mesh, Mesh):
         return None
-    return sum(device.process_index == jax.process_index() for device in devices.flat)
+    return sum(device.process_index == jax.process_index() for device in mesh.devices.flat)
+
+
+def plan_table(
+    planned: Plan, *, width: int = 80, rich: bool = False, budget: int | None = None
+) -> str:
+    """The `describe` table of a plan."""
+    rows, mesh = planned.rows, planned.mesh
+    lines = (_rich if rich else _plain)(rows, mesh, width)
+    total = planned.total_bytes
+    noun = "array" if len(rows) == 1 else "arrays"
+    lines.append(f"total       {size_text(total)} in {len(rows)} {noun}")
+    if mesh is not None:
+        per_device = planned.device_bytes
+        share = f" ({100 * per_device / total:.1f}% of the total)" if total else ""
+        lines.append(f"per device  {size_text(per_device)} on the most loaded device{share}")
+        lines.append(f"replicated  {size_text(planned.replicated_bytes)} on every device")
+        local = _local_devices(mesh)
+        if local is not None:
+            lines.append(
+                f"process {jax.process_index()}   holds {size_text(per_device * local)} on "
+                f"its {local} of the mesh's {mesh.devices.size} devices "
+                f"({jax.process_count()} processes)"
+            )
+    if budget is not None:
+        spare = budget - planned.device_bytes
+        verdict = (
+            f"fits, {size_text(spare)} to spare"
+            if spare >= 0
+            else f"does not fit: {size_text(-spare)} over"
+        )
+        lines.append(f"budget      {size_text(budget)} per device: {verdict}")
+    for row in rows:
+        for flag in row.flags:
+            note = f"{row.path}: {flag}"
+            lines += textwrap.wrap(note, width, initial_indent="! ", subsequent_indent="  ")
+    if any(flag.startswith(FALLBACK) for row in rows for flag in row.flags):
+        lines.append("  (reduced optimizer states: pass params= to keep them sharded)")
+    return "\n".join(lines)
+
+
+def diff_table(diff: PlanDiff, *, width: int = 80) -> str:
+    """The table of a plan diff: each changed array, then the totals."""
+    header = ["path", "spec before -> after", "bytes/dev before -> after", "received"]
+    cells = [
+        [
+            row.path,
+            f"{_spec_text(row.spec_before)} -> {_spec_text(row.spec_after)}",
+            f"{size_text(row.device_bytes_before)} -> {size_text(row.device_bytes_after)}",
+            size_text(row.received_bytes),
+        ]
+        for row in diff.rows
+    ]
+    widths = [max([len(h)] + [len(c[i]) for c in cells]) for i, h in enumerate(header)]
+    widths[0] = min(widths[0], max(12, width - sum(widths[1:]) - 2 * (len(widths) - 1)))
+    lines = []
+    for items in [header, *cells]:
+        if len(items[0]) > widths[0]:
+            items[0] = "…" + items[0][-(widths[0] - 1) :]
+        lines.append(
+            "  ".join(
+                item.rjust(w) if i == 3 else item.ljust(w)
+                for i, (item, w) in enumerate(zip(items, widths, strict=True))
+            ).rstrip()
+        )
+    changes = "array changes its" if len(diff.rows) == 1 else "arrays change their"
+    lines.append(f"{len(diff.rows)} {changes} layout")
+    lines.append(
+        f"per device  {size_text(diff.device_bytes_before)} -> "
+        f"{size_text(diff.device_bytes_after)} on the most loaded device"
+    )
+    lines.append(f"received    {size_text(diff.received_bytes)} by the busiest device")
+    return "\n".join(lines)
+
+
+def _spec_text(spec: Any) -> str:
+    return "(none)" if spec is None else "(" + entries_text(spec, len(spec)) + ")"
 
 
 @public
@@ -221,6 +185,7 @@ def describe(
     rules: RulesLike | None = None,
     *,
     params: Any = None,
+    budget: int | None = None,
     large: int = 1 << 20,
     width: int = 80,
     rich: bool = False,
@@ -245,6 +210,8 @@ def describe(
         rules: rules for logical boxes without their own.
         params: the boxed params `tree` was derived from, for reduced states
             (as for `to_spec`).
+        budget: bytes per device; adds a line saying whether the plan fits,
+            and by how much.
         large: the size in bytes from which a replicated array is flagged.
         width: the width to fit, in characters (long paths are shortened
             from the front).
@@ -270,28 +237,7 @@ def describe(
         per device  24 B on the most loaded device (12.5% of the total)
         replicated  0 B on every device
     """
-    rows = _rows(tree, mesh, rules, params)
-    lines = (_rich if rich else _plain)(rows, mesh, width)
-    total = sum(r.global_bytes for r in rows)
-    noun = "array" if len(rows) == 1 else "arrays"
-    lines.append(f"total       {_bytes(total)} in {len(rows)} {noun}")
-    if mesh is not None:
-        # Every device of a mesh holds an equal part of a NamedSharding, so the
-        # most loaded device holds the sum of the per-device parts.
-        per_device = sum(r.device_bytes or 0 for r in rows)
-        share = f" ({100 * per_device / total:.1f}% of the total)" if total else ""
-        replicated = sum(r.global_bytes for r in rows if r.replicated)
-        lines.append(f"per device  {_bytes(per_device)} on the most loaded device{share}")
-        lines.append(f"replicated  {_bytes(replicated)} on every device")
-        local = _local_devices(mesh)
-        if local is not None:
-            lines.append(
-                f"process {jax.process_index()}   holds {_bytes(per_device * local)} on its "
-                f"{local} of the mesh's {mesh.devices.size} devices "
-                f"({jax.process_count()} processes)"
-            )
-    for note in (note for row in rows for note in _notes(row, large)):
-        lines += textwrap.wrap(note, width, initial_indent="! ", subsequent_indent="  ")
-    if any(row.leaf.resolution.fallback == FEWER_DIMENSIONS for row in rows):
-        lines.append("  (reduced optimizer states: pass params= to keep them sharded)")
-    return "\n".join(lines)
+    if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool)):
+        raise Mistake(TypeError, f"budget is {budget!r}; expected an int of bytes per device.")
+    planned = make_plan(tree, mesh, rules, params=params, large=large)
+    return plan_table(planned, width=width, rich=rich, budget=budget)

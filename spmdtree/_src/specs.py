@@ -234,6 +234,7 @@ def resolve_tree(
     params: Any = None,
     strict: bool = False,
     lenient: bool = False,
+    flat: tuple[list[Any], Any] | None = None,
 ) -> Walk:
     """The one resolution pass: a `Resolution` for every array leaf of `tree`.
 
@@ -244,7 +245,8 @@ def resolve_tree(
     repeat, so a tree of thousands of leaves costs little more than its
     flattening (benchmarks/run.py, B2). A resolution's `problem` is raised
     unless `lenient` (the plan reports it instead); with `strict`, so is any
-    dimension left unsharded. With `params`, a box with fewer dimensions than
+    dimension left unsharded. `flat` is ``(leaves, treedef)`` of `tree` (boxes
+    as leaves), for a caller that has flattened it already. With `params`, a box with fewer dimensions than
     names resolves through the param it came from (`ParamIndex`) and keeps the
     mesh axes of the dimensions it kept (`kept_dimensions`).
 
@@ -253,7 +255,7 @@ def resolve_tree(
     """
     check_mesh(mesh, optional=True)
     normal = rules_or_context(rules)
-    leaves, treedef = jax.tree.flatten(tree, is_leaf=IS_BOX)
+    leaves, treedef = jax.tree.flatten(tree, is_leaf=IS_BOX) if flat is None else flat
     if mesh is None:
         mesh = _boxes_mesh(leaves)
     if mesh is None:
