@@ -14,6 +14,8 @@ from spmdtree._src.boxes import with_partitioning as with_partitioning
 from spmdtree._src.constraints import constrain as constrain
 from spmdtree._src.constraints import shard as shard
 from spmdtree._src.constraints import with_logical_constraint as with_logical_constraint
+from spmdtree._src.interop import from_flax as from_flax
+from spmdtree._src.interop import fsdp as fsdp
 from spmdtree._src.optim import optimizer_sharding as optimizer_sharding
 from spmdtree._src.plan import DiffRow as DiffRow
 from spmdtree._src.plan import Plan as Plan
@@ -63,6 +65,8 @@ __all__ = [
     "box",
     "constrain",
     "describe",
+    "from_flax",
+    "fsdp",
     "get_logical_axis_rules",
     "get_partition_spec",
     "get_sharding",

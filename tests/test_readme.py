@@ -25,6 +25,9 @@ def test_readme_python_blocks_run(capsys):
     assert "P('model', None)" in printed  # the tour on the default, Explicit mesh ran
     assert "P(None, 'data', 'model') P(None, 'data')" in printed  # restored onto 4x2
     assert "(256, 3584) 1835008 True\n7340036\n" in printed  # planning at scale
+    assert "{'attn': {'b': P(), 'w': P(None, 'tensor')}, 'wte': P(None, 'fsdp')}" in printed
+    assert printed.count("P('data', 'model')\n") >= 1  # flax params, converted and sharded
+    assert "P('model', 'data')\n" in printed  # an equinox layer, sharded
 
 
 def test_readme_api_table_lists_every_public_name():

@@ -155,6 +155,60 @@ del _op
 #: ``IS_BOX(x)``: whether `x` is a box, as a C-level call (for ``is_leaf=``).
 IS_BOX = AxisMetadata.__instancecheck__
 
+#: Other libraries' boxes, which no spmdtree function reads as plain containers.
+FLAX_LINEN, FLAX_NNX = "flax.linen", "flax.nnx"
+_FOREIGN: dict[type, str | None] = {}
+
+
+def foreign_kind(x: Any) -> str | None:
+    """FLAX_LINEN for a flax.linen box (a subclass of flax's AxisMetadata),
+    FLAX_NNX for a flax.nnx Variable, None for anything else. flax is not
+    imported: its classes are recognised by module and name (once per type)."""
+    kind = _FOREIGN.get(type(x), "")
+    if kind == "":
+        kind = _FOREIGN[type(x)] = next(
+            (
+                FLAX_LINEN if c.__name__ == "AxisMetadata" else FLAX_NNX
+                for c in type(x).__mro__
+                if (c.__module__, c.__name__) in _FOREIGN_BASES
+            ),
+            None,
+        )
+    return kind
+
+
+_FOREIGN_BASES = {
+    ("flax.core.meta", "AxisMetadata"),
+    ("flax.nnx.variablelib", "Variable"),
+    ("flax.nnx.variablelib", "VariableState"),
+}
+
+
+def _box_or_foreign(x: Any) -> bool:
+    return IS_BOX(x) or foreign_kind(x) is not None
+
+
+def leaf_test() -> Callable[[Any], bool]:
+    """``is_leaf`` for every tree walk: boxes are leaves, and so, once flax is
+    loaded, are flax's boxes and nnx Variables, so that every function meets
+    them (and refuses them, `refuse_foreign`) rather than reading their values
+    as if unboxed. Without flax loaded, the C-level `IS_BOX`."""
+    return _box_or_foreign if "flax" in sys.modules else IS_BOX
+
+
+def refuse_foreign(x: Any) -> Any:
+    """`x`, unless it is another library's box: then a Mistake pointing at `from_flax`."""
+    kind = foreign_kind(x)
+    if kind is None:
+        return x
+    what = "Variable" if kind == FLAX_NNX else "box"
+    raise Mistake(
+        TypeError,
+        f"is a {kind} {what}, {type(x).__name__}, which spmdtree does not read as its "
+        "own (its names would be ignored and its value taken as unboxed). Convert the "
+        "tree first: st.from_flax(tree).",
+    )
+
 
 def short_dtype(dtype: Any) -> str:
     """jax's short dtype names: ``f32``, ``bf16``, ``i8``, ``u32``, ``c64``, ``bool``."""

@@ -17,7 +17,7 @@ import numpy as np
 from jax._src.core import trace_state_clean  # how JAX itself tells that it is tracing
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from spmdtree._src.boxes import shape_of
+from spmdtree._src.boxes import foreign_kind, refuse_foreign, shape_of
 from spmdtree._src.errors import Mistake, at, public, raise_collected
 from spmdtree._src.rules import (
     UNCONSTRAINED,
@@ -189,10 +189,10 @@ def with_logical_constraint(
     problems: list[tuple[str, Mistake]] = []
 
     def one_array(path: Any, names: Names, value: Any) -> Any:
-        shape = shape_of(value)
-        if shape is None:
-            return value
         try:
+            shape = shape_of(refuse_foreign(value))
+            if shape is None:
+                return value
             if len(names) > len(shape):
                 raise Mistake(
                     ValueError,
@@ -248,6 +248,7 @@ def with_logical_constraint(
                     (*path, *inner), names, value
                 ),
                 subtree,
+                is_leaf=lambda v: foreign_kind(v) is not None,  # our boxes: their values
             )
         )
     raise_collected(problems)

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from spmdtree._src.boxes import IS_BOX, AxisMetadata, dtype_of, shape_of
+from spmdtree._src.boxes import AxisMetadata, dtype_of, leaf_test, shape_of
 from spmdtree._src.errors import Mistake, public
 from spmdtree._src.rules import (
     AMBIGUOUS,
@@ -289,7 +289,7 @@ def make_plan(
     tree: Any, mesh: AnyMesh | None, rules: RulesLike | None, *, params: Any, large: int
 ) -> Plan:
     """`plan`, for the public functions that render one."""
-    found, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=IS_BOX)
+    found, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=leaf_test())
     flat = ([leaf for _, leaf in found], treedef)
     walk = resolve_tree(tree, rules, mesh=mesh, params=params, lenient=True, flat=flat)
     sizes = {} if walk.mesh is None else dict(walk.mesh.shape)
@@ -298,7 +298,7 @@ def make_plan(
 
     def add(path: tuple[Any, ...], leaf: Any, res: Any) -> None:
         if type(res) is Nested:  # a box holding a subtree: a row per array inside
-            inner = jax.tree_util.tree_flatten_with_path(leaf.unbox(), is_leaf=IS_BOX)[0]
+            inner = jax.tree_util.tree_flatten_with_path(leaf.unbox(), is_leaf=leaf_test())[0]
             for (where, x), r in zip(inner, res.resolutions, strict=True):
                 add((*path, _VALUE, *where), x, r)
         elif type(res) is Resolution:

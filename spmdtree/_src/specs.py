@@ -18,14 +18,16 @@ import jax
 from jax.sharding import Mesh, PartitionSpec
 
 from spmdtree._src.boxes import (
-    IS_BOX,
     AxisMetadata,
     Meta,
     Partitioned,
     box_resolution,
     check_box_mesh,
     dtype_of,
+    foreign_kind,
     is_array,
+    leaf_test,
+    refuse_foreign,
     shape_of,
 )
 from spmdtree._src.errors import Mistake, public
@@ -44,7 +46,7 @@ from spmdtree._src.rules import (
     named_sharding,
     rules_or_context,
 )
-from spmdtree._src.trees import each_leaf, is_boxed
+from spmdtree._src.trees import each_leaf, is_boxed, map_leaves
 
 #: What a box holding no array resolves to: it passes through unchanged.
 PASS: Any = object()
@@ -177,9 +179,8 @@ class ParamIndex:
     def __init__(self, params: Any) -> None:
         self.params = params
         self.shapes: dict[tuple[Names, tuple[Any, ...]], set[tuple[int, ...]]] = {}
-        if not any(
-            isinstance(leaf, Partitioned) for leaf in jax.tree.leaves(params, is_leaf=IS_BOX)
-        ):
+        leaves = jax.tree.leaves(params, is_leaf=leaf_test())
+        if not any(isinstance(x, Partitioned) for x in each_leaf(refuse_foreign, params, leaves)):
             raise Mistake(
                 ValueError,
                 "params= holds no boxes, so no state leaf can be matched to its param. "
@@ -188,7 +189,7 @@ class ParamIndex:
             )
 
     def _build(self) -> None:
-        for path, leaf in jax.tree_util.tree_flatten_with_path(self.params, is_leaf=IS_BOX)[0]:
+        for path, leaf in jax.tree_util.tree_flatten_with_path(self.params, is_leaf=leaf_test())[0]:
             shape = shape_of(leaf.value) if isinstance(leaf, Partitioned) else None
             if shape is None:
                 continue
@@ -255,7 +256,7 @@ def resolve_tree(
     """
     check_mesh(mesh, optional=True)
     normal = rules_or_context(rules)
-    leaves, treedef = jax.tree.flatten(tree, is_leaf=IS_BOX) if flat is None else flat
+    leaves, treedef = jax.tree.flatten(tree, is_leaf=leaf_test()) if flat is None else flat
     if mesh is None:
         mesh = _boxes_mesh(leaves)
     if mesh is None:
@@ -282,7 +283,7 @@ def resolve_tree(
         at: tuple[int, int | None],
     ) -> Resolution:
         if not paths:  # the key paths, once, and only for a reduced state
-            found_paths = jax.tree_util.tree_flatten_with_path(tree, is_leaf=IS_BOX)[0]
+            found_paths = jax.tree_util.tree_flatten_with_path(tree, is_leaf=leaf_test())[0]
             paths.extend(tuple(path) for path, _ in found_paths)
         param_shape = index.shape_for(paths[at[0]], meta.names)
         if param_shape is None:
@@ -341,6 +342,8 @@ def resolve_tree(
         if isinstance(leaf, AxisMetadata):
             value = leaf.unbox()
             return REPLICATED if is_array(value) else nested(value, named, at[0])
+        if foreign_kind(leaf) is not None:
+            refuse_foreign(leaf)
         shape = shape_of(leaf)
         if shape is None:
             return None
@@ -349,7 +352,7 @@ def resolve_tree(
     def nested(value: Any, named: tuple[type[Partitioned], Meta] | None, i: int) -> Any:
         if not holds_array(value):
             return PASS
-        inner, inner_def = jax.tree.flatten(value, is_leaf=IS_BOX)
+        inner, inner_def = jax.tree.flatten(value, is_leaf=leaf_test())
         # One 1-D array per dimension of the param (SM3): each knows its dimension.
         per_dimension = named is not None and isinstance(value, (list, tuple))
         per_dimension = per_dimension and len(inner) == len(named[1].names)  # type: ignore[index]
@@ -378,6 +381,7 @@ def shardings(walk: Walk, mesh: AnyMesh) -> Any:
     return walk.replace(lambda res: named_sharding(mesh, res.spec))
 
 
+@public
 def get_partition_spec(tree: Any) -> Any:
     """Returns each box's names as written, as a `PartitionSpec` (flax.linen's semantics).
 
@@ -401,6 +405,10 @@ def get_partition_spec(tree: Any) -> Any:
         {'step': P(), 'w': P('embed', 'mlp')}
     """
 
+    return _written_specs(tree)
+
+
+def _written_specs(tree: Any) -> Any:
     def one(x: Any) -> Any:
         if is_boxed(x):
             value = x.unbox()
@@ -408,10 +416,10 @@ def get_partition_spec(tree: Any) -> Any:
                 return x
             if isinstance(x, Partitioned):
                 return x.get_partition_spec()
-            return x.replace_boxed(get_partition_spec(value))
+            return x.replace_boxed(_written_specs(value))
         return PartitionSpec() if is_array(x) else None
 
-    return jax.tree.map(one, tree, is_leaf=IS_BOX)
+    return map_leaves(one, tree)
 
 
 @public
@@ -656,7 +664,8 @@ def validate_rules(
 def _logical_names_in(tree: Any) -> dict[str, str]:
     """Each logical name used by a box without its own rules -> where first seen."""
     found: dict[str, str] = {}
-    paths = jax.tree_util.tree_flatten_with_path(tree, is_leaf=IS_BOX)[0]
+    paths = jax.tree_util.tree_flatten_with_path(tree, is_leaf=leaf_test())[0]
+    each_leaf(refuse_foreign, tree, [leaf for _, leaf in paths])
     for path, leaf in paths:
         while isinstance(leaf, AxisMetadata) and not isinstance(leaf, Partitioned):
             leaf = leaf.unbox()

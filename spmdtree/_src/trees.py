@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
-from typing import Any, TypeAlias
+from typing import Any, TypeAlias, cast
 
 import jax
 from jax import tree_util
 
 from spmdtree._src import registry
 from spmdtree._src.boxes import (
-    IS_BOX,
     PARTITION_NAME,
     AxisMetadata,
     LogicallyPartitioned,
@@ -22,9 +21,12 @@ from spmdtree._src.boxes import (
     Partitioned,
     checked_names,
     delete_name,
+    foreign_kind,
     insert_name,
     is_array,
+    leaf_test,
     partition_name,
+    refuse_foreign,
     shape_of,
 )
 from spmdtree._src.errors import Mistake, at, fmt, public, raise_collected
@@ -55,7 +57,7 @@ def is_boxed(x: Any) -> bool:
 
 def subject(tree_leaf: Any, path: KeyPath, argument: str = "tree") -> str:
     """How a message names a leaf: ``the box at tree['w']``."""
-    kind = "box" if is_boxed(tree_leaf) else "leaf"
+    kind = "box" if is_boxed(tree_leaf) or foreign_kind(tree_leaf) else "leaf"
     return f"the {kind} at {at(argument, path)}"
 
 
@@ -78,18 +80,23 @@ def each_leaf(
             fn(*row)
         except Mistake as mistake:
             failed.append((i, mistake))
-    found = tree_util.tree_flatten_with_path(tree, is_leaf=IS_BOX)[0]
+    found = tree_util.tree_flatten_with_path(tree, is_leaf=leaf_test())[0]
     raise_collected([(subject(found[i][1], found[i][0], argument), m) for i, m in failed])
     raise AssertionError("unreachable: a Mistake was raised above")
 
 
-def map_leaves(fn: Callable[[Any], Any], tree: Any, *, argument: str = "tree") -> Any:
+def map_leaves(
+    fn: Callable[[Any], Any], tree: Any, *, argument: str = "tree", foreign: bool = False
+) -> Any:
     """Maps `fn` over the leaves of `tree`, boxes taken as leaves, collecting
-    mistakes as `each_leaf` does."""
-    leaves, treedef = jax.tree.flatten(tree, is_leaf=IS_BOX)
-    return jax.tree.unflatten(treedef, each_leaf(fn, tree, leaves, argument=argument))
+    mistakes as `each_leaf` does. Another library's box is refused, unless
+    `foreign` (then `fn` gets it)."""
+    leaves, treedef = jax.tree.flatten(tree, is_leaf=leaf_test())
+    one = fn if foreign else lambda x: fn(refuse_foreign(x))
+    return jax.tree.unflatten(treedef, each_leaf(one, tree, leaves, argument=argument))
 
 
+@public
 def unbox(tree: Any) -> Any:
     """Strips every box from a tree, nested boxes too.
 
@@ -107,11 +114,11 @@ def unbox(tree: Any) -> Any:
         >>> st.unbox({"w": st.Partitioned(1.0, ()), "b": 2.0})
         {'b': 2.0, 'w': 1.0}
     """
-    return jax.tree.map(_unbox_one, tree, is_leaf=IS_BOX)
+    return _unboxed(tree)
 
 
-def _unbox_one(x: Any) -> Any:
-    return unbox(x.unbox()) if is_boxed(x) else x
+def _unboxed(tree: Any) -> Any:
+    return map_leaves(lambda x: _unboxed(x.unbox()) if is_boxed(x) else x, tree)
 
 
 @public
@@ -138,21 +145,30 @@ def replace_boxed(tree: Any, values: Any) -> Any:
         {'w': Partitioned(f32[4], names=('data',))}
     """
 
-    def put(node: Any, value: Any) -> Any:
-        if is_boxed(node):
-            return node.replace_boxed(replace_boxed(node.unbox(), value))
-        return value
+    return _replaced(tree, values)
 
+
+def _replaced(tree: Any, values: Any) -> Any:
+    leaves, treedef = jax.tree.flatten(tree, is_leaf=leaf_test())
     try:
-        return jax.tree.map(put, tree, values, is_leaf=IS_BOX)
-    except ValueError as e:
+        parts = cast(Any, treedef).flatten_up_to(values)
+    except (ValueError, TypeError) as e:
         raise Mistake(
             ValueError,
             "`values` must have the structure of st.unbox(tree), but they differ: "
             f"{e}. Build `values` from st.unbox(tree).",
         ) from None
 
+    def put(node: Any, value: Any) -> Any:
+        if is_boxed(node):
+            return node.replace_boxed(_replaced(node.unbox(), value))
+        refuse_foreign(node)
+        return value
 
+    return jax.tree.unflatten(treedef, each_leaf(put, tree, leaves, parts))
+
+
+@public
 def map_boxes(fn: Callable[[AxisMetadata], Any], tree: Any) -> Any:
     """Applies `fn` to every outermost box of a tree, leaving other leaves alone.
 
@@ -169,7 +185,7 @@ def map_boxes(fn: Callable[[AxisMetadata], Any], tree: Any) -> Any:
         >>> st.map_boxes(lambda b: b.replace_boxed(0.0), tree)
         {'b': 2.0, 'w': Partitioned(0.0, names=())}
     """
-    return jax.tree.map(lambda x: fn(x) if is_boxed(x) else x, tree, is_leaf=IS_BOX)
+    return map_leaves(lambda x: fn(x) if is_boxed(x) else x, tree)
 
 
 @public
@@ -219,7 +235,7 @@ def box(
         )
     cls = LogicallyPartitioned if logical else Partitioned
     meta = Meta((), mesh, None if rules is None else normalize_rules(rules))
-    paths_leaves, treedef = tree_util.tree_flatten_with_path(tree, is_leaf=IS_BOX)
+    paths_leaves, treedef = tree_util.tree_flatten_with_path(tree, is_leaf=leaf_test())
     if callable(names):
         chosen = _names_from_function(names, paths_leaves)
     else:
@@ -227,6 +243,7 @@ def box(
     out, problems = [], []
     for (path, leaf), leaf_names in zip(paths_leaves, chosen, strict=True):
         try:
+            refuse_foreign(leaf)
             out.append(leaf if leaf_names is None else _box_one(cls, leaf, leaf_names, meta))
         except Mistake as mistake:
             problems.append((subject(leaf, path), mistake))
@@ -253,6 +270,7 @@ def _names_from_function(fn: NamesFn, paths_leaves: Sequence[tuple[Any, Any]]) -
     chosen, problems = [], []
     for path, leaf in paths_leaves:
         try:
+            refuse_foreign(leaf)
             chosen.append(fn(path, leaf) if is_array(leaf) and not is_boxed(leaf) else None)
         except Mistake as mistake:
             problems.append((subject(leaf, path), mistake))
@@ -276,19 +294,25 @@ def _names_from_tree(treedef: Any, names: Any) -> list[Any]:
 
 @public
 def match(
-    patterns: Sequence[tuple[str, Any]], *, strict: bool = False
+    patterns: Sequence[tuple[str, Any]],
+    *,
+    strict: bool = False,
+    default: NamesFn | None = None,
 ) -> Callable[[KeyPath, Any], Names | None]:
     """A names function for `box` from ``[(regex, names), ...]`` over key paths.
 
     Each leaf's key path is joined with ``/`` (``params/dense/kernel``) and
     matched with `re.search` against the patterns in order; the first match
-    gives the names (None: leave the leaf unboxed). For params that come from
-    elsewhere: a checkpoint, another library.
+    gives the names (None: leave the leaf unboxed). A leaf no pattern matches
+    gets ``default(path, leaf)`` — a tactic such as `fsdp` — else stays
+    unboxed (``strict=True``: an error). For params that come from elsewhere:
+    a checkpoint, another library, a model nobody annotated.
 
     Args:
         patterns: ``(regex, names)`` pairs, tried in order.
-        strict: raise for a leaf that no pattern matches, instead of leaving
-            it unboxed.
+        strict: raise for a leaf that no pattern matches (and no `default`
+            names), instead of leaving it unboxed.
+        default: a names function for the leaves no pattern matches.
 
     Returns:
         A function ``(key_path, leaf) -> names | None`` to pass to `box`.
@@ -304,7 +328,16 @@ def match(
         >>> rule = st.match([(r"kernel$", ("embed", "mlp")), (r"bias$", ("mlp",))])
         >>> st.box(params, rule, logical=True)["dense"]["kernel"]
         LogicallyPartitioned(f32[4,8], names=('embed', 'mlp'))
+        >>> rule = st.match([(r"bias$", None)], default=lambda path, leaf: ("embed", None))
+        >>> st.box(params, rule, logical=True)["dense"]["kernel"].names
+        ('embed', None)
     """
+    if default is not None and not callable(default):
+        raise Mistake(
+            TypeError,
+            f"default is {fmt(default)}; expected a names function (path, leaf) -> names, "
+            "e.g. st.fsdp(mesh).",
+        )
     compiled = []
     for i, pattern in enumerate(patterns):
         if not isinstance(pattern, (tuple, list)) or len(pattern) != 2:
@@ -331,6 +364,8 @@ def match(
         for regex, names in compiled:
             if regex.search(text):
                 return names
+        if default is not None:
+            return default(path, leaf)
         if strict:
             raise Mistake(
                 ValueError,

@@ -1,0 +1,157 @@
+"""Meeting trees where they are: flax's boxes, and unannotated trees (tactics).
+
+spmdtree never reads another library's boxes as plain containers (every
+function refuses them: see `boxes.refuse_foreign`); `from_flax` converts them.
+`fsdp` names the arrays of a tree nobody annotated, the way big_vision and
+PyTorch's FSDP shard them.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from spmdtree._src.boxes import (
+    FLAX_LINEN,
+    LogicallyPartitioned,
+    Partitioned,
+    foreign_kind,
+    shape_of,
+)
+from spmdtree._src.errors import Mistake, public
+from spmdtree._src.rules import AnyMesh, Names, check_mesh
+from spmdtree._src.trees import KeyPath, map_leaves
+
+
+def _flax_rules_set() -> bool:
+    """Whether flax's own logical-axis-rules context is set (flax reads names by it)."""
+    spmd = sys.modules.get("flax.core.spmd")
+    return bool(spmd is not None and spmd.get_logical_axis_rules())
+
+
+def _convert(x: Any) -> Any:
+    kind = foreign_kind(x)
+    if kind is None:
+        return x
+    if kind == FLAX_LINEN:
+        classes = {c.__name__ for c in type(x).__mro__ if c.__module__.startswith("flax.")}
+        value = _from_flax(x.value) if hasattr(x, "value") else None
+        if "LogicallyPartitioned" in classes:
+            return LogicallyPartitioned(value, x.names, mesh=x.mesh, rules=x.rules)
+        if "Partitioned" in classes:
+            return Partitioned(value, x.names, mesh=x.mesh)
+        raise Mistake(
+            TypeError,
+            f"is a flax box of type {type(x).__name__}, which carries no sharding names "
+            "(only flax's Partitioned and LogicallyPartitioned do). Unbox it with flax's "
+            "nn.meta.unbox first.",
+        )
+    value = x.get_value() if hasattr(x, "get_value") else x.value
+    meta = x.get_metadata()
+    names = meta.get("out_sharding") or meta.get("sharding_names") or meta.get("sharding")
+    if not names:
+        return _from_flax(value)  # a Variable with no sharding: just its value
+    rules = meta.get("sharding_rules") or None
+    if rules is not None or _flax_rules_set():  # read as flax reads them: logical
+        return LogicallyPartitioned(value, names, mesh=meta.get("mesh"), rules=rules)
+    return Partitioned(value, names, mesh=meta.get("mesh"))
+
+
+def _from_flax(tree: Any) -> Any:
+    return map_leaves(_convert, tree, foreign=True)
+
+
+@public
+def from_flax(tree: Any) -> Any:
+    """The same tree with every flax box replaced by spmdtree's box of the same kind.
+
+    flax.linen's `Partitioned` becomes `Partitioned` and its
+    `LogicallyPartitioned` becomes `LogicallyPartitioned`, names, mesh and
+    rules kept, nested boxes too. flax.nnx state converts too: a Variable with
+    sharding names (``out_sharding`` metadata, as `nnx.with_partitioning`
+    sets) becomes a box of its value, read as flax itself reads them — logical
+    names (`LogicallyPartitioned`, with the Variable's ``sharding_rules`` as
+    its own rules) if the Variable has rules or flax's logical-axis-rules
+    context is set, mesh axis names (`Partitioned`) otherwise; a Variable
+    without names becomes its value. Other leaves are untouched, and flax is
+    never imported here: a tree holding flax objects means flax is loaded.
+
+    Args:
+        tree: a pytree holding flax boxes (``model.init`` output) or flax.nnx
+            state (``nnx.state(model)``).
+
+    Returns:
+        The tree with spmdtree boxes; ``model.apply(st.unbox(converted), x)``
+        works as with flax's own, and ``nnx.update(model, st.unbox(converted))``
+        puts nnx values back.
+
+    Raises:
+        TypeError: for a flax box that carries no sharding names.
+        ValueError: for names that do not fit their value.
+
+    Example:
+        >>> import jax, flax.linen as nn, spmdtree as st
+        >>> init = nn.with_logical_partitioning(nn.initializers.ones, ("embed", "mlp"))
+        >>> variables = {"params": {"w": init(jax.random.key(0), (4, 8))}}
+        >>> st.from_flax(variables)
+        {'params': {'w': LogicallyPartitioned(f32[4,8], names=('embed', 'mlp'))}}
+    """
+    return _from_flax(tree)
+
+
+@public
+def fsdp(
+    mesh: AnyMesh, axis: str = "fsdp", *, min_size: int = 2**14
+) -> Callable[[KeyPath, Any], Names | None]:
+    """A names function for `box`: FSDP, the tactic of big_vision and PyTorch's FSDP.
+
+    An array with at least `min_size` elements gets `axis` on its largest
+    dimension that the axis's size divides; among equally large ones, the
+    first (outermost), as PyTorch's FSDP shards dimension 0. Smaller arrays,
+    and arrays no dimension of which the axis divides, stay unboxed, so
+    replicated. The chosen dimension is named by the mesh-axis tuple
+    ``(axis,)``, which both box kinds take as written: `fsdp` also serves as
+    the ``default`` of `match` patterns that give logical names.
+
+    Args:
+        mesh: the mesh (or abstract mesh) whose `axis` shards the arrays.
+        axis: the mesh axis to shard over.
+        min_size: the fewest elements an array needs to be sharded.
+
+    Returns:
+        A function ``(key_path, leaf) -> names | None`` for `box`.
+
+    Raises:
+        ValueError: at once, if `axis` is not an axis of `mesh`.
+
+    Example:
+        >>> import jax, spmdtree as st
+        >>> mesh = jax.sharding.AbstractMesh((8,), ("fsdp",))
+        >>> tree = {"w": jax.ShapeDtypeStruct((768, 3072), "float32"),
+        ...         "b": jax.ShapeDtypeStruct((3072,), "float32")}
+        >>> boxed = st.box(tree, st.fsdp(mesh))
+        >>> boxed["w"].names, st.is_boxed(boxed["b"])  # b is too small to shard
+        ((None, ('fsdp',)), False)
+    """
+    check_mesh(mesh)
+    if axis not in mesh.axis_names:
+        raise Mistake(
+            ValueError,
+            f"axis {axis!r} is not an axis of the mesh, whose axes are "
+            f"{tuple(mesh.axis_names)}. Pass one of them as axis=.",
+        )
+    size = dict(mesh.shape)[axis]
+
+    def names_for(path: KeyPath, leaf: Any) -> Names | None:
+        shape = shape_of(leaf) or ()
+        if math.prod(shape) < min_size:
+            return None
+        fits = [d for d in range(len(shape)) if shape[d] % size == 0]
+        if not fits:
+            return None
+        chosen = max(fits, key=lambda d: (shape[d], -d))  # the largest; the first of ties
+        return tuple((axis,) if d == chosen else None for d in range(len(shape)))
+
+    return names_for
