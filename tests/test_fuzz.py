@@ -396,7 +396,7 @@ def test_with_logical_constraint_in_jit_equals_the_reference_or_is_the_right_err
         SHARDED.append(any(normal(spec, len(shape))))
 
 
-@pytest.mark.parametrize("function", ["to_spec", "describe"])
+@pytest.mark.parametrize("function", ["to_spec", "describe", "plan"])
 @settings(max_examples=40)
 @given(tree=trees, mesh=meshes(), rules=rule_sets)
 def test_other_tree_functions_raise_only_clear_errors(function, tree, mesh, rules):

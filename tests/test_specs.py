@@ -371,7 +371,7 @@ def test_params_of_another_model_are_an_error_naming_the_leaf():
 
 def test_params_without_boxes_are_an_error():
     state = jax.eval_shape(ADAFACTOR.init, boxed_params())
-    with pytest.raises(ValueError, match=r"to_spec: params= holds no boxes.*st\.unbox"):
+    with pytest.raises(ValueError, match=r"to_spec: the params hold no boxes.*st\.unbox"):
         st.to_spec(state, mesh=AUTO, params=st.unbox(boxed_params()))
 
 

@@ -31,8 +31,12 @@ MUTANTS: dict[str, list[tuple[str, str, str]]] = {
     "scan-drops-kwargs": [
         ("_src/transforms.py", "length=length, **kwargs)", "length=length)"),
     ],
-    "optimizer-tie-resolved": [
-        ("_src/optim.py", "return first if same else _AMBIGUOUS", "return first"),
+    "params-tie-resolved": [
+        (
+            "_src/specs.py",
+            "return next(iter(shapes)) if len(shapes) == 1 else AMBIGUOUS",
+            "return next(iter(shapes))",
+        ),
     ],
     "no-divisibility-check-logical": [
         ("_src/rules.py", "elif dim.size is not None and dim.size % size:", "elif False:"),
@@ -60,8 +64,8 @@ MUTANTS: dict[str, list[tuple[str, str, str]]] = {
     "unbox-one-level": [
         (
             "_src/trees.py",
-            "return unbox(x.unbox()) if is_boxed(x) else x",
-            "return x.unbox() if is_boxed(x) else x",
+            "map_leaves(lambda x: _unboxed(x.unbox()) if is_boxed(x) else x, tree)",
+            "map_leaves(lambda x: x.unbox() if is_boxed(x) else x, tree)",
         ),
     ],
     "remove-axis-any-name": [
@@ -91,13 +95,17 @@ MUTANTS: dict[str, list[tuple[str, str, str]]] = {
         ),
     ],
     "kept-dimensions-position-ignored": [
-        ("_src/optim.py", "        position is not None\n", "        False\n"),
+        ("_src/specs.py", "        position is not None\n", "        False\n"),
     ],
     "vmap-outputs-keep-names": [
         ("_src/transforms.py", 'return _per_prefix(add, out_axes, out, "outputs")', "return out"),
     ],
-    "describe-device-bytes-unsharded": [
-        ("_src/report.py", "dim // math.prod(sizes[a] for a in axes_of(entry))", "dim"),
+    "plan-device-bytes-unsharded": [
+        (
+            "_src/plan.py",
+            "dim // math.prod(sizes.get(a, 1) for a in axes_of(None if e is UNCONSTRAINED else e))",
+            "dim",
+        ),
     ],
     "validate-rules-never-used-missing": [
         ("_src/specs.py", "            if name not in used:", "            if False:"),
@@ -111,6 +119,48 @@ MUTANTS: dict[str, list[tuple[str, str, str]]] = {
     ],
     "custom-hooks-ignored": [
         ("_src/trees.py", "if hook is Partitioned.add_axis:", "if add:"),
+    ],
+    "params-ignored": [
+        (
+            "_src/specs.py",
+            "if found.fallback == FEWER_DIMENSIONS and index is not None:",
+            "if False:",
+        ),
+    ],
+    "to-abstract-ignores-params": [
+        (
+            "_src/specs.py",
+            "resolve_tree(tree, rules, mesh=mesh, params=params).map(",
+            "resolve_tree(tree, rules, mesh=mesh).map(",
+        ),
+    ],
+    "flax-boxes-read-as-containers": [
+        (
+            "_src/boxes.py",
+            'return _box_or_foreign if "flax" in sys.modules else IS_BOX',
+            "return IS_BOX",
+        ),
+    ],
+    "diff-ignores-what-devices-held": [
+        (
+            "_src/plan.py",
+            "return (whole - np.where(held, overlap, 0)) * new.dtype.itemsize",
+            "return whole * new.dtype.itemsize",
+        ),
+    ],
+    "fsdp-smallest-dimension": [
+        (
+            "_src/interop.py",
+            "chosen = max(fits, key=lambda d: (shape[d], -d))",
+            "chosen = min(fits, key=lambda d: (shape[d], -d))",
+        ),
+    ],
+    "match-default-ignored": [
+        (
+            "_src/trees.py",
+            "        if default is not None:\n            return default(path, leaf)\n",
+            "",
+        ),
     ],
     "strict-ignored": [
         (

@@ -293,7 +293,8 @@ def make_plan(
     flat = ([leaf for _, leaf in found], treedef)
     walk = resolve_tree(tree, rules, mesh=mesh, params=params, lenient=True, flat=flat)
     sizes = {} if walk.mesh is None else dict(walk.mesh.shape)
-    templates: dict[Any, _Template] = {}
+    templates: dict[Any, tuple[Any, ...]] = {}  # a row but its path, per resolution,
+    # shape and dtype: shared by the leaves of repeated layers
     rows: list[PlanRow] = []
 
     def add(path: tuple[Any, ...], leaf: Any, res: Any) -> None:
@@ -317,21 +318,6 @@ def make_plan(
     return Plan(tuple(rows), walk.mesh, total, device, replicated)
 
 
-class _Template(NamedTuple):
-    """A row without its path: shared by every leaf of the same resolution,
-    shape and dtype (layers repeat)."""
-
-    shape: tuple[int, ...]
-    dtype: np.dtype
-    names: Names | None
-    spec: PartitionSpec
-    shard_shape: tuple[int, ...]
-    bytes: int
-    device_bytes: int
-    flags: tuple[str, ...]
-    why: tuple[str, ...]
-
-
 _KEY_FIELD = {
     jax.tree_util.DictKey: "key",
     jax.tree_util.GetAttrKey: "name",
@@ -351,7 +337,8 @@ def _path_text(path: Any) -> str:
 
 def _template(
     res: Resolution, shape: tuple[int, ...], dtype: np.dtype, sizes: dict[str, int], large: int
-) -> _Template:
+) -> tuple[Any, ...]:
+    """A `PlanRow`'s fields after its path."""
     spec = tuple(res.spec) + (None,) * (len(shape) - len(tuple(res.spec)))
     shard = tuple(
         dim // math.prod(sizes.get(a, 1) for a in axes_of(None if e is UNCONSTRAINED else e))
@@ -369,9 +356,7 @@ def _template(
     ]
     if sizes and shard == shape and total >= large and math.prod(shape) > 1:
         flags.append(f"{size_text(total)} replicated on every device")
-    return _Template(
-        shape, dtype, names, res.spec, shard, total, device, tuple(flags), _why(res, shape)
-    )
+    return shape, dtype, names, res.spec, shard, total, device, tuple(flags), _why(res, shape)
 
 
 #: How the flag of a reduced state that no param resolved begins.

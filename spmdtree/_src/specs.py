@@ -183,7 +183,7 @@ class ParamIndex:
         if not any(isinstance(x, Partitioned) for x in each_leaf(refuse_foreign, params, leaves)):
             raise Mistake(
                 ValueError,
-                "params= holds no boxes, so no state leaf can be matched to its param. "
+                "the params hold no boxes, so no state leaf can be matched to its param. "
                 "Pass the boxed params (as built, before st.unbox), or box them with "
                 "st.box.",
             )
