@@ -48,28 +48,37 @@ def _layout(
         + ([shape_text(row.shard_shape), size_text(row.device_bytes)] if mesh is not None else [])
         for row in rows
     ]
+    widths = _fit(header, cells, width)
+    return header, widths, [(c, _names_line(r)) for c, r in zip(cells, rows, strict=True)]
+
+
+def _fit(header: list[str], cells: list[list[str]], width: int) -> list[int]:
+    """Column widths for `cells` within `width`: the first column (a path) takes
+    what the others leave, and a longer path keeps its end (the leaf's own
+    name) behind an ellipsis."""
     widths = [max([len(h)] + [len(c[i]) for c in cells]) for i, h in enumerate(header)]
     widths[0] = min(widths[0], max(12, width - sum(widths[1:]) - 2 * (len(widths) - 1)))
     for cell in cells:
         if len(cell[0]) > widths[0]:
             cell[0] = "…" + cell[0][-(widths[0] - 1) :]
-    return header, widths, [(c, _names_line(r)) for c, r in zip(cells, rows, strict=True)]
+    return widths
+
+
+def _line(items: list[str], widths: list[int]) -> str:
+    """One line of a table; the last of three or more columns (bytes) right-aligned."""
+    last = len(widths) - 1
+    return "  ".join(
+        item.rjust(w) if i == last and i > 1 else item.ljust(w)
+        for i, (item, w) in enumerate(zip(items, widths, strict=True))
+    ).rstrip()
 
 
 def _plain(rows: tuple[PlanRow, ...], mesh: AnyMesh | None, width: int) -> list[str]:
     """Per array a line (path, array, shard, bytes), then its names -> mesh spec."""
     header, widths, body = _layout(rows, mesh, width)
-
-    def line(items: list[str]) -> str:
-        last = len(widths) - 1
-        return "  ".join(
-            item.rjust(w) if i == last and i > 1 else item.ljust(w)
-            for i, (item, w) in enumerate(zip(items, widths, strict=True))
-        ).rstrip()
-
-    lines = [line(header), "  names -> mesh spec"]
+    lines = [_line(header, widths), "  names -> mesh spec"]
     for cells, names in body:
-        lines.append(line(cells))
+        lines.append(_line(cells, widths))
         if names is not None:
             lines += textwrap.wrap(names, width, initial_indent="  ", subsequent_indent="    ")
     return lines
@@ -152,18 +161,8 @@ def diff_table(diff: PlanDiff, *, width: int = 80) -> str:
         ]
         for row in diff.rows
     ]
-    widths = [max([len(h)] + [len(c[i]) for c in cells]) for i, h in enumerate(header)]
-    widths[0] = min(widths[0], max(12, width - sum(widths[1:]) - 2 * (len(widths) - 1)))
-    lines = []
-    for items in [header, *cells]:
-        if len(items[0]) > widths[0]:
-            items[0] = "…" + items[0][-(widths[0] - 1) :]
-        lines.append(
-            "  ".join(
-                item.rjust(w) if i == 3 else item.ljust(w)
-                for i, (item, w) in enumerate(zip(items, widths, strict=True))
-            ).rstrip()
-        )
+    widths = _fit(header, cells, width)
+    lines = [_line(items, widths) for items in [header, *cells]]
     changes = "array changes its" if len(diff.rows) == 1 else "arrays change their"
     lines.append(f"{len(diff.rows)} {changes} layout")
     lines.append(
