@@ -327,3 +327,31 @@ def test_jnp_functions_on_a_box_say_to_unbox(use):
 def test_comparing_an_array_with_a_box_still_never_raises():
     box = st.Partitioned(jnp.ones(4), ("data",))
     assert (jnp.ones(4) == box) is False and (jnp.ones(4) != box) is True
+
+
+# --- a value committed to another mesh than the one in effect -------------------------
+
+OTHER = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+
+
+def test_an_array_on_another_mesh_is_named_with_both_meshes():
+    rules = [("batch", "data")]
+    on_auto = jax.device_put(jnp.ones((4, 8)), jax.sharding.NamedSharding(AUTO, P("data")))
+    for call in (
+        lambda: st.with_logical_constraint(on_auto, ("batch", None), rules, OTHER),
+        lambda: jax.jit(
+            lambda x: st.with_logical_constraint(on_auto, ("batch", None), rules, OTHER) + x
+        )(jnp.zeros((4, 8))),
+        lambda: st.constrain({"w": st.Partitioned(on_auto, ("data", None))}, OTHER),
+    ):
+        with pytest.raises(ValueError) as info:
+            call()
+        message = str(info.value)
+        assert "laid out on the mesh Mesh('data': 2, 'model': 4" in message
+        assert "not on the mesh in effect, Mesh('data': 4, 'model': 2" in message
+    # On its own mesh, or not yet committed to any: constrained as usual.
+    assert st.with_logical_constraint(on_auto, ("batch", None), rules, AUTO).sharding.spec == P(
+        "data", None
+    )
+    placed = st.with_logical_constraint(jnp.ones((4, 8)), ("batch", None), rules, OTHER)
+    assert placed.sharding.mesh == OTHER

@@ -17,7 +17,7 @@ import numpy as np
 from jax._src.core import trace_state_clean  # how JAX itself tells that it is tracing
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from spmdtree._src.boxes import foreign_kind, refuse_foreign, shape_of
+from spmdtree._src.boxes import foreign_kind, refuse_foreign, same_mesh, shape_of
 from spmdtree._src.errors import Mistake, at, public, raise_collected
 from spmdtree._src.rules import (
     UNCONSTRAINED,
@@ -75,12 +75,28 @@ def place(value: Any, sharding: NamedSharding) -> jax.Array:
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
+def _check_committed(x: Any, mesh: AnyMesh) -> None:
+    """A concrete array laid out on another mesh is a mistake, not a move to make."""
+    own = getattr(getattr(x, "sharding", None), "mesh", None)
+    if own is None or isinstance(x, jax.core.Tracer):
+        return
+    if not same_mesh(getattr(own, "abstract_mesh", own), getattr(mesh, "abstract_mesh", mesh)):
+        raise Mistake(
+            ValueError,
+            f"is laid out on the mesh {own}, not on the mesh in effect, {mesh}. Put it "
+            "on that mesh first (st.shard or jax.device_put), or constrain it with "
+            "mesh= its own mesh.",
+        )
+
+
 def apply_spec(x: Any, spec: PartitionSpec, mesh: AnyMesh) -> Any:
     """Constrains (inside a trace) or places (outside) one array on `spec` over `mesh`.
 
     Raises:
-        Mistake: for Explicit axes inside jit without `jax.set_mesh`.
+        Mistake: for Explicit axes inside jit without `jax.set_mesh`, and for an
+            array committed to another mesh.
     """
+    _check_committed(x, mesh)
     if trace_state_clean():  # not tracing: a captured constant inside jit is constrained
         return place(x, named_sharding(_concrete(mesh), spec))
     ctx = context_mesh()
