@@ -376,30 +376,9 @@ def _fallback_flags(res: Resolution, shape: tuple[int, ...], names: Names | None
 
 def _why(res: Resolution, shape: tuple[int, ...]) -> tuple[str, ...]:
     """One sentence per dimension, read from the resolution's record."""
-    if res.names is None:
-        return tuple(
-            f"dimension {i} (size {n}): in no box, so replicated" for i, n in enumerate(shape)
-        )
-    if res.fallback == PLACEHOLDER:
-        return tuple(
-            f"dimension {i} (size {n}): a size-1 placeholder under names "
-            f"({entries_text(res.names, len(res.names))}), replicated"
-            for i, n in enumerate(shape)
-        )
-    if res.fallback == FEWER_DIMENSIONS:
-        return tuple(
-            f"dimension {i} (size {n}): fewer dimensions than names "
-            f"({entries_text(res.names, len(res.names))}) and no param to match it "
-            "(params=), so replicated by a fallback"
-            for i, n in enumerate(shape)
-        )
-    if res.fallback == AMBIGUOUS:
-        param = "" if res.kept is None else f" of shape {shape_text(res.kept.shape)}"
-        return tuple(
-            f"dimension {i} (size {n}): which dimension of its param{param} it kept is "
-            "ambiguous, so replicated"
-            for i, n in enumerate(shape)
-        )
+    whole = _whole_why(res)
+    if whole is not None:  # one reason for the whole array, said of each dimension
+        return tuple(f"dimension {i} (size {n}): {whole}" for i, n in enumerate(shape))
     kept = res.kept.dims if res.kept is not None else None
     return tuple(
         f"dimension {i} ({entries_text((d.name,), 1)}, size {d.size}): "
@@ -407,6 +386,24 @@ def _why(res: Resolution, shape: tuple[int, ...]) -> tuple[str, ...]:
         + _dim_why(d, res.logical)
         for i, d in enumerate(res.dims)
     )
+
+
+def _whole_why(res: Resolution) -> str | None:
+    """Why the whole array is laid out as it is, when one reason serves every dimension."""
+    if res.names is None:
+        return "in no box, so replicated"
+    written = entries_text(res.names, len(res.names))
+    if res.fallback == PLACEHOLDER:
+        return f"a size-1 placeholder under names ({written}), replicated"
+    if res.fallback == FEWER_DIMENSIONS:
+        return (
+            f"fewer dimensions than names ({written}) and no param to match it (params=), "
+            "so replicated by a fallback"
+        )
+    if res.fallback == AMBIGUOUS:
+        param = "" if res.kept is None else f" of shape {shape_text(res.kept.shape)}"
+        return f"which dimension of its param{param} it kept is ambiguous, so replicated"
+    return None
 
 
 def _dim_why(d: Dim, logical: bool) -> str:

@@ -246,10 +246,11 @@ def resolve_tree(
     repeat, so a tree of thousands of leaves costs little more than its
     flattening (benchmarks/run.py, B2). A resolution's `problem` is raised
     unless `lenient` (the plan reports it instead); with `strict`, so is any
-    dimension left unsharded. `flat` is ``(leaves, treedef)`` of `tree` (boxes
-    as leaves), for a caller that has flattened it already. With `params`, a box with fewer dimensions than
+    dimension left unsharded. With `params`, a box with fewer dimensions than
     names resolves through the param it came from (`ParamIndex`) and keeps the
-    mesh axes of the dimensions it kept (`kept_dimensions`).
+    mesh axes of the dimensions it kept (`kept_dimensions`). `flat` is
+    ``(leaves, treedef)`` of `tree` (boxes as leaves), for a caller that has
+    flattened it already.
 
     Raises:
         Mistake: naming the key path of every wrong leaf.
