@@ -6,9 +6,11 @@ and for four rule sets — pure FSDP, FSDP + tensor, data x FSDP x tensor, and
 data x tensor without FSDP — on
 `jax.sharding.AbstractMesh`es of 256 and 2,048 chips, computes the bytes each
 chip holds of the params, their grads and adamw's state. Nothing is allocated
-and no device is needed: the figures are exact for these shardings (activations
-are not counted). It prints which rule sets fit a per-chip budget, and what
-moving from one rule set to another costs.
+and no device is needed: the figures are exact for these shardings. They count
+these arrays only: a training step also needs activations and the compiler's
+temporaries, often several times more (examples/preflight.py compiles the
+whole step with `st.preflight`). It prints which rule sets' arrays fit a
+per-chip budget, and what moving from one rule set to another costs.
 
 Run: python examples/plan_llama.py [--budget-gib 96]
 """
@@ -64,7 +66,7 @@ def main() -> None:
     print(f"params + grads + adamw state per chip, bf16, against {args.budget_gib:g} GiB\n")
     print(
         f"{'model':<6}{'chips':>6}  {'rule set':<17}{'mesh':<11}"
-        f"{'params':>9}{'grads':>9}{'adamw':>9}{'total':>10}  fits"
+        f"{'params':>9}{'grads':>9}{'adamw':>9}{'total':>10}  arrays fit"
     )
     plans = {}
     for size in llama.SIZES:
@@ -87,6 +89,11 @@ def main() -> None:
     print("\n".join(f"  {sentence}" for sentence in why))
     print(
         f"\nplanned {len(plans)} layouts in {time.perf_counter() - start:.1f} s, no device memory"
+    )
+    print(
+        "'arrays fit' counts params, grads and optimizer state only, not activations or "
+        "the compiler's\ntemporaries: for the whole step, see examples/preflight.py "
+        "(st.preflight)."
     )
 
 

@@ -1,9 +1,12 @@
-"""Train a small decoder-only transformer LM, sharded on 8 CPU devices, with no module system.
+"""Train a small decoder-only transformer LM, sharded over the devices this machine has.
 
 The model is plain jax functions over a dict of boxed params. Every weight is
 named by logical axes ("embed", "heads", "mlp", ...) and rules map those names
-onto a 2x2x2 mesh (data x fsdp x tensor): data and FSDP parallelism over the
-batch, FSDP-sharded weights, tensor-parallel heads and MLP. The params are
+onto a (data, fsdp, tensor) mesh built from the devices there are: the
+accelerators if any, else 8 CPU devices (2x2x2), or as many as
+XLA_FLAGS=--xla_force_host_platform_device_count=N gives (1 works too). Data
+and FSDP parallelism over the batch, FSDP-sharded weights, tensor-parallel
+heads and MLP. The params are
 built directly in their shardings (`st.sharded_init`), the plan is printed
 (`st.describe`) before training, AdamW's state gets its shardings from the
 params (`st.optimizer_sharding`), and activations are constrained by logical
@@ -14,21 +17,24 @@ by t[i] = (t[i-1] + t[i-2]) mod vocab, so the loss can fall far below
 log(vocab) only by attending to the two previous tokens.
 
 Run: python examples/train.py [--steps 300] [--width 64] [--layers 2] [--batch 32]
+     python examples/train.py --platform cpu     # 8 CPU devices, even beside a GPU
 """
 
 import argparse
 import functools
 import math
 import os
+import sys
 import time
 
+if "--platform" in sys.argv and sys.argv[sys.argv.index("--platform") + 1 :][:1] == ["cpu"]:
+    os.environ["JAX_PLATFORMS"] = "cpu"  # before JAX starts: the CPU demo
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import jax
 import jax.numpy as jnp
 import optax
 from jax.sharding import AxisType, NamedSharding
-from jax.sharding import PartitionSpec as P
 
 import spmdtree as st
 
@@ -121,6 +127,31 @@ def loss_fn(params, tokens):
     return jnp.mean(nll[:, 1:])  # the first target follows one random token only
 
 
+def make_train_step(tx):
+    """The step: loss and gradients, then the optimizer's update (not jitted)."""
+
+    def train_step(params, state, tokens):
+        loss, grads = jax.value_and_grad(loss_fn)(params, tokens)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, loss
+
+    return train_step
+
+
+def adamw(lr):
+    """AdamW with weight decay on matrices only."""
+    return optax.adamw(lr, weight_decay=0.01, mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p))
+
+
+def mesh_shape(count):
+    """(data, fsdp, tensor) sizes for `count` devices: tensor 2 from 4 devices on,
+    fsdp 2 where what is left is even, data the rest (1 -> 1x1x1, 6 -> 3x1x2,
+    8 -> 2x2x2, 16 -> 4x2x2)."""
+    tensor = 2 if count % 2 == 0 and count >= 4 else 1
+    fsdp = 2 if (count // tensor) % 2 == 0 else 1
+    return count // (tensor * fsdp), fsdp, tensor
+
+
 def batches(key, batch, length, vocab):
     """Endless batches of sequences t[i] = (t[i-1] + t[i-2]) mod vocab."""
     while True:
@@ -144,10 +175,19 @@ def main():
     parser.add_argument("--mlp", type=int, default=256)
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--log-every", type=int, default=50)
+    parser.add_argument("--platform", choices=["cpu"], help="cpu: 8 CPU devices, even beside a GPU")
     args = parser.parse_args()
 
-    mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), axis_types=(AxisType.Auto,) * 3)
-    print(f"mesh: {dict(mesh.shape)} on {mesh.devices.size} {jax.devices()[0].platform} devices")
+    devices = jax.devices()
+    shape = mesh_shape(len(devices))
+    mesh = jax.make_mesh(shape, ("data", "fsdp", "tensor"), axis_types=(AxisType.Auto,) * 3)
+    print(f"mesh: {dict(mesh.shape)} on {len(devices)} {devices[0].platform} device(s)")
+    parallel = shape[0] * shape[1]
+    if args.batch % parallel:  # every batch-parallel device gets whole sequences
+        args.batch += parallel - args.batch % parallel
+        print(
+            f"batch rounded up to {args.batch}, a multiple of the {parallel} batch-parallel devices"
+        )
     init_fn = functools.partial(
         init,
         vocab=args.vocab,
@@ -157,9 +197,7 @@ def main():
         heads=args.heads,
         mlp=args.mlp,
     )
-    tx = optax.adamw(
-        args.lr, weight_decay=0.01, mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p)
-    )
+    tx = adamw(args.lr)
 
     with st.logical_axis_rules(RULES), jax.set_mesh(mesh):
         abstract = jax.eval_shape(init_fn, jax.random.key(0))
@@ -172,18 +210,17 @@ def main():
         param_shardings = st.to_sharding(params, mesh)
         state_shardings = st.optimizer_sharding(tx, params, mesh)
         state = jax.jit(tx.init, out_shardings=state_shardings)(params)
-        data_sharding = NamedSharding(mesh, P(("data", "fsdp"), None))
+        data_spec = st.logical_to_mesh_axes(
+            ("batch", "length"), shape=(args.batch, args.length), mesh=mesh
+        )
+        data_sharding = NamedSharding(mesh, data_spec)
 
-        @functools.partial(
-            jax.jit,
+        train_step = jax.jit(
+            make_train_step(tx),
             in_shardings=(param_shardings, state_shardings, data_sharding),
             out_shardings=(param_shardings, state_shardings, None),
             donate_argnums=(0, 1),
         )
-        def train_step(params, state, tokens):
-            loss, grads = jax.value_and_grad(loss_fn)(params, tokens)
-            updates, state = tx.update(grads, state, params)
-            return optax.apply_updates(params, updates), state, loss
 
         print(f"\ntraining {args.steps} steps, batch {args.batch} x length {args.length}")
         data = batches(jax.random.key(1), args.batch, args.length, args.vocab)

@@ -22,6 +22,9 @@ from spmdtree._src.plan import Plan as Plan
 from spmdtree._src.plan import PlanDiff as PlanDiff
 from spmdtree._src.plan import PlanRow as PlanRow
 from spmdtree._src.plan import plan as plan
+from spmdtree._src.preflight import Collective as Collective
+from spmdtree._src.preflight import StepPlan as StepPlan
+from spmdtree._src.preflight import preflight as preflight
 from spmdtree._src.report import describe as describe
 from spmdtree._src.rules import RulesFallback as RulesFallback
 from spmdtree._src.rules import get_logical_axis_rules as get_logical_axis_rules
@@ -54,6 +57,7 @@ __version__ = "0.1.0"
 __all__ = [
     "PARTITION_NAME",
     "AxisMetadata",
+    "Collective",
     "DiffRow",
     "LogicallyPartitioned",
     "Partitioned",
@@ -61,6 +65,7 @@ __all__ = [
     "PlanDiff",
     "PlanRow",
     "RulesFallback",
+    "StepPlan",
     "add_axis",
     "box",
     "constrain",
@@ -80,6 +85,7 @@ __all__ = [
     "match",
     "optimizer_sharding",
     "plan",
+    "preflight",
     "remove_axis",
     "replace_boxed",
     "scan",

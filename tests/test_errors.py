@@ -14,8 +14,23 @@ MESH = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
 EMPTY = jax.sharding.Mesh(np.empty((0,), dtype=object), ("x",))
 
 
+EXPLICIT = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+
+
 def w(names, shape=(2, 4), cls=st.Partitioned):
     return {"layer": {"w": cls(jnp.zeros(shape), names)}}
+
+
+def _in_jit_on(mesh, fn, x):
+    with jax.set_mesh(mesh):
+        return jax.jit(fn)(x)
+
+
+def _under_flax_rules(rules, fn):
+    import flax.linen as nn
+
+    with nn.logical_axis_rules(rules):
+        return fn()
 
 
 CASES = {
@@ -358,6 +373,137 @@ CASES = {
         lambda: st.with_logical_constraint({"a": jnp.ones(2)}, {"b": ("batch",)}, [], MESH),
         ValueError,
         ["with_logical_constraint:", "prefix of x", "'b'"],
+    ),
+    # Names that no rule mentions (turn 3): a likely mistake is never "replicated".
+    "logical-boxes-and-no-rules-at-all": (
+        lambda: st.to_sharding(w(("embed", "mlp"), cls=st.LogicallyPartitioned), MESH),
+        ValueError,
+        [
+            "to_sharding:",
+            "tree['layer']['w']",
+            "('embed', 'mlp')",
+            "no rules are in effect",
+            "st.logical_axis_rules(rules)",
+        ],
+    ),
+    "no-rules-in-shard": (
+        lambda: st.shard(w(("embed", "mlp"), cls=st.LogicallyPartitioned), EXPLICIT),
+        ValueError,
+        ["shard:", "tree['layer']['w']", "no rules are in effect", "rules=[(name, mesh_axes)"],
+    ),
+    "no-rules-in-sharded-init": (
+        lambda: st.sharded_init(lambda k: w(("embed", "mlp"), cls=st.LogicallyPartitioned), MESH)(
+            jax.random.key(0)
+        ),
+        ValueError,
+        ["sharded_init:", "tree['layer']['w']", "no rules are in effect"],
+    ),
+    "no-rules-in-plan": (
+        lambda: st.plan(w(("embed", "mlp"), cls=st.LogicallyPartitioned), MESH),
+        ValueError,
+        ["plan:", "tree['layer']['w']", "no rules are in effect"],
+    ),
+    "no-rules-in-a-constraint-with-a-mesh": (
+        lambda: st.with_logical_constraint(jnp.ones((2, 4)), ("batch", None), mesh=MESH),
+        ValueError,
+        ["with_logical_constraint:", "the array at x", "('batch', None)", "no rules"],
+    ),
+    "no-rules-in-a-constraint-inside-jit": (
+        lambda: _in_jit_on(
+            EXPLICIT, lambda x: st.with_logical_constraint(x, ("batch", None)), jnp.ones((2, 4))
+        ),
+        ValueError,
+        ["with_logical_constraint:", "the array at x", "no rules are in effect"],
+    ),
+    "no-rules-in-optimizer-sharding": (
+        lambda: st.optimizer_sharding(
+            optax.adam(1e-3), w(("embed", "mlp"), cls=st.LogicallyPartitioned), MESH
+        ),
+        ValueError,
+        ["optimizer_sharding:", "['layer']['w']", "no rules are in effect"],
+    ),
+    "mesh-axis-names-in-a-logical-box": (
+        lambda: st.to_sharding(
+            w(("data", "model"), cls=st.LogicallyPartitioned), MESH, [("embed", "data")]
+        ),
+        ValueError,
+        [
+            "to_sharding:",
+            "tree['layer']['w']",
+            "'data', which no rule mentions, is a mesh axis",
+            "use st.Partitioned",
+            "('data', 'data')",
+        ],
+    ),
+    "mesh-axis-names-in-a-logical-box-in-describe": (
+        lambda: st.describe(
+            w(("data", "model"), cls=st.LogicallyPartitioned), EXPLICIT, [("embed", "data")]
+        ),
+        ValueError,
+        ["describe:", "tree['layer']['w']", "is a mesh axis of this mesh"],
+    ),
+    "mesh-axis-names-in-a-constraint-inside-jit": (
+        lambda: _in_jit_on(
+            MESH,
+            lambda x: st.with_logical_constraint(x, ("data", None), [("batch", "data")]),
+            jnp.ones((2, 4)),
+        ),
+        ValueError,
+        ["with_logical_constraint:", "the array at x", "'data', which no rule mentions"],
+    ),
+    "a-typo-in-a-rules-logical-name": (
+        lambda: st.to_sharding(
+            w(("embed", "mlp"), cls=st.LogicallyPartitioned),
+            MESH,
+            [("emebd", "data"), ("mlp", "model")],
+        ),
+        ValueError,
+        [
+            "to_sharding:",
+            "tree['layer']['w']",
+            "'embed', which no rule mentions",
+            "rule 0",
+            "'emebd', which nothing uses",
+            "Did you mean 'emebd'?",
+        ],
+    ),
+    "a-typo-in-a-box-name-in-a-constraint": (
+        lambda: st.with_logical_constraint(
+            jnp.ones((2, 4)), ("batch", "emebd"), [("batch", "data"), ("embed", "model")], MESH
+        ),
+        ValueError,
+        ["with_logical_constraint:", "the array at x", "'emebd'", "Did you mean 'embed'?"],
+    ),
+    "an-unmentioned-name-under-strict": (
+        lambda: st.to_sharding(
+            w(("embed", "heads"), cls=st.LogicallyPartitioned),
+            MESH,
+            [("embed", "data")],
+            strict=True,
+        ),
+        ValueError,
+        [
+            "to_sharding:",
+            "tree['layer']['w']",
+            "no rule mentions 'heads'",
+            "('heads', None)",
+            "strict=False",
+        ],
+    ),
+    "flax-rules-context-is-not-read": (
+        lambda: _under_flax_rules(
+            [("embed", "data")],
+            lambda: st.to_sharding(w(("embed", "mlp"), cls=st.LogicallyPartitioned), MESH),
+        ),
+        ValueError,
+        [
+            "to_sharding:",
+            "tree['layer']['w']",
+            "no rules are in effect",
+            "flax's rules context (nn.logical_axis_rules) holds (('embed', 'data'),)",
+            "spmdtree does not read it",
+            "rules=nn.get_logical_axis_rules()",
+        ],
     ),
     "a-box-used-as-an-array": (
         lambda: jnp.asarray(st.Partitioned(jnp.zeros(4), ("data",))),

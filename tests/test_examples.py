@@ -16,6 +16,7 @@ SMALL = {
     "multihost.py": ["--processes", "1"],
     "train.py": ["--steps", "20", "--log-every", "10", "--width", "32", "--mlp", "64"],
     "checkpoint.py": ["--steps", "4", "--save-every", "2"],
+    "preflight.py": ["--chips", "256", "--no-search", "--length", "1024"],
 }
 
 
@@ -40,6 +41,11 @@ def test_example_runs(script):
     if script == "plan_llama.py":  # every model, chip count and rule set; a diff
         assert done.stdout.count(" yes") + done.stdout.count(" no, ") == 24, done.stdout
         assert "405B     256  data*tensor" in done.stdout and "received" in done.stdout
+    if script == "preflight.py":  # both layouts on 256 chips, and the step's table
+        assert "  256  fsdp+tensor 1x32x8" in done.stdout and "  256  hsdp+tensor 8x4x8" in done.stdout
+        assert "peak" in done.stdout and "collectives per step" in done.stdout
+    if script == "plan_llama.py":
+        assert "arrays fit" in done.stdout and "st.preflight" in done.stdout
     if script == "train.py":  # the plan table, progress lines and the summary
         assert "names -> mesh spec" in done.stdout and "per device" in done.stdout
         assert "step   10  loss" in done.stdout and "steps/s" in done.stdout

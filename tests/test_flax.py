@@ -216,3 +216,88 @@ def test_nnx_state_is_refused_unconverted():
     message = str(info.value)
     assert "tree['lin']['kernel']" in message and "flax.nnx nnx Variable" not in message
     assert "flax.nnx Variable, Param" in message and "st.from_flax" in message
+
+
+# --- flax's short names: DenseGeneral and attention name a flattened kernel -----------
+
+SHORT_RULES = [("batch", "data"), ("embed", "data"), ("kv", "model")]
+
+
+class Attention(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        init = nn.initializers.lecun_normal()
+        x = nn.DenseGeneral(
+            (4, 2),
+            kernel_init=nn.with_logical_partitioning(init, ("embed", "kv")),
+            use_bias=False,
+            name="proj",
+        )(x).reshape(*x.shape[:-1], 8)
+        return nn.MultiHeadDotProductAttention(
+            num_heads=4,
+            qkv_features=8,
+            kernel_init=nn.with_logical_partitioning(init, ("embed", "kv")),
+            out_kernel_init=nn.with_logical_partitioning(init, ("kv", "embed")),
+            use_bias=False,
+        )(x)
+
+
+def attention_variables():
+    return Attention().init(jax.random.key(0), jnp.ones((2, 4, 8)))
+
+
+def test_from_flax_pads_short_names_as_flax_reads_them_and_warns_once():
+    v = attention_variables()
+    assert v["params"]["proj"]["kernel"].value.shape == (8, 4, 2)
+    assert v["params"]["proj"]["kernel"].names == ("embed", "kv")
+    with pytest.warns(UserWarning) as caught:
+        converted = st.from_flax(v)
+    assert len(caught) == 1
+    said = str(caught[0].message)
+    assert said.startswith("from_flax: 5 flax boxes had fewer names than dimensions")
+    assert "['params']['MultiHeadDotProductAttention_0']['key']['kernel']" in said
+    assert said.endswith(" and 2 more.")  # the first three paths, then a count
+    assert converted["params"]["proj"]["kernel"].names == ("embed", "kv", None)
+    out = converted["params"]["MultiHeadDotProductAttention_0"]["out"]["kernel"]
+    assert out.names == ("kv", "embed", None) and out.value.shape == (4, 2, 8)
+
+
+def test_short_named_flax_models_shard_and_train_as_flax_does():
+    v, x = attention_variables(), jax.random.normal(jax.random.key(1), (2, 4, 8))
+    with pytest.warns(UserWarning, match="fewer names than dimensions"):
+        converted = st.from_flax(v)
+    ours = st.to_sharding(converted, MESH, SHORT_RULES)
+    theirs = nn.logical_to_mesh_sharding(nn.get_partition_spec(v), MESH, SHORT_RULES)
+    flat_ours = jax.tree.leaves(ours)
+    flat_theirs = jax.tree.leaves(theirs)
+    assert len(flat_ours) == len(flat_theirs) == 5
+    for a, b in zip(flat_ours, flat_theirs, strict=True):
+        assert a.is_equivalent_to(b, 3), (a.spec, b.spec)
+    tx = optax.sgd(1e-2)
+
+    def step(params, unbox):
+        loss, grads = jax.value_and_grad(lambda p: jnp.mean(Attention().apply(unbox(p), x) ** 2))(
+            params
+        )
+        updates, _ = tx.update(grads, tx.init(params), params)
+        return optax.apply_updates(params, updates), loss
+
+    out_theirs = jax.jit(lambda p: step(p, lambda q: q))(jax.device_put(v, theirs))
+    out_ours = jax.jit(lambda p: step(p, st.unbox))(st.shard(converted, MESH, SHORT_RULES))
+    assert float(out_ours[1]) == pytest.approx(float(out_theirs[1]), rel=1e-6)
+    for a, b in zip(
+        jax.tree.leaves(st.unbox(out_ours[0])),
+        jax.tree.leaves(nn.unbox(out_theirs[0])),
+        strict=True,
+    ):
+        assert a.sharding.is_equivalent_to(b.sharding, a.ndim)
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_from_flax_errors_name_the_key_path():
+    bad = {"params": {"w": nn.Partitioned(jnp.ones(4), ("data", "model"))}}
+    with pytest.raises(ValueError, match=r"^from_flax: the box at tree\['params'\]\['w'\] has"):
+        st.from_flax(bad)
+    odd = {"params": {"w": nn.Partitioned(jnp.ones(4), ("data", 3))}}
+    with pytest.raises(TypeError, match=r"^from_flax: the box at tree\['params'\]\['w'\] has"):
+        st.from_flax(odd)

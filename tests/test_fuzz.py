@@ -221,6 +221,8 @@ def reference(names, shape, logical, rules, sizes, strict):
         if len(strs) != len(set(strs)):
             raise Wrong(ValueError)
         return reference(names, (1,) * len(names), logical, rules, {}, False)
+    if logical and sizes:
+        mentioned_checks(names, rules, sizes, strict)
     if len(shape) != len(names):
         if all(d == 1 for d in shape):
             return (), ()  # a size-1 placeholder: replicated
@@ -256,6 +258,17 @@ def reference(names, shape, logical, rules, sizes, strict):
         for n, lit in zip(names, literal, strict=True)
     )
     return spec, tuple(n for n in strs if n not in chosen)
+
+
+def mentioned_checks(names, rules, sizes, strict):
+    """Logical names read with no rules at all, or that no rule mentions and are
+    mesh axes, are mistakes; under strict, so is any name no rule mentions."""
+    strs = [n for n in names if isinstance(n, str)]
+    unmentioned = [n for n in strs if n not in {name for name, _ in rules}]
+    if strs and not rules:
+        raise Wrong(ValueError)
+    if any(n in sizes for n in unmentioned) or (strict and unmentioned):
+        raise Wrong(ValueError)
 
 
 def normal(spec, ndim):
@@ -377,6 +390,7 @@ def test_with_logical_constraint_in_jit_equals_the_reference_or_is_the_right_err
         if len(names) > len(shape):
             raise Wrong(ValueError)
         padded = names + (None,) * (len(shape) - len(names))
+        mentioned_checks(padded, call_rules, dict(mesh.shape), False)  # a mesh is in effect
         sizes = dict(mesh.shape) if call_rules else None  # no rules: nothing constrained
         spec, unmatched = reference(padded, shape, True, call_rules, sizes, False)
         if unmatched and fallback is st.RulesFallback.RAISE_ERROR:

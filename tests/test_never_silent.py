@@ -297,7 +297,9 @@ def test_logical_to_mesh_axes_is_shape_aware_with_shape_and_mesh():
 
 def test_a_matmul_on_the_default_explicit_mesh_with_out_sharding_by_logical_names():
     rules = [("batch", "data"), ("embed", None), ("mlp", "model")]
-    w = st.shard({"w": st.LogicallyPartitioned(jnp.ones((16, 64)), ("embed", "mlp"))}, EXPLICIT)
+    w = st.shard(
+        {"w": st.LogicallyPartitioned(jnp.ones((16, 64)), ("embed", "mlp"))}, EXPLICIT, rules
+    )
     x = jax.device_put(jnp.ones((8, 16)), jax.sharding.NamedSharding(EXPLICIT, P("data")))
 
     @jax.jit

@@ -126,7 +126,7 @@ def test_why_says_which_rule_gave_each_dimension_or_why_not():
         "its mesh axes already shard dimension 0",
     )
     assert why["h"] == (
-        "dimension 0 (heads, size 8): no rule names it, so unsharded",
+        "dimension 0 (heads, size 8): no rule mentions it, so unsharded",
         "dimension 1 (mlp, size 4): rule 3 ('mlp', 'data') gives it 'data'",
     )
     assert why["p"] == (

@@ -27,6 +27,7 @@ from spmdtree._src.rules import (
     Resolution,
     Rules,
     RulesLike,
+    check_mentioned,
     check_mesh,
     mesh_shape_of,
     named_sharding,
@@ -548,9 +549,13 @@ def box_resolution(
     names through the box's own rules, else `rules`.
 
     Raises:
-        Mistake: for names that cannot be right for this array on this mesh.
+        Mistake: for names that cannot be right for this array on this mesh,
+            and logical names read with no rules or that are mesh axes no
+            rule mentions (`check_mentioned`).
     """
     own = rules if meta.rules is None else meta.rules
+    if kind.logical:
+        check_mentioned(meta.names, own, mesh_shape)
     return resolve(meta.names, shape, logical=kind.logical, rules=own, mesh_shape=mesh_shape)
 
 

@@ -26,7 +26,9 @@ from spmdtree._src.rules import (
     Resolution,
     RulesFallback,
     RulesLike,
+    check_mentioned,
     check_mesh,
+    close_to_unused,
     is_logical_spec,
     mesh_shape_of,
     named_sharding,
@@ -155,14 +157,19 @@ def with_logical_constraint(
         fallback: what to do with a logical name no rule maps.
 
     Returns:
-        `x`, constrained; unchanged when there are no rules or no mesh, as
-        single-device code needs (the names are still resolved, so
+        `x`, constrained; unchanged when there is no mesh, as single-device
+        code needs (the names are still resolved, so
         ``RulesFallback.RAISE_ERROR`` raises for a name no rule covers).
+        A name that no rule mentions leaves its dimension unsharded, as in
+        flax; add ``(name, None)`` to the rules to say so.
 
     Raises:
         ValueError: with ``RulesFallback.RAISE_ERROR``, naming the unmatched
-            logical name (also without a mesh); for Explicit axes inside jit
-            without `jax.set_mesh`; for a rule naming an axis not in the mesh.
+            logical name (also without a mesh); with a mesh in effect but no
+            rules at all; for a name that no rule mentions but that is a mesh
+            axis, or that is close to a rule name the specs never use (a
+            typo); for Explicit axes inside jit without `jax.set_mesh`; for a
+            rule naming an axis not in the mesh.
         TypeError: if a spec is not a logical spec.
 
     Example:
@@ -187,8 +194,10 @@ def with_logical_constraint(
     if logical_axis_resources is None:
         return x
     # Names are resolved (and RAISE_ERROR raises) even where nothing is constrained.
-    live = None if not normal else mesh if mesh is not None else context_mesh()
+    in_effect = mesh if mesh is not None else context_mesh()
+    live = in_effect if normal else None
     mesh_shape = None if live is None else mesh_shape_of(live)
+    resolved: list[tuple[Any, Resolution]] = []
     is_spec = lambda s: s is None or is_logical_spec(s)  # noqa: E731
     spec_paths, treedef = jax.tree_util.tree_flatten_with_path(
         logical_axis_resources, is_leaf=is_spec
@@ -218,7 +227,10 @@ def with_logical_constraint(
                 )
             # As in a PartitionSpec, missing trailing names leave dimensions unsharded.
             names += (None,) * (len(shape) - len(names))
+            if in_effect is not None:  # without a mesh, single-device code runs as is
+                check_mentioned(names, normal, mesh_shape)
             res = resolve(names, shape, logical=True, rules=normal, mesh_shape=mesh_shape)
+            resolved.append((path, res))
             if res.unmatched and fallback is RulesFallback.RAISE_ERROR:
                 raise Mistake(
                     ValueError,
@@ -267,6 +279,11 @@ def with_logical_constraint(
                 is_leaf=lambda v: foreign_kind(v) is not None,  # our boxes: their values
             )
         )
+    used = {name for _, res in resolved for name in res.names or ()}
+    for path, res in resolved:
+        said = close_to_unused(res.unmentioned, normal, used) if res.unmentioned else None
+        if said is not None:
+            problems.append((f"the array at {at('x', path)}", Mistake(ValueError, said)))
     raise_collected(problems)
     return x if live is None else jax.tree.unflatten(treedef, out)
 

@@ -9,39 +9,38 @@ PyTorch's FSDP shard them.
 from __future__ import annotations
 
 import math
-import sys
+import warnings
 from collections.abc import Callable
 from typing import Any
+
+import jax
 
 from spmdtree._src.boxes import (
     FLAX_LINEN,
     LogicallyPartitioned,
     Partitioned,
+    checked_names,
     foreign_kind,
+    leaf_test,
     shape_of,
 )
 from spmdtree._src.errors import Mistake, public
-from spmdtree._src.rules import AnyMesh, Names, check_mesh
-from spmdtree._src.trees import KeyPath, map_leaves
+from spmdtree._src.rules import AnyMesh, Names, check_mesh, flax_rules, normalize_names
+from spmdtree._src.trees import KeyPath, each_leaf
 
 
-def _flax_rules_set() -> bool:
-    """Whether flax's own logical-axis-rules context is set (flax reads names by it)."""
-    spmd = sys.modules.get("flax.core.spmd")
-    return bool(spmd is not None and spmd.get_logical_axis_rules())
-
-
-def _convert(x: Any) -> Any:
+def _convert(x: Any, path: KeyPath, padded: list[str]) -> Any:
     kind = foreign_kind(x)
     if kind is None:
         return x
     if kind == FLAX_LINEN:
         classes = {c.__name__ for c in type(x).__mro__ if c.__module__.startswith("flax.")}
-        value = _from_flax(x.value) if hasattr(x, "value") else None
+        value = _from_flax(x.value, padded) if hasattr(x, "value") else None
         if "LogicallyPartitioned" in classes:
-            return LogicallyPartitioned(value, x.names, mesh=x.mesh, rules=x.rules)
+            names = _flax_names(value, x.names, path, padded)
+            return LogicallyPartitioned(value, names, mesh=x.mesh, rules=x.rules)
         if "Partitioned" in classes:
-            return Partitioned(value, x.names, mesh=x.mesh)
+            return Partitioned(value, _flax_names(value, x.names, path, padded), mesh=x.mesh)
         raise Mistake(
             TypeError,
             f"is a flax box of type {type(x).__name__}, which carries no sharding names "
@@ -52,15 +51,42 @@ def _convert(x: Any) -> Any:
     meta = x.get_metadata()
     names = meta.get("out_sharding") or meta.get("sharding_names") or meta.get("sharding")
     if not names:
-        return _from_flax(value)  # a Variable with no sharding: just its value
+        return _from_flax(value, padded)  # a Variable with no sharding: just its value
+    names = _flax_names(value, names, path, padded)
     rules = meta.get("sharding_rules") or None
-    if rules is not None or _flax_rules_set():  # read as flax reads them: logical
+    if rules is not None or flax_rules():  # read as flax reads them: logical
         return LogicallyPartitioned(value, names, mesh=meta.get("mesh"), rules=rules)
     return Partitioned(value, names, mesh=meta.get("mesh"))
 
 
-def _from_flax(tree: Any) -> Any:
-    return map_leaves(_convert, tree, foreign=True)
+def _flax_names(value: Any, names: Any, path: KeyPath, padded: list[str]) -> Names:
+    """A flax box's names as flax reads them: missing trailing names are None.
+
+    flax.linen's DenseGeneral (and the attention layers built on it) initialise
+    a kernel on a flattened shape and keep its names, so a 3-D kernel can carry
+    two; flax, and JAX, read the rest as unsharded. Such a box's key path is
+    added to `padded`.
+
+    Raises:
+        Mistake: for names of the wrong kind, or more names than dimensions.
+    """
+    names = normalize_names(tuple(names) if isinstance(names, list) else names)
+    shape = shape_of(value)
+    if shape is not None and len(shape) > len(names):
+        padded.append(jax.tree_util.keystr(tuple(path)))
+        names += (None,) * (len(shape) - len(names))
+    return checked_names(value, names)
+
+
+def _from_flax(tree: Any, padded: list[str]) -> Any:
+    found, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=leaf_test())
+    converted = each_leaf(
+        lambda path, leaf: _convert(leaf, path, padded),
+        tree,
+        [path for path, _ in found],
+        [leaf for _, leaf in found],
+    )
+    return jax.tree.unflatten(treedef, converted)
 
 
 @public
@@ -98,7 +124,20 @@ def from_flax(tree: Any) -> Any:
         >>> st.from_flax(variables)
         {'params': {'w': LogicallyPartitioned(f32[4,8], names=('embed', 'mlp'))}}
     """
-    return _from_flax(tree)
+    padded: list[str] = []
+    converted = _from_flax(tree, padded)
+    if padded:
+        first = ", ".join(padded[:3]) + (f" and {len(padded) - 3} more" if len(padded) > 3 else "")
+        warnings.warn(
+            f"from_flax: {len(padded)} flax box{'es' if len(padded) > 1 else ''} had fewer "
+            "names than dimensions (flax.linen's DenseGeneral and attention layers name "
+            "the flattened kernel) and got trailing None names, as flax reads them, so "
+            "the shardings equal flax's; a name may sit on another dimension than its "
+            f"author meant. First: {first}.",
+            UserWarning,
+            stacklevel=3,
+        )
+    return converted
 
 
 @public

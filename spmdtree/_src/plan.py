@@ -31,7 +31,7 @@ from spmdtree._src.rules import (
     RulesLike,
     axes_of,
 )
-from spmdtree._src.specs import Nested, resolve_tree
+from spmdtree._src.specs import Nested, Walk, resolve_tree
 
 _VALUE = jax.tree_util.GetAttrKey("value")
 
@@ -196,7 +196,12 @@ class Plan:
 
     @public
     def fits(self, budget_bytes: int) -> bool:
-        """Whether the most loaded device's bytes fit in `budget_bytes`.
+        """Whether the most loaded device's bytes of these arrays fit in `budget_bytes`.
+
+        It counts the planned arrays only (params + state, say), not what a
+        step needs besides: activations and the compiler's temporaries are
+        most of a training step's memory. `preflight` compiles the step and
+        counts those.
 
         Example:
             >>> import jax, spmdtree as st
@@ -289,9 +294,34 @@ def make_plan(
     tree: Any, mesh: AnyMesh | None, rules: RulesLike | None, *, params: Any, large: int
 ) -> Plan:
     """`plan`, for the public functions that render one."""
+    return planned_walk(tree, mesh, rules, params=params, large=large, lenient=True)[0]
+
+
+def planned_walk(
+    tree: Any,
+    mesh: AnyMesh | None,
+    rules: RulesLike | None,
+    *,
+    params: Any,
+    large: int,
+    lenient: bool,
+    argument: str = "tree",
+) -> tuple[Plan, Walk]:
+    """The plan of `tree` and the resolution pass it was read from (unboxed
+    arrays laid out by their own `NamedSharding`s). Not `lenient`: a leaf
+    that would be a rank error raises, as in `to_sharding`."""
     found, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=leaf_test())
     flat = ([leaf for _, leaf in found], treedef)
-    walk = resolve_tree(tree, rules, mesh=mesh, params=params, lenient=True, flat=flat)
+    walk = resolve_tree(
+        tree,
+        rules,
+        mesh=mesh,
+        params=params,
+        lenient=lenient,
+        placed=True,
+        flat=flat,
+        argument=argument,
+    )
     sizes = {} if walk.mesh is None else dict(walk.mesh.shape)
     templates: dict[Any, tuple[Any, ...]] = {}  # a row but its path, per resolution,
     # shape and dtype: shared by the leaves of repeated layers
@@ -315,7 +345,7 @@ def make_plan(
         add(path, leaf, res)
     replicated = sum(r.bytes for r in rows if walk.mesh is not None and r.shard_shape == r.shape)
     total, device = sum(r.bytes for r in rows), sum(r.device_bytes for r in rows)
-    return Plan(tuple(rows), walk.mesh, total, device, replicated)
+    return Plan(tuple(rows), walk.mesh, total, device, replicated), walk
 
 
 _KEY_FIELD = {
@@ -354,10 +384,14 @@ def _template(
         for i, d in enumerate(res.dims)
         if d.indivisible
     ]
+    flags += [f"{UNMENTIONED} {name!r}: left unsharded" for name in res.unmentioned]
     if sizes and shard == shape and total >= large and math.prod(shape) > 1:
         flags.append(f"{size_text(total)} replicated on every device")
     return shape, dtype, names, res.spec, shard, total, device, tuple(flags), _why(res, shape)
 
+
+#: How the flag of a logical name that no rule mentions begins.
+UNMENTIONED = "no rule mentions"
 
 #: How the flag of a reduced state that no param resolved begins.
 FALLBACK = "replicated by a fallback"
@@ -391,6 +425,8 @@ def _why(res: Resolution, shape: tuple[int, ...]) -> tuple[str, ...]:
 def _whole_why(res: Resolution) -> str | None:
     """Why the whole array is laid out as it is, when one reason serves every dimension."""
     if res.names is None:
+        if any(entry is not None for entry in res.spec):
+            return f"in no box; its own sharding lays it out as {res.spec}"
         return "in no box, so replicated"
     written = entries_text(res.names, len(res.names))
     if res.fallback == PLACEHOLDER:
@@ -428,7 +464,7 @@ def _dim_why(d: Dim, logical: bool) -> str:
     if d.name is UNCONSTRAINED:
         return "UNCONSTRAINED, left to the compiler"
     if logical and isinstance(d.name, str):
-        return "no rule names it, so unsharded"
+        return "no rule mentions it, so unsharded"
     return f"mesh axes {d.axes!r} as named"
 
 

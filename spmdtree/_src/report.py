@@ -16,6 +16,7 @@ from spmdtree._src.boxes import short_dtype
 from spmdtree._src.errors import Mistake, public
 from spmdtree._src.plan import (
     FALLBACK,
+    UNMENTIONED,
     Plan,
     PlanDiff,
     PlanRow,
@@ -140,12 +141,22 @@ def plan_table(
             else f"does not fit: {size_text(-spare)} over"
         )
         lines.append(f"budget      {size_text(budget)} per device: {verdict}")
+        lines.append("  (params + state only; see st.preflight for the step)")
     for row in rows:
         for flag in row.flags:
             note = f"{row.path}: {flag}"
             lines += textwrap.wrap(note, width, initial_indent="! ", subsequent_indent="  ")
     if any(flag.startswith(FALLBACK) for row in rows for flag in row.flags):
         lines.append("  (reduced optimizer states: pass params= to keep them sharded)")
+    unmentioned = sorted(
+        {flag.split("'")[1] for row in rows for flag in row.flags if flag.startswith(UNMENTIONED)}
+    )
+    if unmentioned:
+        note = (
+            f"! names no rule mentions, left unsharded: {', '.join(map(repr, unmentioned))}. "
+            "Add (name, None) to the rules to say it is replicated, or a rule that shards it."
+        )
+        lines += textwrap.wrap(note, width, subsequent_indent="  ")
     return "\n".join(lines)
 
 
@@ -209,8 +220,10 @@ def describe(
         rules: rules for logical boxes without their own.
         params: the boxed params `tree` was derived from, for reduced states
             (as for `to_spec`).
-        budget: bytes per device; adds a line saying whether the plan fits,
-            and by how much.
+        budget: bytes per device; adds a line saying whether the arrays fit,
+            and by how much. It counts the arrays of `tree` only, not a
+            step's activations and temporaries: `preflight` compiles the step
+            and counts those.
         large: the size in bytes from which a replicated array is flagged.
         width: the width to fit, in characters (long paths are shortened
             from the front).

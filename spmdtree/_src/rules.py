@@ -19,6 +19,7 @@ import dataclasses
 import difflib
 import enum
 import math
+import sys
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NamedTuple, TypeAlias
 
@@ -327,6 +328,8 @@ class Resolution:
             (PLACEHOLDER, FEWER_DIMENSIONS, AMBIGUOUS), or None.
         problem: a mistake to raise (all but the plan raise it), or None.
         kept: for a reduced state resolved through `params=`, where from.
+        unmentioned: logical names that no rule mentions (left unsharded,
+            as flax leaves them; flagged by the plan, an error when strict).
     """
 
     spec: PartitionSpec
@@ -336,6 +339,7 @@ class Resolution:
     fallback: str | None = None
     problem: str | None = None
     kept: Kept | None = None
+    unmentioned: tuple[str, ...] = ()
 
     @property
     def unmatched(self) -> tuple[str, ...]:
@@ -355,6 +359,13 @@ class Resolution:
             return (
                 f"has names {self.names}, and which dimensions of its param it kept is "
                 "ambiguous, so it would be replicated. Pass strict=False to replicate it."
+            )
+        if self.problem is None and self.unmentioned:
+            return (
+                f"has logical names {self.names}, and no rule mentions "
+                f"{_quoted(self.unmentioned)}, so it would be left unsharded. Add "
+                f"({self.unmentioned[0]!r}, None) to the rules to say it is replicated, or "
+                "a rule that shards it, or pass strict=False."
             )
         if self.problem is not None or not self.indivisible:
             return self.problem
@@ -424,14 +435,86 @@ def resolve(
         return _rank_differs(names, shape, logical)
     sizes = None if mesh_shape is None else dict(mesh_shape)
     dims = [Dim(name, None if shape is None else shape[i], name) for i, name in enumerate(names)]
+    unmentioned: tuple[str, ...] = ()
     if logical:
         _check_duplicates(names)
         _apply_rules(dims, rules, sizes, mesh_shape)
         if mesh_shape is not None:  # mesh-axis tuples among logical names are checked alike
             _check_mesh_axes(names, dims, sizes, mesh_shape, only=tuple)
+        unmentioned = unmentioned_names(names, rules)
     else:
         _check_mesh_axes(names, dims, sizes, mesh_shape, only=object)
-    return Resolution(PartitionSpec(*(d.axes for d in dims)), names, logical, tuple(dims))
+    spec = PartitionSpec(*(d.axes for d in dims))
+    return Resolution(spec, names, logical, tuple(dims), unmentioned=unmentioned)
+
+
+def unmentioned_names(names: Names, rules: Rules) -> tuple[str, ...]:
+    """The logical names among `names` that no rule mentions."""
+    mentioned = {name for name, _ in rules}
+    return tuple(name for name in names if type(name) is str and name not in mentioned)
+
+
+def _quoted(names: Sequence[str]) -> str:
+    return ", ".join(repr(name) for name in names)
+
+
+def flax_rules() -> Rules:
+    """The rules in flax's own logical-axis-rules context (``nn.logical_axis_rules``),
+    read without importing flax: () unless flax is loaded and they are set."""
+    spmd = sys.modules.get("flax.core.spmd")
+    found = None if spmd is None else spmd.get_logical_axis_rules()
+    return tuple((name, target) for name, target in found or ())
+
+
+def check_mentioned(names: Names, rules: Rules, mesh_shape: MeshShape | None) -> None:
+    """Logical names that cannot mean "replicated": none read without any rules
+    in effect, and none that no rule mentions but that is an axis of the mesh.
+
+    Raises:
+        Mistake: naming the fix (and, if flax's own rules context holds rules,
+            that spmdtree does not read it).
+    """
+    if not rules and any(type(name) is str for name in names):
+        found = flax_rules()
+        flax = (
+            f" flax's rules context (nn.logical_axis_rules) holds {found!r}, but spmdtree "
+            "does not read it: pass rules=nn.get_logical_axis_rules(), or use "
+            "st.logical_axis_rules with the same rules."
+            if found
+            else ""
+        )
+        raise Mistake(
+            ValueError,
+            f"has logical names {names}, but no rules are in effect (no rules=, none on "
+            "the box, none set with st.logical_axis_rules), so nothing says how they map "
+            "to mesh axes. Pass rules=[(name, mesh_axes), ...] or call it inside "
+            f"`with st.logical_axis_rules(rules):`.{flax}",
+        )
+    axes = dict(mesh_shape or ())
+    for name in unmentioned_names(names, rules):
+        if name in axes:
+            raise Mistake(
+                ValueError,
+                f"has logical names {names}, and {name!r}, which no rule mentions, is a "
+                "mesh axis of this mesh: logical names go through rules. For mesh axis "
+                f"names use st.Partitioned, or add the rule ({name!r}, {name!r}).",
+            )
+
+
+def close_to_unused(unmentioned: Sequence[str], rules: Rules, used: set[str]) -> str | None:
+    """A sentence for the first name no rule mentions that is close to the logical
+    name of a rule that the tree never uses (a typo on one side), or None."""
+    unused = [name for name, _ in rules if name not in used]
+    for name in unmentioned:
+        close = difflib.get_close_matches(name, unused, n=1, cutoff=0.7)
+        if close:
+            return (
+                f"uses logical name {name!r}, which no rule mentions, while rule "
+                f"{[n for n, _ in rules].index(close[0])} names {close[0]!r}, which nothing "
+                f"uses. Did you mean {close[0]!r}, or is the rule's name the typo? Fix one "
+                f"of them (or add ({name!r}, None) to say {name!r} is replicated)."
+            )
+    return None
 
 
 def _rank_differs(names: Names, shape: tuple[int, ...], logical: bool) -> Resolution:

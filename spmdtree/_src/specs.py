@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from spmdtree._src.boxes import (
     AxisMetadata,
@@ -35,13 +35,17 @@ from spmdtree._src.rules import (
     AMBIGUOUS,
     FEWER_DIMENSIONS,
     REPLICATED,
+    USED,
     AnyMesh,
     Kept,
+    MeshShape,
     Names,
     Resolution,
+    Rules,
     RulesLike,
     axes_of,
     check_mesh,
+    close_to_unused,
     mesh_shape_of,
     named_sharding,
     rules_or_context,
@@ -235,7 +239,9 @@ def resolve_tree(
     params: Any = None,
     strict: bool = False,
     lenient: bool = False,
+    placed: bool = False,
     flat: tuple[list[Any], Any] | None = None,
+    argument: str = "tree",
 ) -> Walk:
     """The one resolution pass: a `Resolution` for every array leaf of `tree`.
 
@@ -348,7 +354,9 @@ def resolve_tree(
         shape = shape_of(leaf)
         if shape is None:
             return None
-        return REPLICATED if named is None else of_box(*named, shape, at)
+        if named is not None:
+            return of_box(*named, shape, at)
+        return placed_resolution(leaf, mesh_shape) if placed else REPLICATED
 
     def nested(value: Any, named: tuple[type[Partitioned], Meta] | None, i: int) -> Any:
         if not holds_array(value):
@@ -373,8 +381,46 @@ def resolve_tree(
                 return found
         return one(leaf, None, (i, None))
 
-    resolutions = each_leaf(fast, tree, leaves, range(len(leaves)))
+    resolutions = each_leaf(fast, tree, leaves, range(len(leaves)), argument=argument)
+    _check_typos(tree, resolutions, normal, argument)
     return Walk(tree, leaves, treedef, resolutions, mesh)
+
+
+def _check_typos(tree: Any, resolutions: list[Any], rules: Rules, argument: str) -> None:
+    """A logical name no rule mentions, close to a rule's name that the tree never
+    uses, is a typo on one side: a Mistake at each leaf that has one."""
+    distinct = [res for res in set(resolutions) if type(res) is Resolution]
+    if not any(res.unmentioned for res in distinct):
+        return
+    used = {name for res in distinct if res.logical for name in res.names or ()}
+
+    def typo(res: Any) -> None:
+        said = None
+        if type(res) is Resolution and res.unmentioned:
+            said = close_to_unused(res.unmentioned, rules, used)
+        if said is not None:
+            raise Mistake(ValueError, said)
+
+    each_leaf(typo, tree, resolutions, argument=argument)
+
+
+def placed_resolution(leaf: Any, mesh_shape: MeshShape | None) -> Resolution:
+    """An unboxed array's own layout: the spec of its `NamedSharding`, else replicated.
+
+    Raises:
+        Mistake: if it is laid out on a mesh of another shape than `mesh_shape`.
+    """
+    sharding = getattr(leaf, "sharding", None)
+    if not isinstance(sharding, NamedSharding):
+        return REPLICATED
+    own = mesh_shape_of(sharding.mesh)
+    if mesh_shape is not None and own != mesh_shape:
+        raise Mistake(
+            ValueError,
+            f"is laid out on a mesh of shape {dict(own)}, not on this one, "
+            f"{dict(mesh_shape)}. Give it a sharding on this mesh, or none (replicated).",
+        )
+    return Resolution(sharding.spec)
 
 
 def shardings(walk: Walk, mesh: AnyMesh) -> Any:
@@ -607,7 +653,9 @@ def validate_rules(
 
     It reports rules naming mesh axes not in `mesh` (on that mesh they never
     apply), logical names in `tree` that no rule covers (their dimensions stay
-    unsharded), and rules for logical names that `tree` never uses.
+    unsharded), rules for logical names that `tree` never uses, and rules
+    never reached: wherever their name appears, an earlier rule always takes
+    the dimension or the mesh axes first.
 
     Args:
         rules: the rules to check; None means the rules context.
@@ -659,7 +707,41 @@ def validate_rules(
                     f"rule {i} {(name, mesh_axes)!r} is never used: no box in the tree has "
                     f"the logical name {name!r}."
                 )
+        problems += _never_reached(tree, normal, mesh)
     return problems
+
+
+def _never_reached(tree: Any, rules: Rules, mesh: AnyMesh | None) -> list[str]:
+    """Rules for names the tree uses that never serve a dimension, because an
+    earlier rule always takes the dimension or the mesh axes first."""
+    try:
+        walk = resolve_tree(tree, rules, mesh=mesh, lenient=True)
+    except Mistake:  # names that cannot resolve: the problems above say why
+        return []
+    why: dict[int, set[str]] = {}  # rule -> why it was not taken, where tried
+    served: set[int] = set()
+    for res in set(walk.resolutions):
+        if type(res) is not Resolution or not res.logical or res.kept is not None:
+            continue
+        for d in res.dims:
+            if d.rule is not None:
+                served.add(d.rule)
+            for i, (name, _) in enumerate(rules):
+                if name == d.name and d.rule is not None and i > d.rule:
+                    why.setdefault(i, set()).add(f"rule {d.rule} takes its dimension")
+            for p in d.passed:
+                if p.reason == USED and p.rule is not None:
+                    taken = f"its mesh axes already shard {res.dims[p.by or 0].name!r}"
+                    why.setdefault(p.rule, set()).add(taken)
+                elif p.rule is not None:
+                    served.add(p.rule)  # tried, and only the size stood in its way
+    return [
+        f"rule {i} {rules[i]!r} is never reached: wherever {rules[i][0]!r} appears, "
+        + " or ".join(sorted(why[i]))
+        + ". Reorder the rules, or drop it."
+        for i in sorted(why)
+        if i not in served
+    ]
 
 
 def _logical_names_in(tree: Any) -> dict[str, str]:

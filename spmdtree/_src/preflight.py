@@ -1,0 +1,606 @@
+"""The whole step, on hardware you don't have: `preflight` asks the compiler.
+
+A `Plan` counts the arrays the shardings place. A training step needs more:
+activations and the compiler's temporaries are most of its memory. The
+compiler knows them, and it needs no accelerator to say: a step whose
+shardings live on a `jax.sharding.AbstractMesh` compiles on as many fake CPU
+devices, in this process when its CPU backend has enough of them, else in a
+fresh subprocess that gets the traced step through `jax.export` (the user's
+code is not imported there). The compiled step's memory analysis and its HLO
+(collectives, with the trip counts of loops) become a `StepPlan`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import pickle
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, cast
+
+import jax
+import numpy as np
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
+
+from spmdtree._src.boxes import dtype_of, shape_of, short_value
+from spmdtree._src.errors import Mistake, public
+from spmdtree._src.plan import Plan, planned_walk, size_text
+from spmdtree._src.rules import (
+    AnyMesh,
+    Resolution,
+    RulesLike,
+    check_mesh,
+    logical_axis_rules,
+    named_sharding,
+)
+
+#: The collectives counted, in the order rows are listed.
+KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+
+
+class Collective(NamedTuple):
+    """One kind of collective in a compiled step, per executed step.
+
+    Attributes:
+        kind: ``all-gather``, ``all-reduce``, ``reduce-scatter``,
+            ``all-to-all`` or ``collective-permute``.
+        count: how many run per step (an op in a loop counts once per
+            iteration where the trip count is known).
+        bytes: the size of their results on one device, summed over `count`.
+
+    Example:
+        >>> import spmdtree as st
+        >>> st.Collective("all-reduce", 2, 4096).bytes
+        4096
+    """
+
+    kind: str
+    count: int  # type: ignore[assignment]  # the field shadows tuple.count, as named
+    bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    """What a compiled step needs on one device, and what it moves.
+
+    The memory figures come from the compiler's own analysis of the step as
+    compiled for `mesh`: on a real `Mesh`, the real compiler's numbers; on an
+    `AbstractMesh` (compiled on CPU devices laid out like it), an estimate of
+    an accelerator's (see `preflight`).
+
+    Attributes:
+        argument_bytes: the arguments' bytes on one device.
+        output_bytes: the outputs' bytes on one device.
+        alias_bytes: bytes of outputs that reuse a donated argument's buffer.
+        temp_bytes: the compiler's temporaries (activations among them).
+        code_bytes: the generated code (0 on CPU).
+        collectives: one `Collective` per kind that the step runs.
+        inputs: the `Plan` of the arguments.
+        backend: where it was compiled: ``"cpu"`` for fake devices, else the
+            platform of the mesh's devices.
+        mesh: the mesh planned for, as given.
+        compile_seconds: how long lowering and compiling took.
+        flags: sentences for what the figures do not cover (a loop whose
+            trip count the compiler does not know counts once).
+
+    Example:
+        >>> import jax, jax.numpy as jnp, spmdtree as st
+        >>> mesh = jax.sharding.AbstractMesh((2,), ("data",))
+        >>> x = st.Partitioned(jax.ShapeDtypeStruct((8, 4), jnp.float32), ("data", None))
+        >>> step = st.preflight(lambda x: jnp.sum(x.value * 2), x, mesh=mesh)
+        >>> step.argument_bytes, step.output_bytes  # half of 128 B each, and a scalar
+        (64, 4)
+        >>> step.peak_bytes == step.argument_bytes + step.output_bytes + step.temp_bytes
+        True
+        >>> [c.kind for c in step.collectives]
+        ['all-reduce']
+    """
+
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int
+    temp_bytes: int
+    code_bytes: int
+    collectives: tuple[Collective, ...]
+    inputs: Plan
+    backend: str
+    mesh: AnyMesh
+    compile_seconds: float
+    flags: tuple[str, ...] = ()
+
+    @property
+    def peak_bytes(self) -> int:
+        """Arguments + outputs - aliased + temporaries: the step's peak on one device."""
+        return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
+
+    @public
+    def fits(self, budget_bytes: int) -> bool:
+        """Whether the step's peak on one device fits in `budget_bytes`.
+
+        Example:
+            >>> import jax, jax.numpy as jnp, spmdtree as st
+            >>> mesh = jax.sharding.AbstractMesh((1,), ("data",))
+            >>> step = st.preflight(jnp.sin, jax.ShapeDtypeStruct((256,), jnp.float32), mesh=mesh)
+            >>> step.fits(step.peak_bytes), step.fits(step.peak_bytes - 1)
+            (True, False)
+        """
+        if not isinstance(budget_bytes, (int, np.integer)) or isinstance(budget_bytes, bool):
+            raise Mistake(TypeError, f"budget_bytes is {budget_bytes!r}; expected an int of bytes.")
+        return self.peak_bytes <= budget_bytes
+
+    def __str__(self) -> str:
+        return step_table(self)
+
+
+def step_table(step: StepPlan) -> str:
+    """The table of a `StepPlan`: memory per device, collectives, the inputs."""
+    axes = ", ".join(f"{name} {size}" for name, size in step.mesh.shape.items())
+    devices = math.prod(step.mesh.shape.values())
+    estimate = " (an estimate of an accelerator's)" if step.backend == "cpu" else ""
+    memory = [
+        ("arguments", step.argument_bytes, ""),
+        ("outputs", step.output_bytes, ""),
+        ("aliased", -step.alias_bytes, "outputs in donated buffers"),
+        ("temporaries", step.temp_bytes, "activations and scratch"),
+        ("peak", step.peak_bytes, "arguments + outputs - aliased + temporaries"),
+    ]
+    lines = [
+        f"step on {devices} device{'' if devices == 1 else 's'} ({axes}), compiled for {step.backend}{estimate} "
+        f"in {step.compile_seconds:.1f} s",
+        "memory per device",
+    ]
+    for label, amount, note in memory:
+        text = size_text(abs(amount))
+        text = f"-{text}" if amount < 0 else text
+        lines.append(f"  {label:<12}{text:>11}" + (f"  {note}" if note else ""))
+    lines.append("collectives per step" + ("" if step.collectives else ": none"))
+    for row in step.collectives:
+        lines.append(f"  {row.kind:<19}{row.count:>6} x  {size_text(row.bytes):>11} in all")
+    noun = "array" if len(step.inputs.rows) == 1 else "arrays"
+    lines.append(
+        f"inputs  {len(step.inputs.rows)} {noun}, {size_text(step.inputs.device_bytes)} on "
+        "the most loaded device (st.plan counts these only)"
+    )
+    lines += [f"! {flag}" for flag in step.flags]
+    return "\n".join(lines)
+
+
+@public
+def preflight(
+    fn: Callable[..., Any],
+    *args: Any,
+    mesh: AnyMesh,
+    rules: RulesLike | None = None,
+    params: Any = None,
+    donate_argnums: int | Sequence[int] = (),
+    static_argnums: int | Sequence[int] = (),
+    out_shardings: Any = None,
+) -> StepPlan:
+    """Compiles a step for `mesh` without running it: its memory and traffic per device.
+
+    The arguments are trees as `fn` takes them: boxes over arrays or
+    `jax.ShapeDtypeStruct`s, whose shardings are exactly those of
+    ``to_sharding(arg, mesh, rules, params=params)``, and plain leaves (a
+    `NamedSharding` they carry is kept; without one they are replicated).
+    Nothing is allocated. The step is traced as it runs: under the mesh
+    (`jax.set_mesh`) and, if `rules` are given, under those rules
+    (`logical_axis_rules`), so its `with_logical_constraint` calls resolve
+    through them. A `Mesh` compiles for its own devices (on an
+    accelerator, with the real compiler). A `jax.sharding.AbstractMesh`
+    compiles on as many CPU devices laid out like it: in this process when
+    its CPU backend has enough devices, else in a fresh subprocess given that
+    many, which receives the traced step through `jax.export` (a 2,048-chip
+    mesh works from a process with one device).
+
+    Accuracy: on a real `Mesh` the figures are the compiler's own, and
+    arguments + outputs - aliased + temporaries equalled a real H200's peak
+    within 1.2 KB in five configurations. The CPU compile of the same step
+    is an estimate of an accelerator's, so far always from above: +0.7% to
+    +4.3% of the H200's peak with jax 0.11.2, +2.2% to +16.4% with jax 0.10.2.
+
+    Args:
+        fn: the step, e.g. ``train_step(params, state, batch)``.
+        *args: its arguments.
+        mesh: a `Mesh` or `jax.sharding.AbstractMesh`.
+        rules: rules for logical boxes without their own, and the rules in
+            effect while the step is traced; None: the rules context.
+        params: the boxed params the arguments' optimizer states were derived
+            from (as for `to_sharding`).
+        donate_argnums: arguments whose buffers the outputs may reuse, as for
+            `jax.jit`.
+        static_argnums: arguments passed through as Python values, as for
+            `jax.jit`.
+        out_shardings: a `PartitionSpec` or `NamedSharding` (its spec is
+            used) per output, or a tree of them that is a prefix of the
+            outputs; None lets the compiler choose.
+
+    Returns:
+        The `StepPlan`.
+
+    Raises:
+        ValueError: for boxes that cannot resolve (as `to_sharding` says), a
+            step that does not trace (with JAX's message), or a subprocess
+            that ran out of memory.
+        TypeError: for a mesh or argument numbers of the wrong kind.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, spmdtree as st
+        >>> mesh = jax.sharding.AbstractMesh((4,), ("data",))
+        >>> w = st.Partitioned(jax.ShapeDtypeStruct((64, 64), jnp.float32), (None, None))
+        >>> batch = st.LogicallyPartitioned(jax.ShapeDtypeStruct((32, 64), jnp.float32), ("batch", None))
+        >>> def step(w, x):
+        ...     grad = jax.grad(lambda w: jnp.mean((x.value @ w.value) ** 2))(w)
+        ...     return st.replace_boxed(w, w.value - 0.1 * grad.value)
+        >>> plan = st.preflight(step, w, batch, mesh=mesh, rules=[("batch", "data")], donate_argnums=0)
+        >>> plan.alias_bytes == 64 * 64 * 4  # the new weights reuse the donated buffer
+        True
+        >>> plan.collectives[0].kind, plan.collectives[0].bytes  # the gradient's all-reduce
+        ('all-reduce', 16384)
+    """
+    check_mesh(mesh)
+    static = _argnums(static_argnums, len(args), "static_argnums")
+    donated = _argnums(donate_argnums, len(args), "donate_argnums")
+    if set(static) & set(donated):
+        raise Mistake(
+            ValueError,
+            f"argument {sorted(set(static) & set(donated))[0]} is both static and donated; "
+            "a static argument has no buffer to donate. Drop it from one of them.",
+        )
+    dynamic = tuple(None if i in static else arg for i, arg in enumerate(args))
+    inputs, walk = planned_walk(
+        dynamic, mesh, rules, params=params, large=1 << 20, lenient=False, argument="args"
+    )
+    target = _compile_mesh(mesh)
+
+    def abstract(value: Any, res: Resolution) -> jax.ShapeDtypeStruct:
+        sharding = named_sharding(target or mesh, res.spec)
+        return jax.ShapeDtypeStruct(shape_of(value), dtype_of(value), sharding=sharding)
+
+    abstract_args = walk.map(abstract, keep_boxes=True)
+    for i, arg in enumerate(abstract_args):
+        odd = [x for x in jax.tree.leaves(arg) if not isinstance(x, jax.ShapeDtypeStruct)]
+        if odd:
+            raise Mistake(
+                TypeError,
+                f"args[{i}] holds {short_value(odd[0])}, which is not an array; pass it "
+                f"as a static argument (static_argnums={i}) or leave it out of the "
+                "arguments.",
+            )
+    flat, treedef = jax.tree.flatten(abstract_args)
+    treedef = cast(Any, treedef)
+    counts = [len(jax.tree.leaves(arg)) for arg in abstract_args]
+    starts = np.cumsum([0, *counts])
+    flat_donated = tuple(j for i in donated for j in range(starts[i], starts[i + 1]))
+
+    def step(*leaves: Any) -> list[Any]:
+        full = treedef.unflatten(leaves)
+        return jax.tree.leaves(fn(*(args[i] if i in static else full[i] for i in range(len(args)))))
+
+    out = None
+    if out_shardings is not None:
+        out = _out_shardings(out_shardings, step, flat, target or mesh)
+    jitted = jax.jit(step, donate_argnums=flat_donated, out_shardings=out)
+    # The step is traced as it runs: under the mesh and, if given, the rules.
+    with contextlib.nullcontext() if rules is None else logical_axis_rules(rules):
+        if target is None:
+            found = _in_subprocess(jitted, flat, flat_donated, mesh, _signature(args, static))
+        else:
+            found = _compile(jitted, flat, target, _signature(args, static))
+    return StepPlan(
+        argument_bytes=found["argument"],
+        output_bytes=found["output"],
+        alias_bytes=found["alias"],
+        temp_bytes=found["temp"],
+        code_bytes=found["code"],
+        collectives=tuple(Collective(*row) for row in found["collectives"]),
+        inputs=inputs,
+        backend=found["backend"],
+        mesh=mesh,
+        compile_seconds=found["seconds"],
+        flags=tuple(found["flags"]),
+    )
+
+
+def _argnums(value: Any, count: int, what: str) -> tuple[int, ...]:
+    """`value` (an int or ints, negatives from the end, as `jax.jit` takes them) as
+    non-negative argument positions."""
+    numbers = (value,) if isinstance(value, int) else value
+    if isinstance(numbers, (str, bytes)) or not isinstance(numbers, Sequence):
+        raise Mistake(TypeError, f"{what} is {value!r}; expected an int or a sequence of ints.")
+    out = []
+    for n in numbers:
+        if not isinstance(n, int) or isinstance(n, bool):
+            raise Mistake(TypeError, f"{what} holds {n!r}; expected ints.")
+        if not -count <= n < count:
+            raise Mistake(
+                ValueError,
+                f"{what} holds {n}, but the step was given {count} arguments "
+                f"(positions {-count} to {count - 1}).",
+            )
+        out.append(n % count)
+    return tuple(sorted(set(out)))
+
+
+def _compile_mesh(mesh: AnyMesh) -> Mesh | None:
+    """The mesh to compile on in this process: `mesh` itself if it has devices, else
+    this process's CPU devices laid out like it, or None if there are too few."""
+    if isinstance(mesh, Mesh):
+        return mesh
+    sizes = tuple(mesh.shape.values())
+    cpus = jax.devices("cpu")
+    if len(cpus) < math.prod(sizes):
+        return None
+    devices = np.array(cpus[: math.prod(sizes)]).reshape(sizes)
+    return Mesh(devices, tuple(mesh.axis_names), axis_types=tuple(mesh.axis_types))
+
+
+def _out_shardings(prefix: Any, step: Callable[..., Any], flat: list[Any], mesh: AnyMesh) -> Any:
+    """`prefix` (specs or shardings, a prefix of the outputs) as one sharding per
+    output leaf, on `mesh`."""
+    is_spec = lambda x: x is None or isinstance(x, (PartitionSpec, NamedSharding))  # noqa: E731
+    specs, spec_def = jax.tree.flatten(prefix, is_leaf=is_spec)
+    spec_def = cast(Any, spec_def)
+    outputs = jax.eval_shape(step, *flat)
+    out = []
+    for spec, subtree in zip(specs, spec_def.flatten_up_to(outputs), strict=True):
+        if not is_spec(spec):
+            raise Mistake(
+                TypeError,
+                f"out_shardings holds {short_value(spec)}; expected a PartitionSpec, a "
+                "NamedSharding or None per output.",
+            )
+        spec = spec.spec if isinstance(spec, NamedSharding) else spec
+        out += [None if spec is None else named_sharding(mesh, spec)] * len(subtree)
+    return out
+
+
+def _signature(args: tuple[Any, ...], static: tuple[int, ...]) -> str:
+    """``args[0]: 12 arrays, args[1]: f32[8,1024]``: what the step was given."""
+    said = []
+    for i, arg in enumerate(args):
+        leaves = jax.tree.leaves(arg)
+        what = (
+            "static"
+            if i in static
+            else short_value(leaves[0])
+            if len(leaves) == 1
+            else f"{len(leaves)} arrays"
+        )
+        said.append(f"args[{i}]: {what}")
+    return ", ".join(said)
+
+
+def _traced(thunk: Callable[[], Any], signature: str) -> Any:
+    """``thunk()``, with a failure to trace said as preflight's, with JAX's message."""
+    try:
+        return thunk()
+    except Mistake:
+        raise
+    except Exception as e:
+        raise Mistake(
+            TypeError if isinstance(e, TypeError) else ValueError,
+            f"the step does not trace with its arguments ({signature}): {type(e).__name__}: {e}",
+        ) from None
+
+
+def _compile(jitted: Any, flat: list[Any], mesh: Mesh, signature: str) -> dict[str, Any]:
+    start = time.perf_counter()
+    with jax.set_mesh(mesh):
+        lowered = _traced(lambda: jitted.lower(*flat), signature)
+    compiled = lowered.compile(cpu_options(mesh))
+    found = analyse(compiled)
+    found["seconds"] = time.perf_counter() - start
+    found["backend"] = mesh.devices.flat[0].platform
+    return found
+
+
+def _in_subprocess(
+    jitted: Any, flat: list[Any], donated: tuple[int, ...], mesh: AnyMesh, signature: str
+) -> dict[str, Any]:
+    """Compiled in a fresh process with as many CPU devices as `mesh` has."""
+    start = time.perf_counter()
+    abstract = mesh if isinstance(mesh, AbstractMesh) else mesh.abstract_mesh
+    with jax.sharding.use_abstract_mesh(abstract):
+        exported = _traced(lambda: jax.export.export(jitted, platforms=["cpu"])(*flat), signature)
+    payload = {
+        "module": exported.serialize(),
+        "shape": tuple(mesh.shape.items()),
+        "types": tuple(mesh.axis_types),
+        "donated": donated,
+    }
+    found = _run_child(pickle.dumps(payload), math.prod(mesh.shape.values()))
+    found["seconds"] = time.perf_counter() - start
+    return found
+
+
+#: How long a compile subprocess may take before it is stopped.
+CHILD_SECONDS = 3600
+
+
+def _run_child(payload: bytes, devices: int) -> dict[str, Any]:
+    package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} "
+        f"--xla_force_host_platform_device_count={devices}".strip(),
+        "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])),
+    }
+    code = "from spmdtree._src.preflight import child; child()"
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", code],
+            input=payload,
+            capture_output=True,
+            env=env,
+            timeout=CHILD_SECONDS,
+        )
+    except subprocess.TimeoutExpired:
+        raise Mistake(
+            ValueError,
+            f"compiling for {devices} CPU devices in a subprocess took over "
+            f"{CHILD_SECONDS} s and was stopped.",
+        ) from None
+    if done.returncode == 0:
+        return dict(json.loads(done.stdout))
+    said = done.stderr.decode(errors="replace").strip().splitlines()
+    memory = done.returncode < 0 or any(
+        word in done.stderr for word in (b"MemoryError", b"RESOURCE_EXHAUSTED", b"bad_alloc")
+    )
+    if memory:
+        raise Mistake(
+            ValueError,
+            f"compiling for {devices} CPU devices in a subprocess ran out of memory "
+            f"(exit {done.returncode}); this machine cannot host a mesh of that size. "
+            "Plan on a smaller mesh, or on a machine with more memory.",
+        )
+    raise Mistake(
+        ValueError,
+        f"compiling for {devices} CPU devices in a subprocess failed: " + " / ".join(said[-3:]),
+    )
+
+
+def child() -> None:
+    """The compile subprocess: reads the payload on stdin, prints the analysis as JSON."""
+    payload = pickle.loads(sys.stdin.buffer.read())
+    sizes = tuple(size for _, size in payload["shape"])
+    jax.config.update("jax_num_cpu_devices", math.prod(sizes))
+    exported = jax.export.deserialize(bytearray(payload["module"]))
+    devices = np.array(jax.devices("cpu")[: math.prod(sizes)]).reshape(sizes)
+    names = tuple(name for name, _ in payload["shape"])
+    mesh = Mesh(devices, names, axis_types=payload["types"])
+    shardings = exported.in_shardings_jax(mesh)
+    args = [
+        jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=sharding)
+        for aval, sharding in zip(exported.in_avals, shardings, strict=True)
+    ]
+    jitted = jax.jit(exported.call, in_shardings=shardings, donate_argnums=payload["donated"])
+    with jax.set_mesh(mesh):
+        compiled = jitted.lower(*args).compile(cpu_options(mesh))
+    found = analyse(compiled)
+    found["backend"] = "cpu"
+    json.dump(found, sys.stdout)
+
+
+def cpu_options(mesh: Mesh) -> dict[str, Any]:
+    """Compiler options for fake CPU devices: no costly machine-code optimisation,
+    which halves the compile time and changes no buffer (only how fast the
+    code would run); none for a real accelerator."""
+    if mesh.devices.flat[0].platform != "cpu":
+        return {}
+    return {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+def analyse(compiled: Any) -> dict[str, Any]:
+    """A compiled step's memory per device and its collectives per step."""
+    memory = compiled.memory_analysis()
+    collectives, flags = count_collectives(compiled.as_text())
+    return {
+        "argument": int(memory.argument_size_in_bytes),
+        "output": int(memory.output_size_in_bytes),
+        "alias": int(memory.alias_size_in_bytes),
+        "temp": int(memory.temp_size_in_bytes),
+        "code": int(memory.generated_code_size_in_bytes),
+        "collectives": collectives,
+        "flags": flags,
+    }
+
+
+_HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_CALLEE = re.compile(
+    r"\b(body|condition|to_apply|calls|true_computation|false_computation)=%?([\w.\-]+)"
+)
+_CALLEES = re.compile(r"\b(?:branch_computations|called_computations)=\{([^}]*)\}")
+_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+_OP = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.+?)\s+(" + "|".join(KINDS) + r")(-done)?\(")
+_ARRAY = re.compile(r"\b(pred|[a-z]+\d+[a-z0-9]*)\[([\d,]*)\]")
+
+
+def count_collectives(hlo: str) -> tuple[list[tuple[str, int, int]], list[str]]:
+    """Collectives per executed step, from a compiled module's HLO text.
+
+    A computation runs as often as its callers run it: a ``while`` body once
+    per iteration where the compiler recorded the trip count, else once (and
+    flagged). Async pairs count once, by their ``-done`` half, whose result
+    is the collective's.
+    """
+    comps: dict[str, list[str]] = {}
+    order: list[str] = []
+    current: list[str] | None = None
+    entry = None
+    for line in hlo.splitlines():
+        header = _HEADER.match(line) if line[:1] not in (" ", "\t", "") else None
+        if header:
+            order.append(header.group(1))
+            current = comps.setdefault(header.group(1), [])
+            entry = header.group(1) if line.startswith("ENTRY") else entry
+        elif current is not None and line.startswith(" "):
+            current.append(line)
+    runs = dict.fromkeys(order, 0)
+    if entry is not None:
+        runs[entry] = 1
+    unknown: set[str] = set()
+    for name in reversed(order):  # callers come after their callees in the text
+        for line in comps[name]:
+            trips = _TRIPS.search(line)
+            for role, callee in _CALLEE.findall(line):
+                times = int(trips.group(1)) if role == "body" and trips else 1
+                if role == "body" and not trips:
+                    unknown.add(callee)
+                if callee in runs:
+                    runs[callee] += runs[name] * times
+            for group in _CALLEES.findall(line):
+                for callee in (c.strip().lstrip("%") for c in group.split(",")):
+                    if callee in runs:
+                        runs[callee] += runs[name]
+    counts = {kind: [0, 0] for kind in KINDS}
+    flagged: set[str] = set()
+    for name in order:
+        for line in comps[name]:
+            op = _OP.match(line)
+            if op is None or not runs[name]:
+                continue
+            counts[op.group(2)][0] += runs[name]
+            counts[op.group(2)][1] += runs[name] * _type_bytes(op.group(1))
+            if name in unknown or _inside(name, unknown, comps):
+                flagged.add(op.group(2))
+    rows = [(kind, n, size) for kind, (n, size) in counts.items() if n]
+    flags = [
+        f"{kind} inside a loop whose trip count the compiler does not know: counted once per step"
+        for kind in KINDS
+        if kind in flagged
+    ]
+    return rows, flags
+
+
+def _inside(name: str, loops: set[str], comps: dict[str, list[str]]) -> bool:
+    """Whether computation `name` is called (at any depth) from one of `loops`."""
+    seen, todo = set(), list(loops)
+    while todo:
+        comp = todo.pop()
+        if comp == name:
+            return True
+        if comp in seen or comp not in comps:
+            continue
+        seen.add(comp)
+        for line in comps[comp]:
+            todo += [callee for _, callee in _CALLEE.findall(line)]
+            for group in _CALLEES.findall(line):
+                todo += [c.strip().lstrip("%") for c in group.split(",")]
+    return False
+
+
+def _type_bytes(text: str) -> int:
+    """The bytes of an HLO result type (a tuple's elements summed): ``f32[8,256]{1,0}``."""
+    total = 0
+    for dtype, dims in _ARRAY.findall(text):
+        bits = 8 if dtype == "pred" else int(re.search(r"\d+", dtype).group())  # type: ignore[union-attr]
+        total += math.prod(int(d) for d in dims.split(",") if d) * max(bits // 8, 1)
+    return total
