@@ -32,10 +32,12 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import spmdtree as st
-from spmdtree._src.boxes import IS_BOX  # the C-level test jax walks with
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 import llama  # abstract Llama-3 trees
+import train  # the main example's model and step
+
+IS_BOX = st.AxisMetadata.__instancecheck__  # the C-level box test spmdtree walks with
 
 RULES = [
     ("layers", None),
@@ -363,6 +365,46 @@ def b7_b8_plan(bench: Bench, mesh: jax.sharding.Mesh, sizes: list[int]) -> None:
     bench.at_most(f"B8 plan per leaf, {sizes[-1]} / {sizes[0]}", per_leaf[-1] / per_leaf[0], 1.5)
 
 
+def b9_preflight(bench: Bench) -> None:
+    """preflight of the main example's step for 2,048 chips, from this 8-device process
+    (a subprocess compiles it), against a bare compile of the same step here."""
+    init = functools.partial(train.init, vocab=32, length=16, width=64, layers=2, heads=4, mlp=256)
+    tx = train.adamw(1e-2)
+    step = train.make_train_step(tx)
+    tokens = jax.ShapeDtypeStruct((1024, 17), jnp.int32)
+    chips = jax.sharding.AbstractMesh(train.mesh_shape(2048), ("data", "fsdp", "tensor"))
+    here = jax.make_mesh(train.mesh_shape(8), ("data", "fsdp", "tensor"))
+    with st.logical_axis_rules(train.RULES):
+        params = jax.eval_shape(init, jax.random.key(0))
+        state = jax.eval_shape(tx.init, params)
+        batch = st.LogicallyPartitioned(tokens, ("batch", "length"))
+
+        def preflight() -> object:
+            return st.preflight(
+                lambda p, s, t: step(p, s, t.value),
+                params,
+                state,
+                batch,
+                mesh=chips,
+                params=params,
+                donate_argnums=(0, 1),
+            )
+
+        def bare() -> object:
+            with jax.set_mesh(here):
+                args = (
+                    st.to_abstract(params, here),
+                    st.to_abstract(state, here, params=params),
+                    st.to_abstract(batch, here),
+                )
+                jitted = jax.jit(lambda p, s, t: step(p, s, t.value), donate_argnums=(0, 1))
+                return jitted.lower(*args).compile()
+
+        base, ours = bench.best([bare, preflight], 1, 2 if bench.quick else 3)
+    bench.at_most("B9 preflight on 2048 chips / bare compile on 8", ours / base, 3.0)
+    bench.figure("B9 preflight of the main step on 2048 chips", ours, "reported", unit="s")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes; never fails on a goal")
@@ -377,6 +419,7 @@ def main() -> int:
     b5_sharded_init(bench, mesh, 256 if args.quick else 2048)
     b6_optimizer_sharding(bench, mesh, [200, 2000] if args.quick else [1000, 10000])
     b7_b8_plan(bench, mesh, [400, 4000] if args.quick else [1000, 100000])
+    b9_preflight(bench)
     if bench.missed and not args.quick:
         print(f"missed: {', '.join(bench.missed)}")
         return 1

@@ -42,7 +42,9 @@ def test_example_runs(script):
         assert done.stdout.count(" yes") + done.stdout.count(" no, ") == 24, done.stdout
         assert "405B     256  data*tensor" in done.stdout and "received" in done.stdout
     if script == "preflight.py":  # both layouts on 256 chips, and the step's table
-        assert "  256  fsdp+tensor 1x32x8" in done.stdout and "  256  hsdp+tensor 8x4x8" in done.stdout
+        assert (
+            "  256  fsdp+tensor 1x32x8" in done.stdout and "  256  hsdp+tensor 8x4x8" in done.stdout
+        )
         assert "peak" in done.stdout and "collectives per step" in done.stdout
     if script == "plan_llama.py":
         assert "arrays fit" in done.stdout and "st.preflight" in done.stdout

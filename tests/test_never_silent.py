@@ -357,3 +357,87 @@ def test_an_array_on_another_mesh_is_named_with_both_meshes():
     )
     placed = st.with_logical_constraint(jnp.ones((4, 8)), ("batch", None), rules, OTHER)
     assert placed.sharding.mesh == OTHER
+
+
+# --- names that no rule mentions (turn 3) --------------------------------------------
+
+AUTO_MESH = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+
+
+def _heads_tree():
+    return {
+        "w": st.LogicallyPartitioned(
+            jax.ShapeDtypeStruct((8, 16), jnp.float32), ("embed", "heads")
+        ),
+        "b": st.LogicallyPartitioned(jax.ShapeDtypeStruct((16,), jnp.float32), ("heads",)),
+    }
+
+
+def test_a_name_no_rule_mentions_is_unsharded_flagged_and_listed_once():
+    rules = [("embed", "data")]
+    planned = st.plan(_heads_tree(), AUTO_MESH, rules)
+    rows = {row.path: row for row in planned.rows}
+    assert rows["w"].spec == P("data", None)
+    assert "no rule mentions 'heads': left unsharded" in rows["w"].flags
+    assert "no rule mentions 'heads': left unsharded" in rows["b"].flags
+    assert rows["w"].why[1] == "dimension 1 (heads, size 16): no rule mentions it, so unsharded"
+    text = st.describe(_heads_tree(), AUTO_MESH, rules)
+    listed = [line for line in text.splitlines() if "names no rule mentions" in line]
+    assert listed == [
+        "! names no rule mentions, left unsharded: 'heads'. Add (name, None) to the rules"
+    ]
+    assert st.to_spec(_heads_tree(), rules, mesh=AUTO_MESH)["w"] == P("data", None)
+    with pytest.raises(
+        ValueError, match=r"to_sharding: 2 leaves are wrong:.*no rule mentions 'heads'"
+    ):
+        st.to_sharding(_heads_tree(), AUTO_MESH, rules, strict=True)
+
+
+def test_a_rule_to_none_says_replicated_on_purpose_and_silences_all_of_it():
+    rules = [("embed", "data"), ("heads", None)]
+    planned = st.plan(_heads_tree(), AUTO_MESH, rules)
+    assert all(not row.flags for row in planned.rows)
+    assert "no rule mentions" not in st.describe(_heads_tree(), AUTO_MESH, rules)
+    shardings = st.to_sharding(_heads_tree(), AUTO_MESH, rules, strict=True)
+    assert shardings["w"].spec == P("data", None)
+    assert st.validate_rules(rules, AUTO_MESH, _heads_tree()) == []
+
+
+def test_logical_to_mesh_axes_keeps_flax_meaning_for_a_name_no_rule_mentions():
+    rules = [("batch", "data"), ("heads", "model")]
+    assert st.logical_to_mesh_axes(("batch", "length", "heads"), rules) == P("data", None, "model")
+    assert st.logical_to_mesh_axes(("batch", "length"), ()) == P(None, None)
+    assert st.logical_to_mesh(("data", "model"), rules) == P(None, None)
+
+
+@pytest.mark.parametrize("kind", ["auto", "explicit"])
+def test_constraints_in_jit_refuse_what_cannot_mean_replicated(kind):
+    mesh = AUTO_MESH if kind == "auto" else jax.make_mesh((2, 4), ("data", "model"))
+    x = jnp.ones((4, 8))
+
+    def run(spec, rules):
+        with jax.set_mesh(mesh):
+            return jax.jit(lambda x: st.with_logical_constraint(x, spec, rules))(x)
+
+    with pytest.raises(ValueError, match="no rules are in effect"):
+        run(("batch", None), None)
+    with pytest.raises(ValueError, match="'model', which no rule mentions, is a mesh axis"):
+        run(("batch", "model"), [("batch", "data")])
+    with pytest.raises(ValueError, match="Did you mean 'embed'"):
+        run(("batch", "embde"), [("batch", "data"), ("embed", "model")])
+    out = run(("batch", "length"), [("batch", "data"), ("embed", "model")])  # flax: unsharded
+    assert out.sharding.spec in (P("data"), P("data", None))
+    # Without a mesh, single-device code runs as is, rules or not.
+    assert st.with_logical_constraint(x, ("batch", None)) is x
+
+
+def test_validate_rules_reports_rules_never_reached():
+    tree = {"w": _heads_tree()["w"]}
+    rules = [("embed", "data"), ("heads", "data"), ("embed", "model"), ("heads", "model")]
+    problems = st.validate_rules(rules, AUTO_MESH, tree)
+    assert problems == [
+        "rule 1 ('heads', 'data') is never reached: wherever 'heads' appears, its mesh "
+        "axes already shard 'embed'. Reorder the rules, or drop it.",
+        "rule 2 ('embed', 'model') is never reached: wherever 'embed' appears, rule 0 "
+        "takes its dimension. Reorder the rules, or drop it.",
+    ]
