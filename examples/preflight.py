@@ -93,7 +93,8 @@ def layer(x, p):
 
 
 def loss_fn(params, tokens):
-    x = jnp.take(st.unbox(params["embed"]), tokens[:, :-1], axis=0)
+    table = st.with_logical_constraint(st.unbox(params["embed"]), ("vocab", None))
+    x = jnp.take(table, tokens[:, :-1], axis=0)
     x = st.with_logical_constraint(x, ("batch", "length", "embed"))
     x, _ = st.scan(
         jax.checkpoint(layer, prevent_cse=False), x, params["layers"], partition_name="layers"

@@ -169,7 +169,158 @@ MUTANTS: dict[str, list[tuple[str, str, str]]] = {
             "problem = found.problem",
         ),
     ],
+    # Turn 3: names no rule mentions, flax's short names, preflight.
+    "no-rules-not-an-error": [
+        (
+            "_src/rules.py",
+            "if not rules and any(type(name) is str for name in names):",
+            "if False:",
+        ),
+    ],
+    "mesh-axis-logical-name-allowed": [
+        ("_src/rules.py", "        if name in axes:\n", "        if False:\n"),
+    ],
+    "typo-check-skipped": [
+        ("_src/specs.py", "if not any(res.unmentioned for res in distinct):", "if True:"),
+    ],
+    "unmentioned-not-flagged": [
+        (
+            "_src/plan.py",
+            'flags += [f"{UNMENTIONED} {name!r}: left unsharded" for name in res.unmentioned]',
+            "flags += []",
+        ),
+    ],
+    "strict-ignores-unmentioned": [
+        ("_src/rules.py", "if self.problem is None and self.unmentioned:", "if False:"),
+    ],
+    "flax-short-names-not-padded": [
+        ("_src/interop.py", "if shape is not None and len(shape) > len(names):", "if False:"),
+    ],
+    "never-reached-not-reported": [
+        ("_src/specs.py", "problems += _never_reached(tree, normal, mesh)", "problems += []"),
+    ],
+    "constraint-without-rules-unchecked": [
+        ("_src/constraints.py", "if in_effect is not None:  # without a mesh", "if False:"),
+    ],
+    "loop-trip-count-ignored": [
+        (
+            "_src/preflight.py",
+            'times = int(trips.group(1)) if role == "body" and trips else 1',
+            "times = 1",
+        ),
+    ],
+    "peak-ignores-aliasing": [
+        ("_src/preflight.py", "+ self.output_bytes - self.alias_bytes +", "+ self.output_bytes +"),
+    ],
+    "preflight-drops-donation": [
+        ("_src/preflight.py", "jax.jit(step, donate_argnums=flat_donated,", "jax.jit(step,"),
+    ],
+    "placed-leaf-replicated": [
+        (
+            "_src/specs.py",
+            "return placed_resolution(leaf, mesh_shape) if placed else REPLICATED",
+            "return REPLICATED",
+        ),
+    ],
+    "tuple-result-first-element-only": [
+        (
+            "_src/preflight.py",
+            "for dtype, dims in _ARRAY.findall(text):",
+            "for dtype, dims in _ARRAY.findall(text)[:1]:",
+        ),
+    ],
+    "argnums-negative-taken-as-positive": [
+        ("_src/preflight.py", "out.append(n % count)", "out.append(abs(n))"),
+    ],
+    # Categories: arithmetic off by a factor, a memo key missing a field, a comparison
+    # flipped at the boundary, an order changed, a metadata field dropped by one path.
+    "plan-device-bytes-off-by-a-factor": [
+        (
+            "_src/plan.py",
+            "device = math.prod(shard) * dtype.itemsize",
+            "device = math.prod(shard) * 2",
+        ),
+    ],
+    "plan-memo-key-without-dtype": [
+        ("_src/plan.py", "key = (res, shape, dtype)", "key = (res, shape)"),
+    ],
+    "resolution-memo-key-without-kind": [
+        ("_src/specs.py", "key = (kind, meta, shape)\n", "key = (meta, shape)\n"),
+    ],
+    "fits-boundary-flipped": [
+        (
+            "_src/plan.py",
+            "return self.device_bytes <= budget_bytes",
+            "return self.device_bytes < budget_bytes",
+        ),
+    ],
+    "describe-budget-boundary-flipped": [
+        ("_src/report.py", "if spare >= 0", "if spare > 0"),
+    ],
+    "replicated-bytes-by-spec": [
+        (
+            "_src/plan.py",
+            "if walk.mesh is not None and r.shard_shape == r.shape)",
+            "if walk.mesh is not None and not any(r.spec))",
+        ),
+    ],
+    "diff-same-shape-meshes-equal": [
+        (
+            "_src/plan.py",
+            "same_mesh = before.mesh == after.mesh",
+            "same_mesh = before.mesh.shape == after.mesh.shape",
+        ),
+    ],
+    "constraint-axis-tuple-sorted": [
+        (
+            "_src/constraints.py",
+            "kept = tuple(axis for axis in entry if axis in axes)",
+            "kept = tuple(sorted(axis for axis in entry if axis in axes))",
+        ),
+    ],
+    "from-flax-drops-mesh": [
+        (
+            "_src/interop.py",
+            "return Partitioned(value, _flax_names(value, x.names, path, padded), mesh=x.mesh)",
+            "return Partitioned(value, _flax_names(value, x.names, path, padded))",
+        ),
+    ],
+    "pickle-drops-the-mesh": [
+        (
+            "_src/registry.py",
+            "meta = meta._replace(mesh=MeshRecipe.of(meta.mesh))",
+            "meta = meta._replace(mesh=None)",
+        ),
+    ],
 }
+
+#: Test files in the order a mutant's run takes them: quick, broad ones first, so
+#: that ``pytest -x`` stops early; the rest (the slow end-to-end ones) last.
+FIRST = [
+    "tests/test_doctests.py",
+    "tests/test_errors.py",
+    "tests/test_never_silent.py",
+    "tests/test_boxes.py",
+    "tests/test_rules.py",
+    "tests/test_specs.py",
+    "tests/test_plan.py",
+    "tests/test_report.py",
+    "tests/test_oracles.py",
+    "tests/test_trees.py",
+    "tests/test_tactics.py",
+    "tests/test_preflight.py",
+    "tests/test_constraints.py",
+    "tests/test_transforms.py",
+    "tests/test_fuzz.py",
+    "tests/test_flax.py",
+    "tests/test_optax.py",
+]
+
+
+def ordered_tests() -> list[str]:
+    """Every test file, `FIRST` first."""
+    found = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py"))
+    return [t for t in FIRST if t in found] + [t for t in found if t not in FIRST]
 
 
 def copy_repository(into: pathlib.Path) -> None:
@@ -210,7 +361,8 @@ def run(name: str, edits: list[tuple[str, str, str]], tests: list[str]) -> tuple
             raise SystemExit(f"the copy is not what gets imported: {where}")
         start = time.perf_counter()
         done = subprocess.run(
-            [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests],
+            [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider"]
+            + (tests or ordered_tests()),
             cwd=copy,
             env=env,
             capture_output=True,
