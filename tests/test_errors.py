@@ -464,7 +464,7 @@ CASES = {
             "'embed', which no rule mentions",
             "rule 0",
             "'emebd', which nothing uses",
-            "Did you mean 'emebd'?",
+            "Did you mean 'emebd', or is the rule's name the typo?",
         ],
     ),
     "a-typo-in-a-box-name-in-a-constraint": (
@@ -472,7 +472,7 @@ CASES = {
             jnp.ones((2, 4)), ("batch", "emebd"), [("batch", "data"), ("embed", "model")], MESH
         ),
         ValueError,
-        ["with_logical_constraint:", "the array at x", "'emebd'", "Did you mean 'embed'?"],
+        ["with_logical_constraint:", "the array at x", "'emebd'", "Did you mean 'embed'"],
     ),
     "an-unmentioned-name-under-strict": (
         lambda: st.to_sharding(

@@ -121,8 +121,9 @@ def test_data_parallel_all_reduce_moves_the_gradients():
 def test_one_device_needs_no_collectives():
     mesh = jax.sharding.AbstractMesh((1,), ("data",))
     tx = optax.adam(1e-3)
-    params, state, x = _abstract(tx, [("batch", "data"), ("embed", None), ("mlp", None)])
-    step = st.preflight(_step(tx), params, state, x, mesh=mesh, params=params)
+    rules = [("batch", "data"), ("embed", None), ("mlp", None)]
+    params, state, x = _abstract(tx, rules)
+    step = st.preflight(_step(tx), params, state, x, mesh=mesh, rules=rules, params=params)
     assert step.collectives == ()
     assert "collectives per step: none" in str(step)
 
@@ -260,7 +261,7 @@ def test_the_known_answer_of_a_0_87b_step_on_one_device():
             donate_argnums=(0, 1),
         )
     assert -0.03 <= step.peak_bytes / H200_PEAK - 1 <= 0.20, step.peak_bytes
-    params_grads_state = 4 * sum(row.bytes for row in st.plan(params, mesh).rows)
+    params_grads_state = 4 * sum(row.bytes for row in st.plan(params, mesh, rules).rows)
     assert step.peak_bytes > 4 * params_grads_state  # the plan alone is far too optimistic
 
 
