@@ -65,15 +65,29 @@ OPTIMIZERS = {
 }
 
 
+def devices() -> list:
+    """8 devices: the accelerators if there are that many, else CPU devices."""
+    for found in (jax.devices(), jax.devices("cpu")):
+        if len(found) >= 8:
+            return found[:8]
+    raise SystemExit(
+        "examples/checkpoint.py restores onto meshes of 2x4, 4x2 and 4 devices, so it "
+        f"needs 8 devices; this process has {len(jax.devices('cpu'))} CPU devices. Run it "
+        "without XLA_FLAGS (it asks for 8 CPU devices) or with "
+        "XLA_FLAGS=--xla_force_host_platform_device_count=8."
+    )
+
+
 def topology(name: str) -> tuple[jax.sharding.Mesh, list]:
     """A named mesh (Auto axes) and the rules that go with it."""
-    auto = AxisType.Auto
+    auto, found = AxisType.Auto, devices()
     if name == "2x4":
-        return jax.make_mesh((2, 4), ("fsdp", "tensor"), axis_types=(auto, auto)), RULES
+        mesh = jax.make_mesh((2, 4), ("fsdp", "tensor"), axis_types=(auto, auto), devices=found)
+        return mesh, RULES
     if name == "4x2":
-        return jax.make_mesh((4, 2), ("fsdp", "tensor"), axis_types=(auto, auto)), RULES
-    devices = jax.devices()[:4]
-    return jax.make_mesh((4,), ("fsdp",), axis_types=(auto,), devices=devices), RULES_1D
+        mesh = jax.make_mesh((4, 2), ("fsdp", "tensor"), axis_types=(auto, auto), devices=found)
+        return mesh, RULES
+    return jax.make_mesh((4,), ("fsdp",), axis_types=(auto,), devices=found[:4]), RULES_1D
 
 
 def init_fn(key):

@@ -9,6 +9,7 @@ the params are the same as in one process with all the devices.
 
 Run locally, as several processes on this machine (127.0.0.1):
 
+    python examples/multihost.py                    # the default: --processes 2
     python examples/multihost.py --processes 2      # 2 processes x 4 CPU devices
     python examples/multihost.py --processes 1      # the same on 1 process x 8 devices
 
@@ -170,6 +171,9 @@ def main() -> None:
     parser.add_argument("--process-id", type=int, default=0)
     parser.add_argument("--out", help="process 0 writes losses and gathered params here (JSON)")
     args = parser.parse_args()
+    if args.processes is None and args.coordinator is None:
+        print("no --coordinator given: launching 2 local processes (--processes 2)")
+        args.processes = 2
     if args.processes is not None:
         sys.exit(launch(args.processes, args.devices, args.out, args.timeout))
     work(args)

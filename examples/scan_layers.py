@@ -61,7 +61,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     args = parser.parse_args()
 
-    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    count = len(jax.devices())
+    model = 4 if count % 4 == 0 else 2 if count % 2 == 0 else 1  # 8 -> 2x4, 6 -> 3x2, 1 -> 1x1
+    mesh = jax.make_mesh(
+        (count // model, model), ("data", "model"), axis_types=(AxisType.Auto,) * 2
+    )
+    print(f"mesh: {dict(mesh.shape)} on {count} {jax.devices()[0].platform} device(s)")
+    if args.batch % (count // model):  # whole rows per data-parallel device
+        args.batch += count // model - args.batch % (count // model)
     tx = optax.adam(1e-2)
     with st.logical_axis_rules(RULES), jax.set_mesh(mesh):
         init_fn = functools.partial(init, layers=args.layers, width=args.width)

@@ -1,4 +1,4 @@
-"""A two-layer MLP sharded on a 2x4 mesh of CPU devices, with no module system.
+"""A two-layer MLP sharded on a (data, model) mesh of the devices there are, with no module system.
 
 The params are initialised with `st.with_partitioning`; `jax.eval_shape` gives
 their boxes without allocating anything, `st.get_partition_spec` and
@@ -54,7 +54,14 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=64)
     args = parser.parse_args()
 
-    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    count = len(jax.devices())
+    model = 4 if count % 4 == 0 else 2 if count % 2 == 0 else 1  # 8 -> 2x4, 6 -> 3x2, 1 -> 1x1
+    mesh = jax.make_mesh(
+        (count // model, model), ("data", "model"), axis_types=(AxisType.Auto,) * 2
+    )
+    print(f"mesh: {dict(mesh.shape)} on {count} {jax.devices()[0].platform} device(s)")
+    if args.batch % (count // model):  # whole rows per data-parallel device
+        args.batch += count // model - args.batch % (count // model)
     key, x_key = jax.random.split(jax.random.key(0))
 
     init_fn = functools.partial(init, features=args.features, hidden=args.hidden)

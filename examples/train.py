@@ -204,7 +204,8 @@ def main():
         print("\nThe plan, before anything is allocated:")
         print(st.describe(abstract, mesh, rich=False))
         for problem in st.validate_rules(RULES, mesh, abstract):
-            print("note:", problem)  # 'batch' names activations, not params
+            print("rules check:", problem)
+        print("  (expected: 'batch' names activations, which no param has)")
 
         params = st.sharded_init(init_fn, mesh)(jax.random.key(0))
         param_shardings = st.to_sharding(params, mesh)
