@@ -372,8 +372,10 @@ def b9_preflight(bench: Bench) -> None:
     tx = train.adamw(1e-2)
     step = train.make_train_step(tx)
     tokens = jax.ShapeDtypeStruct((1024, 17), jnp.int32)
-    chips = jax.sharding.AbstractMesh(train.mesh_shape(2048), ("data", "fsdp", "tensor"))
-    here = jax.make_mesh(train.mesh_shape(8), ("data", "fsdp", "tensor"))
+    auto = (AxisType.Auto,) * 3  # as the example's mesh
+    axes = ("data", "fsdp", "tensor")
+    chips = jax.sharding.AbstractMesh(train.mesh_shape(2048), axes, axis_types=auto)
+    here = jax.make_mesh(train.mesh_shape(8), axes, axis_types=auto)
     with st.logical_axis_rules(train.RULES):
         params = jax.eval_shape(init, jax.random.key(0))
         state = jax.eval_shape(tx.init, params)

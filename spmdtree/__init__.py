@@ -15,7 +15,6 @@ from spmdtree._src.constraints import constrain as constrain
 from spmdtree._src.constraints import shard as shard
 from spmdtree._src.constraints import with_logical_constraint as with_logical_constraint
 from spmdtree._src.interop import from_flax as from_flax
-from spmdtree._src.interop import fsdp as fsdp
 from spmdtree._src.optim import optimizer_sharding as optimizer_sharding
 from spmdtree._src.plan import DiffRow as DiffRow
 from spmdtree._src.plan import Plan as Plan
@@ -26,12 +25,20 @@ from spmdtree._src.preflight import Collective as Collective
 from spmdtree._src.preflight import StepPlan as StepPlan
 from spmdtree._src.preflight import preflight as preflight
 from spmdtree._src.report import describe as describe
-from spmdtree._src.rules import RulesFallback as RulesFallback
+from spmdtree._src.resolve import (
+    RulesFallback as RulesFallback,
+)
+from spmdtree._src.resolve import (
+    logical_to_mesh as logical_to_mesh,
+)
+from spmdtree._src.resolve import (
+    logical_to_mesh_axes as logical_to_mesh_axes,
+)
+from spmdtree._src.resolve import (
+    logical_to_mesh_sharding as logical_to_mesh_sharding,
+)
 from spmdtree._src.rules import get_logical_axis_rules as get_logical_axis_rules
 from spmdtree._src.rules import logical_axis_rules as logical_axis_rules
-from spmdtree._src.rules import logical_to_mesh as logical_to_mesh
-from spmdtree._src.rules import logical_to_mesh_axes as logical_to_mesh_axes
-from spmdtree._src.rules import logical_to_mesh_sharding as logical_to_mesh_sharding
 from spmdtree._src.rules import set_logical_axis_rules as set_logical_axis_rules
 from spmdtree._src.specs import get_partition_spec as get_partition_spec
 from spmdtree._src.specs import get_sharding as get_sharding
@@ -40,6 +47,8 @@ from spmdtree._src.specs import to_abstract as to_abstract
 from spmdtree._src.specs import to_sharding as to_sharding
 from spmdtree._src.specs import to_spec as to_spec
 from spmdtree._src.specs import validate_rules as validate_rules
+from spmdtree._src.tactics import fsdp as fsdp
+from spmdtree._src.tactics import match as match
 from spmdtree._src.transforms import scan as scan
 from spmdtree._src.transforms import sharded_init as sharded_init
 from spmdtree._src.transforms import vmap as vmap
@@ -47,7 +56,6 @@ from spmdtree._src.trees import add_axis as add_axis
 from spmdtree._src.trees import box as box
 from spmdtree._src.trees import is_boxed as is_boxed
 from spmdtree._src.trees import map_boxes as map_boxes
-from spmdtree._src.trees import match as match
 from spmdtree._src.trees import remove_axis as remove_axis
 from spmdtree._src.trees import replace_boxed as replace_boxed
 from spmdtree._src.trees import unbox as unbox

@@ -39,26 +39,26 @@ MUTANTS: dict[str, list[tuple[str, str, str]]] = {
         ),
     ],
     "no-divisibility-check-logical": [
-        ("_src/rules.py", "elif dim.size is not None and dim.size % size:", "elif False:"),
+        ("_src/resolve.py", "elif dim.size is not None and dim.size % size:", "elif False:"),
     ],
     "no-divisibility-check-mesh-names": [
-        ("_src/rules.py", "if length is not None and length % size:", "if False:"),
+        ("_src/resolve.py", "if length is not None and length % size:", "if False:"),
     ],
     "rule-typo-skipped": [
         (
-            "_src/rules.py",
+            "_src/resolve.py",
             "        if missing:\n",
             "        if missing:\n            continue\n        if missing:\n",
         ),
     ],
     "fewer-dims-replicated": [
-        ("_src/rules.py", "if len(shape) < len(names) and not placeholder:", "if False:"),
+        ("_src/resolve.py", "if len(shape) < len(names) and not placeholder:", "if False:"),
     ],
     "raise-error-needs-a-mesh": [
         (
             "_src/constraints.py",
-            "if res.unmatched and fallback is RulesFallback.RAISE_ERROR:",
-            "if res.unmatched and fallback is RulesFallback.RAISE_ERROR and live is not None:",
+            "if res.unmatched and self.fallback is RulesFallback.RAISE_ERROR:",
+            "if res.unmatched and self.fallback is RulesFallback.RAISE_ERROR and self.live is not None:",
         ),
     ],
     "unbox-one-level": [
@@ -82,10 +82,10 @@ MUTANTS: dict[str, list[tuple[str, str, str]]] = {
         ("_src/constraints.py", "x = jax.sharding.reshard(", "x = (lambda x, spec: x)("),
     ],
     "unconstrained-kept-in-shardings": [
-        ("_src/rules.py", "if any(entry is UNCONSTRAINED for entry in spec):", "if False:"),
+        ("_src/resolve.py", "if any(entry is UNCONSTRAINED for entry in spec):", "if False:"),
     ],
     "used-axis-not-checked": [
-        ("_src/rules.py", "        if clash:\n", "        if False:\n"),
+        ("_src/resolve.py", "        if clash:\n", "        if False:\n"),
     ],
     "box-mesh-not-checked": [
         (
@@ -123,7 +123,7 @@ MUTANTS: dict[str, list[tuple[str, str, str]]] = {
     "params-ignored": [
         (
             "_src/specs.py",
-            "if found.fallback == FEWER_DIMENSIONS and index is not None:",
+            "if found.fallback == FEWER_DIMENSIONS and self.index is not None:",
             "if False:",
         ),
     ],
@@ -150,14 +150,14 @@ MUTANTS: dict[str, list[tuple[str, str, str]]] = {
     ],
     "fsdp-smallest-dimension": [
         (
-            "_src/interop.py",
+            "_src/tactics.py",
             "chosen = max(fits, key=lambda d: (shape[d], -d))",
             "chosen = min(fits, key=lambda d: (shape[d], -d))",
         ),
     ],
     "match-default-ignored": [
         (
-            "_src/trees.py",
+            "_src/tactics.py",
             "        if default is not None:\n            return default(path, leaf)\n",
             "",
         ),
@@ -165,20 +165,20 @@ MUTANTS: dict[str, list[tuple[str, str, str]]] = {
     "strict-ignored": [
         (
             "_src/specs.py",
-            "problem = found.strict_problem() if strict else found.problem",
+            "problem = found.strict_problem() if self.strict else found.problem",
             "problem = found.problem",
         ),
     ],
     # Turn 3: names no rule mentions, flax's short names, preflight.
     "no-rules-not-an-error": [
         (
-            "_src/rules.py",
+            "_src/resolve.py",
             "if not rules and any(type(name) is str for name in names):",
             "if False:",
         ),
     ],
     "mesh-axis-logical-name-allowed": [
-        ("_src/rules.py", "        if name in axes:\n", "        if False:\n"),
+        ("_src/resolve.py", "        if name in axes:\n", "        if False:\n"),
     ],
     "typo-check-skipped": [
         ("_src/specs.py", "if not any(res.unmentioned for res in distinct):", "if True:"),
@@ -191,7 +191,7 @@ MUTANTS: dict[str, list[tuple[str, str, str]]] = {
         ),
     ],
     "strict-ignores-unmentioned": [
-        ("_src/rules.py", "if self.problem is None and self.unmentioned:", "if False:"),
+        ("_src/resolve.py", "if self.problem is None and self.unmentioned:", "if False:"),
     ],
     "flax-short-names-not-padded": [
         ("_src/interop.py", "if shape is not None and len(shape) > len(names):", "if False:"),
@@ -200,7 +200,7 @@ MUTANTS: dict[str, list[tuple[str, str, str]]] = {
         ("_src/specs.py", "problems += _never_reached(tree, normal, mesh)", "problems += []"),
     ],
     "constraint-without-rules-unchecked": [
-        ("_src/constraints.py", "if in_effect is not None:  # without a mesh", "if False:"),
+        ("_src/constraints.py", "if self.in_effect is not None:  # without a mesh", "if False:"),
     ],
     "loop-trip-count-ignored": [
         (
@@ -218,7 +218,7 @@ MUTANTS: dict[str, list[tuple[str, str, str]]] = {
     "placed-leaf-replicated": [
         (
             "_src/specs.py",
-            "return placed_resolution(leaf, mesh_shape) if placed else REPLICATED",
+            "return placed_resolution(leaf, self.mesh_shape) if self.placed else REPLICATED",
             "return REPLICATED",
         ),
     ],
@@ -255,7 +255,7 @@ MUTANTS: dict[str, list[tuple[str, str, str]]] = {
         ),
     ],
     "describe-budget-boundary-flipped": [
-        ("_src/report.py", "if spare >= 0", "if spare > 0"),
+        ("_src/text.py", "if spare >= 0", "if spare > 0"),
     ],
     "replicated-bytes-by-spec": [
         (
@@ -298,7 +298,7 @@ MUTANTS: dict[str, list[tuple[str, str, str]]] = {
 #: that ``pytest -x`` stops early; the rest (the slow end-to-end ones) last.
 FIRST = [
     "tests/test_doctests.py",
-    "tests/test_errors.py",
+    "tests/test_mistakes.py",
     "tests/test_never_silent.py",
     "tests/test_boxes.py",
     "tests/test_rules.py",

@@ -20,22 +20,25 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from spmdtree._src import registry
 from spmdtree._src.errors import Mistake, fmt, public
-from spmdtree._src.rules import (
-    AnyMesh,
-    MeshShape,
-    Names,
+from spmdtree._src.resolve import (
     Resolution,
-    Rules,
-    RulesLike,
     check_mentioned,
     check_mesh,
     mesh_shape_of,
     named_sharding,
+    resolve,
+)
+from spmdtree._src.rules import (
+    AnyMesh,
+    MeshShape,
+    Names,
+    Rules,
+    RulesLike,
     normalize_names,
     normalize_rules,
-    resolve,
     rules_or_context,
 )
+from spmdtree._src.text import short_value
 
 #: The key of the axis name in the ``params`` dict of `AxisMetadata.add_axis`
 #: and `AxisMetadata.remove_axis`, as in flax.linen.
@@ -211,13 +214,6 @@ def refuse_foreign(x: Any) -> Any:
     )
 
 
-def short_dtype(dtype: Any) -> str:
-    """jax's short dtype names: ``f32``, ``bf16``, ``i8``, ``u32``, ``c64``, ``bool``."""
-    name = getattr(dtype, "name", str(dtype))
-    short = name.replace("float", "f").replace("uint", "u").replace("int", "i")
-    return short.replace("complex", "c")
-
-
 def dtype_of(value: Any) -> Any:
     """The dtype of an array-like, or the one jax gives a Python number."""
     dtype = getattr(value, "dtype", None)
@@ -237,14 +233,6 @@ def shape_of(value: Any) -> tuple[int, ...] | None:
 def is_array(value: Any) -> bool:
     """Whether `value` is one array-like leaf (array, ShapeDtypeStruct, number)."""
     return shape_of(value) is not None
-
-
-def short_value(value: Any) -> str:
-    """``f32[256,512]`` for an array-like, the repr for anything else."""
-    shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
-    if shape is None or dtype is None:
-        return fmt(value)
-    return f"{short_dtype(dtype)}[{','.join(str(d) for d in shape)}]"
 
 
 def _count(n: int, noun: str) -> str:
@@ -280,6 +268,28 @@ def _same_value(a: Any, b: Any) -> bool:
     except Exception:  # an element comparison raised: not equal
         return False
     return equal if type(equal) is bool else False
+
+
+def validated(value: Any, meta: Meta) -> Meta:
+    """`meta` checked against `value` and normalised: the one validation every way
+    of building a box goes through (the constructors, `make_box`).
+
+    Raises:
+        Mistake: for a mesh of the wrong kind, names of the wrong kind or rank,
+            malformed rules.
+    """
+    check_mesh(meta.mesh, optional=True)
+    rules = None if meta.rules is None else normalize_rules(meta.rules)
+    return meta._replace(names=checked_names(value, meta.names), rules=rules)
+
+
+def make_box(cls: type[PB], value: Any, meta: Meta) -> PB:
+    """A validated box of type `cls` (for builders that are not its constructor).
+
+    Raises:
+        Mistake: as `validated`.
+    """
+    return registry.rebuild(cls, value, validated(value, meta))
 
 
 def the_box(mistake: Mistake) -> Mistake:
@@ -320,9 +330,8 @@ class Partitioned(AxisMetadata):
         self._init(value, Meta(names, mesh))
 
     def _init(self, value: Any, meta: Meta) -> None:
-        check_mesh(meta.mesh, optional=True)
         try:
-            self._tree = ((value,), meta._replace(names=checked_names(value, meta.names)))
+            self._tree = ((value,), validated(value, meta))
         except Mistake as mistake:
             raise the_box(mistake) from None
 
@@ -530,7 +539,7 @@ class LogicallyPartitioned(Partitioned):
         mesh: AnyMesh | None = None,
         rules: RulesLike | None = None,
     ) -> None:
-        self._init(value, Meta(names, mesh, None if rules is None else normalize_rules(rules)))
+        self._init(value, Meta(names, mesh, rules))  # type: ignore[arg-type]  # validated normalises
 
     rules = registry.read_only(
         "rules", lambda self: self._tree[1].rules, "The box's own rules (normalised), or None."

@@ -19,21 +19,23 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from spmdtree._src.boxes import foreign_kind, refuse_foreign, same_mesh, shape_of
 from spmdtree._src.errors import Mistake, at, public, raise_collected
+from spmdtree._src.resolve import (
+    Resolution,
+    RulesFallback,
+    check_mentioned,
+    check_mesh,
+    close_to_unused,
+    mesh_shape_of,
+    named_sharding,
+    resolve,
+    walk_specs,
+)
 from spmdtree._src.rules import (
     UNCONSTRAINED,
     AnyMesh,
     Names,
-    Resolution,
-    RulesFallback,
+    Rules,
     RulesLike,
-    check_mentioned,
-    check_mesh,
-    close_to_unused,
-    is_logical_spec,
-    mesh_shape_of,
-    named_sharding,
-    normalize_names,
-    resolve,
     rules_or_context,
 )
 from spmdtree._src.specs import context_mesh, resolve_tree
@@ -183,7 +185,6 @@ def with_logical_constraint(
         ...     f(jnp.ones((4, 8))).sharding.spec
         P('data', 'model')
     """
-    normal = rules_or_context(rules)
     check_mesh(mesh, optional=True)
     if not isinstance(fallback, RulesFallback):
         raise Mistake(
@@ -193,99 +194,93 @@ def with_logical_constraint(
         )
     if logical_axis_resources is None:
         return x
-    # Names are resolved (and RAISE_ERROR raises) even where nothing is constrained.
-    in_effect = mesh if mesh is not None else context_mesh()
-    live = in_effect if normal else None
-    mesh_shape = None if live is None else mesh_shape_of(live)
-    resolved: list[tuple[Any, Resolution]] = []
-    is_spec = lambda s: s is None or is_logical_spec(s)  # noqa: E731
-    spec_paths, treedef = jax.tree_util.tree_flatten_with_path(
-        logical_axis_resources, is_leaf=is_spec
+    specs, treedef, problems = walk_specs(
+        logical_axis_resources, "logical_axis_resources", none=True
     )
-    treedef = cast(Any, treedef)
     try:
-        subtrees = treedef.flatten_up_to(x)
+        subtrees = cast(Any, treedef).flatten_up_to(x)
     except (ValueError, TypeError) as e:
         raise Mistake(
             ValueError,
             "logical_axis_resources must be a spec or a tree of specs that is a "
             f"prefix of x, but it is not: {e}",
         ) from None
-    problems: list[tuple[str, Mistake]] = []
+    constraint = _Constraint(rules_or_context(rules), mesh, fallback)
+    out = [
+        subtree
+        if names is None
+        else jax.tree_util.tree_map_with_path(
+            lambda inner, value, path=path, names=names: constraint.array(
+                (*path, *inner), names, value
+            ),
+            subtree,
+            is_leaf=lambda v: foreign_kind(v) is not None,  # our boxes: their values
+        )
+        for (path, names), subtree in zip(specs, subtrees, strict=True)
+    ]
+    raise_collected(problems + constraint.problems + constraint.typos())
+    return x if constraint.live is None else jax.tree.unflatten(treedef, out)
 
-    def one_array(path: Any, names: Names, value: Any) -> Any:
+
+class _Constraint:
+    """One `with_logical_constraint` call: its rules, mesh and fallback, and what
+    it found. Names are resolved (and RAISE_ERROR raises) even where nothing is
+    constrained: without rules or without a mesh, arrays come back as they are."""
+
+    def __init__(self, rules: Rules, mesh: AnyMesh | None, fallback: RulesFallback) -> None:
+        self.rules, self.fallback = rules, fallback
+        self.in_effect = mesh if mesh is not None else context_mesh()
+        self.live = self.in_effect if rules else None
+        self.mesh_shape = None if self.live is None else mesh_shape_of(self.live)
+        self.resolved: list[tuple[Any, Resolution]] = []
+        self.problems: list[tuple[str, Mistake]] = []
+
+    def array(self, path: Any, names: Names, value: Any) -> Any:
+        """`value` constrained to `names`; a mistake is kept with its key path."""
         try:
-            shape = shape_of(refuse_foreign(value))
-            if shape is None:
-                return value
-            if len(names) > len(shape):
-                raise Mistake(
-                    ValueError,
-                    f"has shape {shape}, but its logical spec {names} names "
-                    f"{len(names)} dimensions. Give at most one name per dimension "
-                    "(a shorter spec leaves the last dimensions unsharded).",
-                )
-            # As in a PartitionSpec, missing trailing names leave dimensions unsharded.
-            names += (None,) * (len(shape) - len(names))
-            if in_effect is not None:  # without a mesh, single-device code runs as is
-                check_mentioned(names, normal, mesh_shape)
-            res = resolve(names, shape, logical=True, rules=normal, mesh_shape=mesh_shape)
-            resolved.append((path, res))
-            if res.unmatched and fallback is RulesFallback.RAISE_ERROR:
-                raise Mistake(
-                    ValueError,
-                    f"has logical names {names}, and no rule maps {res.unmatched[0]!r} "
-                    f"(of shape {shape_of(value)})"
-                    + (" on this mesh" if mesh_shape is not None else "")
-                    + f". Add a rule for {res.unmatched[0]!r}, or use another fallback.",
-                )
-            if live is None or (res.unmatched and fallback is RulesFallback.NO_CONSTRAINT):
-                return value
-            return apply_spec(value, res.spec, live)
+            return self._array(path, names, value)
         except Mistake as mistake:
-            problems.append((f"the array at {at('x', path)}", mistake))
+            self.problems.append((f"the array at {at('x', path)}", mistake))
             return value
 
-    out = []
-    for (path, spec), subtree in zip(spec_paths, subtrees, strict=True):
-        if spec is None:
-            out.append(subtree)
-            continue
-        if not is_logical_spec(spec):
-            problems.append(
-                (
-                    f"the spec at {at('logical_axis_resources', path)}",
-                    Mistake(
-                        TypeError,
-                        f"is {spec!r}; expected a tuple of logical names such as "
-                        "('batch', 'embed'), a PartitionSpec, or None.",
-                    ),
-                )
+    def _array(self, path: Any, names: Names, value: Any) -> Any:
+        shape = shape_of(refuse_foreign(value))
+        if shape is None:
+            return value
+        if len(names) > len(shape):
+            raise Mistake(
+                ValueError,
+                f"has shape {shape}, but its logical spec {names} names "
+                f"{len(names)} dimensions. Give at most one name per dimension "
+                "(a shorter spec leaves the last dimensions unsharded).",
             )
-            out.append(subtree)
-            continue
-        try:
-            names = normalize_names(tuple(spec), "logical names")
-        except Mistake as mistake:
-            problems.append((f"the spec at {at('logical_axis_resources', path)}", mistake))
-            out.append(subtree)
-            continue
-        out.append(
-            jax.tree_util.tree_map_with_path(
-                lambda inner, value, path=path, names=names: one_array(
-                    (*path, *inner), names, value
-                ),
-                subtree,
-                is_leaf=lambda v: foreign_kind(v) is not None,  # our boxes: their values
+        # As in a PartitionSpec, missing trailing names leave dimensions unsharded.
+        names += (None,) * (len(shape) - len(names))
+        if self.in_effect is not None:  # without a mesh, single-device code runs as is
+            check_mentioned(names, self.rules, self.mesh_shape)
+        res = resolve(names, shape, logical=True, rules=self.rules, mesh_shape=self.mesh_shape)
+        self.resolved.append((path, res))
+        if res.unmatched and self.fallback is RulesFallback.RAISE_ERROR:
+            raise Mistake(
+                ValueError,
+                f"has logical names {names}, and no rule maps {res.unmatched[0]!r} "
+                f"(of shape {shape})"
+                + (" on this mesh" if self.mesh_shape is not None else "")
+                + f". Add a rule for {res.unmatched[0]!r}, or use another fallback.",
             )
-        )
-    used = {name for _, res in resolved for name in res.names or ()}
-    for path, res in resolved:
-        said = close_to_unused(res.unmentioned, normal, used) if res.unmentioned else None
-        if said is not None:
-            problems.append((f"the array at {at('x', path)}", Mistake(ValueError, said)))
-    raise_collected(problems)
-    return x if live is None else jax.tree.unflatten(treedef, out)
+        if self.live is None or (res.unmatched and self.fallback is RulesFallback.NO_CONSTRAINT):
+            return value
+        return apply_spec(value, res.spec, self.live)
+
+    def typos(self) -> list[tuple[str, Mistake]]:
+        """A name no rule mentions, close to a rule's name no spec uses: a typo."""
+        used = {name for _, res in self.resolved for name in res.names or ()}
+        found = []
+        for path, res in self.resolved:
+            said = close_to_unused(res.unmentioned, self.rules, used) if res.unmentioned else None
+            if said is not None:
+                found.append((f"the array at {at('x', path)}", Mistake(ValueError, said)))
+        return found
 
 
 @public

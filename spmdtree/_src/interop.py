@@ -1,16 +1,13 @@
-"""Meeting trees where they are: flax's boxes, and unannotated trees (tactics).
+"""flax interop: `from_flax` converts flax.linen's boxes and flax.nnx Variables.
 
 spmdtree never reads another library's boxes as plain containers (every
-function refuses them: see `boxes.refuse_foreign`); `from_flax` converts them.
-`fsdp` names the arrays of a tree nobody annotated, the way big_vision and
-PyTorch's FSDP shard them.
+function refuses them: see `boxes.refuse_foreign`); `from_flax` converts them,
+reading their names as flax itself reads them.
 """
 
 from __future__ import annotations
 
-import math
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -25,7 +22,13 @@ from spmdtree._src.boxes import (
     shape_of,
 )
 from spmdtree._src.errors import Mistake, public
-from spmdtree._src.rules import AnyMesh, Names, check_mesh, flax_rules, normalize_names
+from spmdtree._src.resolve import (
+    flax_rules,
+)
+from spmdtree._src.rules import (
+    Names,
+    normalize_names,
+)
 from spmdtree._src.trees import KeyPath, each_leaf
 
 
@@ -138,59 +141,3 @@ def from_flax(tree: Any) -> Any:
             stacklevel=3,
         )
     return converted
-
-
-@public
-def fsdp(
-    mesh: AnyMesh, axis: str = "fsdp", *, min_size: int = 2**14
-) -> Callable[[KeyPath, Any], Names | None]:
-    """A names function for `box`: FSDP, the tactic of big_vision and PyTorch's FSDP.
-
-    An array with at least `min_size` elements gets `axis` on its largest
-    dimension that the axis's size divides; among equally large ones, the
-    first (outermost), as PyTorch's FSDP shards dimension 0. Smaller arrays,
-    and arrays no dimension of which the axis divides, stay unboxed, so
-    replicated. The chosen dimension is named by the mesh-axis tuple
-    ``(axis,)``, which both box kinds take as written: `fsdp` also serves as
-    the ``default`` of `match` patterns that give logical names.
-
-    Args:
-        mesh: the mesh (or abstract mesh) whose `axis` shards the arrays.
-        axis: the mesh axis to shard over.
-        min_size: the fewest elements an array needs to be sharded.
-
-    Returns:
-        A function ``(key_path, leaf) -> names | None`` for `box`.
-
-    Raises:
-        ValueError: at once, if `axis` is not an axis of `mesh`.
-
-    Example:
-        >>> import jax, spmdtree as st
-        >>> mesh = jax.sharding.AbstractMesh((8,), ("fsdp",))
-        >>> tree = {"w": jax.ShapeDtypeStruct((768, 3072), "float32"),
-        ...         "b": jax.ShapeDtypeStruct((3072,), "float32")}
-        >>> boxed = st.box(tree, st.fsdp(mesh))
-        >>> boxed["w"].names, st.is_boxed(boxed["b"])  # b is too small to shard
-        ((None, ('fsdp',)), False)
-    """
-    check_mesh(mesh)
-    if axis not in mesh.axis_names:
-        raise Mistake(
-            ValueError,
-            f"axis {axis!r} is not an axis of the mesh, whose axes are "
-            f"{tuple(mesh.axis_names)}. Pass one of them as axis=.",
-        )
-    size = dict(mesh.shape)[axis]
-
-    def names_for(path: KeyPath, leaf: Any) -> Names | None:
-        shape = shape_of(leaf) or ()
-        if math.prod(shape) < min_size:
-            return None
-        fits = [d for d in range(len(shape)) if shape[d] % size == 0]
-        if not fits:
-            return None
-        chosen = max(fits, key=lambda d: (shape[d], -d))  # the largest; the first of ties
-        return tuple((axis,) if d == chosen else None for d in range(len(shape)))
-
-    return names_for

@@ -16,7 +16,12 @@ import jax
 from jax.sharding import Mesh
 
 from spmdtree._src.errors import public
-from spmdtree._src.rules import RulesLike, check_mesh
+from spmdtree._src.resolve import (
+    check_mesh,
+)
+from spmdtree._src.rules import (
+    RulesLike,
+)
 from spmdtree._src.specs import ParamIndex, resolve_tree, shardings
 
 

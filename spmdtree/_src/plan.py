@@ -1,6 +1,6 @@
 """The sharding plan as data: what each array gets, why, and what it costs.
 
-`plan` computes; `describe` (in report) renders. Nothing is allocated: a plan
+`plan` computes; `text` renders (`describe`, `str`). Nothing is allocated: a plan
 works on `jax.eval_shape` output and on a `jax.sharding.AbstractMesh`, so a
 2,048-chip job is planned on a laptop. Its figures are exact: a device holds
 exactly `device_bytes` of an array under these shardings.
@@ -18,50 +18,33 @@ from jax.sharding import PartitionSpec
 
 from spmdtree._src.boxes import AxisMetadata, dtype_of, leaf_test, shape_of
 from spmdtree._src.errors import Mistake, public
-from spmdtree._src.rules import (
+from spmdtree._src.resolve import (
     AMBIGUOUS,
     FEWER_DIMENSIONS,
     INDIVISIBLE,
     PLACEHOLDER,
-    UNCONSTRAINED,
-    AnyMesh,
     Dim,
-    Names,
     Resolution,
-    RulesLike,
     axes_of,
 )
+from spmdtree._src.rules import (
+    UNCONSTRAINED,
+    AnyMesh,
+    Names,
+    RulesLike,
+)
 from spmdtree._src.specs import Nested, Walk, resolve_tree
+from spmdtree._src.text import (
+    FALLBACK,
+    UNMENTIONED,
+    diff_table,
+    entries_text,
+    plan_table,
+    shape_text,
+    size_text,
+)
 
 _VALUE = jax.tree_util.GetAttrKey("value")
-
-
-def size_text(n: int) -> str:
-    """Bytes as people read them: ``24 B``, ``1.0 KiB``, ``2.5 GiB``."""
-    amount = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if amount < 1024 or unit == "GiB":
-            return f"{n} {unit}" if unit == "B" else f"{amount:.1f} {unit}"
-        amount /= 1024
-    raise AssertionError("unreachable")
-
-
-def entries_text(entries: Any, count: int) -> str:
-    """Names or a spec as ``embed,mlp`` (None ``-``, UNCONSTRAINED ``?``), padded to `count`."""
-
-    def one(entry: Any) -> str:
-        if entry is None:
-            return "-"
-        if entry is UNCONSTRAINED:
-            return "?"
-        return entry if isinstance(entry, str) else "+".join(entry)
-
-    padded = tuple(entries) + (None,) * (count - len(tuple(entries)))
-    return ",".join(one(e) for e in padded)
-
-
-def shape_text(shape: tuple[int, ...]) -> str:
-    return "[" + ",".join(map(str, shape)) + "]"
 
 
 class PlanRow(NamedTuple):
@@ -161,8 +144,6 @@ class PlanDiff:
     received_bytes: int
 
     def __str__(self) -> str:
-        from spmdtree._src.report import diff_table  # rendering lives above, in report
-
         return diff_table(self)
 
 
@@ -240,8 +221,6 @@ class Plan:
         return _diff(self, other)
 
     def __str__(self) -> str:
-        from spmdtree._src.report import plan_table  # rendering lives above, in report
-
         return plan_table(self)
 
 
@@ -388,13 +367,6 @@ def _template(
     if sizes and shard == shape and total >= large and math.prod(shape) > 1:
         flags.append(f"{size_text(total)} replicated on every device")
     return shape, dtype, names, res.spec, shard, total, device, tuple(flags), _why(res, shape)
-
-
-#: How the flag of a logical name that no rule mentions begins.
-UNMENTIONED = "no rule mentions"
-
-#: How the flag of a reduced state that no param resolved begins.
-FALLBACK = "replicated by a fallback"
 
 
 def _fallback_flags(res: Resolution, shape: tuple[int, ...], names: Names | None) -> list[str]:

@@ -29,17 +29,20 @@ import jax
 import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
-from spmdtree._src.boxes import dtype_of, shape_of, short_value
+from spmdtree._src.boxes import dtype_of, shape_of
 from spmdtree._src.errors import Mistake, public
-from spmdtree._src.plan import Plan, planned_walk, size_text
-from spmdtree._src.rules import (
-    AnyMesh,
+from spmdtree._src.plan import Plan, planned_walk
+from spmdtree._src.resolve import (
     Resolution,
-    RulesLike,
     check_mesh,
-    logical_axis_rules,
     named_sharding,
 )
+from spmdtree._src.rules import (
+    AnyMesh,
+    RulesLike,
+    logical_axis_rules,
+)
+from spmdtree._src.text import short_value, step_table
 
 #: The collectives counted, in the order rows are listed.
 KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
@@ -137,39 +140,6 @@ class StepPlan:
 
     def __str__(self) -> str:
         return step_table(self)
-
-
-def step_table(step: StepPlan) -> str:
-    """The table of a `StepPlan`: memory per device, collectives, the inputs."""
-    axes = ", ".join(f"{name} {size}" for name, size in step.mesh.shape.items())
-    devices = math.prod(step.mesh.shape.values())
-    estimate = " (an estimate of an accelerator's)" if step.backend == "cpu" else ""
-    memory = [
-        ("arguments", step.argument_bytes, ""),
-        ("outputs", step.output_bytes, ""),
-        ("aliased", -step.alias_bytes, "outputs in donated buffers"),
-        ("temporaries", step.temp_bytes, "activations and scratch"),
-        ("peak", step.peak_bytes, "arguments + outputs - aliased + temporaries"),
-    ]
-    lines = [
-        f"step on {devices} device{'' if devices == 1 else 's'} ({axes}), compiled for {step.backend}{estimate} "
-        f"in {step.compile_seconds:.1f} s",
-        "memory per device",
-    ]
-    for label, amount, note in memory:
-        text = size_text(abs(amount))
-        text = f"-{text}" if amount < 0 else text
-        lines.append(f"  {label:<12}{text:>11}" + (f"  {note}" if note else ""))
-    lines.append("collectives per step" + ("" if step.collectives else ": none"))
-    for row in step.collectives:
-        lines.append(f"  {row.kind:<19}{row.count:>6} x  {size_text(row.bytes):>11} in all")
-    noun = "array" if len(step.inputs.rows) == 1 else "arrays"
-    lines.append(
-        f"inputs  {len(step.inputs.rows)} {noun}, {size_text(step.inputs.device_bytes)} on "
-        "the most loaded device (st.plan counts these only)"
-    )
-    lines += [f"! {flag}" for flag in step.flags]
-    return "\n".join(lines)
 
 
 @public

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeAlias
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -31,23 +31,25 @@ from spmdtree._src.boxes import (
     shape_of,
 )
 from spmdtree._src.errors import Mistake, public
-from spmdtree._src.rules import (
+from spmdtree._src.resolve import (
     AMBIGUOUS,
     FEWER_DIMENSIONS,
     REPLICATED,
     USED,
-    AnyMesh,
     Kept,
-    MeshShape,
-    Names,
     Resolution,
-    Rules,
-    RulesLike,
     axes_of,
     check_mesh,
     close_to_unused,
     mesh_shape_of,
     named_sharding,
+)
+from spmdtree._src.rules import (
+    AnyMesh,
+    MeshShape,
+    Names,
+    Rules,
+    RulesLike,
     rules_or_context,
 )
 from spmdtree._src.trees import each_leaf, is_boxed, map_leaves
@@ -254,9 +256,12 @@ def resolve_tree(
     unless `lenient` (the plan reports it instead); with `strict`, so is any
     dimension left unsharded. With `params`, a box with fewer dimensions than
     names resolves through the param it came from (`ParamIndex`) and keeps the
-    mesh axes of the dimensions it kept (`kept_dimensions`). `flat` is
-    ``(leaves, treedef)`` of `tree` (boxes as leaves), for a caller that has
-    flattened it already.
+    mesh axes of the dimensions it kept (`kept_dimensions`). With `placed`, an
+    array in no box that carries a `NamedSharding` (a placed array, a
+    `jax.ShapeDtypeStruct` with a sharding) keeps its spec instead of being
+    replicated. `flat` is ``(leaves, treedef)`` of `tree` (boxes as leaves),
+    for a caller that has flattened it already; `argument` names `tree` in
+    messages.
 
     Raises:
         Mistake: naming the key path of every wrong leaf.
@@ -268,97 +273,74 @@ def resolve_tree(
         mesh = _boxes_mesh(leaves)
     if mesh is None:
         mesh = context_mesh()
-    mesh_shape = None if mesh is None else mesh_shape_of(mesh)
     index = params if params is None or isinstance(params, ParamIndex) else ParamIndex(params)
-    paths: list[tuple[Any, ...]] = []
-    memo: dict[Any, Resolution] = {}
+    resolver = Resolver(tree, normal, mesh, index, strict=strict, lenient=lenient, placed=placed)
+    resolutions = each_leaf(resolver.fast, tree, leaves, range(len(leaves)), argument=argument)
+    _check_typos(tree, resolutions, normal, argument)
+    return Walk(tree, leaves, treedef, resolutions, mesh)
 
-    def resolved(kind: type[Partitioned], meta: Meta, shape: tuple[int, ...]) -> Resolution:
-        key = (kind, meta, shape)
-        found = memo.get(key)
-        if found is None:
-            found = memo[key] = box_resolution(
-                kind, meta, shape, rules=normal, mesh_shape=mesh_shape
-            )
-        return found
 
-    def through_params(
-        index: ParamIndex,
-        kind: type[Partitioned],
-        meta: Meta,
-        shape: tuple[int, ...],
-        at: tuple[int, int | None],
-    ) -> Resolution:
-        if not paths:  # the key paths, once, and only for a reduced state
-            found_paths = jax.tree_util.tree_flatten_with_path(tree, is_leaf=leaf_test())[0]
-            paths.extend(tuple(path) for path, _ in found_paths)
-        param_shape = index.shape_for(paths[at[0]], meta.names)
-        if param_shape is None:
-            return Resolution(
-                PartitionSpec(),
-                meta.names,
-                kind.logical,
-                (),
-                FEWER_DIMENSIONS,
-                _unmatched(meta.names, shape),
-            )
-        if param_shape is AMBIGUOUS:
-            return Resolution(PartitionSpec(), meta.names, kind.logical, (), AMBIGUOUS)
-        key = (kind, meta, shape, param_shape, at[1])
-        found = memo.get(key)
-        if found is None:
-            found = memo[key] = kept_resolution(kind, meta, shape, param_shape, at[1])
-        return found
+#: A leaf's position: its index among the tree's leaves, and its index in a
+#: per-dimension sequence (SM3's accumulators), if it is in one.
+At: TypeAlias = tuple[int, int | None]
 
-    def kept_resolution(
-        kind: type[Partitioned],
-        meta: Meta,
-        shape: tuple[int, ...],
-        param_shape: tuple[int, ...],
-        position: int | None,
-    ) -> Resolution:
-        dims = kept_dimensions(shape, param_shape, position)
-        kept = Kept(meta.names, param_shape, dims)
-        if dims is None:
-            return Resolution(PartitionSpec(), meta.names, kind.logical, (), AMBIGUOUS, kept=kept)
-        found = resolved(kind, meta._replace(names=tuple(meta.names[d] for d in dims)), shape)
-        return dataclasses.replace(found, kept=kept)
 
-    def of_box(
-        kind: type[Partitioned], meta: Meta, shape: tuple[int, ...], at: tuple[int, int | None]
-    ) -> Resolution:
-        found = resolved(kind, meta, shape)
-        if found.fallback == FEWER_DIMENSIONS and index is not None:
-            found = through_params(index, kind, meta, shape, at)
-        problem = found.strict_problem() if strict else found.problem
-        if problem is not None and not lenient:
-            raise Mistake(ValueError, problem)
-        return found
+class Resolver:
+    """The state of one resolution pass: the call's rules, mesh and params, and a
+    memo of resolutions by (box kind, metadata, shape)."""
 
-    def one(
-        leaf: Any, named: tuple[type[Partitioned], Meta] | None, at: tuple[int, int | None]
-    ) -> Any:
+    def __init__(
+        self,
+        tree: Any,
+        rules: Rules,
+        mesh: AnyMesh | None,
+        index: ParamIndex | None,
+        *,
+        strict: bool,
+        lenient: bool,
+        placed: bool,
+    ) -> None:
+        self.tree, self.rules, self.mesh, self.index = tree, rules, mesh, index
+        self.mesh_shape = None if mesh is None else mesh_shape_of(mesh)
+        self.strict, self.lenient, self.placed = strict, lenient, placed
+        self.memo: dict[Any, Resolution] = {}
+        self.paths: list[tuple[Any, ...]] = []
+
+    def fast(self, leaf: Any, i: int) -> Any:
+        """The common case (a box of an array whose metadata and shape were seen)
+        with one lookup: layers repeat, so most leaves take this path."""
+        if isinstance(leaf, Partitioned):
+            (value,), meta = leaf._tree
+            found = self.memo.get((type(leaf), meta, getattr(value, "shape", None)))
+            plain = found is not None and meta.mesh is None and found.fallback is None
+            if plain and not self.strict:
+                return found
+        return self.one(leaf, None, (i, None))
+
+    def one(self, leaf: Any, named: tuple[type[Partitioned], Meta] | None, at: At) -> Any:
+        """What a leaf resolves to (see `Walk`); `named` is the box around it, if any."""
         if isinstance(leaf, Partitioned):
             (value,), meta = leaf._tree
             if meta.mesh is not None:
-                check_box_mesh(meta, mesh)
+                check_box_mesh(meta, self.mesh)
             shape = shape_of(value)
             if shape is None:
-                return nested(value, (type(leaf), meta), at[0])
-            return of_box(type(leaf), meta, shape, at)
+                return self.nested(value, (type(leaf), meta), at[0])
+            return self.of_box(type(leaf), meta, shape, at)
         if isinstance(leaf, AxisMetadata):
             value = leaf.unbox()
-            return REPLICATED if is_array(value) else nested(value, named, at[0])
+            return REPLICATED if is_array(value) else self.nested(value, named, at[0])
         if foreign_kind(leaf) is not None:
             refuse_foreign(leaf)
         shape = shape_of(leaf)
         if shape is None:
             return None
         if named is not None:
-            return of_box(*named, shape, at)
-        return placed_resolution(leaf, mesh_shape) if placed else REPLICATED
+            return self.of_box(*named, shape, at)
+        return placed_resolution(leaf, self.mesh_shape) if self.placed else REPLICATED
 
-    def nested(value: Any, named: tuple[type[Partitioned], Meta] | None, i: int) -> Any:
+    def nested(self, value: Any, named: tuple[type[Partitioned], Meta] | None, i: int) -> Any:
+        """A box holding a subtree: PASS if it holds no array, else `Nested`."""
         if not holds_array(value):
             return PASS
         inner, inner_def = jax.tree.flatten(value, is_leaf=leaf_test())
@@ -368,22 +350,70 @@ def resolve_tree(
         return Nested(
             inner,
             inner_def,
-            [one(x, named, (i, j if per_dimension else None)) for j, x in enumerate(inner)],
+            [self.one(x, named, (i, j if per_dimension else None)) for j, x in enumerate(inner)],
         )
 
-    def fast(leaf: Any, i: int) -> Any:
-        # The common case (a box of an array whose metadata and shape were seen)
-        # without function calls: layers repeat, so most leaves take this path.
-        if isinstance(leaf, Partitioned):
-            (value,), meta = leaf._tree
-            found = memo.get((type(leaf), meta, getattr(value, "shape", None)))
-            if found is not None and meta.mesh is None and found.fallback is None and not strict:
-                return found
-        return one(leaf, None, (i, None))
+    def of_box(self, kind: type[Partitioned], meta: Meta, shape: tuple[int, ...], at: At) -> Any:
+        """A box's resolution; its problem raised unless lenient."""
+        found = self.resolved(kind, meta, shape)
+        if found.fallback == FEWER_DIMENSIONS and self.index is not None:
+            found = self.through_params(self.index, kind, meta, shape, at)
+        problem = found.strict_problem() if self.strict else found.problem
+        if problem is not None and not self.lenient:
+            raise Mistake(ValueError, problem)
+        return found
 
-    resolutions = each_leaf(fast, tree, leaves, range(len(leaves)), argument=argument)
-    _check_typos(tree, resolutions, normal, argument)
-    return Walk(tree, leaves, treedef, resolutions, mesh)
+    def resolved(self, kind: type[Partitioned], meta: Meta, shape: tuple[int, ...]) -> Resolution:
+        """`box_resolution`, once per distinct (kind, metadata, shape)."""
+        key = (kind, meta, shape)
+        found = self.memo.get(key)
+        if found is None:
+            found = self.memo[key] = box_resolution(
+                kind, meta, shape, rules=self.rules, mesh_shape=self.mesh_shape
+            )
+        return found
+
+    def through_params(
+        self,
+        index: ParamIndex,
+        kind: type[Partitioned],
+        meta: Meta,
+        shape: tuple[int, ...],
+        at: At,
+    ) -> Resolution:
+        """A reduced state's resolution, through the param it came from."""
+        if not self.paths:  # the key paths, once, and only for a reduced state
+            found_paths = jax.tree_util.tree_flatten_with_path(self.tree, is_leaf=leaf_test())[0]
+            self.paths.extend(tuple(path) for path, _ in found_paths)
+        param_shape = index.shape_for(self.paths[at[0]], meta.names)
+        if param_shape is None:
+            problem = _unmatched(meta.names, shape)
+            return Resolution(
+                PartitionSpec(), meta.names, kind.logical, (), FEWER_DIMENSIONS, problem
+            )
+        if param_shape is AMBIGUOUS:
+            return Resolution(PartitionSpec(), meta.names, kind.logical, (), AMBIGUOUS)
+        key = (kind, meta, shape, param_shape, at[1])
+        found = self.memo.get(key)
+        if found is None:
+            found = self.memo[key] = self.kept(kind, meta, shape, param_shape, at[1])
+        return found
+
+    def kept(
+        self,
+        kind: type[Partitioned],
+        meta: Meta,
+        shape: tuple[int, ...],
+        param_shape: tuple[int, ...],
+        position: int | None,
+    ) -> Resolution:
+        """The resolution of the names of the param dimensions a state kept."""
+        dims = kept_dimensions(shape, param_shape, position)
+        kept = Kept(meta.names, param_shape, dims)
+        if dims is None:
+            return Resolution(PartitionSpec(), meta.names, kind.logical, (), AMBIGUOUS, kept=kept)
+        found = self.resolved(kind, meta._replace(names=tuple(meta.names[d] for d in dims)), shape)
+        return dataclasses.replace(found, kept=kept)
 
 
 def _check_typos(tree: Any, resolutions: list[Any], rules: Rules, argument: str) -> None:

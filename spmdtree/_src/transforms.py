@@ -16,7 +16,12 @@ from typing import Any
 import jax
 
 from spmdtree._src.errors import public
-from spmdtree._src.rules import RulesLike, check_mesh
+from spmdtree._src.resolve import (
+    check_mesh,
+)
+from spmdtree._src.rules import (
+    RulesLike,
+)
 from spmdtree._src.specs import resolve_tree, shardings
 from spmdtree._src.trees import change_axes
 

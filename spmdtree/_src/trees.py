@@ -5,37 +5,35 @@ Every function returns a new tree; nothing mutates its input.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Sequence
 from typing import Any, TypeAlias, cast
 
 import jax
 from jax import tree_util
 
-from spmdtree._src import registry
 from spmdtree._src.boxes import (
     PARTITION_NAME,
     AxisMetadata,
     LogicallyPartitioned,
     Meta,
     Partitioned,
-    checked_names,
     delete_name,
     foreign_kind,
     insert_name,
     is_array,
     leaf_test,
+    make_box,
     partition_name,
     refuse_foreign,
     shape_of,
 )
 from spmdtree._src.errors import Mistake, at, fmt, public, raise_collected
+from spmdtree._src.resolve import (
+    check_mesh,
+)
 from spmdtree._src.rules import (
     AnyMesh,
-    Names,
     RulesLike,
-    check_mesh,
-    normalize_names,
     normalize_rules,
 )
 
@@ -263,7 +261,7 @@ def _box_one(cls: type[Partitioned], leaf: Any, names: Any, meta: Meta) -> Any:
             TypeError,
             f"is {fmt(leaf)}, not an array, so it cannot be boxed; give it None in `names`.",
         )
-    return registry.rebuild(cls, leaf, meta._replace(names=checked_names(leaf, names)))
+    return make_box(cls, leaf, meta._replace(names=names))
 
 
 def _names_from_function(fn: NamesFn, paths_leaves: Sequence[tuple[Any, Any]]) -> list[Any]:
@@ -290,92 +288,6 @@ def _names_from_tree(treedef: Any, names: Any) -> list[Any]:
             f"{str(e).rstrip('.')}. `tree` has the structure {fmt(expected)} (* marks a "
             "leaf). Or pass a function (path, leaf) -> names, e.g. st.match([...]).",
         ) from None
-
-
-@public
-def match(
-    patterns: Sequence[tuple[str, Any]],
-    *,
-    strict: bool = False,
-    default: NamesFn | None = None,
-) -> Callable[[KeyPath, Any], Names | None]:
-    """A names function for `box` from ``[(regex, names), ...]`` over key paths.
-
-    Each leaf's key path is joined with ``/`` (``params/dense/kernel``) and
-    matched with `re.search` against the patterns in order; the first match
-    gives the names (None: leave the leaf unboxed). A leaf no pattern matches
-    gets ``default(path, leaf)`` — a tactic such as `fsdp` — else stays
-    unboxed (``strict=True``: an error). For params that come from elsewhere:
-    a checkpoint, another library, a model nobody annotated.
-
-    Args:
-        patterns: ``(regex, names)`` pairs, tried in order.
-        strict: raise for a leaf that no pattern matches (and no `default`
-            names), instead of leaving it unboxed.
-        default: a names function for the leaves no pattern matches.
-
-    Returns:
-        A function ``(key_path, leaf) -> names | None`` to pass to `box`.
-
-    Raises:
-        ValueError: at once if a regex is invalid; from `box`, with
-            ``strict=True``, listing the paths no pattern matches.
-        TypeError: at once if names are of the wrong kind.
-
-    Example:
-        >>> import jax.numpy as jnp, spmdtree as st
-        >>> params = {"dense": {"kernel": jnp.zeros((4, 8)), "bias": jnp.zeros(8)}}
-        >>> rule = st.match([(r"kernel$", ("embed", "mlp")), (r"bias$", ("mlp",))])
-        >>> st.box(params, rule, logical=True)["dense"]["kernel"]
-        LogicallyPartitioned(f32[4,8], names=('embed', 'mlp'))
-        >>> rule = st.match([(r"bias$", None)], default=lambda path, leaf: ("embed", None))
-        >>> st.box(params, rule, logical=True)["dense"]["kernel"].names
-        ('embed', None)
-    """
-    if default is not None and not callable(default):
-        raise Mistake(
-            TypeError,
-            f"default is {fmt(default)}; expected a names function (path, leaf) -> names, "
-            "e.g. st.fsdp(mesh).",
-        )
-    compiled = []
-    for i, pattern in enumerate(patterns):
-        if not isinstance(pattern, (tuple, list)) or len(pattern) != 2:
-            raise Mistake(
-                TypeError,
-                f"pattern {i} is {fmt(pattern)}; each pattern is a pair (regex, names), "
-                "e.g. (r'kernel$', ('embed', 'mlp')).",
-            )
-        regex, names = pattern
-        try:
-            compiled.append((re.compile(regex), None if names is None else normalize_names(names)))
-        except re.error as e:
-            raise Mistake(
-                ValueError,
-                f"pattern {i}, {regex!r}, is not a valid regular expression: {e}. Escape "
-                "special characters with re.escape if you meant them literally.",
-            ) from None
-        except Mistake as mistake:
-            raise Mistake(mistake.kind, f"pattern {i} ({regex!r}) {mistake.message}") from None
-    shown = [regex.pattern for regex, _ in compiled]
-
-    def names_for(path: KeyPath, leaf: Any) -> Names | None:
-        text = tree_util.keystr(tuple(path), simple=True, separator="/")
-        for regex, names in compiled:
-            if regex.search(text):
-                return names
-        if default is not None:
-            return default(path, leaf)
-        if strict:
-            raise Mistake(
-                ValueError,
-                f"(path {text!r}) matches none of the patterns {shown}. Add a "
-                f"pattern for it, e.g. ({re.escape(text) + '$'!r}, None) to leave "
-                "it unboxed, or pass strict=False.",
-            )
-        return None
-
-    return names_for
 
 
 @public

@@ -1,0 +1,635 @@
+"""Resolution: names and rules become a mesh spec, with the record of how.
+
+`resolve` is the one place where names become a mesh spec. It records what
+happened to each dimension (`Dim`): the rule that served it, the rules passed
+over and why; `strict`, `describe` and the plan's reasons read that record.
+The mesh helpers and flax's public `logical_to_mesh*` functions live here too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import enum
+import math
+import sys
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from spmdtree._src.errors import Mistake, at, fmt, public, raise_collected
+from spmdtree._src.rules import (
+    UNCONSTRAINED,
+    AnyMesh,
+    AxisName,
+    MeshShape,
+    Names,
+    Rules,
+    RulesLike,
+    normalize_names,
+    rules_or_context,
+)
+
+# --- meshes ------------------------------------------------------------------
+
+
+def check_mesh(mesh: Any, *, optional: bool = False) -> None:
+    """Raises a Mistake unless `mesh` is a Mesh or AbstractMesh (or None, if optional)."""
+    if mesh is None and optional:
+        return
+    if not isinstance(mesh, (Mesh, jax.sharding.AbstractMesh)):
+        raise Mistake(
+            TypeError,
+            f"mesh is {fmt(mesh)}; expected a jax.sharding.Mesh, e.g. "
+            "jax.make_mesh((2, 4), ('data', 'model')).",
+        )
+    if mesh.empty:
+        raise Mistake(
+            ValueError,
+            f"mesh {mesh} has no axes; build one with jax.make_mesh((2, 4), ('data', 'model')).",
+        )
+
+
+def mesh_shape_of(mesh: AnyMesh) -> MeshShape:
+    """The ``((axis, size), ...)`` of a mesh."""
+    return tuple(mesh.shape.items())
+
+
+def named_sharding(mesh: AnyMesh, spec: PartitionSpec) -> NamedSharding:
+    """A `NamedSharding`; UNCONSTRAINED entries become None, since `jax.jit` and
+    `jax.device_put` accept them only in constraints."""
+    if any(entry is UNCONSTRAINED for entry in spec):
+        spec = PartitionSpec(*(None if e is UNCONSTRAINED else e for e in spec))
+    return NamedSharding(mesh, spec)
+
+
+# --- resolution ----------------------------------------------------------------
+
+#: Why a rule (or a box's own mesh axes) was passed over for a dimension.
+USED, INDIVISIBLE = "used", "indivisible"
+#: Why a whole array is replicated although boxed.
+PLACEHOLDER, FEWER_DIMENSIONS, AMBIGUOUS = "placeholder", "fewer dimensions", "ambiguous"
+
+
+class Passed(NamedTuple):
+    """Mesh axes passed over for a dimension: those of rule `rule` (None: the
+    names themselves), of total size `size`, because `reason` (USED: an axis
+    already shards dimension `by`; INDIVISIBLE: `size` does not divide it)."""
+
+    rule: int | None
+    axes: Any
+    size: int
+    reason: str
+    by: int | None = None
+
+
+class Dim(NamedTuple):
+    """What one dimension got: its name as written, its size (None if unknown),
+    the mesh axes it ended with, the rule that gave them (logical names), and
+    the candidates passed over."""
+
+    name: AxisName
+    size: int | None
+    axes: Any
+    rule: int | None = None
+    passed: tuple[Passed, ...] = ()
+
+    @property
+    def indivisible(self) -> bool:
+        """Left unsharded although some candidate's mesh axes would shard it but
+        for its size."""
+        return (
+            self.axes is None
+            and self.rule is None
+            and any(p.reason == INDIVISIBLE for p in self.passed)
+        )
+
+
+class Kept(NamedTuple):
+    """A reduced state resolved through its param: the param's names and shape,
+    and which of its dimensions the state kept (None: ambiguous)."""
+
+    names: Names
+    shape: tuple[int, ...]
+    dims: tuple[int, ...] | None
+
+
+# eq=False: resolutions are shared between equal leaves and compared by identity.
+@dataclasses.dataclass(frozen=True, eq=False)
+class Resolution:
+    """The mesh spec of one array, and the record of how it was reached.
+
+    Attributes:
+        spec: the mesh `PartitionSpec` (UNCONSTRAINED entries kept).
+        names: the names resolved (None for an array in no box).
+        logical: whether they are logical names.
+        dims: per dimension, what it got and why (empty if the rank differs).
+        fallback: why the whole array is replicated although boxed
+            (PLACEHOLDER, FEWER_DIMENSIONS, AMBIGUOUS), or None.
+        problem: a mistake to raise (all but the plan raise it), or None.
+        kept: for a reduced state resolved through `params=`, where from.
+        unmentioned: logical names that no rule mentions (left unsharded,
+            as flax leaves them; flagged by the plan, an error when strict).
+    """
+
+    spec: PartitionSpec
+    names: Names | None = None
+    logical: bool = False
+    dims: tuple[Dim, ...] = ()
+    fallback: str | None = None
+    problem: str | None = None
+    kept: Kept | None = None
+    unmentioned: tuple[str, ...] = ()
+
+    @property
+    def unmatched(self) -> tuple[str, ...]:
+        """Logical names that no applicable rule mapped."""
+        return tuple(
+            d.name for d in self.dims if self.logical and type(d.name) is str and d.rule is None
+        )
+
+    @property
+    def indivisible(self) -> tuple[int, ...]:
+        """Dimensions left unsharded because the candidates' mesh axes do not divide them."""
+        return tuple(i for i, d in enumerate(self.dims) if d.indivisible)
+
+    def strict_problem(self) -> str | None:
+        """Why ``strict=True`` refuses this resolution, or None."""
+        if self.fallback == AMBIGUOUS:
+            return (
+                f"has names {self.names}, and which dimensions of its param it kept is "
+                "ambiguous, so it would be replicated. Pass strict=False to replicate it."
+            )
+        if self.problem is None and self.unmentioned:
+            return (
+                f"has logical names {self.names}, and no rule mentions "
+                f"{_quoted(self.unmentioned)}, so it would be left unsharded. Add "
+                f"({self.unmentioned[0]!r}, None) to the rules to say it is replicated, or "
+                "a rule that shards it, or pass strict=False."
+            )
+        if self.problem is not None or not self.indivisible:
+            return self.problem
+        dim = self.dims[self.indivisible[0]]
+        candidates = [p for p in dim.passed if p.reason == INDIVISIBLE]
+        if candidates[0].rule is None:
+            tried = f"mesh axes {candidates[0].axes!r} of total size {candidates[0].size}"
+        else:
+            listed = ", ".join(f"{p.axes!r}: size {p.size}" for p in candidates)
+            tried = f"the mesh axes of every rule for it ({listed})"
+        return (
+            f"has names {self.names} and shape {tuple(d.size for d in self.dims)}: dimension "
+            f"{self.indivisible[0]} ({dim.name!r}) has size {dim.size}, which {tried} do "
+            "not divide, so it would be left unsharded. Pick a size the mesh axes divide, "
+            "add a rule whose axes do, or pass strict=False to leave it unsharded."
+        )
+
+
+REPLICATED = Resolution(PartitionSpec())
+
+
+def axes_of(entry: Any) -> tuple[str, ...]:
+    """The mesh axis names an entry of a spec uses."""
+    if isinstance(entry, str):
+        return (entry,)
+    return entry if isinstance(entry, tuple) else ()
+
+
+def _not_in_mesh(axis: str, mesh_shape: MeshShape) -> str:
+    """`axis` is not in the mesh: the mesh's axes, and the closest one if any is close."""
+    axes = ", ".join(f"{name!r} (size {size})" for name, size in mesh_shape)
+    close = difflib.get_close_matches(axis, [name for name, _ in mesh_shape], n=1, cutoff=0.5)
+    guess = f" Did you mean {close[0]!r}?" if close else ""
+    return f"mesh axis {axis!r}, which is not in the mesh; its axes are {axes}.{guess}"
+
+
+def fewer_dimensions(names: Names, shape: tuple[int, ...]) -> str:
+    """Why a value with fewer dimensions than names cannot be resolved alone, and the fixes."""
+    return (
+        f"has {len(names)} names {names} for a value of shape {shape}, which has "
+        "fewer dimensions. Either it is a param stacked over layers seen inside a "
+        "plain jax.lax.scan or jax.vmap, whose names still include the stacked "
+        "axis: use st.scan or st.vmap, or st.remove_axis(tree, 0, 'layers'); or it "
+        "is a reduced optimizer state (adafactor, SM3): pass the params it came "
+        "from with params=, or use st.optimizer_sharding."
+    )
+
+
+def resolve(
+    names: Names,
+    shape: tuple[int, ...] | None,
+    *,
+    logical: bool,
+    rules: Rules,
+    mesh_shape: MeshShape | None,
+) -> Resolution:
+    """How `names` resolve for an array of `shape` on a mesh of `mesh_shape`.
+
+    Logical names go through `rules` by flax's priority algorithm; mesh axis
+    names are taken as written. Without a mesh nothing about the mesh or the
+    shape is checked; without a shape nothing about the shape is.
+
+    Raises:
+        Mistake: for names that cannot be right for this array on this mesh.
+    """
+    if shape is not None and len(shape) != len(names):
+        return _rank_differs(names, shape, logical)
+    sizes = None if mesh_shape is None else dict(mesh_shape)
+    dims = [Dim(name, None if shape is None else shape[i], name) for i, name in enumerate(names)]
+    unmentioned: tuple[str, ...] = ()
+    if logical:
+        _check_duplicates(names)
+        _apply_rules(dims, rules, sizes, mesh_shape)
+        if mesh_shape is not None:  # mesh-axis tuples among logical names are checked alike
+            _check_mesh_axes(names, dims, sizes, mesh_shape, only=tuple)
+        unmentioned = unmentioned_names(names, rules)
+    else:
+        _check_mesh_axes(names, dims, sizes, mesh_shape, only=object)
+    spec = PartitionSpec(*(d.axes for d in dims))
+    return Resolution(spec, names, logical, tuple(dims), unmentioned=unmentioned)
+
+
+def unmentioned_names(names: Names, rules: Rules) -> tuple[str, ...]:
+    """The logical names among `names` that no rule mentions."""
+    mentioned = {name for name, _ in rules}
+    return tuple(name for name in names if type(name) is str and name not in mentioned)
+
+
+def _quoted(names: Sequence[str]) -> str:
+    return ", ".join(repr(name) for name in names)
+
+
+def flax_rules() -> Rules:
+    """The rules in flax's own logical-axis-rules context (``nn.logical_axis_rules``),
+    read without importing flax: () unless flax is loaded and they are set."""
+    spmd = sys.modules.get("flax.core.spmd")
+    found = None if spmd is None else spmd.get_logical_axis_rules()
+    return tuple((name, target) for name, target in found or ())
+
+
+def check_mentioned(names: Names, rules: Rules, mesh_shape: MeshShape | None) -> None:
+    """Logical names that cannot mean "replicated": none read without any rules
+    in effect, and none that no rule mentions but that is an axis of the mesh.
+
+    Raises:
+        Mistake: naming the fix (and, if flax's own rules context holds rules,
+            that spmdtree does not read it).
+    """
+    if not rules and any(type(name) is str for name in names):
+        found = flax_rules()
+        flax = (
+            f" flax's rules context (nn.logical_axis_rules) holds {found!r}, but spmdtree "
+            "does not read it: pass rules=nn.get_logical_axis_rules(), or use "
+            "st.logical_axis_rules with the same rules."
+            if found
+            else ""
+        )
+        raise Mistake(
+            ValueError,
+            f"has logical names {names}, but no rules are in effect (no rules=, none on "
+            "the box, none set with st.logical_axis_rules), so nothing says how they map "
+            "to mesh axes. Pass rules=[(name, mesh_axes), ...] or call it inside "
+            f"`with st.logical_axis_rules(rules):`.{flax}",
+        )
+    axes = dict(mesh_shape or ())
+    for name in unmentioned_names(names, rules):
+        if name in axes:
+            raise Mistake(
+                ValueError,
+                f"has logical names {names}, and {name!r}, which no rule mentions, is a "
+                "mesh axis of this mesh: logical names go through rules. For mesh axis "
+                f"names use st.Partitioned, or add the rule ({name!r}, {name!r}).",
+            )
+
+
+def close_to_unused(unmentioned: Sequence[str], rules: Rules, used: set[str]) -> str | None:
+    """A sentence for the first name no rule mentions that is close to the logical
+    name of a rule that the tree never uses (a typo on one side), or None."""
+    unused = [name for name, _ in rules if name not in used]
+    for name in unmentioned:
+        close = difflib.get_close_matches(name, unused, n=1, cutoff=0.7)
+        if close:
+            return (
+                f"uses logical name {name!r}, which no rule mentions, while rule "
+                f"{[n for n, _ in rules].index(close[0])} names {close[0]!r}, which nothing "
+                f"uses. Did you mean {close[0]!r}, or is the rule's name the typo? Fix one "
+                f"of them (or add ({name!r}, None) to say {name!r} is replicated)."
+            )
+    return None
+
+
+def _rank_differs(names: Names, shape: tuple[int, ...], logical: bool) -> Resolution:
+    placeholder = all(size == 1 for size in shape)  # adafactor's (1,) for a scalar param
+    if len(shape) > len(names) and not placeholder:
+        raise Mistake(
+            ValueError,
+            f"has {len(names)} names {names} for a value of shape {shape}: the "
+            "value has more dimensions than names, as after stacking it or a "
+            "plain jax.vmap. Name the new axis: st.add_axis(tree, 0, 'layers'), "
+            "or build it with st.vmap(..., partition_name='layers').",
+        )
+    if len(shape) < len(names) and not placeholder:
+        problem = fewer_dimensions(names, shape)
+        return Resolution(PartitionSpec(), names, logical, (), FEWER_DIMENSIONS, problem)
+    return Resolution(PartitionSpec(), names, logical, (), PLACEHOLDER)
+
+
+def _check_duplicates(names: Names) -> None:
+    strs = [name for name in names if isinstance(name, str)]
+    for name in strs:
+        if strs.count(name) > 1:
+            raise Mistake(
+                ValueError,
+                f"has logical names {names} with {name!r} given twice; each logical "
+                "name may name one dimension. Give the dimensions distinct names, "
+                "e.g. ('embed', 'embed_out').",
+            )
+
+
+def _apply_rules(
+    dims: list[Dim], rules: Rules, sizes: dict[str, int] | None, mesh_shape: MeshShape | None
+) -> None:
+    """Flax's priority algorithm, with a mesh veto, recorded in `dims`.
+
+    Rules are tried in order. A rule gives its mesh axes to its dimension only
+    if the dimension is still unassigned and none of the axes is used yet (a
+    tuple is all-or-nothing); a rule to None claims the dimension replicated.
+    With a mesh, a rule naming an axis not in it is a mistake, and a rule whose
+    axes do not divide the dimension is passed over for the next one.
+    """
+    names = [d.name for d in dims]
+    open_ = {name: i for i, name in enumerate(names) if isinstance(name, str)}
+    for i in open_.values():
+        dims[i] = dims[i]._replace(axes=None)
+    used = {axis: i for i, d in enumerate(dims) for axis in axes_of(d.axes)}
+    for index, (name, target) in enumerate(rules):
+        pos = open_.get(name)
+        if pos is None:
+            continue
+        axes, dim = axes_of(target), dims[pos]
+        missing = [axis for axis in axes if sizes is not None and axis not in sizes]
+        if missing:
+            raise Mistake(
+                ValueError,
+                f"has logical names {tuple(names)}, and rule {index} ({name!r}, {target!r}) "
+                f"for {name!r} names {_not_in_mesh(missing[0], mesh_shape or ())} Fix the "
+                "rule; a rule set shared across meshes gives every mesh all its axes "
+                "(size 1 where unused).",
+            )
+        size = math.prod(sizes[axis] for axis in axes) if sizes is not None else 1
+        clash = [axis for axis in axes if axis in used]
+        if clash:
+            passed = Passed(index, target, size, USED, used[clash[0]])
+        elif dim.size is not None and dim.size % size:
+            passed = Passed(index, target, size, INDIVISIBLE)
+        else:
+            dims[pos] = dim._replace(axes=target, rule=index)
+            used.update(dict.fromkeys(axes, pos))
+            del open_[name]
+            continue
+        dims[pos] = dim._replace(passed=(*dim.passed, passed))
+
+
+def _check_mesh_axes(
+    names: Names,
+    dims: list[Dim],
+    sizes: dict[str, int] | None,
+    mesh_shape: MeshShape | None,
+    *,
+    only: type,
+) -> None:
+    """Mesh-axis entries (of type `only`) checked: each axis in the mesh (if
+    known) and used once; a dimension its axes do not divide is left unsharded."""
+    seen: set[str] = set()
+    for i, name in enumerate(names):
+        if not isinstance(name, only):
+            continue
+        for axis in axes_of(name):
+            if sizes is not None and axis not in sizes:
+                raise Mistake(
+                    ValueError,
+                    f"has names {names} with {_not_in_mesh(axis, mesh_shape or ())} Use one "
+                    "of them, or LogicallyPartitioned with rules for names that are not "
+                    "mesh axes.",
+                )
+            if axis in seen:
+                raise Mistake(
+                    ValueError,
+                    f"has names {names}, which use mesh axis {axis!r} twice; a mesh axis "
+                    "can shard only one dimension. Replace one use with None.",
+                )
+            seen.add(axis)
+        size = math.prod(sizes[axis] for axis in axes_of(name)) if sizes is not None else 1
+        length = dims[i].size
+        if length is not None and length % size:
+            dims[i] = dims[i]._replace(axes=None, passed=(Passed(None, name, size, INDIVISIBLE),))
+
+
+# --- logical specs -----------------------------------------------------------------
+
+
+class RulesFallback(enum.Enum):
+    """What `with_logical_constraint` does with a logical name no rule maps.
+
+    Attributes:
+        AXIS_IS_UNSHARDED: leave that dimension unsharded (the default).
+        RAISE_ERROR: raise a ValueError naming the unmatched logical name.
+        NO_CONSTRAINT: leave the whole array unconstrained.
+
+    Example:
+        >>> import spmdtree as st
+        >>> st.RulesFallback("raise_error")
+        <RulesFallback.RAISE_ERROR: 'raise_error'>
+    """
+
+    AXIS_IS_UNSHARDED = "axis_is_unsharded"
+    RAISE_ERROR = "raise_error"
+    NO_CONSTRAINT = "no_constraint"
+
+
+@public
+def logical_to_mesh_axes(
+    array_dim_names: Sequence[AxisName] | PartitionSpec | None,
+    rules: RulesLike | None = None,
+    *,
+    shape: Sequence[int] | None = None,
+    mesh: AnyMesh | None = None,
+) -> PartitionSpec | None:
+    """Maps logical dimension names to a mesh `PartitionSpec` through rules.
+
+    Rules are tried in order of priority. A rule ``(name, mesh_axes)`` gives its
+    mesh axes to the dimension called ``name`` if that dimension is still
+    unassigned and none of the mesh axes is used yet (a tuple of axes is
+    all-or-nothing); a rule to ``None`` claims its dimension as replicated.
+    Names that no rule maps end unsharded; ``None`` and ``UNCONSTRAINED`` entries
+    pass through. For every input flax.linen accepts the result equals its.
+
+    With `shape` and `mesh` (both or neither) it is shape-aware like `to_spec`:
+    the spec for an activation of that shape, e.g. for ``out_sharding=`` of a
+    matmul on Explicit mesh axes.
+
+    Args:
+        array_dim_names: one logical name per dimension, or None.
+        rules: the rules; defaults to the rules context.
+        shape: the shape of the array the names describe.
+        mesh: the mesh (or abstract mesh) the spec is for.
+
+    Returns:
+        The mesh `PartitionSpec`, or None if `array_dim_names` is None.
+
+    Raises:
+        ValueError: if a logical name is given twice; with a mesh, if a rule
+            the names reach names an axis not in the mesh, or the names do not
+            fit `shape`.
+        TypeError: if a name or rule is malformed, or only one of `shape`
+            and `mesh` is given.
+
+    Example:
+        >>> import jax, spmdtree as st
+        >>> rules = [("batch", "X"), ("features", "X"), ("heads", "Y"), ("batch", "Z")]
+        >>> st.logical_to_mesh_axes(("batch", "length", "heads", "features"), rules)
+        P('X', None, 'Y', None)
+        >>> mesh = jax.sharding.AbstractMesh((2, 4), ("data", "model"))
+        >>> rules = [("batch", "data"), ("mlp", "model")]
+        >>> st.logical_to_mesh_axes(("batch", "mlp"), rules, shape=(8, 6), mesh=mesh)
+        P('data', None)
+    """
+    if array_dim_names is None:
+        return None
+    if (shape is None) != (mesh is None):
+        raise Mistake(
+            TypeError,
+            "give shape= and mesh= together (a shape-aware spec) or neither (flax's "
+            f"spec); got only {'shape' if mesh is None else 'mesh'}=.",
+        )
+    check_mesh(mesh, optional=True)
+    normal = rules_or_context(rules)
+    try:
+        names = normalize_names(array_dim_names, "logical names")
+        if shape is not None and len(tuple(shape)) != len(names):
+            raise Mistake(
+                ValueError,
+                f"{names} names {len(names)} dimensions, but shape= is {tuple(shape)}. "
+                "Give one name per dimension (None for a replicated one).",
+            )
+        mesh_shape = None if mesh is None else mesh_shape_of(mesh)
+        sized = None if shape is None else tuple(shape)
+        return resolve(names, sized, logical=True, rules=normal, mesh_shape=mesh_shape).spec
+    except Mistake as mistake:
+        raise Mistake(mistake.kind, f"the spec {mistake.message}") from None
+
+
+def is_logical_spec(x: Any) -> bool:
+    """Whether `x` is a logical spec: a PartitionSpec or a flat tuple of names."""
+    return isinstance(x, PartitionSpec) or (
+        type(x) is tuple and all(e is None or e is UNCONSTRAINED or isinstance(e, str) for e in x)
+    )
+
+
+def spec_names(spec: Any, *, none: bool = False) -> Names:
+    """A logical spec's names, normalised.
+
+    Raises:
+        Mistake: (TypeError) for anything but a logical spec (or None, if `none`).
+    """
+    if not is_logical_spec(spec):
+        raise Mistake(
+            TypeError,
+            f"is {fmt(spec)}; expected a logical spec: a PartitionSpec or a tuple of "
+            "logical names such as ('batch', 'embed')" + (", or None." if none else "."),
+        )
+    return normalize_names(tuple(spec), "logical names")
+
+
+def walk_specs(
+    tree: Any, argument: str, *, none: bool = False
+) -> tuple[list[tuple[Any, Names | None]], Any, list[tuple[str, Mistake]]]:
+    """The one walk over a tree of logical specs: each spec's key path and names
+    (None for a None spec, where `none` lets a None stand for "leave it alone",
+    and for a wrong one), the tree's structure, and the mistakes, each said of
+    its key path under the name `argument`."""
+    is_spec = (lambda s: s is None or is_logical_spec(s)) if none else is_logical_spec
+    found, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_spec)
+    specs: list[tuple[Any, Names | None]] = []
+    problems: list[tuple[str, Mistake]] = []
+    for path, spec in found:
+        names = None
+        try:
+            names = None if spec is None else spec_names(spec, none=none)
+        except Mistake as mistake:
+            problems.append((f"the spec at {at(argument, path)}", mistake))
+        specs.append((path, names))
+    return specs, treedef, problems
+
+
+def _map_specs(tree: Any, rules: Any, mesh: AnyMesh | None) -> Any:
+    """Each logical spec of `tree` resolved (on `mesh`, if given)."""
+    normal = rules_or_context(rules)
+    mesh_shape = None if mesh is None else mesh_shape_of(mesh)
+    specs, treedef, problems = walk_specs(tree, "tree")
+    out = []
+    for path, names in specs:
+        try:
+            found = resolve(names or (), None, logical=True, rules=normal, mesh_shape=mesh_shape)
+            out.append(found.spec if mesh is None else named_sharding(mesh, found.spec))
+        except Mistake as mistake:
+            problems.append((f"the spec at {at('tree', path)}", mistake))
+    raise_collected(problems)
+    return jax.tree.unflatten(treedef, out)
+
+
+@public
+def logical_to_mesh(tree: Any, rules: RulesLike | None = None) -> Any:
+    """Applies `logical_to_mesh_axes` to every logical spec in a tree.
+
+    Args:
+        tree: a tree whose leaves are logical specs: `PartitionSpec`s or tuples
+            of names such as ``("batch", "embed")``; None entries stay None.
+        rules: the rules; defaults to the rules context.
+
+    Returns:
+        The same tree with a mesh `PartitionSpec` per spec.
+
+    Raises:
+        ValueError: if a spec gives a logical name twice.
+        TypeError: if a leaf is not a logical spec.
+
+    Example:
+        >>> import spmdtree as st
+        >>> st.logical_to_mesh({"x": ("batch", "embed")}, [("batch", "data")])
+        {'x': P('data', None)}
+    """
+    return _map_specs(tree, rules, None)
+
+
+@public
+def logical_to_mesh_sharding(tree: Any, mesh: Mesh, rules: RulesLike | None = None) -> Any:
+    """Maps a tree of logical specs to `NamedSharding`s on `mesh`.
+
+    A rule that a spec reaches and that names an axis not in `mesh` is an
+    error; a rule set shared across meshes gives every mesh all its axes
+    (size 1 where unused).
+
+    Args:
+        tree: a tree of logical specs, as for `logical_to_mesh`.
+        mesh: the device mesh.
+        rules: the rules; defaults to the rules context.
+
+    Returns:
+        The same tree with a `NamedSharding` per spec.
+
+    Raises:
+        ValueError: if a spec gives a logical name twice, or reaches a rule
+            naming an axis not in `mesh`.
+        TypeError: if a leaf is not a logical spec or `mesh` is not a Mesh.
+
+    Example:
+        >>> import jax, spmdtree as st
+        >>> mesh = jax.make_mesh((2, 4), ("data", "model"))
+        >>> s = st.logical_to_mesh_sharding({"x": ("batch", None)}, mesh, [("batch", "data")])
+        >>> s["x"].spec
+        P('data', None)
+    """
+    check_mesh(mesh)
+    return _map_specs(tree, rules, mesh)

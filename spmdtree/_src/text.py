@@ -1,0 +1,264 @@
+"""The one place that formats: sizes, shapes, dtypes, names, and the tables.
+
+Plans and StepPlans are data (computed in `plan` and `preflight`); the tables
+that `str()` and `describe` print are rendered here, from their fields, so no
+module that computes ever imports one that prints.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import textwrap
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, PartitionSpec
+
+from spmdtree._src.errors import fmt
+
+UNCONSTRAINED = PartitionSpec.UNCONSTRAINED
+
+
+def short_dtype(dtype: Any) -> str:
+    """jax's short dtype names: ``f32``, ``bf16``, ``i8``, ``u32``, ``c64``, ``bool``."""
+    name = getattr(dtype, "name", str(dtype))
+    short = name.replace("float", "f").replace("uint", "u").replace("int", "i")
+    return short.replace("complex", "c")
+
+
+def short_value(value: Any) -> str:
+    """``f32[256,512]`` for an array-like, the repr for anything else."""
+    shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
+    if shape is None or dtype is None:
+        return fmt(value)
+    return f"{short_dtype(dtype)}[{','.join(str(d) for d in shape)}]"
+
+
+def size_text(n: int) -> str:
+    """Bytes as people read them: ``24 B``, ``1.0 KiB``, ``2.5 GiB``."""
+    amount = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if amount < 1024 or unit == "GiB":
+            return f"{n} {unit}" if unit == "B" else f"{amount:.1f} {unit}"
+        amount /= 1024
+    raise AssertionError("unreachable")
+
+
+def shape_text(shape: tuple[int, ...]) -> str:
+    return "[" + ",".join(map(str, shape)) + "]"
+
+
+def entries_text(entries: Any, count: int) -> str:
+    """Names or a spec as ``embed,mlp`` (None ``-``, UNCONSTRAINED ``?``), padded to `count`."""
+
+    def one(entry: Any) -> str:
+        if entry is None:
+            return "-"
+        if entry is UNCONSTRAINED:
+            return "?"
+        return entry if isinstance(entry, str) else "+".join(entry)
+
+    padded = tuple(entries) + (None,) * (count - len(tuple(entries)))
+    return ",".join(one(e) for e in padded)
+
+
+#: How the flag of a logical name that no rule mentions begins.
+UNMENTIONED = "no rule mentions"
+
+
+#: How the flag of a reduced state that no param resolved begins.
+FALLBACK = "replicated by a fallback"
+
+
+def _names_line(row: Any) -> str | None:
+    """``names -> mesh spec`` for a boxed array, None for an unboxed one."""
+    if row.names is None:
+        return None
+    return f"{entries_text(row.names, len(row.names))} -> {entries_text(row.spec, len(row.shape))}"
+
+
+def _layout(
+    rows: tuple[Any, ...], mesh: Any, width: int
+) -> tuple[list[str], list[int], list[tuple[list[str], str | None]]]:
+    """Header, column widths, and per array its cells and names line.
+
+    The path column takes what the other columns leave of `width`; a longer
+    path keeps its end (the leaf's own name) behind an ellipsis.
+    """
+    header = ["path", "array"] + (["shard", "bytes/dev"] if mesh is not None else [])
+    cells = [
+        [row.path, short_dtype(row.dtype) + shape_text(row.shape)]
+        + ([shape_text(row.shard_shape), size_text(row.device_bytes)] if mesh is not None else [])
+        for row in rows
+    ]
+    widths = _fit(header, cells, width)
+    return header, widths, [(c, _names_line(r)) for c, r in zip(cells, rows, strict=True)]
+
+
+def _fit(header: list[str], cells: list[list[str]], width: int) -> list[int]:
+    """Column widths for `cells` within `width`: the first column (a path) takes
+    what the others leave, and a longer path keeps its end (the leaf's own
+    name) behind an ellipsis."""
+    widths = [max([len(h)] + [len(c[i]) for c in cells]) for i, h in enumerate(header)]
+    widths[0] = min(widths[0], max(12, width - sum(widths[1:]) - 2 * (len(widths) - 1)))
+    for cell in cells:
+        if len(cell[0]) > widths[0]:
+            cell[0] = "…" + cell[0][-(widths[0] - 1) :]
+    return widths
+
+
+def _line(items: list[str], widths: list[int]) -> str:
+    """One line of a table; the last of three or more columns (bytes) right-aligned."""
+    last = len(widths) - 1
+    return "  ".join(
+        item.rjust(w) if i == last and i > 1 else item.ljust(w)
+        for i, (item, w) in enumerate(zip(items, widths, strict=True))
+    ).rstrip()
+
+
+def _plain(rows: tuple[Any, ...], mesh: Any, width: int) -> list[str]:
+    """Per array a line (path, array, shard, bytes), then its names -> mesh spec."""
+    header, widths, body = _layout(rows, mesh, width)
+    lines = [_line(header, widths), "  names -> mesh spec"]
+    for cells, names in body:
+        lines.append(_line(cells, widths))
+        if names is not None:
+            lines += textwrap.wrap(names, width, initial_indent="  ", subsequent_indent="    ")
+    return lines
+
+
+def _rich(rows: tuple[Any, ...], mesh: Any, width: int) -> list[str]:
+    """The table drawn by rich: one row per array, long cells folded (no colour codes)."""
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+
+    header, _, body = _layout(rows, mesh, min(width, 56))  # paths shortened to leave room
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
+    table.add_column(header[0], no_wrap=True)
+    table.add_column(header[1], no_wrap=True)
+    table.add_column("names -> mesh spec", overflow="fold")
+    for name in header[2:]:
+        table.add_column(name, no_wrap=True, justify="right" if name == "bytes/dev" else "left")
+    for cells, names in body:
+        table.add_row(cells[0], cells[1], names or "", *cells[2:])
+    out = io.StringIO()
+    Console(file=out, width=width, color_system=None, highlight=False).print(table)
+    return [line.rstrip() for line in out.getvalue().rstrip("\n").split("\n")]
+
+
+def _local_devices(mesh: Any) -> int | None:
+    """How many of the mesh's devices this process holds, when several share it."""
+    if jax.process_count() == 1 or not isinstance(mesh, Mesh):
+        return None
+    return sum(device.process_index == jax.process_index() for device in mesh.devices.flat)
+
+
+def plan_table(
+    planned: Any, *, width: int = 80, rich: bool = False, budget: int | None = None
+) -> str:
+    """The `describe` table of a `Plan`."""
+    rows, mesh = planned.rows, planned.mesh
+    lines = (_rich if rich else _plain)(rows, mesh, width)
+    total = planned.total_bytes
+    noun = "array" if len(rows) == 1 else "arrays"
+    lines.append(f"total       {size_text(total)} in {len(rows)} {noun}")
+    if mesh is not None:
+        per_device = planned.device_bytes
+        share = f" ({100 * per_device / total:.1f}% of the total)" if total else ""
+        lines.append(f"per device  {size_text(per_device)} on the most loaded device{share}")
+        lines.append(f"replicated  {size_text(planned.replicated_bytes)} on every device")
+        local = _local_devices(mesh)
+        if local is not None:
+            lines.append(
+                f"process {jax.process_index()}   holds {size_text(per_device * local)} on "
+                f"its {local} of the mesh's {mesh.devices.size} devices "
+                f"({jax.process_count()} processes)"
+            )
+    if budget is not None:
+        spare = budget - planned.device_bytes
+        verdict = (
+            f"fits, {size_text(spare)} to spare"
+            if spare >= 0
+            else f"does not fit: {size_text(-spare)} over"
+        )
+        lines.append(f"budget      {size_text(budget)} per device: {verdict}")
+        lines.append("  (params + state only; see st.preflight for the step)")
+    for row in rows:
+        for flag in row.flags:
+            note = f"{row.path}: {flag}"
+            lines += textwrap.wrap(note, width, initial_indent="! ", subsequent_indent="  ")
+    if any(flag.startswith(FALLBACK) for row in rows for flag in row.flags):
+        lines.append("  (reduced optimizer states: pass params= to keep them sharded)")
+    unmentioned = sorted(
+        {flag.split("'")[1] for row in rows for flag in row.flags if flag.startswith(UNMENTIONED)}
+    )
+    if unmentioned:
+        note = (
+            f"! names no rule mentions, left unsharded: {', '.join(map(repr, unmentioned))}. "
+            "Add (name, None) to the rules to say it is replicated, or a rule that shards it."
+        )
+        lines += textwrap.wrap(note, width, subsequent_indent="  ")
+    return "\n".join(lines)
+
+
+def diff_table(diff: Any, *, width: int = 80) -> str:
+    """The table of a plan diff: each changed array, then the totals."""
+    header = ["path", "spec before -> after", "bytes/dev before -> after", "received"]
+    cells = [
+        [
+            row.path,
+            f"{_spec_text(row.spec_before)} -> {_spec_text(row.spec_after)}",
+            f"{size_text(row.device_bytes_before)} -> {size_text(row.device_bytes_after)}",
+            size_text(row.received_bytes),
+        ]
+        for row in diff.rows
+    ]
+    widths = _fit(header, cells, width)
+    lines = [_line(items, widths) for items in [header, *cells]]
+    changes = "array changes its" if len(diff.rows) == 1 else "arrays change their"
+    lines.append(f"{len(diff.rows)} {changes} layout")
+    lines.append(
+        f"per device  {size_text(diff.device_bytes_before)} -> "
+        f"{size_text(diff.device_bytes_after)} on the most loaded device"
+    )
+    lines.append(f"received    {size_text(diff.received_bytes)} by the busiest device")
+    return "\n".join(lines)
+
+
+def _spec_text(spec: Any) -> str:
+    return "(none)" if spec is None else "(" + entries_text(spec, len(spec)) + ")"
+
+
+def step_table(step: Any) -> str:
+    """The table of a `StepPlan`: memory per device, collectives, the inputs."""
+    axes = ", ".join(f"{name} {size}" for name, size in step.mesh.shape.items())
+    devices = math.prod(step.mesh.shape.values())
+    estimate = " (an estimate of an accelerator's)" if step.backend == "cpu" else ""
+    memory = [
+        ("arguments", step.argument_bytes, ""),
+        ("outputs", step.output_bytes, ""),
+        ("aliased", -step.alias_bytes, "outputs in donated buffers"),
+        ("temporaries", step.temp_bytes, "activations and scratch"),
+        ("peak", step.peak_bytes, "arguments + outputs - aliased + temporaries"),
+    ]
+    lines = [
+        f"step on {devices} device{'' if devices == 1 else 's'} ({axes}), compiled for {step.backend}{estimate} "
+        f"in {step.compile_seconds:.1f} s",
+        "memory per device",
+    ]
+    for label, amount, note in memory:
+        text = size_text(abs(amount))
+        text = f"-{text}" if amount < 0 else text
+        lines.append(f"  {label:<12}{text:>11}" + (f"  {note}" if note else ""))
+    lines.append("collectives per step" + ("" if step.collectives else ": none"))
+    for row in step.collectives:
+        lines.append(f"  {row.kind:<19}{row.count:>6} x  {size_text(row.bytes):>11} in all")
+    noun = "array" if len(step.inputs.rows) == 1 else "arrays"
+    lines.append(
+        f"inputs  {len(step.inputs.rows)} {noun}, {size_text(step.inputs.device_bytes)} on "
+        "the most loaded device (st.plan counts these only)"
+    )
+    lines += [f"! {flag}" for flag in step.flags]
+    return "\n".join(lines)
