@@ -22,6 +22,16 @@ SIZES = {
 }
 
 
+#: Rules that shard these names over a "tensor" mesh axis (tensor parallelism).
+TENSOR_RULES = [
+    ("mlp", "tensor"),
+    ("q_heads", "tensor"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("vocab", "tensor"),
+]
+
+
 def _array(shape: tuple[int, ...], names: tuple[str, ...]) -> st.LogicallyPartitioned:
     return st.LogicallyPartitioned(jax.ShapeDtypeStruct(shape, jnp.bfloat16), names)
 

@@ -32,13 +32,7 @@ GIB = 2**30
 AXES = ("data", "fsdp", "tensor")
 #: name -> (rules, {chips: mesh shape over AXES}). Every mesh has all three axes
 #: (size 1 where unused), so one rule set serves them all.
-TENSOR = [
-    ("mlp", "tensor"),
-    ("q_heads", "tensor"),
-    ("heads", "tensor"),
-    ("kv_heads", "tensor"),
-    ("vocab", "tensor"),
-]
+TENSOR = llama.TENSOR_RULES
 RULE_SETS = {
     "fsdp": ([("embed", "fsdp")], {256: (1, 256, 1), 2048: (1, 2048, 1)}),
     "fsdp+tensor": ([("embed", "fsdp"), *TENSOR], {256: (1, 32, 8), 2048: (1, 256, 8)}),

@@ -41,13 +41,7 @@ jax.config.update("jax_num_cpu_devices", 2048)
 
 GIB = 2**30
 AXES = ("data", "fsdp", "tensor")
-TENSOR = [
-    ("mlp", "tensor"),
-    ("q_heads", "tensor"),
-    ("heads", "tensor"),
-    ("kv_heads", "tensor"),
-    ("vocab", "tensor"),
-]
+TENSOR = llama.TENSOR_RULES
 #: One rule set, two layouts over (data, fsdp, tensor): FSDP over all but the
 #: tensor axis, or hybrid (HSDP: FSDP within groups of chips, data parallel
 #: across them). The batch is split over data x fsdp.
