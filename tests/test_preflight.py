@@ -310,6 +310,9 @@ def test_static_and_negative_argnums_follow_jax():
     x = jax.ShapeDtypeStruct((4, 8), jnp.float32)
     step = st.preflight(lambda n, x: x * n, 3, x, mesh=mesh, static_argnums=0, donate_argnums=-1)
     assert step.alias_bytes == 4 * 8 * 4
+    other = jax.ShapeDtypeStruct((8, 4), jnp.float32)  # no output could reuse its buffer
+    three = st.preflight(lambda a, b, c: c * 2, x, other, x, mesh=mesh, donate_argnums=-1)
+    assert three.alias_bytes == 4 * 8 * 4  # -1 is the last of three, as in jax.jit
     with pytest.raises(TypeError, match=r"args\[0\] holds 'relu'.*static_argnums=0"):
         st.preflight(lambda name, x: x, "relu", x, mesh=mesh)
 

@@ -388,3 +388,13 @@ def test_params_match_by_the_longest_key_path_suffix_with_the_same_names():
         "dec": {"w": P("model")}
     }
     assert st.to_spec({"w": reduced}, mesh=AUTO, params=params) == {"w": P()}  # a tie
+
+
+def test_mesh_axis_and_logical_boxes_with_the_same_names_resolve_apart():
+    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    tree = {
+        "by_mesh_axes": st.Partitioned(jnp.zeros((4, 8)), ("data", None)),
+        "by_logical_names": st.LogicallyPartitioned(jnp.zeros((4, 8)), ("data", None)),
+    }
+    specs = st.to_spec(tree, [("data", "model")], mesh=mesh)
+    assert specs == {"by_mesh_axes": P("data", None), "by_logical_names": P("model", None)}

@@ -324,6 +324,10 @@ def ordered_tests() -> list[str]:
     return [t for t in FIRST if t in found] + [t for t in found if t not in FIRST]
 
 
+#: How long one mutant's suite may run before it is stopped and reported.
+TIMEOUT = 1200
+
+
 def copy_repository(into: pathlib.Path) -> None:
     files = subprocess.run(
         ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True
@@ -361,15 +365,18 @@ def run(name: str, edits: list[tuple[str, str, str]], tests: list[str]) -> tuple
         if not where.startswith(str(copy)):
             raise SystemExit(f"the copy is not what gets imported: {where}")
         start = time.perf_counter()
-        done = subprocess.run(
-            [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider"]
-            + (tests or ordered_tests()),
-            cwd=copy,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=1200,
-        )
+        try:
+            done = subprocess.run(
+                [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider"]
+                + (tests or ordered_tests()),
+                cwd=copy,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=TIMEOUT,
+            )
+        except subprocess.TimeoutExpired:  # a hang is not a kill: it is reported
+            return "TIMEOUT", f"the suite ran over {TIMEOUT} s", time.perf_counter() - start
         seconds = time.perf_counter() - start
         failed = re.findall(r"^FAILED (\S+)", done.stdout, flags=re.MULTILINE)
         if done.returncode == 0:
@@ -388,12 +395,12 @@ def main() -> int:
     start = time.perf_counter()
     # Each mutant runs in its own copy and process: they can run side by side.
     with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        runs = {name: pool.submit(run, name, MUTANTS[name], args.tests) for name in names}
-        for name, future in runs.items():
+        runs = {pool.submit(run, name, MUTANTS[name], args.tests): name for name in names}
+        for future in concurrent.futures.as_completed(runs):
             verdict, by, seconds = future.result()
-            print(f"{name:<36} {verdict:<9} {seconds:6.0f} s  {by}", flush=True)
-            if verdict == "SURVIVED":
-                survivors.append(name)
+            print(f"{runs[future]:<36} {verdict:<9} {seconds:6.0f} s  {by}", flush=True)
+            if verdict != "killed":
+                survivors.append(runs[future])
     print(f"{len(names) - len(survivors)} of {len(names)} mutants killed", end="")
     print(f" in {time.perf_counter() - start:.0f} s ({args.jobs} at a time)")
     return 1 if survivors else 0
