@@ -28,6 +28,7 @@ import time
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import AxisType
 
 import spmdtree as st
 
@@ -110,7 +111,7 @@ def train_step(params, state, tokens):
 def preflight(layout, chips, per_chip, length):
     """The StepPlan of one step at `per_chip` sequences per batch-parallel chip."""
     shape = MESHES[layout][chips]
-    mesh = jax.sharding.AbstractMesh(shape, AXES)
+    mesh = jax.sharding.AbstractMesh(shape, AXES, axis_types=(AxisType.Auto,) * 3)
     params = llama.params("8B")
     state = jax.eval_shape(optax.adamw(1e-4).init, params)
     tokens = st.LogicallyPartitioned(

@@ -18,6 +18,12 @@ EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 AUTO = (AxisType.Auto, AxisType.Auto)
 
 
+def abstract_mesh(shape, names):
+    """An AbstractMesh with Auto axes, as these steps are written for (its default
+    axis type became Explicit in jax 0.12)."""
+    return jax.sharding.AbstractMesh(shape, names, axis_types=(AxisType.Auto,) * len(names))
+
+
 def _example(name):
     spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
@@ -119,7 +125,7 @@ def test_data_parallel_all_reduce_moves_the_gradients():
 
 
 def test_one_device_needs_no_collectives():
-    mesh = jax.sharding.AbstractMesh((1,), ("data",))
+    mesh = abstract_mesh((1,), ("data",))
     tx = optax.adam(1e-3)
     rules = [("batch", "data"), ("embed", None), ("mlp", None)]
     params, state, x = _abstract(tx, rules)
@@ -149,7 +155,7 @@ def _scanned(layers, mesh):
 
 
 def test_a_scanned_layer_counts_once_per_iteration():
-    mesh = jax.sharding.AbstractMesh((4,), ("fsdp",))
+    mesh = abstract_mesh((4,), ("fsdp",))
     two, four = _scanned(2, mesh), _scanned(4, mesh)
     bytes_two = sum(row.bytes for row in two.collectives)
     bytes_four = sum(row.bytes for row in four.collectives)
@@ -177,7 +183,7 @@ def test_a_loop_of_unknown_length_is_flagged():
 
 def test_an_abstract_mesh_larger_than_the_process_compiles_in_a_subprocess():
     before = len(jax.devices())
-    mesh = jax.sharding.AbstractMesh((4, 4), ("data", "model"))
+    mesh = abstract_mesh((4, 4), ("data", "model"))
     assert mesh.size > before
     tx = optax.adam(1e-3)
     params, state, x = _abstract(tx)
@@ -194,8 +200,8 @@ def test_an_abstract_mesh_larger_than_the_process_compiles_in_a_subprocess():
 
 
 def test_the_subprocess_and_this_process_agree():
-    mesh = jax.sharding.AbstractMesh((4,), ("data",))
-    big = jax.sharding.AbstractMesh((16,), ("data",))
+    mesh = abstract_mesh((4,), ("data",))
+    big = abstract_mesh((16,), ("data",))
     rules = [("batch", "data"), ("embed", None), ("mlp", None)]
     tx = optax.sgd(1e-2)
     params, state, x = _abstract(tx, rules, batch=(64, 64))
@@ -208,9 +214,7 @@ def test_the_subprocess_and_this_process_agree():
 
 def test_the_main_example_on_an_abstract_mesh_with_2048_devices():
     train = _example("train")
-    mesh = jax.sharding.AbstractMesh(
-        (128, 8, 2), ("data", "fsdp", "tensor"), axis_types=(AxisType.Auto,) * 3
-    )
+    mesh = abstract_mesh((128, 8, 2), ("data", "fsdp", "tensor"))
     init = functools.partial(train.init, vocab=32, length=16, width=64, layers=2, heads=4, mlp=256)
     tx = train.adamw(1e-2)
     with st.logical_axis_rules(train.RULES):
@@ -250,7 +254,7 @@ def test_the_known_answer_of_a_0_87b_step_on_one_device():
         params = jax.eval_shape(init, jax.random.key(0))
         state = jax.eval_shape(tx.init, params)
         tokens = jax.ShapeDtypeStruct((8, 1024), jnp.int32)
-        mesh = jax.sharding.AbstractMesh((1,), ("data",))
+        mesh = abstract_mesh((1,), ("data",))
         step = st.preflight(
             train.make_train_step(tx),
             params,
@@ -266,7 +270,7 @@ def test_the_known_answer_of_a_0_87b_step_on_one_device():
 
 
 def test_a_step_that_does_not_trace_names_preflight_and_jax_message():
-    mesh = jax.sharding.AbstractMesh((2,), ("data",))
+    mesh = abstract_mesh((2,), ("data",))
     a = jax.ShapeDtypeStruct((4, 8), jnp.float32)
     b = jax.ShapeDtypeStruct((5, 8), jnp.float32)
     with pytest.raises(TypeError) as info:
@@ -300,13 +304,13 @@ def test_boxes_that_cannot_resolve_are_to_shardings_error():
     ids=["static-and-donated", "donated-out-of-range", "static-a-string", "mesh-a-string"],
 )
 def test_bad_arguments(kwargs, kind, words):
-    call = {"mesh": jax.sharding.AbstractMesh((2,), ("data",)), **kwargs}
+    call = {"mesh": abstract_mesh((2,), ("data",)), **kwargs}
     with pytest.raises(kind, match=f"^preflight: .*{words}"):
         st.preflight(jnp.sin, jax.ShapeDtypeStruct((4,), jnp.float32), **call)
 
 
 def test_static_and_negative_argnums_follow_jax():
-    mesh = jax.sharding.AbstractMesh((2,), ("data",))
+    mesh = abstract_mesh((2,), ("data",))
     x = jax.ShapeDtypeStruct((4, 8), jnp.float32)
     step = st.preflight(lambda n, x: x * n, 3, x, mesh=mesh, static_argnums=0, donate_argnums=-1)
     assert step.alias_bytes == 4 * 8 * 4
@@ -332,13 +336,13 @@ def test_plan_lays_out_a_plain_leaf_by_its_own_sharding():
     rows = st.plan({"x": x, "y": placed, "z": jnp.ones((8, 8))}, mesh).rows
     assert [row.shard_shape for row in rows] == [(4, 2), (8, 2), (8, 8)]
     assert "its own sharding lays it out as P('data', 'model')" in rows[0].why[0]
-    other = jax.sharding.AbstractMesh((8,), ("data",))
+    other = abstract_mesh((8,), ("data",))
     with pytest.raises(ValueError, match=r"plan: the leaf at tree\['x'\] is laid out on a mesh"):
         st.plan({"x": x}, other)
 
 
 def test_str_is_a_table_and_plan_budget_says_arrays_only():
-    mesh = jax.sharding.AbstractMesh((2,), ("data",))
+    mesh = abstract_mesh((2,), ("data",))
     x = st.Partitioned(jax.ShapeDtypeStruct((8, 4), jnp.float32), ("data", None))
     text = str(st.preflight(lambda x: x.value * 2, x, mesh=mesh))
     for words in ("memory per device", "peak", "temporaries", "inputs  1 array", "estimate"):
