@@ -400,3 +400,15 @@ def test_vmap_takes_the_axes_jax_vmap_takes(in_axes, out_axes):
     kept = [n for n in names if n != "m"]
     kept.insert(out_axes % 3, "m")
     assert ours.names == tuple(kept)
+
+
+@pytest.mark.parametrize("kind", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
+@pytest.mark.parametrize("target", [("b", "a"), ("a", "b")], ids=["b-then-a", "a-then-b"])
+def test_a_tuple_of_mesh_axes_keeps_its_order_in_constraints(kind, target):
+    # The order of a tuple is the order of the devices along the dimension.
+    devices = np.array(jax.devices())[[5, 2, 7, 0, 1, 6, 3, 4]].reshape(2, 4)
+    mesh = jax.sharding.Mesh(devices, ("a", "b"), axis_types=(kind, kind))
+    rules = [("embed", target), ("mlp", None)]
+    test_constraints_equal_the_hand_written_ones.hypothesis.inner_test(
+        (mesh, (8, 3), ("embed", "mlp"), rules)
+    )
