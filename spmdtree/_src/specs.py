@@ -275,7 +275,7 @@ def resolve_tree(
         mesh = context_mesh()
     index = params if params is None or isinstance(params, ParamIndex) else ParamIndex(params)
     resolver = Resolver(tree, normal, mesh, index, strict=strict, lenient=lenient, placed=placed)
-    resolutions = each_leaf(resolver.fast, tree, leaves, range(len(leaves)), argument=argument)
+    resolutions = each_leaf(resolver.fast(), tree, leaves, range(len(leaves)), argument=argument)
     _check_typos(tree, resolutions, normal, argument)
     return Walk(tree, leaves, treedef, resolutions, mesh)
 
@@ -306,16 +306,21 @@ class Resolver:
         self.memo: dict[Any, Resolution] = {}
         self.paths: list[tuple[Any, ...]] = []
 
-    def fast(self, leaf: Any, i: int) -> Any:
-        """The common case (a box of an array whose metadata and shape were seen)
-        with one lookup: layers repeat, so most leaves take this path."""
-        if isinstance(leaf, Partitioned):
-            (value,), meta = leaf._tree
-            found = self.memo.get((type(leaf), meta, getattr(value, "shape", None)))
-            plain = found is not None and meta.mesh is None and found.fallback is None
-            if plain and not self.strict:
-                return found
-        return self.one(leaf, None, (i, None))
+    def fast(self) -> Callable[[Any, int], Any]:
+        """`one`, with the common case (a box of an array whose metadata and shape
+        were seen) taken in one lookup and no further call: layers repeat, so
+        most leaves take this path, and it runs once per leaf."""
+        lookup, one, strict = self.memo.get, self.one, self.strict
+
+        def leaf_resolution(leaf: Any, i: int) -> Any:
+            if not strict and isinstance(leaf, Partitioned):
+                (value,), meta = leaf._tree
+                found = lookup((type(leaf), meta, getattr(value, "shape", None)))
+                if found is not None and meta.mesh is None and found.fallback is None:
+                    return found
+            return one(leaf, None, (i, None))
+
+        return leaf_resolution
 
     def one(self, leaf: Any, named: tuple[type[Partitioned], Meta] | None, at: At) -> Any:
         """What a leaf resolves to (see `Walk`); `named` is the box around it, if any."""
