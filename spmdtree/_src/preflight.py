@@ -516,20 +516,16 @@ def count_collectives(hlo: str) -> tuple[list[tuple[str, int, int]], list[str]]:
     runs = dict.fromkeys(order, 0)
     if entry is not None:
         runs[entry] = 1
-    unknown: set[str] = set()
+    unknown: set[str] = set()  # computations inside a loop of unknown length
     for name in reversed(order):  # callers come after their callees in the text
         for line in comps[name]:
             trips = _TRIPS.search(line)
-            for role, callee in _CALLEE.findall(line):
-                times = int(trips.group(1)) if role == "body" and trips else 1
-                if role == "body" and not trips:
+            for role, callee in _callees(line):
+                loop = role == "body"
+                if (loop and not trips) or name in unknown:
                     unknown.add(callee)
                 if callee in runs:
-                    runs[callee] += runs[name] * times
-            for group in _CALLEES.findall(line):
-                for callee in (c.strip().lstrip("%") for c in group.split(",")):
-                    if callee in runs:
-                        runs[callee] += runs[name]
+                    runs[callee] += runs[name] * (int(trips.group(1)) if loop and trips else 1)
     counts = {kind: [0, 0] for kind in KINDS}
     flagged: set[str] = set()
     for name in order:
@@ -539,7 +535,7 @@ def count_collectives(hlo: str) -> tuple[list[tuple[str, int, int]], list[str]]:
                 continue
             counts[op.group(2)][0] += runs[name]
             counts[op.group(2)][1] += runs[name] * _type_bytes(op.group(1))
-            if name in unknown or _inside(name, unknown, comps):
+            if name in unknown:
                 flagged.add(op.group(2))
     rows = [(kind, n, size) for kind, (n, size) in counts.items() if n]
     flags = [
@@ -550,21 +546,13 @@ def count_collectives(hlo: str) -> tuple[list[tuple[str, int, int]], list[str]]:
     return rows, flags
 
 
-def _inside(name: str, loops: set[str], comps: dict[str, list[str]]) -> bool:
-    """Whether computation `name` is called (at any depth) from one of `loops`."""
-    seen, todo = set(), list(loops)
-    while todo:
-        comp = todo.pop()
-        if comp == name:
-            return True
-        if comp in seen or comp not in comps:
-            continue
-        seen.add(comp)
-        for line in comps[comp]:
-            todo += [callee for _, callee in _CALLEE.findall(line)]
-            for group in _CALLEES.findall(line):
-                todo += [c.strip().lstrip("%") for c in group.split(",")]
-    return False
+def _callees(line: str) -> list[tuple[str, str]]:
+    """The computations an HLO instruction calls, each with its role (``body``,
+    ``condition``, ``to_apply``, ``calls``, ``branch``, ...)."""
+    found = _CALLEE.findall(line)
+    for group in _CALLEES.findall(line):
+        found += [("branch", c.strip().lstrip("%")) for c in group.split(",")]
+    return found
 
 
 def _type_bytes(text: str) -> int:
