@@ -182,7 +182,7 @@ MUTANTS: dict[str, list[tuple[str, str, str]]] = {
         ("_src/resolve.py", "        if name in axes:\n", "        if False:\n"),
     ],
     "typo-check-skipped": [
-        ("_src/specs.py", "if not any(res.unmentioned for res in distinct):", "if True:"),
+        ("_src/resolve.py", "if not any(res.unmentioned for res in distinct):", "if True:"),
     ],
     "unmentioned-not-flagged": [
         (
@@ -210,8 +210,8 @@ MUTANTS: dict[str, list[tuple[str, str, str]]] = {
     "loop-trip-count-ignored": [
         (
             "_src/preflight.py",
-            'times = int(trips.group(1)) if role == "body" and trips else 1',
-            "times = 1",
+            "(int(trips.group(1)) if loop and trips else 1)",
+            "1",
         ),
     ],
     "peak-ignores-aliasing": [

@@ -24,10 +24,10 @@ from spmdtree._src.resolve import (
     RulesFallback,
     check_mentioned,
     check_mesh,
-    close_to_unused,
     mesh_shape_of,
     named_sharding,
     resolve,
+    typos,
     walk_specs,
 )
 from spmdtree._src.rules import (
@@ -274,13 +274,12 @@ class _Constraint:
 
     def typos(self) -> list[tuple[str, Mistake]]:
         """A name no rule mentions, close to a rule's name no spec uses: a typo."""
-        used = {name for _, res in self.resolved for name in res.names or ()}
-        found = []
-        for path, res in self.resolved:
-            said = close_to_unused(res.unmentioned, self.rules, used) if res.unmentioned else None
-            if said is not None:
-                found.append((f"the array at {at('x', path)}", Mistake(ValueError, said)))
-        return found
+        found = typos([res for _, res in self.resolved], self.rules)
+        return [
+            (f"the array at {at('x', path)}", Mistake(ValueError, found[res]))
+            for path, res in self.resolved
+            if res in found
+        ]
 
 
 @public

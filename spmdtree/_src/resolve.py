@@ -303,20 +303,29 @@ def check_mentioned(names: Names, rules: Rules, mesh_shape: MeshShape | None) ->
             )
 
 
-def close_to_unused(unmentioned: Sequence[str], rules: Rules, used: set[str]) -> str | None:
-    """A sentence for the first name no rule mentions that is close to the logical
-    name of a rule that the tree never uses (a typo on one side), or None."""
+def typos(resolutions: Sequence[Any], rules: Rules) -> dict[Resolution, str]:
+    """The resolutions of one call that use a logical name no rule mentions while
+    it is close to the name of a rule that nothing in the call uses (a typo on
+    one side), each with the sentence that says so. Other items are ignored."""
+    distinct = {res for res in resolutions if type(res) is Resolution}
+    if not any(res.unmentioned for res in distinct):
+        return {}
+    used = {name for res in distinct if res.logical for name in res.names or ()}
     unused = [name for name, _ in rules if name not in used]
-    for name in unmentioned:
-        close = difflib.get_close_matches(name, unused, n=1, cutoff=0.7)
-        if close:
-            return (
-                f"uses logical name {name!r}, which no rule mentions, while rule "
-                f"{[n for n, _ in rules].index(close[0])} names {close[0]!r}, which nothing "
-                f"uses. Did you mean {close[0]!r}, or is the rule's name the typo? Fix one "
-                f"of them (or add ({name!r}, None) to say {name!r} is replicated)."
-            )
-    return None
+    found = {}
+    for res in distinct:
+        for name in res.unmentioned:
+            close = difflib.get_close_matches(name, unused, n=1, cutoff=0.7)
+            if close:
+                found[res] = (
+                    f"uses logical name {name!r}, which no rule mentions, while rule "
+                    f"{[n for n, _ in rules].index(close[0])} names {close[0]!r}, which "
+                    f"nothing uses. Did you mean {close[0]!r}, or is the rule's name the "
+                    f"typo? Fix one of them (or add ({name!r}, None) to say {name!r} is "
+                    "replicated)."
+                )
+                break
+    return found
 
 
 def _rank_differs(names: Names, shape: tuple[int, ...], logical: bool) -> Resolution:

@@ -40,9 +40,9 @@ from spmdtree._src.resolve import (
     Resolution,
     axes_of,
     check_mesh,
-    close_to_unused,
     mesh_shape_of,
     named_sharding,
+    typos,
 )
 from spmdtree._src.rules import (
     AnyMesh,
@@ -422,21 +422,15 @@ class Resolver:
 
 
 def _check_typos(tree: Any, resolutions: list[Any], rules: Rules, argument: str) -> None:
-    """A logical name no rule mentions, close to a rule's name that the tree never
-    uses, is a typo on one side: a Mistake at each leaf that has one."""
-    distinct = [res for res in set(resolutions) if type(res) is Resolution]
-    if not any(res.unmentioned for res in distinct):
-        return
-    used = {name for res in distinct if res.logical for name in res.names or ()}
+    """A Mistake at each leaf whose names hold a likely typo (`typos`)."""
+    found = typos(resolutions, rules)
 
     def typo(res: Any) -> None:
-        said = None
-        if type(res) is Resolution and res.unmentioned:
-            said = close_to_unused(res.unmentioned, rules, used)
-        if said is not None:
-            raise Mistake(ValueError, said)
+        if type(res) is Resolution and res in found:
+            raise Mistake(ValueError, found[res])
 
-    each_leaf(typo, tree, resolutions, argument=argument)
+    if found:
+        each_leaf(typo, tree, resolutions, argument=argument)
 
 
 def placed_resolution(leaf: Any, mesh_shape: MeshShape | None) -> Resolution:
