@@ -3,6 +3,25 @@
 Boxes attach names to arrays (mesh axis names, or logical names plus rules);
 pure functions over pytrees turn them into `PartitionSpec`s, `NamedSharding`s,
 sharding constraints and sharded initialisation, with no module system.
+
+Types for annotating your own code, as the functions take them:
+
+- `Names`: the names of an array's dimensions, one `AxisName` per dimension,
+  in a tuple (or list, or `PartitionSpec`);
+- `AxisName`: one entry: a name, a tuple of names, None (replicated) or
+  ``PartitionSpec.UNCONSTRAINED``;
+- `MeshAxes`: the mesh axes of one dimension: an axis, a tuple of axes, None;
+- `Rules`: ``(logical_name, mesh_axes)`` pairs in priority order, or a mapping;
+- `AnyMesh`: a `jax.sharding.Mesh` or `jax.sharding.AbstractMesh`;
+- `NamesFn`: a function ``(key_path, leaf) -> Names | None`` for `box`.
+
+Example:
+    >>> import jax, spmdtree as st
+    >>> def activations(mesh: st.AnyMesh, rules: st.Rules) -> jax.sharding.PartitionSpec | None:
+    ...     names: st.Names = ("batch", "embed")
+    ...     return st.logical_to_mesh_axes(names, rules, shape=(16, 512), mesh=mesh)
+    >>> activations(jax.sharding.AbstractMesh((8,), ("data",)), [("batch", "data"), ("embed", None)])
+    P('data', None)
 """
 
 from spmdtree._src.boxes import PARTITION_NAME as PARTITION_NAME
@@ -37,6 +56,11 @@ from spmdtree._src.resolve import (
 from spmdtree._src.resolve import (
     logical_to_mesh_sharding as logical_to_mesh_sharding,
 )
+from spmdtree._src.rules import AnyMesh as AnyMesh
+from spmdtree._src.rules import AxisName as AxisName
+from spmdtree._src.rules import MeshAxes as MeshAxes
+from spmdtree._src.rules import Names as Names
+from spmdtree._src.rules import Rules as Rules
 from spmdtree._src.rules import get_logical_axis_rules as get_logical_axis_rules
 from spmdtree._src.rules import logical_axis_rules as logical_axis_rules
 from spmdtree._src.rules import set_logical_axis_rules as set_logical_axis_rules
@@ -52,6 +76,7 @@ from spmdtree._src.tactics import match as match
 from spmdtree._src.transforms import scan as scan
 from spmdtree._src.transforms import sharded_init as sharded_init
 from spmdtree._src.transforms import vmap as vmap
+from spmdtree._src.trees import NamesFn as NamesFn
 from spmdtree._src.trees import add_axis as add_axis
 from spmdtree._src.trees import box as box
 from spmdtree._src.trees import is_boxed as is_boxed
@@ -64,14 +89,20 @@ __version__ = "0.1.0"
 
 __all__ = [
     "PARTITION_NAME",
+    "AnyMesh",
     "AxisMetadata",
+    "AxisName",
     "Collective",
     "DiffRow",
     "LogicallyPartitioned",
+    "MeshAxes",
+    "Names",
+    "NamesFn",
     "Partitioned",
     "Plan",
     "PlanDiff",
     "PlanRow",
+    "Rules",
     "RulesFallback",
     "StepPlan",
     "add_axis",

@@ -281,6 +281,14 @@ def test_a_step_that_does_not_trace_names_preflight_and_jax_message():
     assert "dot_general requires contracting dimensions to have the same shape" in message
 
 
+def test_a_backend_without_memory_analysis_is_said_before_jax_fails(monkeypatch):
+    # some backends answer memory_analysis() with None; reading it would be an AttributeError
+    monkeypatch.setattr(jax.stages.Compiled, "memory_analysis", lambda self: None)
+    mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+    with pytest.raises(ValueError, match=r"^preflight: the backend .* reports no memory analysis"):
+        st.preflight(jnp.sin, jax.ShapeDtypeStruct((4,), jnp.float32), mesh=mesh)
+
+
 def test_boxes_that_cannot_resolve_are_to_shardings_error():
     mesh = jax.make_mesh((2, 4), ("data", "model"))
     tree = {"w": st.Partitioned(jax.ShapeDtypeStruct((8, 8), jnp.float32), ("data", "modle"))}

@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, NamedTuple, NoReturn, TypeVar
 
 import jax
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from spmdtree._src import registry
@@ -30,10 +31,13 @@ from spmdtree._src.resolve import (
 )
 from spmdtree._src.rules import (
     AnyMesh,
+    AxisName,
     MeshShape,
     Names,
+    NameTuple,
+    PyTree,
     Rules,
-    RulesLike,
+    RuleTuple,
     normalize_names,
     normalize_rules,
     rules_or_context,
@@ -51,12 +55,12 @@ PB = TypeVar("PB", bound="Partitioned")
 class Meta(NamedTuple):
     """A box's metadata, its static aux data: read by name everywhere."""
 
-    names: Names
+    names: NameTuple
     mesh: AnyMesh | None = None
-    rules: Rules | None = None
+    rules: RuleTuple | None = None
 
 
-def refuse(box: Any, what: str) -> NoReturn:
+def refuse(box: object, what: str) -> NoReturn:
     """The one "unbox first" error, for everything that treats a box as an array."""
     raise TypeError(
         f"{type(box).__name__} is a metadata box, not an array: {what}. Call "
@@ -66,7 +70,7 @@ def refuse(box: Any, what: str) -> NoReturn:
 
 
 def _refusing(what: str) -> Callable[..., NoReturn]:
-    def method(self: Any, *args: Any, **kwargs: Any) -> NoReturn:
+    def method(self: object, *args: object, **kwargs: object) -> NoReturn:
         refuse(self, what)
 
     return method
@@ -164,7 +168,7 @@ FLAX_LINEN, FLAX_NNX = "flax.linen", "flax.nnx"
 _FOREIGN: dict[type, str | None] = {}
 
 
-def foreign_kind(x: Any) -> str | None:
+def foreign_kind(x: object) -> str | None:
     """FLAX_LINEN for a flax.linen box (a subclass of flax's AxisMetadata),
     FLAX_NNX for a flax.nnx Variable, None for anything else. flax is not
     imported: its classes are recognised by module and name (once per type)."""
@@ -188,11 +192,11 @@ _FOREIGN_BASES = {
 }
 
 
-def _box_or_foreign(x: Any) -> bool:
+def _box_or_foreign(x: object) -> bool:
     return IS_BOX(x) or foreign_kind(x) is not None
 
 
-def leaf_test() -> Callable[[Any], bool]:
+def leaf_test() -> Callable[[object], bool]:
     """``is_leaf`` for every tree walk: boxes are leaves, and so, once flax is
     loaded, are flax's boxes and nnx Variables, so that every function meets
     them (and refuses them, `refuse_foreign`) rather than reading their values
@@ -200,7 +204,7 @@ def leaf_test() -> Callable[[Any], bool]:
     return _box_or_foreign if "flax" in sys.modules else IS_BOX
 
 
-def refuse_foreign(x: Any) -> Any:
+def refuse_foreign(x: PyTree) -> PyTree:
     """`x`, unless it is another library's box: then a Mistake pointing at `from_flax`."""
     kind = foreign_kind(x)
     if kind is None:
@@ -214,13 +218,13 @@ def refuse_foreign(x: Any) -> Any:
     )
 
 
-def dtype_of(value: Any) -> Any:
+def dtype_of(value: object) -> np.dtype[Any]:
     """The dtype of an array-like, or the one jax gives a Python number."""
     dtype = getattr(value, "dtype", None)
     return jax.typeof(value).dtype if dtype is None else dtype
 
 
-def shape_of(value: Any) -> tuple[int, ...] | None:
+def shape_of(value: object) -> tuple[int, ...] | None:
     """The shape of an array-like or Python number; None for anything else."""
     shape = getattr(value, "shape", None)
     if shape is not None:
@@ -230,7 +234,7 @@ def shape_of(value: Any) -> tuple[int, ...] | None:
     return None
 
 
-def is_array(value: Any) -> bool:
+def is_array(value: object) -> bool:
     """Whether `value` is one array-like leaf (array, ShapeDtypeStruct, number)."""
     return shape_of(value) is not None
 
@@ -239,7 +243,7 @@ def _count(n: int, noun: str) -> str:
     return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
-def checked_names(value: Any, names: Any) -> Names:
+def checked_names(value: object, names: object) -> NameTuple:
     """`names` normalised, checked to name each dimension of `value` once.
 
     Raises:
@@ -257,7 +261,7 @@ def checked_names(value: Any, names: Any) -> Names:
     return names
 
 
-def _same_value(a: Any, b: Any) -> bool:
+def _same_value(a: object, b: object) -> bool:
     """Identity for arrays, equality for anything else; never raises."""
     if a is b:
         return True
@@ -270,26 +274,32 @@ def _same_value(a: Any, b: Any) -> bool:
     return equal if type(equal) is bool else False
 
 
-def validated(value: Any, meta: Meta) -> Meta:
-    """`meta` checked against `value` and normalised: the one validation every way
-    of building a box goes through (the constructors, `make_box`).
+def validated(
+    value: object, names: object, *, mesh: AnyMesh | None = None, rules: Rules | None = None
+) -> Meta:
+    """The metadata of a box of `value`, checked and normalised: the one validation
+    every way of building a box goes through (the constructors, `make_box`).
 
     Raises:
         Mistake: for a mesh of the wrong kind, names of the wrong kind or rank,
             malformed rules.
     """
-    check_mesh(meta.mesh, optional=True)
-    rules = None if meta.rules is None else normalize_rules(meta.rules)
-    return meta._replace(names=checked_names(value, meta.names), rules=rules)
+    check_mesh(mesh, optional=True)
+    return Meta(
+        names=checked_names(value, names),
+        mesh=mesh,
+        rules=None if rules is None else normalize_rules(rules),
+    )
 
 
-def make_box(cls: type[PB], value: Any, meta: Meta) -> PB:
-    """A validated box of type `cls` (for builders that are not its constructor).
+def make_box(cls: type[PB], value: Any, names: object, **fields: Any) -> PB:
+    """A validated box of type `cls` (for builders that are not its constructor);
+    `fields` are the other `Meta` fields, by name.
 
     Raises:
         Mistake: as `validated`.
     """
-    return registry.rebuild(cls, value, validated(value, meta))
+    return registry.rebuild(cls, value, validated(value, names, **fields))
 
 
 def the_box(mistake: Mistake) -> Mistake:
@@ -326,12 +336,12 @@ class Partitioned(AxisMetadata):
     _tree: tuple[tuple[Any], Meta]
 
     @public
-    def __init__(self, value: Any, names: Any, mesh: AnyMesh | None = None) -> None:
-        self._init(value, Meta(names, mesh))
+    def __init__(self, value: Any, names: Names, mesh: AnyMesh | None = None) -> None:
+        self._init(value, names, mesh=mesh)
 
-    def _init(self, value: Any, meta: Meta) -> None:
+    def _init(self, value: Any, names: Names, **fields: Any) -> None:
         try:
-            self._tree = ((value,), validated(value, meta))
+            self._tree = ((value,), validated(value, names, **fields))
         except Mistake as mistake:
             raise the_box(mistake) from None
 
@@ -451,7 +461,7 @@ class Partitioned(AxisMetadata):
         except Mistake as mistake:
             raise the_box(mistake) from None
 
-    def with_names(self: PB, names: Names) -> PB:
+    def with_names(self: PB, names: NameTuple) -> PB:
         """The same box with other (already normalised) names; not validated."""
         (value,), meta = self._tree
         return registry.rebuild(type(self), value, meta._replace(names=names))
@@ -535,11 +545,11 @@ class LogicallyPartitioned(Partitioned):
     def __init__(
         self,
         value: Any,
-        names: Any,
+        names: Names,
         mesh: AnyMesh | None = None,
-        rules: RulesLike | None = None,
+        rules: Rules | None = None,
     ) -> None:
-        self._init(value, Meta(names, mesh, rules))  # type: ignore[arg-type]  # validated normalises
+        self._init(value, names, mesh=mesh, rules=rules)
 
     rules = registry.read_only(
         "rules", lambda self: self._tree[1].rules, "The box's own rules (normalised), or None."
@@ -551,7 +561,7 @@ def box_resolution(
     meta: Meta,
     shape: tuple[int, ...] | None,
     *,
-    rules: Rules,
+    rules: RuleTuple,
     mesh_shape: MeshShape | None,
 ) -> Resolution:
     """How a box of `kind` with `meta` resolves for an array of `shape`: logical
@@ -583,7 +593,7 @@ def check_box_mesh(meta: Meta, mesh: AnyMesh | None) -> None:
         )
 
 
-def partition_name(params: Any) -> Any:
+def partition_name(params: Mapping[str, AxisName] | AxisName) -> AxisName:
     """The axis name from flax's ``{PARTITION_NAME: name}``, or a plain name."""
     if isinstance(params, Mapping):
         if PARTITION_NAME not in params:
@@ -596,7 +606,7 @@ def partition_name(params: Any) -> Any:
     return normalize_names((params,), "axis name")[0]
 
 
-def insert_name(names: Names, index: int, name: Any) -> Names:
+def insert_name(names: NameTuple, index: int, name: AxisName) -> NameTuple:
     """`names` with `name` inserted so that it ends at position `index`."""
     size = len(names) + 1
     if not -size <= index < size:
@@ -609,7 +619,7 @@ def insert_name(names: Names, index: int, name: Any) -> Names:
     return (*names[:index], name, *names[index:])
 
 
-def delete_name(names: Names, index: int, name: Any, *, check: bool = True) -> Names:
+def delete_name(names: NameTuple, index: int, name: AxisName, *, check: bool = True) -> NameTuple:
     """`names` without the entry at `index`, which must be `name` (if `check`)."""
     size = len(names)
     if not -size <= index < size:
@@ -628,7 +638,7 @@ def delete_name(names: Names, index: int, name: Any, *, check: bool = True) -> N
     return names[:index] + names[index + 1 :]
 
 
-def _initialiser_names(names: Any) -> Names:
+def _initialiser_names(names: object) -> NameTuple:
     try:
         return normalize_names(names)
     except Mistake as mistake:
@@ -637,7 +647,7 @@ def _initialiser_names(names: Any) -> Names:
 
 @public
 def with_partitioning(
-    fn: Callable[..., Any], names: Any, mesh: AnyMesh | None = None
+    fn: Callable[..., Any], names: Names, mesh: AnyMesh | None = None
 ) -> Callable[..., Partitioned]:
     """Wraps an initialiser so that it returns its value in a `Partitioned` box.
 
@@ -670,9 +680,9 @@ def with_partitioning(
 @public
 def with_logical_partitioning(
     fn: Callable[..., Any],
-    names: Any,
+    names: Names,
     mesh: AnyMesh | None = None,
-    rules: RulesLike | None = None,
+    rules: Rules | None = None,
 ) -> Callable[..., LogicallyPartitioned]:
     """Wraps an initialiser so that it returns its value in a `LogicallyPartitioned` box.
 

@@ -16,6 +16,7 @@ import jax
 import numpy as np
 from jax._src.core import trace_state_clean  # how JAX itself tells that it is tracing
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.typing import ArrayLike
 
 from spmdtree._src.boxes import foreign_kind, refuse_foreign, same_mesh, shape_of
 from spmdtree._src.errors import Mistake, at, public, raise_collected
@@ -33,22 +34,25 @@ from spmdtree._src.resolve import (
 from spmdtree._src.rules import (
     UNCONSTRAINED,
     AnyMesh,
-    Names,
+    AxisName,
+    NameTuple,
+    PyTree,
     Rules,
-    RulesLike,
+    RuleTuple,
     rules_or_context,
 )
 from spmdtree._src.specs import context_mesh, resolve_tree
+from spmdtree._src.trees import KeyPath
 
 
-def _only(entry: Any, axes: set[str]) -> Any:
+def _only(entry: AxisName, axes: set[str]) -> AxisName:
     """The part of a spec entry that uses `axes` (None if nothing is left)."""
-    if entry is None or entry is UNCONSTRAINED:
-        return entry
     if isinstance(entry, str):
         return entry if entry in axes else None
-    kept = tuple(axis for axis in entry if axis in axes)
-    return kept if kept else None
+    if isinstance(entry, tuple):
+        kept = tuple(axis for axis in entry if axis in axes)
+        return kept if kept else None
+    return entry  # None or UNCONSTRAINED
 
 
 def _concrete(mesh: AnyMesh) -> Mesh:
@@ -64,7 +68,7 @@ def _concrete(mesh: AnyMesh) -> Mesh:
     return concrete
 
 
-def place(value: Any, sharding: NamedSharding) -> jax.Array:
+def place(value: ArrayLike, sharding: NamedSharding) -> jax.Array:
     """`value` placed on `sharding`, also when the mesh spans processes.
 
     A host value (the same on every process, as from the same seed) goes onto
@@ -79,7 +83,7 @@ def place(value: Any, sharding: NamedSharding) -> jax.Array:
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
-def _check_committed(x: Any, mesh: AnyMesh) -> None:
+def _check_committed(x: object, mesh: AnyMesh) -> None:
     """A concrete array laid out on another mesh is a mistake, not a move to make."""
     own = getattr(getattr(x, "sharding", None), "mesh", None)
     if own is None or isinstance(x, jax.core.Tracer):
@@ -93,7 +97,7 @@ def _check_committed(x: Any, mesh: AnyMesh) -> None:
         )
 
 
-def apply_spec(x: Any, spec: PartitionSpec, mesh: AnyMesh) -> Any:
+def apply_spec(x: ArrayLike, spec: PartitionSpec, mesh: AnyMesh) -> ArrayLike:
     """Constrains (inside a trace) or places (outside) one array on `spec` over `mesh`.
 
     Raises:
@@ -132,12 +136,12 @@ def apply_spec(x: Any, spec: PartitionSpec, mesh: AnyMesh) -> Any:
 
 @public
 def with_logical_constraint(
-    x: Any,
-    logical_axis_resources: Any,
-    rules: RulesLike | None = None,
+    x: PyTree,
+    logical_axis_resources: PyTree,
+    rules: Rules | None = None,
     mesh: AnyMesh | None = None,
     fallback: RulesFallback = RulesFallback.AXIS_IS_UNSHARDED,
-) -> Any:
+) -> PyTree:
     """Constrains arrays to the shardings their logical names resolve to.
 
     Inside `jax.jit` this is a sharding constraint (Auto axes) or a reshard
@@ -227,7 +231,7 @@ class _Constraint:
     it found. Names are resolved (and RAISE_ERROR raises) even where nothing is
     constrained: without rules or without a mesh, arrays come back as they are."""
 
-    def __init__(self, rules: Rules, mesh: AnyMesh | None, fallback: RulesFallback) -> None:
+    def __init__(self, rules: RuleTuple, mesh: AnyMesh | None, fallback: RulesFallback) -> None:
         self.rules, self.fallback = rules, fallback
         self.in_effect = mesh if mesh is not None else context_mesh()
         self.live = self.in_effect if rules else None
@@ -235,7 +239,7 @@ class _Constraint:
         self.resolved: list[tuple[Any, Resolution]] = []
         self.problems: list[tuple[str, Mistake]] = []
 
-    def array(self, path: Any, names: Names, value: Any) -> Any:
+    def array(self, path: KeyPath, names: NameTuple, value: Any) -> Any:
         """`value` constrained to `names`; a mistake is kept with its key path."""
         try:
             return self._array(path, names, value)
@@ -243,7 +247,7 @@ class _Constraint:
             self.problems.append((f"the array at {at('x', path)}", mistake))
             return value
 
-    def _array(self, path: Any, names: Names, value: Any) -> Any:
+    def _array(self, path: KeyPath, names: NameTuple, value: Any) -> Any:
         shape = shape_of(refuse_foreign(value))
         if shape is None:
             return value
@@ -283,7 +287,7 @@ class _Constraint:
 
 
 @public
-def constrain(tree: Any, mesh: AnyMesh | None = None, rules: RulesLike | None = None) -> Any:
+def constrain(tree: PyTree, mesh: AnyMesh | None = None, rules: Rules | None = None) -> PyTree:
     """Constrains every boxed value to its sharding, boxes kept (inside jit).
 
     Use it on boxed params inside a jitted step to pin their layout; unboxed
@@ -316,14 +320,14 @@ def constrain(tree: Any, mesh: AnyMesh | None = None, rules: RulesLike | None = 
         return tree
     live = walk.mesh
 
-    def finish(value: Any, res: Resolution) -> Any:
+    def finish(value: ArrayLike, res: Resolution) -> ArrayLike:
         return value if res.names is None else apply_spec(value, res.spec, live)
 
     return walk.map(finish, keep_boxes=True)
 
 
 @public
-def shard(tree: Any, mesh: Mesh, rules: RulesLike | None = None, *, params: Any = None) -> Any:
+def shard(tree: PyTree, mesh: Mesh, rules: Rules | None = None, *, params: PyTree = None) -> PyTree:
     """Places every value on its sharding, boxes kept (outside jit).
 
     Unboxed arrays are replicated. On a mesh that spans processes, each
@@ -354,7 +358,7 @@ def shard(tree: Any, mesh: Mesh, rules: RulesLike | None = None, *, params: Any 
     """
     check_mesh(mesh)
 
-    def finish(value: Any, res: Resolution) -> Any:
+    def finish(value: ArrayLike, res: Resolution) -> jax.Array:
         if isinstance(value, jax.ShapeDtypeStruct):
             raise Mistake(
                 TypeError,

@@ -54,7 +54,7 @@ def public(fn: F, name: str | None = None) -> F:
     return boundary  # type: ignore[return-value]
 
 
-def fmt(value: Any) -> str:
+def fmt(value: object) -> str:
     """Renders a received value for a message: short, and never the array data."""
     shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
     if shape is not None and dtype is not None:

@@ -26,13 +26,14 @@ from spmdtree._src.resolve import (
     flax_rules,
 )
 from spmdtree._src.rules import (
-    Names,
+    NameTuple,
+    PyTree,
     normalize_names,
 )
 from spmdtree._src.trees import KeyPath, each_leaf
 
 
-def _convert(x: Any, path: KeyPath, padded: list[str]) -> Any:
+def _convert(x: Any, path: KeyPath, padded: list[str]) -> object:
     kind = foreign_kind(x)
     if kind is None:
         return x
@@ -62,7 +63,7 @@ def _convert(x: Any, path: KeyPath, padded: list[str]) -> Any:
     return Partitioned(value, names, mesh=meta.get("mesh"))
 
 
-def _flax_names(value: Any, names: Any, path: KeyPath, padded: list[str]) -> Names:
+def _flax_names(value: object, names: object, path: KeyPath, padded: list[str]) -> NameTuple:
     """A flax box's names as flax reads them: missing trailing names are None.
 
     flax.linen's DenseGeneral (and the attention layers built on it) initialise
@@ -81,7 +82,7 @@ def _flax_names(value: Any, names: Any, path: KeyPath, padded: list[str]) -> Nam
     return checked_names(value, names)
 
 
-def _from_flax(tree: Any, padded: list[str]) -> Any:
+def _from_flax(tree: PyTree, padded: list[str]) -> PyTree:
     found, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=leaf_test())
     converted = each_leaf(
         lambda path, leaf: _convert(leaf, path, padded),
@@ -93,7 +94,7 @@ def _from_flax(tree: Any, padded: list[str]) -> Any:
 
 
 @public
-def from_flax(tree: Any) -> Any:
+def from_flax(tree: PyTree) -> PyTree:
     """The same tree with every flax box replaced by spmdtree's box of the same kind.
 
     flax.linen's `Partitioned` becomes `Partitioned` and its

@@ -10,7 +10,8 @@ the dimensions it kept. One resolution path serves `optimizer_sharding`,
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Protocol
 
 import jax
 from jax.sharding import Mesh
@@ -20,13 +21,23 @@ from spmdtree._src.resolve import (
     check_mesh,
 )
 from spmdtree._src.rules import (
-    RulesLike,
+    PyTree,
+    Rules,
 )
 from spmdtree._src.specs import ParamIndex, resolve_tree, shardings
 
 
+class Optimizer(Protocol):
+    """Anything with ``init(params) -> state``, such as an optax ``GradientTransformation``."""
+
+    @property
+    def init(self) -> Callable[[PyTree], PyTree]: ...
+
+
 @public
-def optimizer_sharding(tx: Any, params: Any, mesh: Mesh, rules: RulesLike | None = None) -> Any:
+def optimizer_sharding(
+    tx: Optimizer, params: PyTree, mesh: Mesh, rules: Rules | None = None
+) -> PyTree:
     """Shardings for the state of optimizer `tx` on `params`, reduced states included.
 
     Exactly ``to_sharding(jax.eval_shape(tx.init, params), mesh, rules,

@@ -30,10 +30,11 @@ from spmdtree._src.resolve import (
 from spmdtree._src.rules import (
     UNCONSTRAINED,
     AnyMesh,
-    Names,
-    RulesLike,
+    NameTuple,
+    PyTree,
+    Rules,
 )
-from spmdtree._src.specs import Nested, Walk, resolve_tree
+from spmdtree._src.specs import Found, Nested, Walk, resolve_tree
 from spmdtree._src.text import (
     FALLBACK,
     UNMENTIONED,
@@ -43,6 +44,7 @@ from spmdtree._src.text import (
     shape_text,
     size_text,
 )
+from spmdtree._src.trees import KeyPath
 
 _VALUE = jax.tree_util.GetAttrKey("value")
 
@@ -76,7 +78,7 @@ class PlanRow(NamedTuple):
     path: str
     shape: tuple[int, ...]
     dtype: np.dtype
-    names: Names | None
+    names: NameTuple | None
     spec: PartitionSpec
     shard_shape: tuple[int, ...]
     bytes: int
@@ -226,11 +228,11 @@ class Plan:
 
 @public
 def plan(
-    tree: Any,
+    tree: PyTree,
     mesh: AnyMesh | None = None,
-    rules: RulesLike | None = None,
+    rules: Rules | None = None,
     *,
-    params: Any = None,
+    params: PyTree = None,
     large: int = 1 << 20,
 ) -> Plan:
     """The sharding plan of a tree, as data, computed without allocating anything.
@@ -270,18 +272,18 @@ def plan(
 
 
 def make_plan(
-    tree: Any, mesh: AnyMesh | None, rules: RulesLike | None, *, params: Any, large: int
+    tree: PyTree, mesh: AnyMesh | None, rules: Rules | None, *, params: PyTree, large: int
 ) -> Plan:
     """`plan`, for the public functions that render one."""
     return planned_walk(tree, mesh, rules, params=params, large=large, lenient=True)[0]
 
 
 def planned_walk(
-    tree: Any,
+    tree: PyTree,
     mesh: AnyMesh | None,
-    rules: RulesLike | None,
+    rules: Rules | None,
     *,
-    params: Any,
+    params: PyTree,
     large: int,
     lenient: bool,
     argument: str = "tree",
@@ -306,7 +308,7 @@ def planned_walk(
     # shape and dtype: shared by the leaves of repeated layers
     rows: list[PlanRow] = []
 
-    def add(path: tuple[Any, ...], leaf: Any, res: Any) -> None:
+    def add(path: KeyPath, leaf: Any, res: Found) -> None:
         if type(res) is Nested:  # a box holding a subtree: a row per array inside
             inner = jax.tree_util.tree_flatten_with_path(leaf.unbox(), is_leaf=leaf_test())[0]
             for (where, x), r in zip(inner, res.resolutions, strict=True):
@@ -335,7 +337,7 @@ _KEY_FIELD = {
 }
 
 
-def _path_text(path: Any) -> str:
+def _path_text(path: KeyPath) -> str:
     """``keystr(path, simple=True, separator="/")``, in a quarter of the time."""
     parts = [
         str(getattr(key, _KEY_FIELD[type(key)])) if type(key) in _KEY_FIELD else str(key)
@@ -369,7 +371,7 @@ def _template(
     return shape, dtype, names, res.spec, shard, total, device, tuple(flags), _why(res, shape)
 
 
-def _fallback_flags(res: Resolution, shape: tuple[int, ...], names: Names | None) -> list[str]:
+def _fallback_flags(res: Resolution, shape: tuple[int, ...], names: NameTuple | None) -> list[str]:
     written = (
         f"shape {shape_text(shape)} under names ({entries_text(names or (), len(names or ()))})"
     )

@@ -23,11 +23,12 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, cast
+from typing import Any, NamedTuple, TypeVar, cast
 
 import jax
 import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
+from jax.typing import ArrayLike
 
 from spmdtree._src.boxes import dtype_of, shape_of
 from spmdtree._src.errors import Mistake, public
@@ -39,12 +40,15 @@ from spmdtree._src.resolve import (
 )
 from spmdtree._src.rules import (
     AnyMesh,
-    RulesLike,
+    PyTree,
+    Rules,
     logical_axis_rules,
 )
 from spmdtree._src.text import short_value, step_table
 
 #: The collectives counted, in the order rows are listed.
+T = TypeVar("T")
+
 KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 
 
@@ -147,11 +151,11 @@ def preflight(
     fn: Callable[..., Any],
     *args: Any,
     mesh: AnyMesh,
-    rules: RulesLike | None = None,
-    params: Any = None,
+    rules: Rules | None = None,
+    params: PyTree = None,
     donate_argnums: int | Sequence[int] = (),
     static_argnums: int | Sequence[int] = (),
-    out_shardings: Any = None,
+    out_shardings: PyTree = None,
 ) -> StepPlan:
     """Compiles a step for `mesh` without running it: its memory and traffic per device.
 
@@ -229,7 +233,7 @@ def preflight(
     )
     target = _compile_mesh(mesh)
 
-    def abstract(value: Any, res: Resolution) -> jax.ShapeDtypeStruct:
+    def abstract(value: ArrayLike, res: Resolution) -> jax.ShapeDtypeStruct:
         sharding = named_sharding(target or mesh, res.spec)
         return jax.ShapeDtypeStruct(shape_of(value), dtype_of(value), sharding=sharding)
 
@@ -278,7 +282,7 @@ def preflight(
     )
 
 
-def _argnums(value: Any, count: int, what: str) -> tuple[int, ...]:
+def _argnums(value: object, count: int, what: str) -> tuple[int, ...]:
     """`value` (an int or ints, negatives from the end, as `jax.jit` takes them) as
     non-negative argument positions."""
     numbers = (value,) if isinstance(value, int) else value
@@ -311,14 +315,16 @@ def _compile_mesh(mesh: AnyMesh) -> Mesh | None:
     return Mesh(devices, tuple(mesh.axis_names), axis_types=tuple(mesh.axis_types))
 
 
-def _out_shardings(prefix: Any, step: Callable[..., Any], flat: list[Any], mesh: AnyMesh) -> Any:
+def _out_shardings(
+    prefix: PyTree, step: Callable[..., Any], flat: list[Any], mesh: AnyMesh
+) -> list[NamedSharding | None]:
     """`prefix` (specs or shardings, a prefix of the outputs) as one sharding per
     output leaf, on `mesh`."""
     is_spec = lambda x: x is None or isinstance(x, (PartitionSpec, NamedSharding))  # noqa: E731
     specs, spec_def = jax.tree.flatten(prefix, is_leaf=is_spec)
     spec_def = cast(Any, spec_def)
     outputs = jax.eval_shape(step, *flat)
-    out = []
+    out: list[NamedSharding | None] = []
     for spec, subtree in zip(specs, spec_def.flatten_up_to(outputs), strict=True):
         if not is_spec(spec):
             raise Mistake(
@@ -347,7 +353,7 @@ def _signature(args: tuple[Any, ...], static: tuple[int, ...]) -> str:
     return ", ".join(said)
 
 
-def _traced(thunk: Callable[[], Any], signature: str) -> Any:
+def _traced(thunk: Callable[[], T], signature: str) -> T:
     """``thunk()``, with a failure to trace said as preflight's, with JAX's message."""
     try:
         return thunk()
@@ -360,7 +366,9 @@ def _traced(thunk: Callable[[], Any], signature: str) -> Any:
         ) from None
 
 
-def _compile(jitted: Any, flat: list[Any], mesh: Mesh, signature: str) -> dict[str, Any]:
+def _compile(
+    jitted: jax.stages.Wrapped, flat: list[Any], mesh: Mesh, signature: str
+) -> dict[str, Any]:
     start = time.perf_counter()
     with jax.set_mesh(mesh):
         lowered = _traced(lambda: jitted.lower(*flat), signature)
@@ -372,7 +380,11 @@ def _compile(jitted: Any, flat: list[Any], mesh: Mesh, signature: str) -> dict[s
 
 
 def _in_subprocess(
-    jitted: Any, flat: list[Any], donated: tuple[int, ...], mesh: AnyMesh, signature: str
+    jitted: jax.stages.Wrapped,
+    flat: list[Any],
+    donated: tuple[int, ...],
+    mesh: AnyMesh,
+    signature: str,
 ) -> dict[str, Any]:
     """Compiled in a fresh process with as many CPU devices as `mesh` has."""
     start = time.perf_counter()
@@ -468,10 +480,21 @@ def cpu_options(mesh: Mesh) -> dict[str, Any]:
     return {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 
-def analyse(compiled: Any) -> dict[str, Any]:
-    """A compiled step's memory per device and its collectives per step."""
-    memory = compiled.memory_analysis()
-    collectives, flags = count_collectives(compiled.as_text())
+def analyse(compiled: jax.stages.Compiled) -> dict[str, Any]:
+    """A compiled step's memory per device and its collectives per step.
+
+    Raises:
+        Mistake: if the backend reports no memory analysis or no HLO text.
+    """
+    memory, text = compiled.memory_analysis(), compiled.as_text()
+    if memory is None or text is None:
+        raise Mistake(
+            ValueError,
+            "the backend this step compiled for reports no memory analysis (or no HLO "
+            "text) for it, which preflight reads. Preflight on an AbstractMesh, which "
+            "compiles for CPU devices.",
+        )
+    collectives, flags = count_collectives(text)
     return {
         "argument": int(memory.argument_size_in_bytes),
         "output": int(memory.output_size_in_bytes),

@@ -5,21 +5,19 @@ Nothing here resolves or computes a figure: `plan` does, and `text` renders.
 
 from __future__ import annotations
 
-from typing import Any
-
 from spmdtree._src.errors import Mistake, public
 from spmdtree._src.plan import make_plan
-from spmdtree._src.rules import AnyMesh, RulesLike
+from spmdtree._src.rules import AnyMesh, PyTree, Rules
 from spmdtree._src.text import plan_table
 
 
 @public
 def describe(
-    tree: Any,
+    tree: PyTree,
     mesh: AnyMesh | None = None,
-    rules: RulesLike | None = None,
+    rules: Rules | None = None,
     *,
-    params: Any = None,
+    params: PyTree = None,
     budget: int | None = None,
     large: int = 1 << 20,
     width: int = 80,

@@ -14,7 +14,7 @@ import enum
 import math
 import sys
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeGuard
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -25,9 +25,10 @@ from spmdtree._src.rules import (
     AnyMesh,
     AxisName,
     MeshShape,
-    Names,
+    NameTuple,
+    PyTree,
     Rules,
-    RulesLike,
+    RuleTuple,
     normalize_names,
     rules_or_context,
 )
@@ -35,7 +36,7 @@ from spmdtree._src.rules import (
 # --- meshes ------------------------------------------------------------------
 
 
-def check_mesh(mesh: Any, *, optional: bool = False) -> None:
+def check_mesh(mesh: object, *, optional: bool = False) -> None:
     """Raises a Mistake unless `mesh` is a Mesh or AbstractMesh (or None, if optional)."""
     if mesh is None and optional:
         return
@@ -111,7 +112,7 @@ class Kept(NamedTuple):
     """A reduced state resolved through its param: the param's names and shape,
     and which of its dimensions the state kept (None: ambiguous)."""
 
-    names: Names
+    names: NameTuple
     shape: tuple[int, ...]
     dims: tuple[int, ...] | None
 
@@ -135,7 +136,7 @@ class Resolution:
     """
 
     spec: PartitionSpec
-    names: Names | None = None
+    names: NameTuple | None = None
     logical: bool = False
     dims: tuple[Dim, ...] = ()
     fallback: str | None = None
@@ -189,7 +190,7 @@ class Resolution:
 REPLICATED = Resolution(PartitionSpec())
 
 
-def axes_of(entry: Any) -> tuple[str, ...]:
+def axes_of(entry: AxisName) -> tuple[str, ...]:
     """The mesh axis names an entry of a spec uses."""
     if isinstance(entry, str):
         return (entry,)
@@ -204,7 +205,7 @@ def _not_in_mesh(axis: str, mesh_shape: MeshShape) -> str:
     return f"mesh axis {axis!r}, which is not in the mesh; its axes are {axes}.{guess}"
 
 
-def fewer_dimensions(names: Names, shape: tuple[int, ...]) -> str:
+def fewer_dimensions(names: NameTuple, shape: tuple[int, ...]) -> str:
     """Why a value with fewer dimensions than names cannot be resolved alone, and the fixes."""
     return (
         f"has {len(names)} names {names} for a value of shape {shape}, which has "
@@ -217,11 +218,11 @@ def fewer_dimensions(names: Names, shape: tuple[int, ...]) -> str:
 
 
 def resolve(
-    names: Names,
+    names: NameTuple,
     shape: tuple[int, ...] | None,
     *,
     logical: bool,
-    rules: Rules,
+    rules: RuleTuple,
     mesh_shape: MeshShape | None,
 ) -> Resolution:
     """How `names` resolve for an array of `shape` on a mesh of `mesh_shape`.
@@ -250,7 +251,7 @@ def resolve(
     return Resolution(spec, names, logical, tuple(dims), unmentioned=unmentioned)
 
 
-def unmentioned_names(names: Names, rules: Rules) -> tuple[str, ...]:
+def unmentioned_names(names: NameTuple, rules: RuleTuple) -> tuple[str, ...]:
     """The logical names among `names` that no rule mentions."""
     mentioned = {name for name, _ in rules}
     return tuple(name for name in names if type(name) is str and name not in mentioned)
@@ -260,7 +261,7 @@ def _quoted(names: Sequence[str]) -> str:
     return ", ".join(repr(name) for name in names)
 
 
-def flax_rules() -> Rules:
+def flax_rules() -> RuleTuple:
     """The rules in flax's own logical-axis-rules context (``nn.logical_axis_rules``),
     read without importing flax: () unless flax is loaded and they are set."""
     spmd = sys.modules.get("flax.core.spmd")
@@ -268,7 +269,7 @@ def flax_rules() -> Rules:
     return tuple((name, target) for name, target in found or ())
 
 
-def check_mentioned(names: Names, rules: Rules, mesh_shape: MeshShape | None) -> None:
+def check_mentioned(names: NameTuple, rules: RuleTuple, mesh_shape: MeshShape | None) -> None:
     """Logical names that cannot mean "replicated": none read without any rules
     in effect, and none that no rule mentions but that is an axis of the mesh.
 
@@ -303,7 +304,7 @@ def check_mentioned(names: Names, rules: Rules, mesh_shape: MeshShape | None) ->
             )
 
 
-def typos(resolutions: Sequence[Any], rules: Rules) -> dict[Resolution, str]:
+def typos(resolutions: Sequence[object], rules: RuleTuple) -> dict[Resolution, str]:
     """The resolutions of one call that use a logical name no rule mentions while
     it is close to the name of a rule that nothing in the call uses (a typo on
     one side), each with the sentence that says so. Other items are ignored."""
@@ -328,7 +329,7 @@ def typos(resolutions: Sequence[Any], rules: Rules) -> dict[Resolution, str]:
     return found
 
 
-def _rank_differs(names: Names, shape: tuple[int, ...], logical: bool) -> Resolution:
+def _rank_differs(names: NameTuple, shape: tuple[int, ...], logical: bool) -> Resolution:
     placeholder = all(size == 1 for size in shape)  # adafactor's (1,) for a scalar param
     if len(shape) > len(names) and not placeholder:
         raise Mistake(
@@ -344,7 +345,7 @@ def _rank_differs(names: Names, shape: tuple[int, ...], logical: bool) -> Resolu
     return Resolution(PartitionSpec(), names, logical, (), PLACEHOLDER)
 
 
-def _check_duplicates(names: Names) -> None:
+def _check_duplicates(names: NameTuple) -> None:
     strs = [name for name in names if isinstance(name, str)]
     for name in strs:
         if strs.count(name) > 1:
@@ -357,7 +358,7 @@ def _check_duplicates(names: Names) -> None:
 
 
 def _apply_rules(
-    dims: list[Dim], rules: Rules, sizes: dict[str, int] | None, mesh_shape: MeshShape | None
+    dims: list[Dim], rules: RuleTuple, sizes: dict[str, int] | None, mesh_shape: MeshShape | None
 ) -> None:
     """Flax's priority algorithm, with a mesh veto, recorded in `dims`.
 
@@ -401,7 +402,7 @@ def _apply_rules(
 
 
 def _check_mesh_axes(
-    names: Names,
+    names: NameTuple,
     dims: list[Dim],
     sizes: dict[str, int] | None,
     mesh_shape: MeshShape | None,
@@ -460,7 +461,7 @@ class RulesFallback(enum.Enum):
 @public
 def logical_to_mesh_axes(
     array_dim_names: Sequence[AxisName] | PartitionSpec | None,
-    rules: RulesLike | None = None,
+    rules: Rules | None = None,
     *,
     shape: Sequence[int] | None = None,
     mesh: AnyMesh | None = None,
@@ -529,14 +530,14 @@ def logical_to_mesh_axes(
         raise Mistake(mistake.kind, f"the spec {mistake.message}") from None
 
 
-def is_logical_spec(x: Any) -> bool:
+def is_logical_spec(x: object) -> TypeGuard[PartitionSpec | NameTuple]:
     """Whether `x` is a logical spec: a PartitionSpec or a flat tuple of names."""
     return isinstance(x, PartitionSpec) or (
         type(x) is tuple and all(e is None or e is UNCONSTRAINED or isinstance(e, str) for e in x)
     )
 
 
-def spec_names(spec: Any, *, none: bool = False) -> Names:
+def spec_names(spec: object, *, none: bool = False) -> NameTuple:
     """A logical spec's names, normalised.
 
     Raises:
@@ -552,15 +553,15 @@ def spec_names(spec: Any, *, none: bool = False) -> Names:
 
 
 def walk_specs(
-    tree: Any, argument: str, *, none: bool = False
-) -> tuple[list[tuple[Any, Names | None]], Any, list[tuple[str, Mistake]]]:
+    tree: PyTree, argument: str, *, none: bool = False
+) -> tuple[list[tuple[Any, NameTuple | None]], Any, list[tuple[str, Mistake]]]:
     """The one walk over a tree of logical specs: each spec's key path and names
     (None for a None spec, where `none` lets a None stand for "leave it alone",
     and for a wrong one), the tree's structure, and the mistakes, each said of
     its key path under the name `argument`."""
     is_spec = (lambda s: s is None or is_logical_spec(s)) if none else is_logical_spec
     found, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_spec)
-    specs: list[tuple[Any, Names | None]] = []
+    specs: list[tuple[Any, NameTuple | None]] = []
     problems: list[tuple[str, Mistake]] = []
     for path, spec in found:
         names = None
@@ -572,7 +573,7 @@ def walk_specs(
     return specs, treedef, problems
 
 
-def _map_specs(tree: Any, rules: Any, mesh: AnyMesh | None) -> Any:
+def _map_specs(tree: PyTree, rules: Rules | None, mesh: AnyMesh | None) -> PyTree:
     """Each logical spec of `tree` resolved (on `mesh`, if given)."""
     normal = rules_or_context(rules)
     mesh_shape = None if mesh is None else mesh_shape_of(mesh)
@@ -589,7 +590,7 @@ def _map_specs(tree: Any, rules: Any, mesh: AnyMesh | None) -> Any:
 
 
 @public
-def logical_to_mesh(tree: Any, rules: RulesLike | None = None) -> Any:
+def logical_to_mesh(tree: PyTree, rules: Rules | None = None) -> PyTree:
     """Applies `logical_to_mesh_axes` to every logical spec in a tree.
 
     Args:
@@ -613,7 +614,7 @@ def logical_to_mesh(tree: Any, rules: RulesLike | None = None) -> Any:
 
 
 @public
-def logical_to_mesh_sharding(tree: Any, mesh: Mesh, rules: RulesLike | None = None) -> Any:
+def logical_to_mesh_sharding(tree: PyTree, mesh: Mesh, rules: Rules | None = None) -> PyTree:
     """Maps a tree of logical specs to `NamedSharding`s on `mesh`.
 
     A rule that a spec reaches and that names an axis not in `mesh` is an

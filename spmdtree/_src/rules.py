@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeGuard
 
 import jax
 from jax.sharding import Mesh, PartitionSpec
@@ -22,15 +22,30 @@ from spmdtree._src.errors import Mistake, fmt, public
 
 UNCONSTRAINED = PartitionSpec.UNCONSTRAINED
 
-#: One entry of a names tuple: a name, ``None``, a tuple of mesh axes, or
-#: ``PartitionSpec.UNCONSTRAINED``.
-AxisName: TypeAlias = Any
-#: The names of an array's dimensions, one entry per dimension.
-Names: TypeAlias = tuple[AxisName, ...]
-#: Normalised rules: ``((logical_name, mesh_axes), ...)``.
-Rules: TypeAlias = tuple[tuple[str, Any], ...]
-#: Rules as a user may give them: pairs in a list or tuple, or a mapping.
-RulesLike: TypeAlias = Sequence[Sequence[Any]] | Mapping[str, Any]
+if TYPE_CHECKING:
+    from jax._src.partition_spec import UnconstrainedSingleton as Unconstrained
+else:
+    Unconstrained = type(UNCONSTRAINED)
+
+#: The mesh axes of one dimension: a mesh axis, a tuple of them (major first),
+#: or ``None`` (replicated).
+MeshAxes: TypeAlias = str | tuple[str, ...] | None
+#: One entry of a names tuple: what `MeshAxes` can be (a logical name in place
+#: of a mesh axis for logical boxes), or ``PartitionSpec.UNCONSTRAINED``.
+AxisName: TypeAlias = str | tuple[str, ...] | Unconstrained | None
+#: The names of an array's dimensions as a user writes them, one entry per
+#: dimension: a tuple (or list, or `PartitionSpec`) of `AxisName`.
+Names: TypeAlias = tuple[AxisName, ...] | list[AxisName] | PartitionSpec
+#: Names normalised: a tuple, tuples of axes as tuples.
+NameTuple: TypeAlias = tuple[AxisName, ...]
+#: Rules as a user writes them: ``(logical_name, mesh_axes)`` pairs in priority
+#: order, or a mapping taken in its order.
+Rules: TypeAlias = Sequence[tuple[str, AxisName]] | Mapping[str, AxisName]
+#: Rules normalised: ``((logical_name, mesh_axes), ...)``.
+RuleTuple: TypeAlias = tuple[tuple[str, AxisName], ...]
+#: A pytree: any nesting of containers and leaves; its type says no more, as
+#: in JAX's own signatures.
+PyTree: TypeAlias = Any
 #: A mesh or an abstract mesh: anything with axis names and sizes.
 AnyMesh: TypeAlias = Mesh | jax.sharding.AbstractMesh
 #: A mesh's ``((axis, size), ...)``.
@@ -45,11 +60,11 @@ _NAME_HELP = (
 # --- normalisation ---------------------------------------------------------
 
 
-def _axis_tuple(entry: Any) -> bool:
+def _axis_tuple(entry: object) -> TypeGuard[Sequence[str]]:
     return isinstance(entry, (tuple, list)) and all(isinstance(axis, str) for axis in entry)
 
 
-def normalize_names(names: Any, what: str = "names") -> Names:
+def normalize_names(names: object, what: str = "names") -> NameTuple:
     """`names` as a tuple whose entries are str, None, tuples of str or UNCONSTRAINED.
 
     Raises:
@@ -77,7 +92,7 @@ def normalize_names(names: Any, what: str = "names") -> Names:
     return tuple(out)
 
 
-def _normalize_target(logical: str, target: Any, index: int) -> Any:
+def _normalize_target(logical: str, target: object, index: int) -> AxisName:
     if target is None or target is UNCONSTRAINED or isinstance(target, str):
         return target
     if _axis_tuple(target):
@@ -98,7 +113,7 @@ def _normalize_target(logical: str, target: Any, index: int) -> Any:
     )
 
 
-def normalize_rules(rules: Any) -> Rules:
+def normalize_rules(rules: object) -> RuleTuple:
     """`rules` as a tuple of ``(str, mesh_axes)`` pairs; a mapping is taken in its order.
 
     Raises:
@@ -143,11 +158,11 @@ def normalize_rules(rules: Any) -> Rules:
 
 # A ContextVar, not a thread-local: nested contexts restore on exit, and threads
 # and asyncio tasks each see only the rules set in their own context.
-_RULES: contextvars.ContextVar[Rules] = contextvars.ContextVar("spmdtree_rules", default=())
+_RULES: contextvars.ContextVar[RuleTuple] = contextvars.ContextVar("spmdtree_rules", default=())
 
 
 @contextlib.contextmanager
-def logical_axis_rules(rules: RulesLike) -> Iterator[Rules]:
+def logical_axis_rules(rules: Rules) -> Iterator[RuleTuple]:
     """Sets the logical axis rules for the body of a ``with`` statement.
 
     The previous rules come back on exit, also when the body raises. Rules are
@@ -183,7 +198,7 @@ def logical_axis_rules(rules: RulesLike) -> Iterator[Rules]:
 
 
 @public
-def set_logical_axis_rules(rules: RulesLike) -> None:
+def set_logical_axis_rules(rules: Rules) -> None:
     """Sets the logical axis rules of the current context until changed again.
 
     Prefer `logical_axis_rules` (scoped) or passing ``rules=`` to each function.
@@ -206,7 +221,7 @@ def set_logical_axis_rules(rules: RulesLike) -> None:
     _RULES.set(normalize_rules(rules))
 
 
-def get_logical_axis_rules() -> Rules:
+def get_logical_axis_rules() -> RuleTuple:
     """Returns the logical axis rules of the current context (``()`` if unset).
 
     Example:
@@ -217,6 +232,6 @@ def get_logical_axis_rules() -> Rules:
     return _RULES.get()
 
 
-def rules_or_context(rules: Any) -> Rules:
+def rules_or_context(rules: Rules | None) -> RuleTuple:
     """`rules` normalised, or the context's rules when `rules` is None."""
     return _RULES.get() if rules is None else normalize_rules(rules)

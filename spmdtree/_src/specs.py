@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Callable, Sequence
-from typing import Any, TypeAlias
+from typing import Any, TypeAlias, cast
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -47,18 +47,23 @@ from spmdtree._src.resolve import (
 from spmdtree._src.rules import (
     AnyMesh,
     MeshShape,
-    Names,
+    NameTuple,
+    PyTree,
     Rules,
-    RulesLike,
+    RuleTuple,
     rules_or_context,
 )
-from spmdtree._src.trees import each_leaf, is_boxed, map_leaves
-
-#: What a box holding no array resolves to: it passes through unchanged.
-PASS: Any = object()
+from spmdtree._src.trees import KeyPath, each_leaf, is_boxed, map_leaves
 
 
-def holds_array(value: Any) -> bool:
+class _Pass:
+    """What a box holding no array resolves to: it passes through unchanged."""
+
+
+PASS = _Pass()
+
+
+def holds_array(value: PyTree) -> bool:
     """Whether any leaf of `value` is an array (so it has a sharding)."""
     return any(is_array(leaf) for leaf in jax.tree.leaves(value))
 
@@ -74,8 +79,12 @@ class Nested:
     """The resolutions inside a box that holds a subtree (SM3's per-dimension vectors)."""
 
     leaves: list[Any]
-    treedef: Any
-    resolutions: list[Any]
+    treedef: jax.tree_util.PyTreeDef
+    resolutions: list[Found]
+
+
+#: What one leaf of a tree resolves to (see `Walk`).
+Found: TypeAlias = Resolution | Nested | _Pass | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,13 +93,13 @@ class Walk:
     `Resolution` for an array, `Nested` for a box holding a subtree, `PASS`
     for a box holding no array, None for anything else."""
 
-    tree: Any
+    tree: PyTree
     leaves: list[Any]
-    treedef: Any
-    resolutions: list[Any]
+    treedef: jax.tree_util.PyTreeDef
+    resolutions: list[Found]
     mesh: AnyMesh | None
 
-    def map(self, finish: Callable[[Any, Resolution], Any], *, keep_boxes: bool) -> Any:
+    def map(self, finish: Callable[[Any, Resolution], Any], *, keep_boxes: bool) -> PyTree:
         """The tree with every array replaced by ``finish(value, resolution)``.
 
         A box holding an array becomes the result (`keep_boxes` False: specs,
@@ -100,7 +109,7 @@ class Walk:
         Mistakes `finish` raises are collected with their key paths.
         """
 
-        def one(leaf: Any, res: Any) -> Any:
+        def one(leaf: Any, res: Found) -> Any:
             if type(res) is Resolution:
                 if not isinstance(leaf, AxisMetadata):
                     return finish(leaf, res)
@@ -112,19 +121,20 @@ class Walk:
                 return leaf if keep_boxes else None
             if res is PASS:
                 return leaf
-            inner = [one(x, r) for x, r in zip(res.leaves, res.resolutions, strict=True)]
-            return leaf.replace_boxed(res.treedef.unflatten(inner))
+            nested = cast(Nested, res)
+            inner = [one(x, r) for x, r in zip(nested.leaves, nested.resolutions, strict=True)]
+            return leaf.replace_boxed(nested.treedef.unflatten(inner))
 
         return self.treedef.unflatten(each_leaf(one, self.tree, self.leaves, self.resolutions))
 
-    def replace(self, fn: Callable[[Resolution], Any]) -> Any:
+    def replace(self, fn: Callable[[Resolution], Any]) -> PyTree:
         """`map` for a result that depends on the resolution only (specs,
         shardings): ``fn`` runs once per distinct resolution, and boxes holding
         an array are replaced."""
         unique = set(self.resolutions)
         if any(res is PASS or type(res) is Nested for res in unique):
             return self.map(lambda value, res: fn(res), keep_boxes=False)
-        done = {res: fn(res) for res in unique if res is not None}
+        done: dict[Found, Any] = {r: fn(cast(Resolution, r)) for r in unique if r is not None}
         done[None] = None
         return self.treedef.unflatten([done[res] for res in self.resolutions])
 
@@ -182,9 +192,9 @@ class ParamIndex:
     matching a whole tree is linear in its number of leaves.
     """
 
-    def __init__(self, params: Any) -> None:
+    def __init__(self, params: PyTree) -> None:
         self.params = params
-        self.shapes: dict[tuple[Names, tuple[Any, ...]], set[tuple[int, ...]]] = {}
+        self.shapes: dict[tuple[NameTuple, tuple[Any, ...]], set[tuple[int, ...]]] = {}
         leaves = jax.tree.leaves(params, is_leaf=leaf_test())
         if not any(isinstance(x, Partitioned) for x in each_leaf(refuse_foreign, params, leaves)):
             raise Mistake(
@@ -202,7 +212,7 @@ class ParamIndex:
             for k in range(1, len(path) + 1):
                 self.shapes.setdefault((leaf.names, tuple(path[-k:])), set()).add(shape)
 
-    def shape_for(self, path: tuple[Any, ...], names: Names) -> Any:
+    def shape_for(self, path: KeyPath, names: NameTuple) -> tuple[int, ...] | str | None:
         """The shape of the param with `names` whose key path shares the longest
         suffix with `path`: None if there is none, AMBIGUOUS if params of
         different shapes tie. The index is built at the first lookup: a state
@@ -216,7 +226,7 @@ class ParamIndex:
         return None
 
 
-def _unmatched(names: Names, shape: tuple[int, ...]) -> str:
+def _unmatched(names: NameTuple, shape: tuple[int, ...]) -> str:
     return (
         f"has {len(names)} names {names} for a value of shape {shape}, which has fewer "
         "dimensions, and no box in params= has these names at a key path that this "
@@ -234,11 +244,11 @@ def _boxes_mesh(leaves: list[Any]) -> AnyMesh | None:
 
 
 def resolve_tree(
-    tree: Any,
-    rules: RulesLike | None,
+    tree: PyTree,
+    rules: Rules | None,
     *,
     mesh: AnyMesh | None,
-    params: Any = None,
+    params: PyTree = None,
     strict: bool = False,
     lenient: bool = False,
     placed: bool = False,
@@ -291,8 +301,8 @@ class Resolver:
 
     def __init__(
         self,
-        tree: Any,
-        rules: Rules,
+        tree: PyTree,
+        rules: RuleTuple,
         mesh: AnyMesh | None,
         index: ParamIndex | None,
         *,
@@ -306,13 +316,13 @@ class Resolver:
         self.memo: dict[Any, Resolution] = {}
         self.paths: list[tuple[Any, ...]] = []
 
-    def fast(self) -> Callable[[Any, int], Any]:
+    def fast(self) -> Callable[[Any, int], Found]:
         """`one`, with the common case (a box of an array whose metadata and shape
         were seen) taken in one lookup and no further call: layers repeat, so
         most leaves take this path, and it runs once per leaf."""
         lookup, one, strict = self.memo.get, self.one, self.strict
 
-        def leaf_resolution(leaf: Any, i: int) -> Any:
+        def leaf_resolution(leaf: Any, i: int) -> Found:
             if not strict and isinstance(leaf, Partitioned):
                 (value,), meta = leaf._tree
                 found = lookup((type(leaf), meta, getattr(value, "shape", None)))
@@ -322,7 +332,7 @@ class Resolver:
 
         return leaf_resolution
 
-    def one(self, leaf: Any, named: tuple[type[Partitioned], Meta] | None, at: At) -> Any:
+    def one(self, leaf: Any, named: tuple[type[Partitioned], Meta] | None, at: At) -> Found:
         """What a leaf resolves to (see `Walk`); `named` is the box around it, if any."""
         if isinstance(leaf, Partitioned):
             (value,), meta = leaf._tree
@@ -344,7 +354,9 @@ class Resolver:
             return self.of_box(*named, shape, at)
         return placed_resolution(leaf, self.mesh_shape) if self.placed else REPLICATED
 
-    def nested(self, value: Any, named: tuple[type[Partitioned], Meta] | None, i: int) -> Any:
+    def nested(
+        self, value: PyTree, named: tuple[type[Partitioned], Meta] | None, i: int
+    ) -> Nested | _Pass:
         """A box holding a subtree: PASS if it holds no array, else `Nested`."""
         if not holds_array(value):
             return PASS
@@ -358,7 +370,9 @@ class Resolver:
             [self.one(x, named, (i, j if per_dimension else None)) for j, x in enumerate(inner)],
         )
 
-    def of_box(self, kind: type[Partitioned], meta: Meta, shape: tuple[int, ...], at: At) -> Any:
+    def of_box(
+        self, kind: type[Partitioned], meta: Meta, shape: tuple[int, ...], at: At
+    ) -> Resolution:
         """A box's resolution; its problem raised unless lenient."""
         found = self.resolved(kind, meta, shape)
         if found.fallback == FEWER_DIMENSIONS and self.index is not None:
@@ -396,7 +410,7 @@ class Resolver:
             return Resolution(
                 PartitionSpec(), meta.names, kind.logical, (), FEWER_DIMENSIONS, problem
             )
-        if param_shape is AMBIGUOUS:
+        if isinstance(param_shape, str):  # AMBIGUOUS
             return Resolution(PartitionSpec(), meta.names, kind.logical, (), AMBIGUOUS)
         key = (kind, meta, shape, param_shape, at[1])
         found = self.memo.get(key)
@@ -421,11 +435,11 @@ class Resolver:
         return dataclasses.replace(found, kept=kept)
 
 
-def _check_typos(tree: Any, resolutions: list[Any], rules: Rules, argument: str) -> None:
+def _check_typos(tree: PyTree, resolutions: list[Found], rules: RuleTuple, argument: str) -> None:
     """A Mistake at each leaf whose names hold a likely typo (`typos`)."""
     found = typos(resolutions, rules)
 
-    def typo(res: Any) -> None:
+    def typo(res: Found) -> None:
         if type(res) is Resolution and res in found:
             raise Mistake(ValueError, found[res])
 
@@ -433,7 +447,7 @@ def _check_typos(tree: Any, resolutions: list[Any], rules: Rules, argument: str)
         each_leaf(typo, tree, resolutions, argument=argument)
 
 
-def placed_resolution(leaf: Any, mesh_shape: MeshShape | None) -> Resolution:
+def placed_resolution(leaf: object, mesh_shape: MeshShape | None) -> Resolution:
     """An unboxed array's own layout: the spec of its `NamedSharding`, else replicated.
 
     Raises:
@@ -452,13 +466,13 @@ def placed_resolution(leaf: Any, mesh_shape: MeshShape | None) -> Resolution:
     return Resolution(sharding.spec)
 
 
-def shardings(walk: Walk, mesh: AnyMesh) -> Any:
+def shardings(walk: Walk, mesh: AnyMesh) -> PyTree:
     """A `NamedSharding` per array of `walk`, one object per distinct resolution."""
     return walk.replace(lambda res: named_sharding(mesh, res.spec))
 
 
 @public
-def get_partition_spec(tree: Any) -> Any:
+def get_partition_spec(tree: PyTree) -> PyTree:
     """Returns each box's names as written, as a `PartitionSpec` (flax.linen's semantics).
 
     Logical names are not resolved (see `to_spec` for that). An unboxed leaf
@@ -484,7 +498,7 @@ def get_partition_spec(tree: Any) -> Any:
     return _written_specs(tree)
 
 
-def _written_specs(tree: Any) -> Any:
+def _written_specs(tree: PyTree) -> PyTree:
     def one(x: Any) -> Any:
         if is_boxed(x):
             value = x.unbox()
@@ -500,13 +514,13 @@ def _written_specs(tree: Any) -> Any:
 
 @public
 def to_spec(
-    tree: Any,
-    rules: RulesLike | None = None,
+    tree: PyTree,
+    rules: Rules | None = None,
     *,
     mesh: AnyMesh | None = None,
     strict: bool = False,
-    params: Any = None,
-) -> Any:
+    params: PyTree = None,
+) -> PyTree:
     """Returns the mesh `PartitionSpec` each box stands for.
 
     Logical names resolve through rules: the box's own, else `rules`, else the
@@ -560,13 +574,13 @@ def to_spec(
 
 @public
 def to_sharding(
-    tree: Any,
+    tree: PyTree,
     mesh: Mesh,
-    rules: RulesLike | None = None,
+    rules: Rules | None = None,
     *,
     strict: bool = False,
-    params: Any = None,
-) -> Any:
+    params: PyTree = None,
+) -> PyTree:
     """Returns a `NamedSharding` per array leaf, from the shape-aware `to_spec`.
 
     The result is a valid ``in_shardings``/``out_shardings`` for `jax.jit` and
@@ -601,7 +615,7 @@ def to_sharding(
 
 
 @public
-def get_sharding(tree: Any, mesh: Mesh) -> Any:
+def get_sharding(tree: PyTree, mesh: Mesh) -> PyTree:
     """The same as ``to_sharding(tree, mesh)``, under flax.linen's name.
 
     Unlike flax's, it resolves logical boxes (through the rules context) rather
@@ -629,8 +643,8 @@ def get_sharding(tree: Any, mesh: Mesh) -> Any:
 
 @public
 def to_abstract(
-    tree: Any, mesh: Mesh, rules: RulesLike | None = None, *, params: Any = None
-) -> Any:
+    tree: PyTree, mesh: Mesh, rules: Rules | None = None, *, params: PyTree = None
+) -> PyTree:
     """Returns a sharded `jax.ShapeDtypeStruct` per array leaf, boxes kept.
 
     A restore target for checkpoint libraries (orbax restores onto these
@@ -676,7 +690,7 @@ def to_abstract(
 
 @public
 def validate_rules(
-    rules: RulesLike | None, mesh: AnyMesh | None = None, tree: Any = None
+    rules: Rules | None, mesh: AnyMesh | None = None, tree: PyTree = None
 ) -> list[str]:
     """Lists the problems of a rule set, as readable sentences; empty when all is well.
 
@@ -740,7 +754,7 @@ def validate_rules(
     return problems
 
 
-def _never_reached(tree: Any, rules: Rules, mesh: AnyMesh | None) -> list[str]:
+def _never_reached(tree: PyTree, rules: RuleTuple, mesh: AnyMesh | None) -> list[str]:
     """Rules for names the tree uses that never serve a dimension, because an
     earlier rule always takes the dimension or the mesh axes first."""
     try:
@@ -773,7 +787,7 @@ def _never_reached(tree: Any, rules: Rules, mesh: AnyMesh | None) -> list[str]:
     ]
 
 
-def _logical_names_in(tree: Any) -> dict[str, str]:
+def _logical_names_in(tree: PyTree) -> dict[str, str]:
     """Each logical name used by a box without its own rules -> where first seen."""
     found: dict[str, str] = {}
     paths = jax.tree_util.tree_flatten_with_path(tree, is_leaf=leaf_test())[0]

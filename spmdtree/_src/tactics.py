@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from jax import tree_util
@@ -23,11 +23,11 @@ from spmdtree._src.trees import KeyPath, NamesFn
 
 @public
 def match(
-    patterns: Sequence[tuple[str, Any]],
+    patterns: Sequence[tuple[str, Names | None]],
     *,
     strict: bool = False,
     default: NamesFn | None = None,
-) -> Callable[[KeyPath, Any], Names | None]:
+) -> NamesFn:
     """A names function for `box` from ``[(regex, names), ...]`` over key paths.
 
     Each leaf's key path is joined with ``/`` (``params/dense/kernel``) and
@@ -108,9 +108,7 @@ def match(
 
 
 @public
-def fsdp(
-    mesh: AnyMesh, axis: str = "fsdp", *, min_size: int = 2**14
-) -> Callable[[KeyPath, Any], Names | None]:
+def fsdp(mesh: AnyMesh, axis: str = "fsdp", *, min_size: int = 2**14) -> NamesFn:
     """A names function for `box`: FSDP, the tactic of big_vision and PyTorch's FSDP.
 
     An array with at least `min_size` elements gets `axis` on its largest

@@ -20,14 +20,14 @@ from spmdtree._src.errors import fmt
 UNCONSTRAINED = PartitionSpec.UNCONSTRAINED
 
 
-def short_dtype(dtype: Any) -> str:
+def short_dtype(dtype: object) -> str:
     """jax's short dtype names: ``f32``, ``bf16``, ``i8``, ``u32``, ``c64``, ``bool``."""
     name = getattr(dtype, "name", str(dtype))
     short = name.replace("float", "f").replace("uint", "u").replace("int", "i")
     return short.replace("complex", "c")
 
 
-def short_value(value: Any) -> str:
+def short_value(value: object) -> str:
     """``f32[256,512]`` for an array-like, the repr for anything else."""
     shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
     if shape is None or dtype is None:

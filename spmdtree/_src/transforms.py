@@ -10,8 +10,8 @@ the names on the way in (a mapped box loses the mapped axis) and on the way out
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeAlias
 
 import jax
 
@@ -20,13 +20,17 @@ from spmdtree._src.resolve import (
     check_mesh,
 )
 from spmdtree._src.rules import (
-    RulesLike,
+    PyTree,
+    Rules,
 )
 from spmdtree._src.specs import resolve_tree, shardings
 from spmdtree._src.trees import change_axes
 
+#: ``(subtree, axis, where) -> subtree``, applied under each leaf of an axes prefix tree.
+PerAxis: TypeAlias = Callable[[PyTree, int | None, str], PyTree]
 
-def _per_prefix(fn: Callable[[Any, Any, str], Any], axes: Any, tree: Any, argument: str) -> Any:
+
+def _per_prefix(fn: PerAxis, axes: PyTree, tree: PyTree, argument: str) -> PyTree:
     """Applies ``fn(subtree, axis, where)`` under each leaf of the prefix tree `axes`;
     `where` is the subtree's key path under the name `argument`."""
     return jax.tree_util.tree_map_with_path(
@@ -37,7 +41,7 @@ def _per_prefix(fn: Callable[[Any, Any, str], Any], axes: Any, tree: Any, argume
     )
 
 
-def _without_axis(partition_name: Any) -> Callable[[Any, Any, str], Any]:
+def _without_axis(partition_name: str | None) -> PerAxis:
     """`(tree, axis, where) -> tree` whose boxes lose the axis `axis` about to be
     mapped over (any name, or `partition_name` if given).
 
@@ -45,7 +49,7 @@ def _without_axis(partition_name: Any) -> Callable[[Any, Any, str], Any]:
     unmapped value, as its `add_axis` sees the stacked result.
     """
 
-    def strip(tree: Any, axis: int | None, argument: str) -> Any:
+    def strip(tree: PyTree, axis: int | None, argument: str) -> PyTree:
         if axis is None:
             return tree
         return change_axes(
@@ -61,10 +65,10 @@ def _without_axis(partition_name: Any) -> Callable[[Any, Any, str], Any]:
     return strip
 
 
-def _with_axis(partition_name: Any) -> Callable[[Any, Any, str], Any]:
+def _with_axis(partition_name: str | None) -> PerAxis:
     """`(tree, axis, where) -> tree` whose boxes gain the axis `axis`, named `partition_name`."""
 
-    def add(tree: Any, axis: int | None, argument: str) -> Any:
+    def add(tree: PyTree, axis: int | None, argument: str) -> PyTree:
         if axis is None:
             return tree
         return change_axes(tree, axis, partition_name, add=True, argument=argument)
@@ -75,7 +79,7 @@ def _with_axis(partition_name: Any) -> Callable[[Any, Any, str], Any]:
 def vmap(
     fn: Callable[..., Any],
     *,
-    in_axes: Any = 0,
+    in_axes: int | Sequence[Any] | None = 0,
     out_axes: Any = 0,
     partition_name: str | None = None,
     **kwargs: Any,
@@ -126,8 +130,8 @@ def vmap(
 @public
 def scan(
     f: Callable[[Any, Any], tuple[Any, Any]],
-    init: Any,
-    xs: Any = None,
+    init: PyTree,
+    xs: PyTree = None,
     length: int | None = None,
     *,
     partition_name: str | None = None,
@@ -173,7 +177,7 @@ def scan(
 def sharded_init(
     init_fn: Callable[..., Any],
     mesh: jax.sharding.Mesh,
-    rules: RulesLike | None = None,
+    rules: Rules | None = None,
     **jit_kwargs: Any,
 ) -> Callable[..., Any]:
     """Builds a boxed tree directly in its shardings: no device holds an unsharded copy.

@@ -5,8 +5,8 @@ Every function returns a new tree; nothing mutates its input.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any, TypeAlias, cast
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol, TypeAlias, TypeGuard, cast
 
 import jax
 from jax import tree_util
@@ -15,7 +15,6 @@ from spmdtree._src.boxes import (
     PARTITION_NAME,
     AxisMetadata,
     LogicallyPartitioned,
-    Meta,
     Partitioned,
     delete_name,
     foreign_kind,
@@ -33,16 +32,39 @@ from spmdtree._src.resolve import (
 )
 from spmdtree._src.rules import (
     AnyMesh,
-    RulesLike,
+    AxisName,
+    Names,
+    PyTree,
+    Rules,
     normalize_rules,
 )
 
+#: A leaf's key path, as `jax.tree_util.tree_flatten_with_path` gives it.
 KeyPath: TypeAlias = tuple[Any, ...]
-#: A function choosing the names of a leaf from its key path, or None.
-NamesFn: TypeAlias = Callable[[KeyPath, Any], Any]
 
 
-def is_boxed(x: Any) -> bool:
+class NamesFn(Protocol):
+    """The type of a names function: ``(key_path, leaf) -> names | None``.
+
+    What `box` takes in place of a tree of names, and what `match` and `fsdp`
+    return: it chooses the names of each array leaf from its key path (as
+    `jax.tree_util.tree_flatten_with_path` gives it) and the leaf, or None to
+    leave the leaf unboxed. Any function of two positional arguments is one.
+
+    Example:
+        >>> import jax.numpy as jnp, spmdtree as st
+        >>> def by_rank(path: tuple, leaf: jnp.ndarray) -> st.Names | None:
+        ...     return ("embed", "mlp") if leaf.ndim == 2 else None
+        >>> names_for: st.NamesFn = by_rank
+        >>> boxed = st.box({"w": jnp.zeros((4, 8)), "b": jnp.zeros(8)}, names_for, logical=True)
+        >>> boxed["w"].names, st.is_boxed(boxed["b"])
+        (('embed', 'mlp'), False)
+    """
+
+    def __call__(self, path: KeyPath, leaf: Any, /) -> Names | None: ...
+
+
+def is_boxed(x: object) -> TypeGuard[AxisMetadata]:
     """Whether `x` is a metadata box (an `AxisMetadata`).
 
     Example:
@@ -53,14 +75,14 @@ def is_boxed(x: Any) -> bool:
     return isinstance(x, AxisMetadata)
 
 
-def subject(tree_leaf: Any, path: KeyPath, argument: str = "tree") -> str:
+def subject(tree_leaf: object, path: KeyPath, argument: str = "tree") -> str:
     """How a message names a leaf: ``the box at tree['w']``."""
     kind = "box" if is_boxed(tree_leaf) or foreign_kind(tree_leaf) else "leaf"
     return f"the {kind} at {at(argument, path)}"
 
 
 def each_leaf(
-    fn: Callable[..., Any], tree: Any, *columns: Sequence[Any], argument: str = "tree"
+    fn: Callable[..., Any], tree: PyTree, *columns: Sequence[Any], argument: str = "tree"
 ) -> list[Any]:
     """``[fn(*row) for row in zip(*columns)]``, one row per leaf of `tree` (boxes as leaves).
 
@@ -84,8 +106,8 @@ def each_leaf(
 
 
 def map_leaves(
-    fn: Callable[[Any], Any], tree: Any, *, argument: str = "tree", foreign: bool = False
-) -> Any:
+    fn: Callable[[Any], Any], tree: PyTree, *, argument: str = "tree", foreign: bool = False
+) -> PyTree:
     """Maps `fn` over the leaves of `tree`, boxes taken as leaves, collecting
     mistakes as `each_leaf` does. Another library's box is refused, unless
     `foreign` (then `fn` gets it)."""
@@ -95,7 +117,7 @@ def map_leaves(
 
 
 @public
-def unbox(tree: Any) -> Any:
+def unbox(tree: PyTree) -> PyTree:
     """Strips every box from a tree, nested boxes too.
 
     Pure: unlike flax.linen's, it never applies a sharding constraint (use
@@ -115,12 +137,12 @@ def unbox(tree: Any) -> Any:
     return _unboxed(tree)
 
 
-def _unboxed(tree: Any) -> Any:
+def _unboxed(tree: PyTree) -> PyTree:
     return map_leaves(lambda x: _unboxed(x.unbox()) if is_boxed(x) else x, tree)
 
 
 @public
-def replace_boxed(tree: Any, values: Any) -> Any:
+def replace_boxed(tree: PyTree, values: PyTree) -> PyTree:
     """Puts new values into the boxes of a tree.
 
     ``replace_boxed(tree, unbox(tree)) == tree``; the usual use is to box the
@@ -146,7 +168,7 @@ def replace_boxed(tree: Any, values: Any) -> Any:
     return _replaced(tree, values)
 
 
-def _replaced(tree: Any, values: Any) -> Any:
+def _replaced(tree: PyTree, values: PyTree) -> PyTree:
     leaves, treedef = jax.tree.flatten(tree, is_leaf=leaf_test())
     try:
         parts = cast(Any, treedef).flatten_up_to(values)
@@ -167,7 +189,7 @@ def _replaced(tree: Any, values: Any) -> Any:
 
 
 @public
-def map_boxes(fn: Callable[[AxisMetadata], Any], tree: Any) -> Any:
+def map_boxes(fn: Callable[[AxisMetadata], Any], tree: PyTree) -> PyTree:
     """Applies `fn` to every outermost box of a tree, leaving other leaves alone.
 
     Args:
@@ -188,13 +210,13 @@ def map_boxes(fn: Callable[[AxisMetadata], Any], tree: Any) -> Any:
 
 @public
 def box(
-    tree: Any,
-    names: Any | NamesFn,
+    tree: PyTree,
+    names: PyTree | NamesFn,
     *,
     logical: bool = False,
     mesh: AnyMesh | None = None,
-    rules: RulesLike | None = None,
-) -> Any:
+    rules: Rules | None = None,
+) -> PyTree:
     """Boxes the array leaves of a tree.
 
     Args:
@@ -232,7 +254,7 @@ def box(
             "axes. Pass logical=True, or drop rules=.",
         )
     cls = LogicallyPartitioned if logical else Partitioned
-    meta = Meta((), mesh, None if rules is None else normalize_rules(rules))
+    fields = {"mesh": mesh, "rules": None if rules is None else normalize_rules(rules)}
     paths_leaves, treedef = tree_util.tree_flatten_with_path(tree, is_leaf=leaf_test())
     if callable(names):
         chosen = _names_from_function(names, paths_leaves)
@@ -242,14 +264,16 @@ def box(
     for (path, leaf), leaf_names in zip(paths_leaves, chosen, strict=True):
         try:
             refuse_foreign(leaf)
-            out.append(leaf if leaf_names is None else _box_one(cls, leaf, leaf_names, meta))
+            out.append(leaf if leaf_names is None else _box_one(cls, leaf, leaf_names, fields))
         except Mistake as mistake:
             problems.append((subject(leaf, path), mistake))
     raise_collected(problems)
     return jax.tree.unflatten(treedef, out)
 
 
-def _box_one(cls: type[Partitioned], leaf: Any, names: Any, meta: Meta) -> Any:
+def _box_one(
+    cls: type[Partitioned], leaf: object, names: Names, fields: dict[str, Any]
+) -> Partitioned:
     if is_boxed(leaf):
         raise Mistake(
             ValueError,
@@ -261,10 +285,12 @@ def _box_one(cls: type[Partitioned], leaf: Any, names: Any, meta: Meta) -> Any:
             TypeError,
             f"is {fmt(leaf)}, not an array, so it cannot be boxed; give it None in `names`.",
         )
-    return make_box(cls, leaf, meta._replace(names=names))
+    return make_box(cls, leaf, names, **fields)
 
 
-def _names_from_function(fn: NamesFn, paths_leaves: Sequence[tuple[Any, Any]]) -> list[Any]:
+def _names_from_function(
+    fn: NamesFn, paths_leaves: Sequence[tuple[KeyPath, Any]]
+) -> list[Names | None]:
     chosen, problems = [], []
     for path, leaf in paths_leaves:
         try:
@@ -276,7 +302,7 @@ def _names_from_function(fn: NamesFn, paths_leaves: Sequence[tuple[Any, Any]]) -
     return chosen
 
 
-def _names_from_tree(treedef: Any, names: Any) -> list[Any]:
+def _names_from_tree(treedef: jax.tree_util.PyTreeDef, names: PyTree) -> list[Names | None]:
     try:
         return treedef.flatten_up_to(names)
     except (ValueError, TypeError) as e:
@@ -291,7 +317,7 @@ def _names_from_tree(treedef: Any, names: Any) -> list[Any]:
 
 
 @public
-def add_axis(tree: Any, index: int, name: Any) -> Any:
+def add_axis(tree: PyTree, index: int, name: AxisName | Mapping[str, AxisName]) -> PyTree:
     """Adds an axis to the names of every box, as a vmap or scan does to its values.
 
     Only the metadata changes; use it when values gained an axis, e.g. after
@@ -320,7 +346,7 @@ def add_axis(tree: Any, index: int, name: Any) -> Any:
 
 
 @public
-def remove_axis(tree: Any, index: int, name: Any) -> Any:
+def remove_axis(tree: PyTree, index: int, name: AxisName | Mapping[str, AxisName]) -> PyTree:
     """Removes a named axis from every box: the exact inverse of `add_axis`.
 
     Args:
@@ -346,15 +372,15 @@ def remove_axis(tree: Any, index: int, name: Any) -> Any:
 
 
 def change_axes(
-    tree: Any,
+    tree: PyTree,
     index: int,
-    name: Any,
+    name: AxisName | Mapping[str, AxisName],
     *,
     add: bool,
     argument: str = "tree",
     match_name: bool = True,
     unmapped: bool = False,
-) -> Any:
+) -> PyTree:
     """Adds (or removes) the axis `name` at `index` through every box's own hooks.
 
     Each box's `add_axis`/`remove_axis` is called, so a subclass that overrides
@@ -375,8 +401,8 @@ def change_axes(
         if not is_boxed(x):
             return x
         if not isinstance(x, Partitioned):
-            hook = x.add_axis if add else x.remove_axis
-            return hook(index, {PARTITION_NAME: axis})
+            own = x.add_axis if add else x.remove_axis
+            return own(index, {PARTITION_NAME: axis})
         shape = shape_of(x.value)
         if unmapped and shape is not None and len(shape) != len(x.names):
             raise Mistake(
