@@ -518,7 +518,7 @@ def _diff(before: Plan, after: Plan) -> PlanDiff:
         )
     rows += [DiffRow(r.path, r.spec, None, r.device_bytes, 0, 0) for r in old_rows.values()]
     return PlanDiff(
-        tuple(rows), before.device_bytes, after.device_bytes, int(received.max(initial=0))
+        tuple(rows), before.device_bytes, after.device_bytes, int(np.max(received, initial=0))
     )
 
 
