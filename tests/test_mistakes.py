@@ -401,12 +401,17 @@ CASES = {
     "no-rules-in-plan": (
         lambda: st.plan(w(("embed", "mlp"), cls=st.LogicallyPartitioned), MESH),
         ValueError,
-        ["plan:", "tree['layer']['w']", "no rules are in effect"],
+        ["plan:", "tree['layer']['w']", "no rules are in effect (no rules=, none on the box,"],
     ),
     "no-rules-in-a-constraint-with-a-mesh": (
         lambda: st.with_logical_constraint(jnp.ones((2, 4)), ("batch", None), mesh=MESH),
         ValueError,
-        ["with_logical_constraint:", "the array at x", "('batch', None)", "no rules"],
+        [
+            "with_logical_constraint:",
+            "the array at x",
+            "('batch', None)",
+            "no rules are in effect (no rules=, none set with st.logical_axis_rules)",
+        ],
     ),
     "no-rules-in-a-constraint-inside-jit": (
         lambda: _in_jit_on(

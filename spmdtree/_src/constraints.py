@@ -261,7 +261,7 @@ class _Constraint:
         # As in a PartitionSpec, missing trailing names leave dimensions unsharded.
         names += (None,) * (len(shape) - len(names))
         if self.in_effect is not None:  # without a mesh, single-device code runs as is
-            check_mentioned(names, self.rules, self.mesh_shape)
+            check_mentioned(names, self.rules, self.mesh_shape, box=False)
         res = resolve(names, shape, logical=True, rules=self.rules, mesh_shape=self.mesh_shape)
         self.resolved.append((path, res))
         if res.unmatched and self.fallback is RulesFallback.RAISE_ERROR:

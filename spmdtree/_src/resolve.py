@@ -269,9 +269,12 @@ def flax_rules() -> RuleTuple:
     return tuple((name, target) for name, target in found or ())
 
 
-def check_mentioned(names: NameTuple, rules: RuleTuple, mesh_shape: MeshShape | None) -> None:
+def check_mentioned(
+    names: NameTuple, rules: RuleTuple, mesh_shape: MeshShape | None, *, box: bool = True
+) -> None:
     """Logical names that cannot mean "replicated": none read without any rules
     in effect, and none that no rule mentions but that is an axis of the mesh.
+    `box`: the names are a box's, which could have carried rules of its own.
 
     Raises:
         Mistake: naming the fix (and, if flax's own rules context holds rules,
@@ -288,8 +291,9 @@ def check_mentioned(names: NameTuple, rules: RuleTuple, mesh_shape: MeshShape | 
         )
         raise Mistake(
             ValueError,
-            f"has logical names {names}, but no rules are in effect (no rules=, none on "
-            "the box, none set with st.logical_axis_rules), so nothing says how they map "
+            f"has logical names {names}, but no rules are in effect (no rules=, "
+            f"{'none on the box, ' if box else ''}none set with st.logical_axis_rules), so "
+            "nothing says how they map "
             "to mesh axes. Pass rules=[(name, mesh_axes), ...] or call it inside "
             f"`with st.logical_axis_rules(rules):`.{flax}",
         )
