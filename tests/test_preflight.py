@@ -3,6 +3,7 @@
 import functools
 import importlib.util
 import pathlib
+import subprocess
 
 import jax
 import jax.numpy as jnp
@@ -287,6 +288,23 @@ def test_a_backend_without_memory_analysis_is_said_before_jax_fails(monkeypatch)
     mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
     with pytest.raises(ValueError, match=r"^preflight: the backend .* reports no memory analysis"):
         st.preflight(jnp.sin, jax.ShapeDtypeStruct((4,), jnp.float32), mesh=mesh)
+
+
+@pytest.mark.parametrize("megabytes", [600, 1500])
+def test_a_subprocess_that_runs_out_of_memory_is_said_so(monkeypatch, megabytes):
+    # The compile subprocess really runs out: its address space is capped, so it
+    # dies in an allocation or cannot even load jax's libraries.
+    run = subprocess.run
+
+    def capped(command, **kwargs):
+        limit = megabytes << 20
+        cap = f"import resource; resource.setrlimit(resource.RLIMIT_AS, ({limit}, {limit})); "
+        return run([*command[:-1], cap + command[-1]], **kwargs)
+
+    monkeypatch.setattr(subprocess, "run", capped)
+    mesh = abstract_mesh((16,), ("data",))
+    with pytest.raises(ValueError, match=r"^preflight: compiling for 16 CPU devices .* ran out of"):
+        st.preflight(jnp.sin, jax.ShapeDtypeStruct((64,), jnp.float32), mesh=mesh)
 
 
 def test_boxes_that_cannot_resolve_are_to_shardings_error():

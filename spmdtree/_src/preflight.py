@@ -434,7 +434,14 @@ def _run_child(payload: bytes, devices: int) -> dict[str, Any]:
         return dict(json.loads(done.stdout))
     said = done.stderr.decode(errors="replace").strip().splitlines()
     memory = done.returncode < 0 or any(
-        word in done.stderr for word in (b"MemoryError", b"RESOURCE_EXHAUSTED", b"bad_alloc")
+        word in done.stderr
+        for word in (
+            b"MemoryError",
+            b"RESOURCE_EXHAUSTED",
+            b"bad_alloc",
+            b"Cannot allocate memory",
+            b"failed to map segment",  # no address space left to load a library
+        )
     )
     if memory:
         raise Mistake(
