@@ -1,6 +1,8 @@
 """The public type aliases: what the signatures say, and that every form they name works."""
 
 import inspect
+import pathlib
+import runpy
 import typing
 
 import jax
@@ -113,3 +115,11 @@ def test_a_names_function_is_any_function_of_path_and_leaf():
     ]
     names = [st.box(tree, fn, logical=True)["w"].names for fn in functions]
     assert names == [("embed", "mlp")] * 3 + [(None, ("fsdp",))]
+
+
+def test_the_typed_usage_that_mypy_checks_runs():
+    # tests/typed_usage.py is in mypy's files (CI); here its accepted lines run
+    found = runpy.run_path(str(pathlib.Path(__file__).with_name("typed_usage.py")))
+    assert found["specs"][0] == found["specs"][1]
+    assert found["boxed"][0]["x"].names == ("embed", None)
+    assert found["planned"].rows[0].path == "b"

@@ -35,12 +35,14 @@ MeshAxes: TypeAlias = str | tuple[str, ...] | None
 AxisName: TypeAlias = str | tuple[str, ...] | Unconstrained | None
 #: The names of an array's dimensions as a user writes them, one entry per
 #: dimension: a tuple (or list, or `PartitionSpec`) of `AxisName`.
-Names: TypeAlias = tuple[AxisName, ...] | list[AxisName] | PartitionSpec
+Names: TypeAlias = Sequence[AxisName] | PartitionSpec
 #: Names normalised: a tuple, tuples of axes as tuples.
 NameTuple: TypeAlias = tuple[AxisName, ...]
 #: Rules as a user writes them: ``(logical_name, mesh_axes)`` pairs in priority
-#: order, or a mapping taken in its order.
-Rules: TypeAlias = Sequence[tuple[str, AxisName]] | Mapping[str, AxisName]
+#: order, or a mapping taken in its order (mesh axes as a list are taken too).
+Rules: TypeAlias = (
+    Sequence[tuple[str, AxisName | Sequence[str]]] | Mapping[str, AxisName | Sequence[str]]
+)
 #: Rules normalised: ``((logical_name, mesh_axes), ...)``.
 RuleTuple: TypeAlias = tuple[tuple[str, AxisName], ...]
 #: A pytree: any nesting of containers and leaves; its type says no more, as

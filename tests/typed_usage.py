@@ -1,0 +1,49 @@
+"""A user's typed code: mypy (strict, in CI) checks it against the public types.
+
+Every line outside the `TYPE_CHECKING` block must type-check as written, with
+no annotation a user would not write; every line inside it is a mistake that
+mypy must catch (`warn_unused_ignores` makes an uncaught one an error).
+`tests/test_types.py` also runs this file, so the accepted lines work.
+"""
+
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+import spmdtree as st
+
+rules = [("batch", "data"), ("embed", None), ("mlp", ("data",))]
+mapping = {"batch": "data", "embed": None, "mlp": ["data"]}
+mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+abstract = jax.sharding.AbstractMesh((2,), ("data",))
+
+listed = ["data", None]
+params = {
+    "w": st.LogicallyPartitioned(jnp.zeros((8, 4)), ("embed", "mlp")),
+    "b": st.Partitioned(jnp.zeros((2, 4)), listed),
+    "s": st.Partitioned(jnp.zeros((2, 4)), P("data", P.UNCONSTRAINED)),
+}
+specs = [st.to_spec(params, rules, mesh=mesh), st.to_spec(params, mapping, mesh=abstract)]
+shardings = st.to_sharding(params, mesh, rules)
+planned: st.Plan = st.plan(params, abstract, mapping)
+
+
+def by_rank(path: tuple[object, ...], leaf: jax.Array) -> st.Names | None:
+    return ("embed", None) if leaf.ndim == 2 else None
+
+
+boxed = [
+    st.box({"x": jnp.zeros((4, 4))}, fn, logical=True) for fn in (by_rank, st.fsdp(mesh, "data"))
+]
+with st.logical_axis_rules(rules):
+    activations = st.with_logical_constraint(jnp.zeros((4, 8)), ("batch", "embed"), mesh=mesh)
+
+if TYPE_CHECKING:
+    st.to_spec(params, 5)  # type: ignore[arg-type]
+    st.to_spec(params, rules, mesh="mesh")  # type: ignore[arg-type]
+    st.Partitioned(jnp.zeros(4), 5)  # type: ignore[arg-type]
+    st.Partitioned(jnp.zeros(4), [1])  # type: ignore[list-item]
+    st.plan(params, abstract, [("batch", 1)])  # type: ignore[list-item]
+    st.box(params, by_rank, mesh=(2, 4))  # type: ignore[arg-type]
