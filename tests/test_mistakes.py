@@ -21,6 +21,15 @@ def w(names, shape=(2, 4), cls=st.Partitioned):
     return {"layer": {"w": cls(jnp.zeros(shape), names)}}
 
 
+def _on_its_own_other_mesh():
+    """A box that carries a mesh of its own, other than MESH (same axes, other shape)."""
+    return {
+        "w": st.Partitioned(
+            jnp.zeros((2, 4)), ("data", "model"), mesh=jax.make_mesh((4, 2), ("data", "model"))
+        )
+    }
+
+
 def _in_jit_on(mesh, fn, x):
     with jax.set_mesh(mesh):
         return jax.jit(fn)(x)
@@ -146,16 +155,7 @@ CASES = {
         ["to_sharding:", "'mesh'", "jax.make_mesh"],
     ),
     "box-with-its-own-other-mesh": (
-        lambda: st.to_sharding(
-            {
-                "w": st.Partitioned(
-                    jnp.zeros((2, 4)),
-                    ("data", "model"),
-                    mesh=jax.make_mesh((4, 2), ("data", "model")),
-                )
-            },
-            MESH,
-        ),
+        lambda: st.to_sharding(_on_its_own_other_mesh(), MESH),
         ValueError,
         ["to_sharding:", "tree['w']", "own mesh", "box.replace(mesh=None)"],
     ),
@@ -298,16 +298,7 @@ CASES = {
         ],
     ),
     "constrain-a-box-with-its-own-other-mesh": (
-        lambda: st.constrain(
-            {
-                "w": st.Partitioned(
-                    jnp.zeros((2, 4)),
-                    ("data", "model"),
-                    mesh=jax.make_mesh((4, 2), ("data", "model")),
-                )
-            },
-            MESH,
-        ),
+        lambda: st.constrain(_on_its_own_other_mesh(), MESH),
         ValueError,
         ["constrain:", "tree['w']", "own mesh", "box.replace(mesh=None)"],
     ),

@@ -213,26 +213,30 @@ def test_the_subprocess_and_this_process_agree():
     assert there.argument_bytes == here.argument_bytes - 64 * 64 * 4 * 3 // 4 // 4  # x: 16 ways
 
 
+def _preflight_train_step(init, tx, step, tokens, mesh, rules):
+    """The main example's abstract params and the preflight of its train step
+    (params and state donated), traced under `rules`."""
+    with st.logical_axis_rules(rules):
+        params = jax.eval_shape(init, jax.random.key(0))
+        state = jax.eval_shape(tx.init, params)
+        return params, st.preflight(
+            step, params, state, tokens, mesh=mesh, params=params, donate_argnums=(0, 1)
+        )
+
+
 def test_the_main_example_on_an_abstract_mesh_with_2048_devices():
     train = _example("train")
     mesh = abstract_mesh((128, 8, 2), ("data", "fsdp", "tensor"))
     init = functools.partial(train.init, vocab=32, length=16, width=64, layers=2, heads=4, mlp=256)
     tx = train.adamw(1e-2)
-    with st.logical_axis_rules(train.RULES):
-        params = jax.eval_shape(init, jax.random.key(0))
-        state = jax.eval_shape(tx.init, params)
-        tokens = st.LogicallyPartitioned(
-            jax.ShapeDtypeStruct((2048, 17), jnp.int32), ("batch", "length")
-        )
-        step = st.preflight(
-            lambda p, s, t: train.make_train_step(tx)(p, s, t.value),
-            params,
-            state,
-            tokens,
-            mesh=mesh,
-            params=params,
-            donate_argnums=(0, 1),
-        )
+    tokens = st.LogicallyPartitioned(
+        jax.ShapeDtypeStruct((2048, 17), jnp.int32), ("batch", "length")
+    )
+
+    def boxed_tokens_step(params, state, tokens):
+        return train.make_train_step(tx)(params, state, tokens.value)
+
+    _, step = _preflight_train_step(init, tx, boxed_tokens_step, tokens, mesh, train.RULES)
     assert step.inputs.rows[-1].shard_shape == (2, 17)  # batch over data x fsdp (1,024)
     assert step.alias_bytes > 0 and step.peak_bytes > step.argument_bytes
     assert "all-gather" in {row.kind for row in step.collectives}
@@ -251,20 +255,9 @@ def test_the_known_answer_of_a_0_87b_step_on_one_device():
     )
     tx = train.adamw(1e-3)
     rules = [(name, None) for name, _ in train.RULES]
-    with st.logical_axis_rules(rules):
-        params = jax.eval_shape(init, jax.random.key(0))
-        state = jax.eval_shape(tx.init, params)
-        tokens = jax.ShapeDtypeStruct((8, 1024), jnp.int32)
-        mesh = abstract_mesh((1,), ("data",))
-        step = st.preflight(
-            train.make_train_step(tx),
-            params,
-            state,
-            tokens,
-            mesh=mesh,
-            params=params,
-            donate_argnums=(0, 1),
-        )
+    tokens = jax.ShapeDtypeStruct((8, 1024), jnp.int32)
+    mesh = abstract_mesh((1,), ("data",))
+    params, step = _preflight_train_step(init, tx, train.make_train_step(tx), tokens, mesh, rules)
     assert -0.03 <= step.peak_bytes / H200_PEAK - 1 <= 0.20, step.peak_bytes
     params_grads_state = 4 * sum(row.bytes for row in st.plan(params, mesh, rules).rows)
     assert step.peak_bytes > 4 * params_grads_state  # the plan alone is far too optimistic
