@@ -459,7 +459,7 @@ CASES = {
             "tree['layer']['w']",
             "'embed', which no rule mentions",
             "rule 0",
-            "'emebd', which nothing uses",
+            "one edit from 'emebd', the name of rule 0, which nothing else in this call uses",
             "Did you mean 'emebd', or is the rule's name the typo?",
         ],
     ),

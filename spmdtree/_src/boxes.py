@@ -17,30 +17,22 @@ from typing import Any, ClassVar, NamedTuple, NoReturn, TypeVar
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import PartitionSpec
 
 from spmdtree._src import registry
 from spmdtree._src.errors import Mistake, fmt, public
-from spmdtree._src.resolve import (
-    Resolution,
-    check_mentioned,
-    check_mesh,
-    mesh_shape_of,
-    named_sharding,
-    resolve,
-)
+from spmdtree._src.resolve import check_mesh
 from spmdtree._src.rules import (
     AnyMesh,
     AxisName,
-    MeshShape,
     Names,
     NameTuple,
     PyTree,
     Rules,
     RuleTuple,
+    fit_rank,
     normalize_names,
     normalize_rules,
-    rules_or_context,
 )
 from spmdtree._src.text import short_value
 
@@ -246,19 +238,27 @@ def _count(n: int, noun: str) -> str:
 def checked_names(value: object, names: object) -> NameTuple:
     """`names` normalised, checked to name each dimension of `value` once.
 
+    Read as JAX reads a `PartitionSpec`: a shorter one is padded with None,
+    and names that are all None fit any rank (stored padded to the rank).
+
     Raises:
         Mistake: if an entry is of the wrong kind or the rank differs.
     """
+    spec = isinstance(names, PartitionSpec)
     names = normalize_names(names)
     shape = shape_of(value)
-    if shape is not None and len(shape) != len(names):
+    if shape is None or len(shape) == len(names):
+        return names
+    fitted = fit_rank(names, len(shape), spec=spec)
+    if fitted is None:
         raise Mistake(
             ValueError,
             f"has names {names} for a value of shape {shape}: {_count(len(names), 'name')} "
             f"for {_count(len(shape), 'dimension')}. Give one name per dimension (None "
-            "for a replicated one).",
+            "for a replicated one), or a PartitionSpec, whose missing trailing entries "
+            "leave dimensions unsharded.",
         )
-    return names
+    return fitted
 
 
 def _same_value(a: object, b: object) -> bool:
@@ -477,11 +477,13 @@ class Partitioned(AxisMetadata):
         return PartitionSpec(*self.names)
 
     @public
-    def get_sharding(self, mesh: AnyMesh) -> NamedSharding:
+    def get_sharding(self, mesh: AnyMesh) -> PyTree:
         """Returns the resolved, shape-aware `NamedSharding` of the value on `mesh`.
 
-        The same as ``st.to_sharding(box, mesh)``: logical names go through the
-        box's rules, else the rules context.
+        Exactly ``st.to_sharding(box, mesh)`` (changed in 0.3: the same checks
+        and warnings): logical names go through the box's rules, else the
+        rules context; a box holding a subtree gives the same box over a tree
+        of shardings.
 
         Raises:
             ValueError: if the names cannot be right for the value on `mesh`.
@@ -492,22 +494,18 @@ class Partitioned(AxisMetadata):
             >>> st.Partitioned(jnp.zeros((6, 8)), ("data", "model")).get_sharding(mesh).spec
             P('data', 'model')
         """
-        check_mesh(mesh)
-        (value,), meta = self._tree
-        try:
-            check_box_mesh(meta, mesh)
-            found = box_resolution(
-                type(self),
-                meta,
-                shape_of(value),
-                rules=rules_or_context(None),
-                mesh_shape=mesh_shape_of(mesh),
-            )
-            if found.problem is not None:
-                raise Mistake(ValueError, found.problem)
-        except Mistake as mistake:
-            raise the_box(mistake) from None
-        return named_sharding(mesh, found.spec)
+        return TREE_PASS.to_sharding(self, mesh)
+
+
+class _TreePass:
+    """The tree functions a box's own methods call (`specs.to_sharding`), set
+    when `specs` is imported: a box resolves through the one tree pass, and
+    `specs`, which sits above the boxes, fills this in."""
+
+    to_sharding: Callable[[Any, AnyMesh], PyTree]
+
+
+TREE_PASS = _TreePass()
 
 
 registry.register(Partitioned)
@@ -554,28 +552,6 @@ class LogicallyPartitioned(Partitioned):
     rules = registry.read_only(
         "rules", lambda self: self._tree[1].rules, "The box's own rules (normalised), or None."
     )
-
-
-def box_resolution(
-    kind: type[Partitioned],
-    meta: Meta,
-    shape: tuple[int, ...] | None,
-    *,
-    rules: RuleTuple,
-    mesh_shape: MeshShape | None,
-) -> Resolution:
-    """How a box of `kind` with `meta` resolves for an array of `shape`: logical
-    names through the box's own rules, else `rules`.
-
-    Raises:
-        Mistake: for names that cannot be right for this array on this mesh,
-            and logical names read with no rules or that are mesh axes no
-            rule mentions (`check_mentioned`).
-    """
-    own = rules if meta.rules is None else meta.rules
-    if kind.logical:
-        check_mentioned(meta.names, own, mesh_shape)
-    return resolve(meta.names, shape, logical=kind.logical, rules=own, mesh_shape=mesh_shape)
 
 
 def same_mesh(a: AnyMesh, b: AnyMesh) -> bool:
@@ -638,9 +614,12 @@ def delete_name(names: NameTuple, index: int, name: AxisName, *, check: bool = T
     return names[:index] + names[index + 1 :]
 
 
-def _initialiser_names(names: object) -> NameTuple:
+def _initialiser_names(names: object) -> Names:
+    """Checked now, at the wrapper's creation; a PartitionSpec stays one, to be
+    read as JAX reads it against the value the initialiser returns."""
     try:
-        return normalize_names(names)
+        normal = normalize_names(names)
+        return PartitionSpec(*normal) if isinstance(names, PartitionSpec) else normal
     except Mistake as mistake:
         raise Mistake(mistake.kind, f"the initialiser {mistake.message}") from None
 

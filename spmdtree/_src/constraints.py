@@ -23,13 +23,13 @@ from spmdtree._src.errors import Mistake, at, public, raise_collected
 from spmdtree._src.resolve import (
     Resolution,
     RulesFallback,
-    check_mentioned,
     check_mesh,
     mesh_shape_of,
     named_sharding,
-    resolve,
+    resolve_leaf,
     typos,
     walk_specs,
+    warn_unsharded,
 )
 from spmdtree._src.rules import (
     UNCONSTRAINED,
@@ -156,8 +156,9 @@ def with_logical_constraint(
     Args:
         x: an array or a tree of arrays (boxes are kept, their values constrained).
         logical_axis_resources: a logical spec (a tuple of logical names or a
-            `PartitionSpec`) for `x`, or a tree of them that is a prefix of
-            `x`; None leaves that subtree alone.
+            `PartitionSpec`; for a single array, a list too) for `x`, or a tree
+            of them that is a prefix of `x` (where a list is a list of specs,
+            as JAX reads it); None leaves that subtree alone.
         rules: the rules; defaults to the rules context.
         mesh: the mesh; defaults to the one set with `jax.set_mesh`.
         fallback: what to do with a logical name no rule maps.
@@ -198,6 +199,8 @@ def with_logical_constraint(
         )
     if logical_axis_resources is None:
         return x
+    if isinstance(logical_axis_resources, list) and shape_of(x) is not None:
+        logical_axis_resources = tuple(logical_axis_resources)  # one array: a list is its names
     specs, treedef, problems = walk_specs(
         logical_axis_resources, "logical_axis_resources", none=True
     )
@@ -223,6 +226,7 @@ def with_logical_constraint(
         for (path, names), subtree in zip(specs, subtrees, strict=True)
     ]
     raise_collected(problems + constraint.problems + constraint.typos())
+    warn_unsharded([(f"x{jax.tree_util.keystr(path)}", res) for path, res in constraint.resolved])
     return x if constraint.live is None else jax.tree.unflatten(treedef, out)
 
 
@@ -260,9 +264,15 @@ class _Constraint:
             )
         # As in a PartitionSpec, missing trailing names leave dimensions unsharded.
         names += (None,) * (len(shape) - len(names))
-        if self.in_effect is not None:  # without a mesh, single-device code runs as is
-            check_mentioned(names, self.rules, self.mesh_shape, box=False)
-        res = resolve(names, shape, logical=True, rules=self.rules, mesh_shape=self.mesh_shape)
+        res = resolve_leaf(
+            names,
+            shape,
+            logical=True,
+            rules=self.rules,
+            mesh_shape=self.mesh_shape,
+            checked=self.in_effect is not None,  # without a mesh, single-device code runs as is
+            box=False,
+        )
         self.resolved.append((path, res))
         if res.unmatched and self.fallback is RulesFallback.RAISE_ERROR:
             raise Mistake(
@@ -327,7 +337,14 @@ def constrain(tree: PyTree, mesh: AnyMesh | None = None, rules: Rules | None = N
 
 
 @public
-def shard(tree: PyTree, mesh: Mesh, rules: Rules | None = None, *, params: PyTree = None) -> PyTree:
+def shard(
+    tree: PyTree,
+    mesh: Mesh,
+    rules: Rules | None = None,
+    *,
+    params: PyTree = None,
+    strict: bool = False,
+) -> PyTree:
     """Places every value on its sharding, boxes kept (outside jit).
 
     Unboxed arrays are replicated. On a mesh that spans processes, each
@@ -341,6 +358,8 @@ def shard(tree: PyTree, mesh: Mesh, rules: Rules | None = None, *, params: PyTre
         rules: rules for logical boxes without their own.
         params: the boxed params `tree` was derived from, for reduced states
             (as for `to_spec`).
+        strict: raise where the spec would fall back, as for `to_spec` (new
+            in 0.3).
 
     Returns:
         `tree` with every array placed on its `NamedSharding`.
@@ -367,4 +386,5 @@ def shard(tree: PyTree, mesh: Mesh, rules: Rules | None = None, *, params: PyTre
             )
         return place(value, named_sharding(mesh, res.spec))
 
-    return resolve_tree(tree, rules, mesh=mesh, params=params).map(finish, keep_boxes=True)
+    walk = resolve_tree(tree, rules, mesh=mesh, params=params, strict=strict)
+    return walk.map(finish, keep_boxes=True)

@@ -10,6 +10,8 @@ starts with its own name.
 from __future__ import annotations
 
 import functools
+import os
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -83,3 +85,15 @@ def raise_collected(problems: Sequence[tuple[str, Mistake]]) -> None:
     if len(problems) > _MOST_SHOWN:
         lines.append(f"... and {len(problems) - _MOST_SHOWN} more.")
     raise Mistake(kind, f"{len(problems)} leaves are wrong:\n  " + "\n  ".join(lines))
+
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def user_level() -> int:
+    """The `stacklevel` for a `warnings.warn` in the function that calls this one:
+    it points at the first frame outside spmdtree, the user's line."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    return level

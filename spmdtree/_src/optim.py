@@ -36,7 +36,12 @@ class Optimizer(Protocol):
 
 @public
 def optimizer_sharding(
-    tx: Optimizer, params: PyTree, mesh: Mesh, rules: Rules | None = None
+    tx: Optimizer,
+    params: PyTree,
+    mesh: Mesh,
+    rules: Rules | None = None,
+    *,
+    strict: bool = False,
 ) -> PyTree:
     """Shardings for the state of optimizer `tx` on `params`, reduced states included.
 
@@ -54,6 +59,8 @@ def optimizer_sharding(
         params: the boxed params (arrays or `jax.ShapeDtypeStruct`s).
         mesh: the device mesh.
         rules: rules for logical boxes without their own.
+        strict: raise where a spec would fall back, as for `to_spec` (new in
+            0.3).
 
     Returns:
         A tree of `NamedSharding`s for ``tx.init(params)``: valid
@@ -75,4 +82,5 @@ def optimizer_sharding(
     check_mesh(mesh)
     index = ParamIndex(params)  # params without boxes: said before tracing tx.init
     state = jax.eval_shape(tx.init, params)
-    return shardings(resolve_tree(state, rules, mesh=mesh, params=index), mesh)
+    walk = resolve_tree(state, rules, mesh=mesh, params=index, strict=strict)
+    return shardings(walk, mesh)

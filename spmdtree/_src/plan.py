@@ -300,6 +300,7 @@ def planned_walk(
         params=params,
         lenient=lenient,
         placed=True,
+        warn=False,  # the plan's flags say it (preflight's too)
         flat=flat,
         argument=argument,
     )

@@ -13,13 +13,14 @@ import difflib
 import enum
 import math
 import sys
+import warnings
 from collections.abc import Sequence
 from typing import Any, NamedTuple, TypeGuard
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from spmdtree._src.errors import Mistake, at, fmt, public, raise_collected
+from spmdtree._src.errors import Mistake, at, fmt, public, raise_collected, user_level
 from spmdtree._src.rules import (
     UNCONSTRAINED,
     AnyMesh,
@@ -235,7 +236,9 @@ def resolve(
         Mistake: for names that cannot be right for this array on this mesh.
     """
     if shape is not None and len(shape) != len(names):
-        return _rank_differs(names, shape, logical)
+        if not all(name is None for name in names) or all(size == 1 for size in shape):
+            return _rank_differs(names, shape, logical)
+        names = (None,) * len(shape)  # all None: replicated at any rank, as JAX reads it
     sizes = None if mesh_shape is None else dict(mesh_shape)
     dims = [Dim(name, None if shape is None else shape[i], name) for i, name in enumerate(names)]
     unmentioned: tuple[str, ...] = ()
@@ -308,29 +311,170 @@ def check_mentioned(
             )
 
 
+def resolve_leaf(
+    names: NameTuple,
+    shape: tuple[int, ...] | None,
+    *,
+    logical: bool,
+    rules: RuleTuple,
+    own: RuleTuple | None = None,
+    mesh_shape: MeshShape | None,
+    checked: bool = True,
+    box: bool = True,
+) -> Resolution:
+    """How one leaf resolves: the one per-leaf step every entry point takes (the
+    tree pass, constraints, a box's own sharding). Logical names go through the
+    box's `own` rules, else `rules`, and are first checked (`check_mentioned`)
+    unless not `checked` (a constraint without a mesh: single-device code).
+
+    Raises:
+        Mistake: for names that cannot be right for this array on this mesh.
+    """
+    rules = rules if own is None else own
+    if logical and checked:
+        check_mentioned(names, rules, mesh_shape, box=box)
+    return resolve(names, shape, logical=logical, rules=rules, mesh_shape=mesh_shape)
+
+
+class UnshardedWarning(UserWarning):
+    """A dimension asked to be sharded is left unsharded: its mesh axes do not divide it.
+
+    Emitted once per call (by `to_spec`, `to_sharding`, `to_abstract`, `shard`,
+    `sharded_init`, `optimizer_sharding`, `constrain` and, at trace time,
+    `with_logical_constraint`), naming how many dimensions and the first five.
+    A ``(name, None)`` rule or a None entry says "replicated on purpose" and
+    silences it; ``strict=True`` raises instead, where a function takes it;
+    ``warnings.simplefilter("error", st.UnshardedWarning)`` makes it an error
+    everywhere.
+
+    Example:
+        >>> import warnings, jax, jax.numpy as jnp, spmdtree as st
+        >>> mesh = jax.sharding.AbstractMesh((2,), ("data",))
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     spec = st.to_spec({"w": st.Partitioned(jnp.zeros(5), ("data",))}, mesh=mesh)
+        >>> spec, caught[0].category.__name__
+        ({'w': P(None,)}, 'UnshardedWarning')
+    """
+
+
+def unsharded(res: Resolution) -> tuple[int, ...]:
+    """The dimensions of `res` to warn of: asked to shard over axes of total size
+    > 1 that do not divide them, with no later candidate serving them. Not a
+    size-1 dimension, a placeholder, or a reduced state resolved through params."""
+    if res.kept is not None or res.problem is not None:
+        return ()
+    return tuple(i for i in res.indivisible if res.dims[i].size != 1)
+
+
+def warn_unsharded(found: Sequence[tuple[str, Resolution]]) -> None:
+    """One `UnshardedWarning` for the leaves of a call (key path, resolution)
+    with dimensions to warn of, at the user's line."""
+    lines = [
+        f"{where} dimension {i} ({res.dims[i].name!r}, size {res.dims[i].size}) over "
+        + ", ".join(f"{p.axes!r} (size {p.size})" for p in res.dims[i].passed if p.size > 1)
+        for where, res in found
+        for i in unsharded(res)
+    ]
+    if not lines:
+        return
+    more = f"; and {len(lines) - 5} more" if len(lines) > 5 else ""
+    warnings.warn(
+        f"{len(lines)} {'dimension' if len(lines) == 1 else 'dimensions'} asked to be "
+        f"sharded left unsharded, as their mesh axes do not divide them: "
+        f"{'; '.join(lines[:5])}{more}. Pick sizes the axes divide, or a rule whose axes "
+        "do; to say replicated on purpose, add (name, None) to the rules or give a None "
+        "entry, which silences this.",
+        UnshardedWarning,
+        stacklevel=user_level(),
+    )
+
+
+def one_edit(a: str, b: str) -> bool:
+    """Whether `a` and `b` are one Damerau edit apart: one letter inserted,
+    deleted or changed, or two neighbours swapped."""
+    if a == b or abs(len(a) - len(b)) > 1:
+        return False
+    if len(a) != len(b):
+        short, long = sorted((a, b), key=len)
+        return any(long[:i] + long[i + 1 :] == short for i in range(len(long)))
+    differ = [i for i in range(len(a)) if a[i] != b[i]]
+    if len(differ) != 2:
+        return len(differ) == 1
+    i, j = differ
+    return j == i + 1 and a[i] == b[j] and a[j] == b[i]
+
+
+#: Names shorter than this are never guessed at: short names (`'mlp'`, `'kv'`)
+#: are one edit from too many others to say which was meant.
+GUESSED_FROM = 4
+
+
+def _typo_of(name: str, rules: RuleTuple) -> int | None:
+    """The first rule whose logical name is one edit from `name` (both long enough)."""
+    if len(name) < GUESSED_FROM:
+        return None
+    for index, (ruled, _) in enumerate(rules):
+        if len(ruled) >= GUESSED_FROM and one_edit(name, ruled):
+            return index
+    return None
+
+
 def typos(resolutions: Sequence[object], rules: RuleTuple) -> dict[Resolution, str]:
-    """The resolutions of one call that use a logical name no rule mentions while
-    it is close to the name of a rule that nothing in the call uses (a typo on
-    one side), each with the sentence that says so. Other items are ignored."""
-    distinct = {res for res in resolutions if type(res) is Resolution}
-    if not any(res.unmentioned for res in distinct):
-        return {}
-    used = {name for res in distinct if res.logical for name in res.names or ()}
-    unused = [name for name, _ in rules if name not in used]
-    found = {}
-    for res in distinct:
+    """The resolutions of one call (one per leaf) that use a logical name no rule
+    mentions while it is one edit from a name some rule mentions, each with the
+    sentence that says so and which spelling is the likely typo: the one that
+    nothing else in the call uses. Items that are not resolutions are ignored."""
+    found: dict[Resolution, str] = {}
+    uses: dict[str, int] | None = None
+    for res in dict.fromkeys(r for r in resolutions if type(r) is Resolution):
         for name in res.unmentioned:
-            close = difflib.get_close_matches(name, unused, n=1, cutoff=0.7)
-            if close:
-                found[res] = (
-                    f"uses logical name {name!r}, which no rule mentions, while rule "
-                    f"{[n for n, _ in rules].index(close[0])} names {close[0]!r}, which "
-                    f"nothing uses. Did you mean {close[0]!r}, or is the rule's name the "
-                    f"typo? Fix one of them (or add ({name!r}, None) to say {name!r} is "
-                    "replicated)."
-                )
-                break
+            index = _typo_of(name, rules)
+            if index is None:
+                continue
+            if uses is None:  # counted once, and only where a typo is likely
+                uses = _uses(resolutions)
+            found[res] = _typo_sentence(name, index, rules[index][0], uses)
+            break
     return found
+
+
+def _uses(resolutions: Sequence[object]) -> dict[str, int]:
+    """How many leaves of a call use each logical name."""
+    uses: dict[str, int] = {}
+    for res in resolutions:
+        if type(res) is Resolution and res.logical:
+            for name in set(res.names or ()):
+                if type(name) is str:
+                    uses[name] = uses.get(name, 0) + 1
+    return uses
+
+
+def _typo_sentence(name: str, index: int, ruled: str, uses: dict[str, int]) -> str:
+    said = f"uses logical name {name!r}, which no rule mentions, one edit from {ruled!r}"
+    own = (
+        f"If {name!r} is a name of its own, add a rule for it: ({name!r}, None) to "
+        "replicate it, or one that shards it."
+    )
+    if uses.get(ruled):
+        return (
+            f"{said} of rule {index}, which {_leaves(uses[ruled], 'other ')} in this call. "
+            f"Did you mean {ruled!r}? {own}"
+        )
+    if uses.get(name, 0) > 1:
+        return (
+            f"{said}, the name of rule {index}, which nothing in this call uses, while "
+            f"{_leaves(uses[name])} {name!r}: the rule's name looks like the typo. Did "
+            f"you mean to name rule {index} {name!r}? {own}"
+        )
+    return (
+        f"{said}, the name of rule {index}, which nothing else in this call uses. "
+        f"Did you mean {ruled!r}, or is the rule's name the typo? Fix one of them. {own}"
+    )
+
+
+def _leaves(n: int, other: str = "") -> str:
+    return f"1 {other}leaf uses" if n == 1 else f"{n} {other}leaves use"
 
 
 def _rank_differs(names: NameTuple, shape: tuple[int, ...], logical: bool) -> Resolution:

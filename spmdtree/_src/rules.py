@@ -94,6 +94,18 @@ def normalize_names(names: object, what: str = "names") -> NameTuple:
     return tuple(out)
 
 
+def fit_rank(names: NameTuple, rank: int, *, spec: bool) -> NameTuple | None:
+    """`names` for a value of `rank` dimensions, read as JAX reads a PartitionSpec
+    (`spec`: missing trailing entries are None), or None if they do not fit.
+    Names that are all None fit any rank; a tuple or list with a name in it
+    keeps one name per dimension, which is what catches stale names."""
+    if all(name is None for name in names):
+        return (None,) * rank
+    if spec and len(names) < rank:
+        return names + (None,) * (rank - len(names))
+    return None
+
+
 def _normalize_target(logical: str, target: object, index: int) -> AxisName:
     if target is None or target is UNCONSTRAINED or isinstance(target, str):
         return target

@@ -18,10 +18,10 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from spmdtree._src.boxes import (
+    TREE_PASS,
     AxisMetadata,
     Meta,
     Partitioned,
-    box_resolution,
     check_box_mesh,
     dtype_of,
     foreign_kind,
@@ -30,7 +30,7 @@ from spmdtree._src.boxes import (
     refuse_foreign,
     shape_of,
 )
-from spmdtree._src.errors import Mistake, public
+from spmdtree._src.errors import Mistake, at, public
 from spmdtree._src.resolve import (
     AMBIGUOUS,
     FEWER_DIMENSIONS,
@@ -42,7 +42,10 @@ from spmdtree._src.resolve import (
     check_mesh,
     mesh_shape_of,
     named_sharding,
+    resolve_leaf,
     typos,
+    unsharded,
+    warn_unsharded,
 )
 from spmdtree._src.rules import (
     AnyMesh,
@@ -252,6 +255,7 @@ def resolve_tree(
     strict: bool = False,
     lenient: bool = False,
     placed: bool = False,
+    warn: bool = True,
     flat: tuple[list[Any], Any] | None = None,
     argument: str = "tree",
 ) -> Walk:
@@ -269,9 +273,10 @@ def resolve_tree(
     mesh axes of the dimensions it kept (`kept_dimensions`). With `placed`, an
     array in no box that carries a `NamedSharding` (a placed array, a
     `jax.ShapeDtypeStruct` with a sharding) keeps its spec instead of being
-    replicated. `flat` is ``(leaves, treedef)`` of `tree` (boxes as leaves),
-    for a caller that has flattened it already; `argument` names `tree` in
-    messages.
+    replicated. Dimensions asked to shard that end unsharded make one
+    `UnshardedWarning`, unless `lenient` or not `warn` (the plan flags them).
+    `flat` is ``(leaves, treedef)`` of `tree` (boxes as leaves), for a caller
+    that has flattened it already; `argument` names `tree` in messages.
 
     Raises:
         Mistake: naming the key path of every wrong leaf.
@@ -287,6 +292,8 @@ def resolve_tree(
     resolver = Resolver(tree, normal, mesh, index, strict=strict, lenient=lenient, placed=placed)
     resolutions = each_leaf(resolver.fast(), tree, leaves, range(len(leaves)), argument=argument)
     _check_typos(tree, resolutions, normal, argument)
+    if warn and not lenient:
+        _warn_unsharded(tree, resolutions, argument)
     return Walk(tree, leaves, treedef, resolutions, mesh)
 
 
@@ -383,12 +390,17 @@ class Resolver:
         return found
 
     def resolved(self, kind: type[Partitioned], meta: Meta, shape: tuple[int, ...]) -> Resolution:
-        """`box_resolution`, once per distinct (kind, metadata, shape)."""
+        """`resolve_leaf`, once per distinct (kind, metadata, shape)."""
         key = (kind, meta, shape)
         found = self.memo.get(key)
         if found is None:
-            found = self.memo[key] = box_resolution(
-                kind, meta, shape, rules=self.rules, mesh_shape=self.mesh_shape
+            found = self.memo[key] = resolve_leaf(
+                meta.names,
+                shape,
+                logical=kind.logical,
+                rules=self.rules,
+                own=meta.rules,
+                mesh_shape=self.mesh_shape,
             )
         return found
 
@@ -445,6 +457,28 @@ def _check_typos(tree: PyTree, resolutions: list[Found], rules: RuleTuple, argum
 
     if found:
         each_leaf(typo, tree, resolutions, argument=argument)
+
+
+def _warn_unsharded(tree: PyTree, resolutions: list[Found], argument: str) -> None:
+    """One `UnshardedWarning` for the leaves whose dimensions were asked to shard
+    and ended unsharded (key paths read only when there are any)."""
+    if not any(
+        type(r) is Nested or (type(r) is Resolution and unsharded(r)) for r in set(resolutions)
+    ):
+        return
+    found: list[tuple[str, Resolution]] = []
+
+    def collect(res: Found, path: str) -> None:
+        if type(res) is Resolution and unsharded(res):
+            found.append((path, res))
+        elif type(res) is Nested:
+            for inner in res.resolutions:
+                collect(inner, path + ".value")
+
+    paths = jax.tree_util.tree_flatten_with_path(tree, is_leaf=leaf_test())[0]
+    for (path, _), res in zip(paths, resolutions, strict=True):
+        collect(res, at(argument, path))
+    warn_unsharded(found)
 
 
 def placed_resolution(leaf: object, mesh_shape: MeshShape | None) -> Resolution:
@@ -614,6 +648,9 @@ def to_sharding(
     return shardings(resolve_tree(tree, rules, mesh=mesh, params=params, strict=strict), mesh)
 
 
+TREE_PASS.to_sharding = to_sharding
+
+
 @public
 def get_sharding(tree: PyTree, mesh: Mesh) -> PyTree:
     """The same as ``to_sharding(tree, mesh)``, under flax.linen's name.
@@ -643,7 +680,12 @@ def get_sharding(tree: PyTree, mesh: Mesh) -> PyTree:
 
 @public
 def to_abstract(
-    tree: PyTree, mesh: Mesh, rules: Rules | None = None, *, params: PyTree = None
+    tree: PyTree,
+    mesh: Mesh,
+    rules: Rules | None = None,
+    *,
+    params: PyTree = None,
+    strict: bool = False,
 ) -> PyTree:
     """Returns a sharded `jax.ShapeDtypeStruct` per array leaf, boxes kept.
 
@@ -659,6 +701,8 @@ def to_abstract(
         rules: rules for logical boxes without their own.
         params: the boxed params `tree` was derived from, for reduced states
             (as for `to_spec`).
+        strict: raise where the spec would fall back, as for `to_spec` (new
+            in 0.3).
 
     Returns:
         `tree` with every array replaced by ``ShapeDtypeStruct(shape, dtype,
@@ -685,7 +729,8 @@ def to_abstract(
         sharding = named_sharding(mesh, res.spec)
         return jax.ShapeDtypeStruct(shape_of(value), dtype_of(value), sharding=sharding)
 
-    return resolve_tree(tree, rules, mesh=mesh, params=params).map(abstract, keep_boxes=True)
+    walk = resolve_tree(tree, rules, mesh=mesh, params=params, strict=strict)
+    return walk.map(abstract, keep_boxes=True)
 
 
 @public
