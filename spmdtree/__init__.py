@@ -48,6 +48,9 @@ from spmdtree._src.resolve import (
     RulesFallback as RulesFallback,
 )
 from spmdtree._src.resolve import (
+    UnshardedWarning as UnshardedWarning,
+)
+from spmdtree._src.resolve import (
     logical_to_mesh as logical_to_mesh,
 )
 from spmdtree._src.resolve import (
@@ -85,7 +88,7 @@ from spmdtree._src.trees import remove_axis as remove_axis
 from spmdtree._src.trees import replace_boxed as replace_boxed
 from spmdtree._src.trees import unbox as unbox
 
-__version__ = "0.1.0"
+__version__ = "0.3.0"
 
 __all__ = [
     "PARTITION_NAME",
@@ -105,6 +108,7 @@ __all__ = [
     "Rules",
     "RulesFallback",
     "StepPlan",
+    "UnshardedWarning",
     "add_axis",
     "box",
     "constrain",

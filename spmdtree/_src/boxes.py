@@ -502,7 +502,7 @@ class _TreePass:
     when `specs` is imported: a box resolves through the one tree pass, and
     `specs`, which sits above the boxes, fills this in."""
 
-    to_sharding: Callable[[Any, AnyMesh], PyTree]
+    to_sharding: Callable[[Any, Any], PyTree]
 
 
 TREE_PASS = _TreePass()

@@ -13,6 +13,7 @@ import functools
 import os
 import sys
 from collections.abc import Callable, Sequence
+from types import FrameType
 from typing import Any, TypeVar
 
 from jax import tree_util
@@ -93,7 +94,8 @@ _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def user_level() -> int:
     """The `stacklevel` for a `warnings.warn` in the function that calls this one:
     it points at the first frame outside spmdtree, the user's line."""
-    frame, level = sys._getframe(1), 1
+    frame: FrameType | None = sys._getframe(1)
+    level = 1
     while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
         frame, level = frame.f_back, level + 1
     return level

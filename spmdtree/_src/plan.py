@@ -36,13 +36,15 @@ from spmdtree._src.rules import (
 )
 from spmdtree._src.specs import Found, Nested, Walk, resolve_tree
 from spmdtree._src.text import (
-    FALLBACK,
-    UNMENTIONED,
+    Ambiguous,
+    Fallback,
+    LargeReplicated,
+    LeftUnsharded,
+    Unmentioned,
     diff_table,
     entries_text,
     plan_table,
     shape_text,
-    size_text,
 )
 from spmdtree._src.trees import KeyPath
 
@@ -360,26 +362,18 @@ def _template(
     device = math.prod(shard) * dtype.itemsize
     names = res.kept.names if res.kept is not None else res.names
     flags = list(_fallback_flags(res, shape, names))
-    flags += [
-        f"dimension {i} ({entries_text((d.name,), 1)}, size {d.size}) left unsharded: its "
-        "mesh axes do not divide it"
-        for i, d in enumerate(res.dims)
-        if d.indivisible
-    ]
-    flags += [f"{UNMENTIONED} {name!r}: left unsharded" for name in res.unmentioned]
+    flags += [LeftUnsharded(i, d.name, d.size) for i, d in enumerate(res.dims) if d.indivisible]
+    flags += [Unmentioned(name) for name in res.unmentioned]
     if sizes and shard == shape and total >= large and math.prod(shape) > 1:
-        flags.append(f"{size_text(total)} replicated on every device")
+        flags.append(LargeReplicated(total))
     return shape, dtype, names, res.spec, shard, total, device, tuple(flags), _why(res, shape)
 
 
 def _fallback_flags(res: Resolution, shape: tuple[int, ...], names: NameTuple | None) -> list[str]:
-    written = (
-        f"shape {shape_text(shape)} under names ({entries_text(names or (), len(names or ()))})"
-    )
     if res.fallback == FEWER_DIMENSIONS:
-        return [f"{FALLBACK}: {written}"]
+        return [Fallback(shape, names or ())]
     if res.fallback == AMBIGUOUS:
-        return [f"replicated: which dimensions of its param it kept is ambiguous ({written})"]
+        return [Ambiguous(shape, names or ())]
     return []
 
 

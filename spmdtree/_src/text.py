@@ -63,12 +63,91 @@ def entries_text(entries: Any, count: int) -> str:
     return ",".join(one(e) for e in padded)
 
 
-#: How the flag of a logical name that no rule mentions begins.
-UNMENTIONED = "no rule mentions"
+class Flag(str):
+    """A plan flag: the sentence a reader sees (it compares as that string), and a
+    record of what it says, read by field (`fields`), never parsed back from
+    the sentence, so a name holding a quote reads whole."""
+
+    fields: tuple[str, ...] = ()
+
+    def __getnewargs__(self) -> tuple[Any, ...]:
+        return tuple(getattr(self, name) for name in self.fields)
 
 
-#: How the flag of a reduced state that no param resolved begins.
-FALLBACK = "replicated by a fallback"
+class Unmentioned(Flag):
+    """A logical name that no rule mentions, left unsharded."""
+
+    fields = ("name",)
+    name: str
+
+    def __new__(cls, name: str) -> Unmentioned:
+        flag = super().__new__(cls, f"no rule mentions {name!r}: left unsharded")
+        flag.name = name
+        return flag
+
+
+class LeftUnsharded(Flag):
+    """A dimension left unsharded because its mesh axes do not divide it."""
+
+    fields = ("dimension", "name", "size")
+    dimension: int
+    name: Any
+    size: int | None
+
+    def __new__(cls, dimension: int, name: Any, size: int | None) -> LeftUnsharded:
+        flag = super().__new__(
+            cls,
+            f"dimension {dimension} ({entries_text((name,), 1)}, size {size}) left unsharded: "
+            "its mesh axes do not divide it",
+        )
+        flag.dimension, flag.name, flag.size = dimension, name, size
+        return flag
+
+
+class Fallback(Flag):
+    """A reduced state (fewer dimensions than names) that no param resolved: replicated."""
+
+    fields = ("shape", "names")
+    shape: tuple[int, ...]
+    names: tuple[Any, ...]
+
+    def __new__(cls, shape: tuple[int, ...], names: tuple[Any, ...]) -> Fallback:
+        flag = super().__new__(cls, f"replicated by a fallback: {_written(shape, names)}")
+        flag.shape, flag.names = shape, names
+        return flag
+
+
+class Ambiguous(Flag):
+    """A reduced state whose kept dimensions are ambiguous: replicated."""
+
+    fields = ("shape", "names")
+    shape: tuple[int, ...]
+    names: tuple[Any, ...]
+
+    def __new__(cls, shape: tuple[int, ...], names: tuple[Any, ...]) -> Ambiguous:
+        flag = super().__new__(
+            cls,
+            "replicated: which dimensions of its param it kept is ambiguous "
+            f"({_written(shape, names)})",
+        )
+        flag.shape, flag.names = shape, names
+        return flag
+
+
+class LargeReplicated(Flag):
+    """A large array that every device holds whole."""
+
+    fields = ("bytes",)
+    bytes: int
+
+    def __new__(cls, bytes: int) -> LargeReplicated:
+        flag = super().__new__(cls, f"{size_text(bytes)} replicated on every device")
+        flag.bytes = bytes
+        return flag
+
+
+def _written(shape: tuple[int, ...], names: tuple[Any, ...]) -> str:
+    return f"shape {shape_text(shape)} under names ({entries_text(names, len(names))})"
 
 
 def _names_line(row: Any) -> str | None:
@@ -189,10 +268,10 @@ def plan_table(
         for flag in row.flags:
             note = f"{row.path}: {flag}"
             lines += textwrap.wrap(note, width, initial_indent="! ", subsequent_indent="  ")
-    if any(flag.startswith(FALLBACK) for row in rows for flag in row.flags):
+    if any(isinstance(flag, Fallback) for row in rows for flag in row.flags):
         lines.append("  (reduced optimizer states: pass params= to keep them sharded)")
     unmentioned = sorted(
-        {flag.split("'")[1] for row in rows for flag in row.flags if flag.startswith(UNMENTIONED)}
+        {flag.name for row in rows for flag in row.flags if isinstance(flag, Unmentioned)}
     )
     if unmentioned:
         note = (
