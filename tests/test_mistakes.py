@@ -35,6 +35,16 @@ def _in_jit_on(mesh, fn, x):
         return jax.jit(fn)(x)
 
 
+TYPO_RULES = [("batch", "data"), ("embed", "model"), ("mlp", None)]
+
+
+def _one_typo_among(name, abstract=True):
+    """Three boxes that use 'embed' and one, 'bias', that uses `name`."""
+    value = jax.ShapeDtypeStruct((8,), jnp.float32) if abstract else jnp.zeros((8,))
+    tree = {f"w{i}": st.LogicallyPartitioned(value, ("embed",)) for i in range(3)}
+    return {**tree, "bias": st.LogicallyPartitioned(value, (name,))}
+
+
 def _under_flax_rules(rules, fn):
     import flax.linen as nn
 
@@ -501,6 +511,70 @@ CASES = {
             "rules=nn.get_logical_axis_rules()",
         ],
     ),
+    "a-typo-on-one-box-among-correct-ones": (
+        lambda: st.to_sharding(_one_typo_among("emebd"), MESH, TYPO_RULES),
+        ValueError,
+        [
+            "to_sharding:",
+            "tree['bias']",
+            "'emebd', which no rule mentions, one edit from 'embed' of rule 1",
+            "which 3 other leaves use in this call",
+            "Did you mean 'embed'?",
+            "('emebd', None)",
+        ],
+    ),
+    "a-typo-on-one-box-in-sharded-init": (
+        lambda: st.sharded_init(
+            lambda: _one_typo_among("embde", abstract=False), MESH, TYPO_RULES
+        )(),
+        ValueError,
+        ["sharded_init:", "tree['bias']", "'embde'", "Did you mean 'embed'?"],
+    ),
+    **{
+        f"a-one-edit-typo-by-{kind}": (
+            lambda typo=typo: st.to_spec(_one_typo_among(typo), TYPO_RULES, mesh=MESH),
+            ValueError,
+            [
+                "to_spec:",
+                "tree['bias']",
+                f"{typo!r}, which no rule mentions",
+                "Did you mean 'embed'?",
+            ],
+        )
+        for kind, typo in [
+            ("insert", "embeds"),
+            ("delete", "emed"),
+            ("change", "embad"),
+            ("swap", "mebed"),
+            ("swap-at-the-end", "embde"),
+        ]
+    },
+    "a-name-one-edit-from-a-rule-on-purpose": (
+        lambda: st.to_spec(
+            {"w": st.LogicallyPartitioned(jnp.zeros((4, 8)), ("head", "embed"))},
+            [("heads", "model"), ("embed", "data")],
+            mesh=MESH,
+        ),
+        ValueError,
+        [
+            "to_spec:",
+            "tree['w']",
+            "'head', which no rule mentions, one edit from 'heads'",
+            "add a rule for it: ('head', None) to replicate it, or one that shards it",
+        ],
+    ),
+    "a-rule-name-typo-under-many-boxes": (
+        lambda: st.to_sharding(
+            _one_typo_among("embed"), MESH, [("batch", "data"), ("emebd", "model")]
+        ),
+        ValueError,
+        [
+            "to_sharding:",
+            "tree['w0']",
+            "one edit from 'emebd', the name of rule 1, which nothing in this call uses",
+            "while 4 leaves use 'embed': the rule's name looks like the typo",
+        ],
+    ),
     "a-box-used-as-an-array": (
         lambda: jnp.asarray(st.Partitioned(jnp.zeros(4), ("data",))),
         TypeError,
@@ -540,3 +614,49 @@ def test_errors_of_different_kinds_in_one_call_are_collected():
         st.to_sharding(tree, MESH)
     message = str(info.value)
     assert "2 leaves are wrong" in message and "tree['a']" in message and "tree['c']" in message
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "emdeb",  # two swaps away from 'embed'
+        "embxyd",  # an insert and a change
+        "mbd",  # short: never guessed
+        "mlpp",  # one edit from 'mlp', which is too short to guess at
+        "embed_out",  # a name of its own
+    ],
+)
+def test_names_not_one_edit_from_a_rule_name_are_not_refused(name):
+    specs = st.to_spec(_one_typo_among(name), TYPO_RULES, mesh=MESH)
+    assert specs["bias"] == jax.sharding.PartitionSpec(None)
+    assert specs["w0"] == jax.sharding.PartitionSpec("model")
+    rows = st.plan(_one_typo_among(name), MESH, TYPO_RULES).rows
+    flags = {row.path: row.flags for row in rows}["bias"]
+    assert f"no rule mentions {name!r}: left unsharded" in flags
+
+
+def test_one_edit_is_the_damerau_criterion():
+    from itertools import product
+
+    word = "embed"
+    ones = {word[:i] + word[i + 1 :] for i in range(5)}  # delete
+    ones |= {word[:i] + c + word[i:] for i, c in product(range(6), "xe")}  # insert
+    ones |= {word[:i] + c + word[i + 1 :] for i, c in product(range(5), "xq")}  # change
+    ones |= {word[:i] + word[i + 1] + word[i] + word[i + 2 :] for i in range(4)}  # swap
+    ones.discard(word)
+    for typo in sorted(ones):
+        if len(typo) < 4:
+            continue
+        with pytest.raises(ValueError, match="Did you mean 'embed'"):
+            st.to_spec(_one_typo_among(typo), TYPO_RULES, mesh=MESH)
+
+
+def test_a_typo_in_a_constraint_names_the_likely_spelling_too():
+    rules = [("batch", "data"), ("embed", "model")]
+    x = {"a": jnp.ones((2, 4)), "b": jnp.ones((2, 4))}
+    specs = {"a": ("batch", "embed"), "b": ("batch", "emebd")}
+    with pytest.raises(ValueError) as info:
+        st.with_logical_constraint(x, specs, rules, MESH)
+    message = str(info.value)
+    assert "x['b']" in message and "x['a']" not in message
+    assert "which 1 other leaf uses in this call. Did you mean 'embed'?" in message

@@ -31,6 +31,7 @@ from spmdtree._src.rules import (
     Rules,
     RuleTuple,
     fit_rank,
+    normalize_kept,
     normalize_names,
     normalize_rules,
 )
@@ -494,15 +495,15 @@ class Partitioned(AxisMetadata):
             >>> st.Partitioned(jnp.zeros((6, 8)), ("data", "model")).get_sharding(mesh).spec
             P('data', 'model')
         """
-        return TREE_PASS.to_sharding(self, mesh)
+        return TREE_PASS.box_sharding(self, mesh)
 
 
 class _TreePass:
-    """The tree functions a box's own methods call (`specs.to_sharding`), set
-    when `specs` is imported: a box resolves through the one tree pass, and
-    `specs`, which sits above the boxes, fills this in."""
+    """The tree pass a box's own `get_sharding` calls (`to_sharding` of the box),
+    set when `specs` is imported: a box resolves through the one tree pass,
+    and `specs`, which sits above the boxes, fills this in."""
 
-    to_sharding: Callable[[Any, Any], PyTree]
+    box_sharding: Callable[[Any, Any], PyTree]
 
 
 TREE_PASS = _TreePass()
@@ -618,8 +619,7 @@ def _initialiser_names(names: object) -> Names:
     """Checked now, at the wrapper's creation; a PartitionSpec stays one, to be
     read as JAX reads it against the value the initialiser returns."""
     try:
-        normal = normalize_names(names)
-        return PartitionSpec(*normal) if isinstance(names, PartitionSpec) else normal
+        return normalize_kept(names)
     except Mistake as mistake:
         raise Mistake(mistake.kind, f"the initialiser {mistake.message}") from None
 

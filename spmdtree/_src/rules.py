@@ -94,6 +94,14 @@ def normalize_names(names: object, what: str = "names") -> NameTuple:
     return tuple(out)
 
 
+def normalize_kept(names: object, what: str = "names") -> Names:
+    """`normalize_names`, but a PartitionSpec stays one (normalised): names given
+    before their value, to be read as JAX reads them once the value is known
+    (`fit_rank`)."""
+    normal = normalize_names(names, what)
+    return PartitionSpec(*normal) if isinstance(names, PartitionSpec) else normal
+
+
 def fit_rank(names: NameTuple, rank: int, *, spec: bool) -> NameTuple | None:
     """`names` for a value of `rank` dimensions, read as JAX reads a PartitionSpec
     (`spec`: missing trailing entries are None), or None if they do not fit.

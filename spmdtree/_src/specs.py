@@ -477,7 +477,7 @@ def _warn_unsharded(tree: PyTree, resolutions: list[Found], argument: str) -> No
 
     paths = jax.tree_util.tree_flatten_with_path(tree, is_leaf=leaf_test())[0]
     for (path, _), res in zip(paths, resolutions, strict=True):
-        collect(res, at(argument, path))
+        collect(res, at(argument, path) or "the box")
     warn_unsharded(found)
 
 
@@ -648,7 +648,14 @@ def to_sharding(
     return shardings(resolve_tree(tree, rules, mesh=mesh, params=params, strict=strict), mesh)
 
 
-TREE_PASS.to_sharding = to_sharding
+def _box_sharding(box: AxisMetadata, mesh: AnyMesh) -> PyTree:
+    """``to_sharding(box, mesh)`` for the box's own `get_sharding`: the same
+    pass, the same checks, with the box named as itself in messages."""
+    check_mesh(mesh)
+    return shardings(resolve_tree(box, None, mesh=mesh, argument=""), mesh)
+
+
+TREE_PASS.box_sharding = _box_sharding
 
 
 @public

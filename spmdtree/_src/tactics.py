@@ -17,7 +17,7 @@ from jax import tree_util
 from spmdtree._src.boxes import shape_of
 from spmdtree._src.errors import Mistake, fmt, public
 from spmdtree._src.resolve import check_mesh
-from spmdtree._src.rules import AnyMesh, Names, normalize_names
+from spmdtree._src.rules import AnyMesh, Names, normalize_kept
 from spmdtree._src.trees import KeyPath, NamesFn
 
 
@@ -77,7 +77,7 @@ def match(
             )
         regex, names = pattern
         try:
-            compiled.append((re.compile(regex), None if names is None else normalize_names(names)))
+            compiled.append((re.compile(regex), None if names is None else normalize_kept(names)))
         except re.error as e:
             raise Mistake(
                 ValueError,

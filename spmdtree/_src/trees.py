@@ -78,7 +78,8 @@ def is_boxed(x: object) -> TypeGuard[AxisMetadata]:
 def subject(tree_leaf: object, path: KeyPath, argument: str = "tree") -> str:
     """How a message names a leaf: ``the box at tree['w']``."""
     kind = "box" if is_boxed(tree_leaf) or foreign_kind(tree_leaf) else "leaf"
-    return f"the {kind} at {at(argument, path)}"
+    where = at(argument, path)
+    return f"the {kind} at {where}" if where else f"the {kind}"  # "": a box on its own
 
 
 def each_leaf(
