@@ -23,13 +23,12 @@ from spmdtree._src.errors import Mistake, at, public, raise_collected
 from spmdtree._src.resolve import (
     Resolution,
     RulesFallback,
+    check_call,
     check_mesh,
     mesh_shape_of,
     named_sharding,
     resolve_leaf,
-    typos,
     walk_specs,
-    warn_unsharded,
 )
 from spmdtree._src.rules import (
     UNCONSTRAINED,
@@ -225,8 +224,8 @@ def with_logical_constraint(
         )
         for (path, names), subtree in zip(specs, subtrees, strict=True)
     ]
-    raise_collected(problems + constraint.problems + constraint.typos())
-    warn_unsharded([(f"x{jax.tree_util.keystr(path)}", res) for path, res in constraint.resolved])
+    raise_collected(problems + constraint.problems)
+    constraint.check()
     return x if constraint.live is None else jax.tree.unflatten(treedef, out)
 
 
@@ -286,14 +285,11 @@ class _Constraint:
             return value
         return apply_spec(value, res.spec, self.live)
 
-    def typos(self) -> list[tuple[str, Mistake]]:
-        """A name no rule mentions, close to a rule's name no spec uses: a typo."""
-        found = typos([res for _, res in self.resolved], self.rules)
-        return [
-            (f"the array at {at('x', path)}", Mistake(ValueError, found[res]))
-            for path, res in self.resolved
-            if res in found
-        ]
+    def check(self) -> None:
+        """The checks of the whole call (`check_call`): typos, the warning."""
+        paths = [at("x", path) for path, _ in self.resolved]
+        resolved = [res for _, res in self.resolved]
+        check_call(resolved, self.rules, paths.__getitem__, noun="array", warn=True)
 
 
 @public

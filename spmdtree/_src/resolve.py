@@ -14,7 +14,7 @@ import enum
 import math
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, TypeGuard
 
 import jax
@@ -388,6 +388,46 @@ def warn_unsharded(found: Sequence[tuple[str, Resolution]]) -> None:
         UnshardedWarning,
         stacklevel=user_level(),
     )
+
+
+def check_call(
+    resolutions: Sequence[object],
+    rules: RuleTuple,
+    where: Callable[[int], str],
+    *,
+    noun: str,
+    warn: bool,
+) -> None:
+    """The checks that take a whole call (the resolutions of its leaves, one per
+    leaf; other items ignored): likely typos are raised, every wrong leaf
+    named (``the {noun} at {where(i)}``) and collected; dimensions left
+    unsharded are warned of once, if `warn`. `where` is called only for
+    leaves to name.
+
+    Raises:
+        Mistake: for the leaves whose names hold a likely typo (`typos`).
+    """
+    found = typos(resolutions, rules)
+    if found:
+        raise_collected(
+            [
+                (_subject(noun, where(i)), Mistake(ValueError, found[res]))
+                for i, res in enumerate(resolutions)
+                if type(res) is Resolution and res in found
+            ]
+        )
+    if warn and any(type(r) is Resolution and unsharded(r) for r in set(resolutions)):
+        warn_unsharded(
+            [
+                (where(i) or f"the {noun}", res)
+                for i, res in enumerate(resolutions)
+                if type(res) is Resolution and unsharded(res)
+            ]
+        )
+
+
+def _subject(noun: str, where: str) -> str:
+    return f"the {noun} at {where}" if where else f"the {noun}"  # "": a box on its own
 
 
 def one_edit(a: str, b: str) -> bool:

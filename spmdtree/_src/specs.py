@@ -39,13 +39,11 @@ from spmdtree._src.resolve import (
     Kept,
     Resolution,
     axes_of,
+    check_call,
     check_mesh,
     mesh_shape_of,
     named_sharding,
     resolve_leaf,
-    typos,
-    unsharded,
-    warn_unsharded,
 )
 from spmdtree._src.rules import (
     AnyMesh,
@@ -291,9 +289,7 @@ def resolve_tree(
     index = params if params is None or isinstance(params, ParamIndex) else ParamIndex(params)
     resolver = Resolver(tree, normal, mesh, index, strict=strict, lenient=lenient, placed=placed)
     resolutions = each_leaf(resolver.fast(), tree, leaves, range(len(leaves)), argument=argument)
-    _check_typos(tree, resolutions, normal, argument)
-    if warn and not lenient:
-        _warn_unsharded(tree, resolutions, argument)
+    _check_call((tree, leaves, resolutions), normal, argument, warn=warn and not lenient)
     return Walk(tree, leaves, treedef, resolutions, mesh)
 
 
@@ -447,38 +443,44 @@ class Resolver:
         return dataclasses.replace(found, kept=kept)
 
 
-def _check_typos(tree: PyTree, resolutions: list[Found], rules: RuleTuple, argument: str) -> None:
-    """A Mistake at each leaf whose names hold a likely typo (`typos`)."""
-    found = typos(resolutions, rules)
+def _check_call(
+    walk: tuple[PyTree, list[Any], list[Found]], rules: RuleTuple, argument: str, *, warn: bool
+) -> None:
+    """`check_call` over the resolutions of a tree's leaves (`walk`: the tree, its
+    leaves and their resolutions), those inside boxes holding a subtree
+    included; the tree's key paths are read only for a leaf to name."""
+    tree, leaves, resolutions = walk
+    flat: list[object] = list(resolutions)
+    inner: dict[int, tuple[int, str]] = {}  # flat position -> (leaf, path inside it)
+    nests = any(type(res) is Nested for res in set(resolutions))
+    for i, res in enumerate(resolutions if nests else ()):
+        if type(res) is Nested:
+            for suffix, found in _inside(leaves[i], res):
+                inner[len(flat)] = (i, suffix)
+                flat.append(found)
+    paths: list[str] = []
 
-    def typo(res: Found) -> None:
-        if type(res) is Resolution and res in found:
-            raise Mistake(ValueError, found[res])
+    def where(k: int) -> str:
+        if not paths:
+            found = jax.tree_util.tree_flatten_with_path(tree, is_leaf=leaf_test())[0]
+            paths.extend(at(argument, path) for path, _ in found)
+        leaf, suffix = inner.get(k, (k, ""))
+        return paths[leaf] + suffix
 
-    if found:
-        each_leaf(typo, tree, resolutions, argument=argument)
+    check_call(flat, rules, where, noun="box", warn=warn)
 
 
-def _warn_unsharded(tree: PyTree, resolutions: list[Found], argument: str) -> None:
-    """One `UnshardedWarning` for the leaves whose dimensions were asked to shard
-    and ended unsharded (key paths read only when there are any)."""
-    if not any(
-        type(r) is Nested or (type(r) is Resolution and unsharded(r)) for r in set(resolutions)
-    ):
-        return
-    found: list[tuple[str, Resolution]] = []
-
-    def collect(res: Found, path: str) -> None:
-        if type(res) is Resolution and unsharded(res):
-            found.append((path, res))
-        elif type(res) is Nested:
-            for inner in res.resolutions:
-                collect(inner, path + ".value")
-
-    paths = jax.tree_util.tree_flatten_with_path(tree, is_leaf=leaf_test())[0]
-    for (path, _), res in zip(paths, resolutions, strict=True):
-        collect(res, at(argument, path) or "the box")
-    warn_unsharded(found)
+def _inside(box: Any, nested: Nested) -> list[tuple[str, object]]:
+    """The resolutions inside a box holding a subtree, each with its path there."""
+    found = jax.tree_util.tree_flatten_with_path(box.unbox(), is_leaf=leaf_test())[0]
+    out: list[tuple[str, object]] = []
+    for (path, leaf), res in zip(found, nested.resolutions, strict=True):
+        suffix = ".value" + jax.tree_util.keystr(tuple(path))
+        if type(res) is Nested:
+            out += [(suffix + more, r) for more, r in _inside(leaf, res)]
+        else:
+            out.append((suffix, res))
+    return out
 
 
 def placed_resolution(leaf: object, mesh_shape: MeshShape | None) -> Resolution:
