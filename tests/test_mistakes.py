@@ -1,12 +1,15 @@
 """A catalogue of bad inputs: each gets a TypeError/ValueError that names the
 function, the key path (where there is one), the bad value and a fix."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 
 import spmdtree as st
 
@@ -660,3 +663,84 @@ def test_a_typo_in_a_constraint_names_the_likely_spelling_too():
     message = str(info.value)
     assert "x['b']" in message and "x['a']" not in message
     assert "which 1 other leaf uses in this call. Did you mean 'embed'?" in message
+
+
+class _Recorded(Exception):
+    """Raised by the stand-in for st.to_sharding once it has recorded its inputs."""
+
+
+def _to_sharding_inputs():
+    """The (case, tree, mesh, rules) of every catalogue case that calls st.to_sharding."""
+    seen = []
+    real = st.to_sharding
+    for case, (fn, _, _) in CASES.items():
+
+        def record(tree, mesh, rules=None, case=case, **kwargs):
+            seen.append((case, tree, mesh, rules))
+            raise _Recorded
+
+        st.to_sharding = record
+        try:
+            fn()
+        except Exception:  # the case's own error, or _Recorded: the inputs are what counts
+            pass
+        finally:
+            st.to_sharding = real
+    return seen
+
+
+def _outcome(fn):
+    """What a call gives: its result, or its error with the function's name and the
+    box's key path (the root, for a box on its own) taken out; and its warnings."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            result = ("ok", fn())
+        except (TypeError, ValueError) as e:
+            said = str(e).split(": ", 1)[1].replace("the box at tree ", "the box ")
+            result = (type(e).__name__, said)
+    return result, [str(w.message).replace("tree dimension", "the box dimension") for w in caught]
+
+
+def _boxes_of(tree):
+    return [x for x in jax.tree.leaves(tree, is_leaf=st.is_boxed) if st.is_boxed(x)]
+
+
+@pytest.mark.parametrize(
+    "case, tree, mesh, rules",
+    [pytest.param(*row, id=row[0]) for row in _to_sharding_inputs()],
+)
+def test_get_sharding_is_to_sharding_on_the_catalogue_inputs(case, tree, mesh, rules):
+    boxes = _boxes_of(tree)
+    try:
+        context = st.logical_axis_rules(rules or ())
+        context.__enter__()
+    except TypeError:  # malformed rules: both read the empty context instead
+        context = None
+    try:
+        for box in boxes:
+            if not hasattr(box, "get_sharding"):
+                continue
+            want = _outcome(lambda box=box: st.to_sharding(box, mesh))
+            got = _outcome(lambda box=box: box.get_sharding(mesh))
+            assert got == want, (case, box)
+    finally:
+        if context is not None:
+            context.__exit__(None, None, None)
+
+
+def test_the_catalogue_gives_get_sharding_many_boxes_to_compare():
+    inputs = _to_sharding_inputs()
+    assert len(inputs) >= 15 and sum(len(_boxes_of(tree)) for _, tree, _, _ in inputs) >= 20
+
+
+def test_get_sharding_of_a_box_holding_a_subtree_is_the_box_over_shardings():
+    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    box = st.Partitioned({"a": jnp.zeros((4, 8)), "b": jnp.zeros((2, 4))}, ("data", "model"))
+    got = box.get_sharding(mesh)
+    assert isinstance(got, st.Partitioned)
+    assert {k: v.spec for k, v in got.value.items()} == {
+        "a": P("data", "model"),
+        "b": P("data", "model"),
+    }
+    assert got == st.to_sharding(box, mesh)

@@ -441,3 +441,135 @@ def test_validate_rules_reports_rules_never_reached():
         "rule 2 ('embed', 'model') is never reached: wherever 'embed' appears, rule 0 "
         "takes its dimension. Reorder the rules, or drop it.",
     ]
+
+
+# --- rank mismatches in which only some dimensions have size 1 ----------------------------
+# A value whose every dimension has size 1 is a placeholder (replicated); one with a
+# size-1 dimension among others is not (e.g. a param stacked over a single layer, seen
+# with stale names inside a plain jax.vmap or jax.lax.scan).
+
+
+@pytest.mark.parametrize(
+    "shape, names",
+    [
+        ((1, 64), ("layers", "embed", "mlp")),  # fewer dims, the first of size 1
+        ((64, 1), ("layers", "embed", "mlp")),  # fewer dims, the last of size 1
+        ((1, 1, 8), ("layers", "embed", "mlp", "heads")),
+        ((1, 64, 256), ("embed", "mlp")),  # more dims: stacked over one layer, unnamed
+        ((64, 1, 1), ("embed",)),
+    ],
+    ids=str,
+)
+def test_a_rank_mismatch_with_some_size_1_dimensions_is_no_placeholder(shape, names):
+    box = st.LogicallyPartitioned(jnp.zeros((2,) * len(names)), names)
+    stale = {"w": box.replace_boxed(jnp.zeros(shape))}  # as jax rebuilds it, unvalidated
+    rules = [("layers", None), ("embed", "data"), ("mlp", "model"), ("heads", None)]
+    with pytest.raises(ValueError, match=r"tree\['w'\].*(fewer|more) dimensions"):
+        st.to_sharding(stale, AUTO, rules)
+    if len(shape) < len(names):
+        (row,) = st.plan(stale, AUTO, rules).rows
+        assert row.flags and row.flags[0].startswith("replicated by a fallback")
+        assert "placeholder" not in " ".join(row.why)
+
+
+@pytest.mark.parametrize("shape", [(1,), (1, 1, 1), (1, 1, 1, 1)])
+def test_a_value_of_only_size_1_dimensions_is_still_a_placeholder(shape):
+    box = st.Partitioned(jnp.zeros((2, 4)), ("data", "model")).replace_boxed(jnp.zeros(shape))
+    assert st.to_sharding({"w": box}, AUTO)["w"].spec == P()
+    assert "size-1 placeholder" in st.plan({"w": box}, AUTO).rows[0].why[0]
+
+
+def test_stale_names_after_a_plain_vmap_over_a_single_layer_are_an_error():
+    stacked = {"w": st.LogicallyPartitioned(jnp.ones((1, 8, 4)), ("layers", "embed", "mlp"))}
+    rules = [("embed", "data"), ("mlp", "model")]
+
+    def layer(p):
+        return st.to_sharding(p, AUTO, rules)  # p's value is (8, 4), its names 3
+
+    with pytest.raises(ValueError, match=r"st\.scan or st\.vmap"):
+        jax.vmap(layer)(stacked)
+
+
+# --- boxes whose value holds boxes ------------------------------------------------------------
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class _Around(st.AxisMetadata):
+    """A user's own box around a subtree that holds spmdtree boxes."""
+
+    value: object
+
+    def unbox(self):
+        return self.value
+
+    def replace_boxed(self, value):
+        return dataclasses.replace(self, value=value)
+
+    def add_axis(self, index, params):
+        return self
+
+    def remove_axis(self, index, params):
+        return self
+
+
+def _boxes_in_boxes():
+    inner = {
+        "w": st.Partitioned(jnp.zeros((2, 4)), ("data", "model")),
+        "b": st.LogicallyPartitioned(jnp.zeros(4), ("mlp",), rules=[("mlp", "model")]),
+    }
+    return {"around": _Around(inner), "ours": st.Partitioned({"x": inner["w"]}, ("data", None))}
+
+
+def test_replace_boxed_fills_every_box_of_a_box_that_holds_boxes():
+    tree = _boxes_in_boxes()
+    new = st.replace_boxed(tree, jax.tree.map(lambda x: x + 1, st.unbox(tree)))
+    assert jax.tree.structure(new, is_leaf=lambda x: x is None) == jax.tree.structure(tree)
+    assert all(float(x.min()) == 1.0 for x in jax.tree.leaves(st.unbox(new)))
+    assert new["around"].value["w"].names == ("data", "model")
+    assert new["ours"].value["x"].value.shape == (2, 4)
+    back = st.replace_boxed(tree, st.unbox(tree))
+    assert jax.tree.leaves(st.unbox(back)) == jax.tree.leaves(st.unbox(tree))
+    assert jax.tree.structure(back) == jax.tree.structure(tree)
+
+
+def test_boxes_inside_a_users_box_resolve_by_their_own_names():
+    shardings = st.to_sharding(_boxes_in_boxes(), AUTO)
+    assert shardings["around"].value["w"].spec == P("data", "model")
+    assert shardings["around"].value["b"].spec == P("model")
+
+
+def test_unbox_reaches_the_boxes_inside_boxes_and_map_boxes_the_outermost():
+    tree = _boxes_in_boxes()
+    unboxed = st.unbox(tree)
+    assert not any(st.is_boxed(x) for x in jax.tree.leaves(unboxed, is_leaf=st.is_boxed))
+    assert [x.shape for x in jax.tree.leaves(unboxed)] == [(4,), (2, 4), (2, 4)]
+    seen = []
+    st.map_boxes(lambda b: seen.append(type(b).__name__) or b, tree)
+    assert seen == ["_Around", "Partitioned"]
+
+
+# --- jax.jit's negative argnums in sharded_init -----------------------------------------------
+
+
+def _init(key, scale, n):
+    return {"w": st.Partitioned(scale * jax.random.normal(key, (n, 8)), ("data", "model"))}
+
+
+@pytest.mark.parametrize("static", [-1, (-1,), 2, (2,), (-1, 2)], ids=str)
+def test_sharded_init_takes_negative_static_argnums_as_jax_jit_does(static):
+    out = st.sharded_init(_init, AUTO, static_argnums=static)(jax.random.key(0), 0.5, 4)
+    assert out["w"].value.shape == (4, 8) and out["w"].value.sharding.spec == P("data", "model")
+
+
+@pytest.mark.parametrize("static", [-2, 1])
+def test_sharded_init_with_the_wrong_static_argument_traces_the_shape(static):
+    # -2 and 1 name `scale`: `n`, traced, cannot be a shape. jax says so, not a wrong result.
+    with pytest.raises(Exception, match=r"(?i)concrete|shape|tracer"):
+        st.sharded_init(_init, AUTO, static_argnums=static)(jax.random.key(0), 0.5, 4)
+
+
+@pytest.mark.parametrize("static", [3, -4])
+def test_sharded_init_refuses_static_argnums_out_of_range(static):
+    with pytest.raises(ValueError, match=rf"sharded_init: static_argnums holds {static}"):
+        st.sharded_init(_init, AUTO, static_argnums=static)(jax.random.key(0), 0.5, 4)

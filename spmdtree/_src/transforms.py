@@ -15,7 +15,7 @@ from typing import Any, TypeAlias
 
 import jax
 
-from spmdtree._src.errors import public
+from spmdtree._src.errors import Mistake, public
 from spmdtree._src.resolve import (
     check_mesh,
 )
@@ -216,7 +216,15 @@ def sharded_init(
     static_names = _as_tuple(jit_kwargs.get("static_argnames", ()))
 
     def jitted(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        nums = {i % len(args) for i in static_nums} if args else set()
+        wrong = [i for i in static_nums if not -len(args) <= i < len(args)]
+        if wrong:
+            raise Mistake(
+                ValueError,
+                f"static_argnums holds {wrong[0]}, but the initialiser was called with "
+                f"{len(args)} positional arguments (positions {-len(args)} to "
+                f"{len(args) - 1}). Pass positions of the arguments it is called with.",
+            )
+        nums = {i % len(args) for i in static_nums}
 
         def with_static(dynamic_args: list[Any], dynamic_kwargs: dict[str, Any]) -> Any:
             rest = iter(dynamic_args)
