@@ -1,5 +1,6 @@
 """describe: the plan's content (paths, shapes, bytes, flags), plain and with rich."""
 
+import pickle
 import sys
 
 import jax
@@ -123,3 +124,16 @@ def test_describe_on_concrete_arrays_and_a_subtree_box():
     tree = {"v": st.Partitioned([jnp.ones(4), jnp.ones(8)], ("data", "model"))}
     text = st.describe(tree, MESH, rich=False)
     assert "v/value/0" in text and "v/value/1" in text
+
+
+@pytest.mark.parametrize("name", ["it's", 'say "hi"', 'o\'neil "x"'])
+def test_describe_reads_a_name_holding_quotes_whole(name):
+    mesh = jax.sharding.AbstractMesh((2, 4), ("data", "model"))
+    w = st.LogicallyPartitioned(jax.ShapeDtypeStruct((8, 16), "float32"), ("embed", name))
+    text = st.describe({"w": w}, mesh, [("embed", "data")])
+    assert f"! names no rule mentions, left unsharded: {name!r}." in text.replace("\n  ", " ")
+    (row,) = st.plan({"w": w}, mesh, [("embed", "data")]).rows
+    (flag,) = row.flags
+    assert flag == f"no rule mentions {name!r}: left unsharded" and flag.name == name
+    again = pickle.loads(pickle.dumps(flag))
+    assert (type(again), again, again.name) == (type(flag), flag, name)
