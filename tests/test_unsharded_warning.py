@@ -157,6 +157,8 @@ def test_plan_and_describe_flag_it_instead_of_warning():
         planned.rows[0].flags
     )
     assert "left unsharded" in text
+    (flag,) = planned.rows[0].flags
+    assert (flag.dimension, flag.name, flag.size, flag.axes) == (0, "tensor", 1001, ("tensor",))
 
 
 @pytest.mark.parametrize("call", ["to_spec", "to_sharding", "to_abstract", "shard"])

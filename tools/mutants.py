@@ -182,13 +182,85 @@ MUTANTS: dict[str, list[tuple[str, str, str]]] = {
         ("_src/resolve.py", "        if name in axes:\n", "        if False:\n"),
     ],
     "typo-check-skipped": [
-        ("_src/resolve.py", "if not any(res.unmentioned for res in distinct):", "if True:"),
+        ("_src/resolve.py", "            if index is None:\n", "            if True:\n"),
     ],
     "unmentioned-not-flagged": [
         (
             "_src/plan.py",
-            'flags += [f"{UNMENTIONED} {name!r}: left unsharded" for name in res.unmentioned]',
+            "flags += [Unmentioned(name) for name in res.unmentioned]",
             "flags += []",
+        ),
+    ],
+    "one-edit-allows-two-letters-more": [
+        ("_src/resolve.py", "if a == b or abs(len(a) - len(b)) > 1:", "if a == b:"),
+    ],
+    "one-edit-any-two-letters-differ": [
+        ("_src/resolve.py", "return j == i + 1 and a[i] == b[j] and a[j] == b[i]", "return True"),
+    ],
+    "one-edit-no-swaps": [
+        ("_src/resolve.py", "return j == i + 1 and a[i] == b[j] and a[j] == b[i]", "return False"),
+    ],
+    "short-names-guessed": [
+        ("_src/resolve.py", "GUESSED_FROM = 4", "GUESSED_FROM = 3"),
+    ],
+    "typo-blames-the-rule-always": [
+        ("_src/resolve.py", "    if uses.get(ruled):\n", "    if False:\n"),
+    ],
+    "unsharded-warning-never": [
+        ("_src/resolve.py", "    if not lines:\n        return\n", "    return\n"),
+    ],
+    "unsharded-warning-for-size-1": [
+        ("_src/resolve.py", "if res.dims[i].size != 1)", "if True)"),
+    ],
+    "unsharded-warning-for-reduced-states": [
+        (
+            "_src/resolve.py",
+            "    if res.kept is not None or res.problem is not None:\n        return ()",
+            "    if res.problem is not None:\n        return ()",
+        ),
+    ],
+    "unsharded-warning-from-plan": [
+        ("_src/plan.py", "        warn=False,  # the plan's flags say it", "        warn=True,"),
+    ],
+    "unsharded-warning-at-spmdtrees-line": [
+        ("_src/resolve.py", "stacklevel=user_level(),", "stacklevel=1,"),
+    ],
+    "tuples-padded-like-partition-specs": [
+        ("_src/rules.py", "    if spec and len(names) < rank:", "    if len(names) < rank:"),
+    ],
+    "all-none-names-need-the-rank": [
+        (
+            "_src/rules.py",
+            "    if all(name is None for name in names):\n        return",
+            "    if False:\n        return",
+        ),
+    ],
+    "some-size-1-dimensions-a-placeholder": [
+        (
+            "_src/resolve.py",
+            "placeholder = all(size == 1 for size in shape)",
+            "placeholder = any(size == 1 for size in shape)",
+        ),
+    ],
+    "get-sharding-skips-the-call-checks": [
+        (
+            "_src/specs.py",
+            '    return shardings(resolve_tree(box, None, mesh=mesh, argument=""), mesh)',
+            '    return shardings(resolve_tree(box, None, mesh=mesh, argument="", lenient=True), mesh)',
+        ),
+    ],
+    "sharded-init-negative-argnums-wrap": [
+        (
+            "_src/transforms.py",
+            "        nums = {i % len(args) for i in static_nums}",
+            "        nums = set(static_nums)",
+        ),
+    ],
+    "describe-splits-the-flag-sentence": [
+        (
+            "_src/text.py",
+            "{flag.name for row in rows for flag in row.flags if isinstance(flag, Unmentioned)}",
+            '{flag.split("\'")[1] for row in rows for flag in row.flags if isinstance(flag, Unmentioned)}',
         ),
     ],
     "strict-ignores-unmentioned": [
@@ -305,6 +377,8 @@ FIRST = [
     "tests/test_doctests.py",
     "tests/test_mistakes.py",
     "tests/test_never_silent.py",
+    "tests/test_unsharded_warning.py",
+    "tests/test_partition_specs.py",
     "tests/test_boxes.py",
     "tests/test_rules.py",
     "tests/test_specs.py",

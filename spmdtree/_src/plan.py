@@ -362,7 +362,11 @@ def _template(
     device = math.prod(shard) * dtype.itemsize
     names = res.kept.names if res.kept is not None else res.names
     flags = list(_fallback_flags(res, shape, names))
-    flags += [LeftUnsharded(i, d.name, d.size) for i, d in enumerate(res.dims) if d.indivisible]
+    flags += [
+        LeftUnsharded(i, d.name, d.size, tuple(p.axes for p in d.passed if p.reason == INDIVISIBLE))
+        for i, d in enumerate(res.dims)
+        if d.indivisible
+    ]
     flags += [Unmentioned(name) for name in res.unmentioned]
     if sizes and shard == shape and total >= large and math.prod(shape) > 1:
         flags.append(LargeReplicated(total))

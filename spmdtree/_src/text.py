@@ -87,20 +87,24 @@ class Unmentioned(Flag):
 
 
 class LeftUnsharded(Flag):
-    """A dimension left unsharded because its mesh axes do not divide it."""
+    """A dimension left unsharded because its mesh axes do not divide it (`axes`:
+    those tried, of each candidate)."""
 
-    fields = ("dimension", "name", "size")
+    fields = ("dimension", "name", "size", "axes")
     dimension: int
     name: Any
     size: int | None
+    axes: tuple[Any, ...]
 
-    def __new__(cls, dimension: int, name: Any, size: int | None) -> LeftUnsharded:
+    def __new__(
+        cls, dimension: int, name: Any, size: int | None, axes: tuple[Any, ...] = ()
+    ) -> LeftUnsharded:
         flag = super().__new__(
             cls,
             f"dimension {dimension} ({entries_text((name,), 1)}, size {size}) left unsharded: "
             "its mesh axes do not divide it",
         )
-        flag.dimension, flag.name, flag.size = dimension, name, size
+        flag.dimension, flag.name, flag.size, flag.axes = dimension, name, size, axes
         return flag
 
 
