@@ -3,6 +3,7 @@ function, the key path (where there is one), the bad value and a fix."""
 
 import warnings
 
+import hypothesis
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -744,3 +745,32 @@ def test_get_sharding_of_a_box_holding_a_subtree_is_the_box_over_shardings():
         "b": P("data", "model"),
     }
     assert got == st.to_sharding(box, mesh)
+
+
+def _osa_distance(a, b):
+    """Damerau's distance (optimal string alignment), the textbook dynamic program."""
+    d = [[i + j if i * j == 0 else 0 for j in range(len(b) + 1)] for i in range(len(a) + 1)]
+    for i in range(1, len(a) + 1):
+        for j in range(1, len(b) + 1):
+            cost = a[i - 1] != b[j - 1]
+            d[i][j] = min(d[i - 1][j] + 1, d[i][j - 1] + 1, d[i - 1][j - 1] + cost)
+            if i > 1 and j > 1 and a[i - 1] == b[j - 2] and a[i - 2] == b[j - 1]:
+                d[i][j] = min(d[i][j], d[i - 2][j - 2] + 1)
+    return d[len(a)][len(b)]
+
+
+@hypothesis.given(
+    a=hypothesis.strategies.text("abc", min_size=2, max_size=6),
+    b=hypothesis.strategies.text("abc", min_size=2, max_size=6),
+)
+def test_a_name_is_refused_exactly_when_it_is_one_edit_from_a_rule_name(a, b):
+    hypothesis.assume(a != b)
+    tree = {"w": st.LogicallyPartitioned(jax.ShapeDtypeStruct((4,), jnp.float32), (a,))}
+    expected = len(a) >= 4 and len(b) >= 4 and _osa_distance(a, b) == 1
+    try:
+        st.to_spec(tree, [(b, None)], mesh=MESH)
+        refused = False
+    except ValueError as e:
+        assert "Did you mean" in str(e)
+        refused = True
+    assert refused == expected

@@ -191,8 +191,12 @@ MUTANTS: dict[str, list[tuple[str, str, str]]] = {
             "flags += []",
         ),
     ],
-    "one-edit-allows-two-letters-more": [
-        ("_src/resolve.py", "if a == b or abs(len(a) - len(b)) > 1:", "if a == b:"),
+    "one-edit-any-letter-more": [
+        (
+            "_src/resolve.py",
+            "return any(long[:i] + long[i + 1 :] == short for i in range(len(long)))",
+            "return len(long) - len(short) == 1",
+        ),
     ],
     "one-edit-any-two-letters-differ": [
         ("_src/resolve.py", "return j == i + 1 and a[i] == b[j] and a[j] == b[i]", "return True"),

@@ -433,8 +433,6 @@ def _subject(noun: str, where: str) -> str:
 def one_edit(a: str, b: str) -> bool:
     """Whether `a` and `b` are one Damerau edit apart: one letter inserted,
     deleted or changed, or two neighbours swapped."""
-    if a == b or abs(len(a) - len(b)) > 1:
-        return False
     if len(a) != len(b):
         short, long = sorted((a, b), key=len)
         return any(long[:i] + long[i + 1 :] == short for i in range(len(long)))
