@@ -224,7 +224,11 @@ MUTANTS: dict[str, list[tuple[str, str, str]]] = {
         ),
     ],
     "unsharded-warning-from-plan": [
-        ("_src/plan.py", "        warn=False,  # the plan's flags say it", "        warn=True,"),
+        (
+            "_src/plan.py",
+            "        warn=False,  # the plan's flags say it (preflight's too)\n",
+            "        warn=True,\n",
+        ),
     ],
     "unsharded-warning-at-spmdtrees-line": [
         ("_src/resolve.py", "stacklevel=user_level(),", "stacklevel=1,"),
