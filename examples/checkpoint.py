@@ -57,6 +57,10 @@ RULES = [
     ("kv", None),
 ]
 RULES_1D = [("batch", "fsdp"), ("embed", "fsdp"), ("mlp", "fsdp"), ("vocab", None)]
+#: How far a restore onto another mesh may move the losses: that mesh sums in another
+#: order, so float32 results differ in their last bits (a few units in the last place,
+#: depending on the CPU and the jax version; 2e-7 relative at most where measured).
+TOLERANCE = 1e-5
 OPTIMIZERS = {
     "adamw": lambda: optax.adamw(
         1e-2, weight_decay=0.01, mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p)
@@ -157,14 +161,15 @@ def abstract_state(tx) -> dict:
 
 
 def compare(label: str, got: list[float], want: list[float], exact: bool) -> float:
+    """Checks `got` against the unbroken run: bit for bit, or within TOLERANCE relative."""
     worst = max(abs(g - w) / abs(w) for g, w in zip(got, want, strict=True))
     print(f"  {label:<34} losses {' '.join(f'{x:.6f}' for x in got)}")
     if exact and got != want:
         raise SystemExit(f"{label}: losses differ from the unbroken run: {got} != {want}")
-    if worst > 1e-5:
+    if worst > TOLERANCE:
         raise SystemExit(f"{label}: losses differ by {worst:.2e} relative (> 1e-5)")
-    verdict = "equal, bit for bit" if got == want else f"equal within {worst:.1e} relative"
-    print(f"  {'':<34} {verdict}")
+    # The tolerance checked, never the digits measured: those vary with the CPU and jax.
+    print(f"  {'':<34} {'equal, bit for bit' if exact else 'equal within 1e-5 relative'}")
     return worst
 
 

@@ -64,7 +64,9 @@ def test_example_runs(script):
     done = run(script, SMALL.get(script, []))
     assert done.returncode == 0, done.stdout + done.stderr
     if script == "checkpoint.py":  # every restore, both optimizers, went on alike
-        assert done.stdout.count("equal, bit for bit") >= 4, done.stdout
+        # Same mesh: bit for bit; another mesh: the stated tolerance, whatever the digits.
+        assert done.stdout.count("equal, bit for bit") == 4, done.stdout
+        assert done.stdout.count("equal within 1e-5 relative") == 4, done.stdout
         assert done.stdout.count("(d) fresh process") == 2
         assert "every restore went on with the unbroken run's losses" in done.stdout
     if script == "plan_llama.py":  # every model, chip count and rule set; a diff

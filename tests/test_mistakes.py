@@ -379,7 +379,7 @@ CASES = {
         ValueError,
         ["with_logical_constraint:", "prefix of x", "'b'"],
     ),
-    # Names that no rule mentions (turn 3): a likely mistake is never "replicated".
+    # Names that no rule mentions (new in 0.2): a likely mistake is never "replicated".
     "logical-boxes-and-no-rules-at-all": (
         lambda: st.to_sharding(w(("embed", "mlp"), cls=st.LogicallyPartitioned), MESH),
         ValueError,

@@ -359,7 +359,7 @@ def test_an_array_on_another_mesh_is_named_with_both_meshes():
     assert placed.sharding.mesh == OTHER
 
 
-# --- names that no rule mentions (turn 3) --------------------------------------------
+# --- names that no rule mentions (new in 0.2) -----------------------------------------
 
 AUTO_MESH = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
 

@@ -54,3 +54,22 @@ def test_py_typed_ships():
     assert (pathlib.Path(spmdtree.__file__).parent / "py.typed").exists()
     setup = (pathlib.Path(spmdtree.__file__).parent.parent / "setup.cfg").read_text()
     assert "spmdtree = py.typed" in setup
+
+
+ROOT = pathlib.Path(spmdtree.__file__).resolve().parent.parent
+
+
+def test_the_license_setup_cfg_declares_ships():
+    setup = (ROOT / "setup.cfg").read_text()
+    assert "license = Apache-2.0" in setup and "license_files = LICENSE" in setup
+    text = (ROOT / "LICENSE").read_text()
+    assert "Apache License\n                           Version 2.0, January 2004" in text
+    assert "END OF TERMS AND CONDITIONS" in text and "APPENDIX" in text
+    assert text.count("\n") == 202  # the whole text, as apache.org publishes it
+
+
+def test_the_changelog_opens_with_this_version():
+    changelog = (ROOT / "CHANGELOG.md").read_text()
+    sections = [line.split()[1] for line in changelog.splitlines() if line.startswith("## ")]
+    assert sections[0] == spmdtree.__version__, sections
+    assert sections == sorted(sections, key=lambda v: tuple(map(int, v.split("."))), reverse=True)

@@ -170,7 +170,7 @@ MUTANTS: dict[str, list[tuple[str, str, str]]] = {
             "problem = found.problem",
         ),
     ],
-    # Turn 3: names no rule mentions, flax's short names, preflight.
+    # New in 0.2: names no rule mentions, flax's short names, preflight.
     "no-rules-not-an-error": [
         (
             "_src/resolve.py",
