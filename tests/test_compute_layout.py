@@ -78,7 +78,9 @@ def loss_fn(params, tokens, compute=True):
     tables = st.unbox(st.constrain(tables, rules=COMPUTE) if compute else tables)
     wte = tables["wte"]
     inputs = jax.nn.one_hot(tokens[:, :-1], wte.shape[0])
-    x = jnp.einsum("blv,ve->ble", inputs, wte, out_sharding=out_sharding((*inputs.shape[:2], wte.shape[1])))
+    x = jnp.einsum(
+        "blv,ve->ble", inputs, wte, out_sharding=out_sharding((*inputs.shape[:2], wte.shape[1]))
+    )
     x = x + tables["wpe"][None, : x.shape[1]]  # JAX refuses this without the compute layout
     layer = jax.checkpoint(partial(block, compute=compute))  # gathered again for the gradient
     x, _ = st.scan(layer, x, params["h"], partition_name="layers")
