@@ -16,7 +16,7 @@ The mesh axes are what `jax.make_mesh` gives (Explicit on current JAX), or
 those of --axis-types. On Explicit axes a weight stored FSDP-sharded cannot be
 used as it is beside activations whose batch is on the same axis, so the step
 brings each weight into its compute layout first (`st.constrain` with
-COMPUTE_RULES: the FSDP all-gather, layer by layer inside the scan) and says
+compute_rules(): the FSDP all-gather, layer by layer inside the scan) and says
 where a matmul that sums over a sharded dimension puts its result
 (`out_sharding`); the gradients flow back to the params' layout. The same step
 runs on Auto axes, where those are hints to the compiler.
@@ -59,10 +59,13 @@ RULES = [
     ("length", None),
     ("kv", None),
 ]
-# Inside the step each weight is used whole along "embed" (gathered from its FSDP
-# shards); tensor parallelism stays. Activations resolve alike through RULES, as
-# their "batch" takes "fsdp" first.
-COMPUTE_RULES = [("embed", None) if name == "embed" else (name, axes) for name, axes in RULES]
+
+
+def compute_rules():
+    """The rules in effect (RULES here) with "embed" unsharded: inside the step each
+    weight is used whole along it, gathered from its FSDP shards; tensor parallelism
+    stays. Activations resolve alike through RULES, as their "batch" takes "fsdp" first."""
+    return [(name, None if name == "embed" else axes) for name, axes in st.get_logical_axis_rules()]
 
 
 def dense(key, shape, names, scale=1.0):
@@ -113,7 +116,7 @@ def out_sharding(names, shape):
 @jax.checkpoint  # recomputed for the gradient: no layer's gathered weights wait for it
 def block(x, layer):
     """One decoder layer on activations x: (batch, length, embed)."""
-    p = st.unbox(st.constrain(layer, rules=COMPUTE_RULES))  # this layer's all-gather
+    p = st.unbox(st.constrain(layer, rules=compute_rules()))  # this layer's all-gather
     embedded = out_sharding(("batch", "length", "embed"), x.shape)
     h = rms_norm(x, p["norm1"])
     q = jnp.einsum("ble,ehd->blhd", h, p["query"])
@@ -134,7 +137,7 @@ def block(x, layer):
 
 def forward(params, tokens):
     tables = st.unbox(
-        st.constrain({k: params[k] for k in ("embed", "position")}, rules=COMPUTE_RULES)
+        st.constrain({k: params[k] for k in ("embed", "position")}, rules=compute_rules())
     )
     embed = tables["embed"]
     # A one-hot matmul rather than a gather: it shards cleanly over vocab and embed.
@@ -146,7 +149,7 @@ def forward(params, tokens):
     x = x + tables["position"][: tokens.shape[1]]
     x = st.with_logical_constraint(x, ("batch", "length", "embed"))
     x, _ = st.scan(block, x, params["layers"], partition_name="layers")
-    x = rms_norm(x, st.unbox(st.constrain(params["norm"], rules=COMPUTE_RULES)))
+    x = rms_norm(x, st.unbox(st.constrain(params["norm"], rules=compute_rules())))
     logits = x @ embed.T / math.sqrt(embed.shape[1])
     return st.with_logical_constraint(logits, ("batch", "length", "vocab"))
 
