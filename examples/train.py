@@ -113,9 +113,10 @@ def out_sharding(names, shape):
     return st.logical_to_mesh_axes(names, shape=shape, mesh=mesh)
 
 
-@jax.checkpoint  # recomputed for the gradient: no layer's gathered weights wait for it
 def block(x, layer):
-    """One decoder layer on activations x: (batch, length, embed)."""
+    """One decoder layer on activations x: (batch, length, embed). For a large model,
+    scan `jax.checkpoint(block)`: each layer then gathers its weights again for the
+    gradient, and no layer's gathered weights wait for the backward pass."""
     p = st.unbox(st.constrain(layer, rules=compute_rules()))  # this layer's all-gather
     embedded = out_sharding(("batch", "length", "embed"), x.shape)
     h = rms_norm(x, p["norm1"])

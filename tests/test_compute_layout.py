@@ -8,6 +8,7 @@ On Explicit axes the step fails without that (JAX's own sharding error at
 param layout, and preflight finds the all-gathers inside the layer loop.
 """
 
+import functools
 import math
 from functools import partial
 
@@ -101,9 +102,14 @@ def tokens_on(mesh):
     return NamedSharding(mesh, P(("data", "fsdp")))
 
 
+@functools.cache
+def initial():
+    return jax.jit(partial(init, **SMALL))(jax.random.key(0))
+
+
 def train(mesh, steps):
     """(losses, last params, last grads) of `steps` steps on a fixed batch."""
-    params = st.shard(jax.jit(partial(init, **SMALL))(jax.random.key(0)), mesh, PARAM)
+    params = st.shard(initial(), mesh, PARAM)  # the same initial params on either mesh
     tokens = jax.random.randint(jax.random.key(1), (8, SMALL["length"] + 1), 0, 64)
     tokens = jax.device_put(tokens, tokens_on(mesh))
     with jax.set_mesh(mesh):
