@@ -12,11 +12,21 @@ built directly in their shardings (`st.sharded_init`), the plan is printed
 params (`st.optimizer_sharding`), and activations are constrained by logical
 names inside the jitted step (`st.with_logical_constraint`).
 
+The mesh axes are what `jax.make_mesh` gives (Explicit on current JAX), or
+those of --axis-types. On Explicit axes a weight stored FSDP-sharded cannot be
+used as it is beside activations whose batch is on the same axis, so the step
+brings each weight into its compute layout first (`st.constrain` with
+compute_rules(): the FSDP all-gather, layer by layer inside the scan) and says
+where a matmul that sums over a sharded dimension puts its result
+(`out_sharding`); the gradients flow back to the params' layout. The same step
+runs on Auto axes, where those are hints to the compiler.
+
 The task is generated: each sequence starts with two random tokens and goes on
 by t[i] = (t[i-1] + t[i-2]) mod vocab, so the loss can fall far below
 log(vocab) only by attending to the two previous tokens.
 
 Run: python examples/train.py [--steps 300] [--width 64] [--layers 2] [--batch 32]
+     python examples/train.py --axis-types auto  # the same model on Auto mesh axes
      python examples/train.py --platform cpu     # 8 CPU devices, even beside a GPU
 """
 
@@ -49,6 +59,13 @@ RULES = [
     ("length", None),
     ("kv", None),
 ]
+
+
+def compute_rules():
+    """The rules in effect (RULES here) with "embed" unsharded: inside the step each
+    weight is used whole along it, gathered from its FSDP shards; tensor parallelism
+    stays. Activations resolve alike through RULES, as their "batch" takes "fsdp" first."""
+    return [(name, None if name == "embed" else axes) for name, axes in st.get_logical_axis_rules()]
 
 
 def dense(key, shape, names, scale=1.0):
@@ -87,9 +104,21 @@ def rms_norm(x, scale):
     return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6) * scale
 
 
+def out_sharding(names, shape):
+    """Where a matmul that sums over a sharded dimension puts its result, by logical
+    names: Explicit axes need it said; on Auto ones (None) the compiler chooses."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if AxisType.Explicit not in mesh.axis_types:
+        return None
+    return st.logical_to_mesh_axes(names, shape=shape, mesh=mesh)
+
+
 def block(x, layer):
-    """One decoder layer on activations x: (batch, length, embed)."""
-    p = st.unbox(layer)
+    """One decoder layer on activations x: (batch, length, embed). For a large model,
+    scan `jax.checkpoint(block)`: each layer then gathers its weights again for the
+    gradient, and no layer's gathered weights wait for the backward pass."""
+    p = st.unbox(st.constrain(layer, rules=compute_rules()))  # this layer's all-gather
+    embedded = out_sharding(("batch", "length", "embed"), x.shape)
     h = rms_norm(x, p["norm1"])
     q = jnp.einsum("ble,ehd->blhd", h, p["query"])
     k = jnp.einsum("ble,ehd->blhd", h, p["key"])
@@ -99,22 +128,29 @@ def block(x, layer):
     causal = jnp.tril(jnp.ones((x.shape[1], x.shape[1]), bool))
     weights = jax.nn.softmax(jnp.where(causal, scores, -1e9), axis=-1)
     attended = jnp.einsum("bhqk,bkhd->bqhd", weights, v)
-    x = x + jnp.einsum("blhd,hde->ble", attended, p["out"])
+    x = x + jnp.einsum("blhd,hde->ble", attended, p["out"], out_sharding=embedded)
     x = st.with_logical_constraint(x, ("batch", "length", "embed"))
     h = jax.nn.gelu(rms_norm(x, p["norm2"]) @ p["mlp_in"])
     h = st.with_logical_constraint(h, ("batch", "length", "mlp"))
-    x = x + h @ p["mlp_out"]
+    x = x + jnp.matmul(h, p["mlp_out"], out_sharding=embedded)
     return st.with_logical_constraint(x, ("batch", "length", "embed")), None
 
 
 def forward(params, tokens):
-    embed = st.unbox(params["embed"])
+    tables = st.unbox(
+        st.constrain({k: params[k] for k in ("embed", "position")}, rules=compute_rules())
+    )
+    embed = tables["embed"]
     # A one-hot matmul rather than a gather: it shards cleanly over vocab and embed.
-    x = jax.nn.one_hot(tokens, embed.shape[0]) @ embed
-    x = x + st.unbox(params["position"])[: tokens.shape[1]]
+    x = jnp.matmul(
+        jax.nn.one_hot(tokens, embed.shape[0]),
+        embed,
+        out_sharding=out_sharding(("batch", "length", "embed"), (*tokens.shape, embed.shape[1])),
+    )
+    x = x + tables["position"][: tokens.shape[1]]
     x = st.with_logical_constraint(x, ("batch", "length", "embed"))
     x, _ = st.scan(block, x, params["layers"], partition_name="layers")
-    x = rms_norm(x, st.unbox(params["norm"]))
+    x = rms_norm(x, st.unbox(st.constrain(params["norm"], rules=compute_rules())))
     logits = x @ embed.T / math.sqrt(embed.shape[1])
     return st.with_logical_constraint(logits, ("batch", "length", "vocab"))
 
@@ -123,7 +159,8 @@ def loss_fn(params, tokens):
     logits = forward(params, tokens[:, :-1])
     targets = tokens[:, 1:]
     log_probs = jax.nn.log_softmax(logits)
-    nll = -jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
+    # A one-hot sum rather than a gather: log_probs are sharded over vocab.
+    nll = -jnp.sum(log_probs * jax.nn.one_hot(targets, log_probs.shape[-1]), axis=-1)
     return jnp.mean(nll[:, 1:])  # the first target follows one random token only
 
 
@@ -163,7 +200,8 @@ def batches(key, batch, length, vocab):
         yield jnp.stack(rows, axis=1)
 
 
-def main():
+def main(argv=None):
+    """Trains as the command line says; returns the losses it printed."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch", type=int, default=32)
@@ -176,12 +214,21 @@ def main():
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--log-every", type=int, default=50)
     parser.add_argument("--platform", choices=["cpu"], help="cpu: 8 CPU devices, even beside a GPU")
-    args = parser.parse_args()
+    parser.add_argument(
+        "--axis-types",
+        choices=["explicit", "auto"],
+        help="the mesh axes' type (default: what jax.make_mesh gives, Explicit on current JAX)",
+    )
+    args = parser.parse_args(argv)
 
     devices = jax.devices()
     shape = mesh_shape(len(devices))
-    mesh = jax.make_mesh(shape, ("data", "fsdp", "tensor"), axis_types=(AxisType.Auto,) * 3)
-    print(f"mesh: {dict(mesh.shape)} on {len(devices)} {devices[0].platform} device(s)")
+    kinds = {"explicit": (AxisType.Explicit,) * 3, "auto": (AxisType.Auto,) * 3}
+    mesh = jax.make_mesh(shape, ("data", "fsdp", "tensor"), axis_types=kinds.get(args.axis_types))
+    print(
+        f"mesh: {dict(mesh.shape)} on {len(devices)} {devices[0].platform} device(s), "
+        f"{mesh.axis_types[0].name} axes"
+    )
     parallel = shape[0] * shape[1]
     if args.batch % parallel:  # every batch-parallel device gets whole sequences
         args.batch += parallel - args.batch % parallel
@@ -253,6 +300,7 @@ def main():
     )
     if losses[-1] >= losses[0]:
         raise SystemExit("the loss did not go down")
+    return losses
 
 
 if __name__ == "__main__":

@@ -262,3 +262,97 @@ def test_jit_of_constraints_equals_eager(fn, keys):
     for key in keys:  # the constrained leaves are laid out alike
         a, b = eager[key].value, jitted[key].value
         assert a.sharding.is_equivalent_to(b.sharding, a.ndim), key
+
+
+# --- a target that names no Explicit axis reshards too (0.3) ---------------------------
+
+
+def sharded(mesh, spec=None):
+    return jax.device_put(jnp.ones((4, 8)), NamedSharding(mesh, spec or P("data", "model")))
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda x: st.with_logical_constraint(x, (None, None), RULES),
+        lambda x: st.with_logical_constraint(x, ("kv", "heads"), RULES),  # names no rule maps
+        lambda x: (
+            st.constrain(
+                st.LogicallyPartitioned(x, ("batch", "embed")),
+                rules=[("batch", None), ("embed", None)],
+            ).value
+        ),
+    ],
+    ids=["none", "unmapped-names", "constrain-with-rules-to-nothing"],
+)
+def test_an_unsharded_target_on_explicit_axes_leaves_the_array_unsharded(fn):
+    seen = []
+
+    def f(x):
+        out = fn(2 * x)
+        seen.append((jax.typeof(x).sharding.spec, jax.typeof(out).sharding.spec))
+        return out
+
+    with jax.set_mesh(EXPLICIT):
+        out = jax.jit(f)(sharded(EXPLICIT))
+    assert seen == [(P("data", "model"), P(None, None))]  # the traced types: no axis left
+    assert out.sharding.spec == P(None, None) and out.sharding.is_fully_replicated
+    np.testing.assert_array_equal(out, 2.0)
+
+
+def test_an_unsharded_target_reshards_a_captured_constant():
+    constant = sharded(EXPLICIT)  # concrete, closed over inside jit
+    seen = []
+
+    def f(y):
+        out = st.with_logical_constraint(constant, (None, None), RULES)
+        boxed = st.constrain({"w": st.Partitioned(constant, (None, None))})["w"].value
+        seen.append((jax.typeof(out).sharding.spec, jax.typeof(boxed).sharding.spec))
+        return out + y, boxed
+
+    with jax.set_mesh(EXPLICIT):
+        out, boxed = jax.jit(f)(jnp.zeros((4, 8)))
+    assert seen == [(P(None, None), P(None, None))]
+    assert out.sharding.is_fully_replicated and boxed.sharding.is_fully_replicated
+
+
+def test_unconstrained_keeps_the_current_explicit_entry():
+    with jax.set_mesh(EXPLICIT):
+        out = jax.jit(lambda x: st.with_logical_constraint(x, (U, None), RULES))(sharded(EXPLICIT))
+        kept = jax.jit(lambda x: st.with_logical_constraint(x, (U, "embed"), RULES))(
+            sharded(EXPLICIT, P("data", None))
+        )
+    assert out.sharding.spec == P("data", None)
+    assert kept.sharding.spec == P("data", "model")
+
+
+def test_mixed_mesh_unshards_the_explicit_axis_and_constrains_the_auto_one():
+    with jax.set_mesh(MIXED):
+        fn = partial(
+            st.with_logical_constraint, logical_axis_resources=(None, "embed"), rules=RULES
+        )
+        out = jax.jit(fn)(sharded(MIXED, P("data", None)))
+        kinds = primitives(fn, sharded(MIXED, P("data", None)))
+    assert out.sharding.spec == P(None, "model")
+    assert "reshard" in kinds and "sharding_constraint" in kinds
+
+
+def test_without_set_mesh_only_a_needed_reshard_is_an_error():
+    fn = jax.jit(partial(constrained, spec=(None, None), mesh=EXPLICIT))
+    out = fn(jnp.ones((4, 8)))  # already unsharded: nothing to reshard, nothing to refuse
+    assert out.sharding.is_fully_replicated
+    with pytest.raises(ValueError, match=r"^with_logical_constraint: .*jax\.set_mesh"):
+        fn(sharded(EXPLICIT))
+
+
+def test_constrain_refuses_rules_beside_other_rules_of_a_box():
+    own = [("embed", "model")]
+    tree = {"w": st.LogicallyPartitioned(jnp.ones((4, 8)), (None, "embed"), rules=own)}
+    with pytest.raises(ValueError) as info:
+        st.constrain(tree, EXPLICIT, [("embed", None)])
+    message = str(info.value)
+    assert message.startswith("constrain: the box at tree['w'] has rules of its own")
+    assert "ambiguous" in message and "box.replace(rules=None)" in message
+    same = st.constrain(tree, EXPLICIT, own)  # the same rules: nothing is ambiguous
+    assert same["w"].value.sharding.spec == P(None, "model")
+    assert st.constrain(tree, EXPLICIT)["w"].value.sharding.spec == P(None, "model")

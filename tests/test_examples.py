@@ -1,10 +1,12 @@
 """Every script in examples/ runs end to end with small sizes (a smoke test)."""
 
+import importlib.util
 import os
 import pathlib
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
@@ -47,6 +49,8 @@ def test_examples_run_on_the_devices_there_are(script, devices):
     shape = {1: "1x1x1", 6: "3x1x2"} if script == "train.py" else {1: "1x1", 6: "3x2"}
     sizes = [int(n) for n in shape[devices].split("x")]
     assert done.stdout.startswith("mesh: {") and f"on {devices} cpu device(s)" in done.stdout
+    if script == "train.py":  # JAX's default mesh: Explicit axes
+        assert f"on {devices} cpu device(s), Explicit axes\n" in done.stdout
     assert list(eval(done.stdout.split("mesh: ")[1].split(" on ")[0]).values()) == sizes
 
 
@@ -83,3 +87,19 @@ def test_example_runs(script):
         assert "names -> mesh spec" in done.stdout and "per device" in done.stdout
         assert "step   10  loss" in done.stdout and "steps/s" in done.stdout
         assert "x less than unsharded" in done.stdout
+        assert "cpu device(s), Explicit axes" in done.stdout  # the default, jax.make_mesh's
+
+
+def test_train_example_on_explicit_axes_has_the_losses_of_auto_axes(capsys):
+    spec = importlib.util.spec_from_file_location("train_example", EXAMPLES / "train.py")
+    train = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train)
+    argv = ["--steps", "30", "--log-every", "1"]  # the README's sizes
+    explicit = train.main([*argv, "--axis-types", "explicit"])
+    auto = train.main([*argv, "--axis-types", "auto"])
+    printed = capsys.readouterr().out
+    assert "Explicit axes" in printed and "Auto axes" in printed
+    assert len(explicit) == len(auto) == 30
+    # The two programs may associate sums differently: equal within a tolerance.
+    np.testing.assert_allclose(explicit, auto, rtol=1e-4)
+    assert explicit[-1] < explicit[0]

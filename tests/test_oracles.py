@@ -412,3 +412,66 @@ def test_a_tuple_of_mesh_axes_keeps_its_order_in_constraints(kind, target):
     test_constraints_equal_the_hand_written_ones.hypothesis.inner_test(
         (mesh, (8, 3), ("embed", "mlp"), rules)
     )
+
+
+# --- constraints of a sharded array: by logical names = jax.sharding.reshard by hand ----
+
+E, A = AxisType.Explicit, AxisType.Auto
+BY_HAND = [  # (axis types, placed on, logical target, rules, reshard spec, constraint spec)
+    ((E, E), P("a", "b"), (None, None), [("batch", "a")], P(None, None), None),
+    ((E, E), P("a", "b"), ("batch", "embed"), [("batch", None), ("embed", None)], P(), None),
+    ((E, E), P("a", "b"), ("batch", None), [("batch", "a")], P("a", None), None),
+    ((E, E), P(None, "b"), (None, "embed"), [("embed", "a")], P(None, "a"), None),
+    ((E, E), P("a", None), ("batch", "embed"), [("batch", ("b", "a"))], P(("b", "a"), None), None),
+    ((E, E), P("a", "b"), (U, None), [("batch", "b")], P("a", None), None),
+    ((E, A), P("a", None), (None, "embed"), [("embed", "b")], P(None, None), P(None, "b")),
+    (
+        (E, A),
+        P("a", None),
+        ("batch", "embed"),
+        [("batch", "a"), ("embed", "b")],
+        None,
+        P(None, "b"),
+    ),
+    ((A, E), P(None, "b"), ("batch", None), [("batch", "a")], P(None, None), P("a", None)),
+    ((A, A), P("a", "b"), (None, None), [("batch", "a")], None, P(None, None)),
+]
+
+
+@pytest.mark.parametrize(
+    "types, placed, target, rules, reshard, constraint",
+    BY_HAND,
+    ids=[f"{''.join(t.name[0] for t in c[0])}-{c[1]}-to-{c[2]}" for c in BY_HAND],
+)
+@pytest.mark.parametrize("captured", [False, True], ids=["traced", "captured-constant"])
+def test_constraints_of_a_sharded_array_equal_reshard_by_hand(
+    types, placed, target, rules, reshard, constraint, captured
+):
+    mesh = jax.make_mesh((2, 4), ("a", "b"), axis_types=types)
+    x = jax.device_put(jnp.arange(64.0).reshape(8, 8), NamedSharding(mesh, placed))
+    typed = []
+
+    def jitted(fn):
+        def traced(x, zero):
+            out = fn(x if not captured else outer) + zero
+            typed.append(jax.typeof(out).sharding.spec)
+            return out
+
+        outer = x
+        return jax.jit(traced)(x, jnp.zeros((), jnp.float32))
+
+    def by_hand(x):
+        if reshard is not None:
+            x = jax.sharding.reshard(x, reshard)
+        return x if constraint is None else jax.lax.with_sharding_constraint(x, constraint)
+
+    with jax.set_mesh(mesh):
+        want = jitted(by_hand)
+        got = jitted(lambda x: st.with_logical_constraint(x, target, rules))
+        boxed = jitted(
+            lambda x: st.constrain(st.LogicallyPartitioned(x, target), rules=rules).value
+        )
+    assert typed[1] == typed[2] == typed[0], typed  # the traced types: JAX's own
+    for out in (got, boxed):
+        assert out.sharding.is_equivalent_to(want.sharding, 2), (out.sharding, want.sharding)
+        np.testing.assert_array_equal(out, x)

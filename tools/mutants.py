@@ -370,6 +370,24 @@ MUTANTS: dict[str, list[tuple[str, str, str]]] = {
             "return Partitioned(value, _flax_names(value, x.names, path, padded))",
         ),
     ],
+    # 0.3: a constraint on Explicit axes means what it says on Auto ones.
+    "explicit-unsharded-target-skipped": [
+        (
+            "_src/constraints.py",
+            "    if now != wanted:\n",
+            "    if any(_only(e, explicit) for e in spec if e is not UNCONSTRAINED):\n",
+        ),
+    ],
+    "explicit-unconstrained-unshards": [
+        (
+            "_src/constraints.py",
+            "current if e is UNCONSTRAINED else single(_only(e, explicit))",
+            "None if e is UNCONSTRAINED else single(_only(e, explicit))",
+        ),
+    ],
+    "constrain-other-rules-of-a-box-allowed": [
+        ("_src/constraints.py", "if own is not None and own != rules:", "if False:"),
+    ],
     "pickle-drops-the-mesh": [
         (
             "_src/registry.py",

@@ -10,6 +10,7 @@ jit a constraint places the array, as `jax.device_put` does.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, cast
 
 import jax
@@ -18,8 +19,14 @@ from jax._src.core import trace_state_clean  # how JAX itself tells that it is t
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from jax.typing import ArrayLike
 
-from spmdtree._src.boxes import foreign_kind, refuse_foreign, same_mesh, shape_of
-from spmdtree._src.errors import Mistake, at, public, raise_collected
+from spmdtree._src.boxes import (
+    LogicallyPartitioned,
+    foreign_kind,
+    refuse_foreign,
+    same_mesh,
+    shape_of,
+)
+from spmdtree._src.errors import Mistake, at, fmt, public, raise_collected
 from spmdtree._src.resolve import (
     Resolution,
     RulesFallback,
@@ -38,10 +45,11 @@ from spmdtree._src.rules import (
     PyTree,
     Rules,
     RuleTuple,
+    normalize_rules,
     rules_or_context,
 )
 from spmdtree._src.specs import context_mesh, resolve_tree
-from spmdtree._src.trees import KeyPath
+from spmdtree._src.trees import KeyPath, each_leaf
 
 
 def _only(entry: AxisName, axes: set[str]) -> AxisName:
@@ -96,12 +104,36 @@ def _check_committed(x: object, mesh: AnyMesh) -> None:
         )
 
 
+def _explicit_entries(x: ArrayLike, spec: PartitionSpec, explicit: set[str]) -> tuple[Any, Any]:
+    """(now, wanted): `x`'s spec entries over the Explicit axes (its type says), and
+    those `spec` asks for, an UNCONSTRAINED entry keeping the current one. An entry
+    of one axis is that axis, and the specs are padded to the array's rank."""
+
+    def single(entry: AxisName) -> AxisName:
+        return entry[0] if isinstance(entry, tuple) and len(entry) == 1 else entry
+
+    typed = jax.typeof(x)
+    rank = len(typed.shape)
+    spec_now = tuple(getattr(typed.sharding, "spec", None) or ())
+    now = tuple(single(_only(e, explicit)) for e in spec_now + (None,) * (rank - len(spec_now)))
+    padded = tuple(spec) + (None,) * (rank - len(spec))
+    wanted = tuple(
+        current if e is UNCONSTRAINED else single(_only(e, explicit))
+        for e, current in zip(padded, now, strict=True)
+    )
+    return now, wanted
+
+
 def apply_spec(x: ArrayLike, spec: PartitionSpec, mesh: AnyMesh) -> ArrayLike:
     """Constrains (inside a trace) or places (outside) one array on `spec` over `mesh`.
 
+    On Explicit axes an array is resharded whenever its sharding there differs
+    from the target's, also to a target that names no Explicit axis (it ends
+    unsharded); an UNCONSTRAINED entry keeps the array's own.
+
     Raises:
-        Mistake: for Explicit axes inside jit without `jax.set_mesh`, and for an
-            array committed to another mesh.
+        Mistake: for a reshard onto Explicit axes inside jit without
+            `jax.set_mesh`, and for an array committed to another mesh.
     """
     _check_committed(x, mesh)
     if trace_state_clean():  # not tracing: a captured constant inside jit is constrained
@@ -113,7 +145,8 @@ def apply_spec(x: ArrayLike, spec: PartitionSpec, mesh: AnyMesh) -> ArrayLike:
     types = dict(zip(typed.axis_names, typed.axis_types, strict=True))
     explicit = {axis for axis, kind in types.items() if kind == AxisType.Explicit}
     auto = {axis for axis, kind in types.items() if kind == AxisType.Auto}
-    if explicit and any(_only(entry, explicit) for entry in spec if entry is not UNCONSTRAINED):
+    now, wanted = _explicit_entries(x, spec, explicit) if explicit else ((), ())
+    if now != wanted:
         if ctx is None:
             raise Mistake(
                 ValueError,
@@ -122,9 +155,7 @@ def apply_spec(x: ArrayLike, spec: PartitionSpec, mesh: AnyMesh) -> ArrayLike:
                 "jitted function under `with jax.set_mesh(mesh):`, or build the mesh "
                 "with axis_types=(jax.sharding.AxisType.Auto, ...).",
             )
-        x = jax.sharding.reshard(
-            x, PartitionSpec(*(None if e is UNCONSTRAINED else _only(e, explicit) for e in spec))
-        )
+        x = jax.sharding.reshard(x, PartitionSpec(*wanted))
     if auto:
         auto_spec = PartitionSpec(*(_only(entry, auto) for entry in spec))
         # UNCONSTRAINED stays: a constraint, unlike a sharding, may leave it free.
@@ -292,6 +323,19 @@ class _Constraint:
         check_call(resolved, self.rules, paths.__getitem__, noun="array", warn=True)
 
 
+def _no_other_rules(rules: RuleTuple, leaf: object) -> None:
+    """A box whose own rules are not `rules=`: which layout is meant is ambiguous."""
+    own = leaf.rules if isinstance(leaf, LogicallyPartitioned) else None
+    if own is not None and own != rules:
+        raise Mistake(
+            ValueError,
+            f"has rules of its own, {fmt(own)}, and rules= gives others, {fmt(rules)}, "
+            "so which layout is meant is ambiguous. Drop the box's rules "
+            "(box.replace(rules=None)) to constrain it by rules=, or leave rules= out "
+            "to constrain it by its own.",
+        )
+
+
 @public
 def constrain(tree: PyTree, mesh: AnyMesh | None = None, rules: Rules | None = None) -> PyTree:
     """Constrains every boxed value to its sharding, boxes kept (inside jit).
@@ -303,13 +347,15 @@ def constrain(tree: PyTree, mesh: AnyMesh | None = None, rules: Rules | None = N
         tree: a tree with boxes.
         mesh: the mesh; defaults to the boxes' own, else the one set with
             `jax.set_mesh`. With none, `tree` is returned unchanged.
-        rules: rules for logical boxes without their own.
+        rules: rules for logical boxes without their own, e.g. compute rules
+            for params stored by others (a layer's FSDP all-gather).
 
     Returns:
         `tree` with each boxed value constrained.
 
     Raises:
-        ValueError: for names that cannot be right for their value on the mesh.
+        ValueError: for names that cannot be right for their value on the
+            mesh, and for a box with rules of its own other than `rules`.
 
     Example:
         >>> import jax, jax.numpy as jnp, spmdtree as st
@@ -322,6 +368,8 @@ def constrain(tree: PyTree, mesh: AnyMesh | None = None, rules: Rules | None = N
     """
 
     walk = resolve_tree(tree, rules, mesh=mesh)
+    if rules is not None:
+        each_leaf(functools.partial(_no_other_rules, normalize_rules(rules)), tree, walk.leaves)
     if walk.mesh is None:
         return tree
     live = walk.mesh
