@@ -42,7 +42,7 @@ CALLS = {
 
 @pytest.mark.parametrize("call", list(CALLS))
 def test_each_tree_function_warns_once_per_call_naming_the_dimension(call):
-    out, caught = _caught(lambda: CALLS[call](_indivisible()))
+    _, caught = _caught(lambda: CALLS[call](_indivisible()))
     assert len(caught) == 1
     message = str(caught[0].message)
     assert message.startswith("1 dimension asked to be sharded left unsharded")

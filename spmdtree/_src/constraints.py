@@ -159,7 +159,7 @@ def apply_spec(x: ArrayLike, spec: PartitionSpec, mesh: AnyMesh) -> ArrayLike:
     if auto:
         auto_spec = PartitionSpec(*(_only(entry, auto) for entry in spec))
         # UNCONSTRAINED stays: a constraint, unlike a sharding, may leave it free.
-        target = auto_spec if ctx is not None else jax.sharding.NamedSharding(mesh, auto_spec)
+        target = auto_spec if ctx is not None else named_sharding(mesh, auto_spec, constraint=True)
         x = jax.lax.with_sharding_constraint(x, target)
     return x
 

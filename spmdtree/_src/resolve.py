@@ -59,10 +59,13 @@ def mesh_shape_of(mesh: AnyMesh) -> MeshShape:
     return tuple(mesh.shape.items())
 
 
-def named_sharding(mesh: AnyMesh, spec: PartitionSpec) -> NamedSharding:
-    """A `NamedSharding`; UNCONSTRAINED entries become None, since `jax.jit` and
-    `jax.device_put` accept them only in constraints."""
-    if any(entry is UNCONSTRAINED for entry in spec):
+def named_sharding(
+    mesh: AnyMesh, spec: PartitionSpec, *, constraint: bool = False
+) -> NamedSharding:
+    """A `NamedSharding`, the one place spmdtree builds one; UNCONSTRAINED entries
+    become None, since `jax.jit` and `jax.device_put` accept them only in
+    constraints (`constraint`: for `jax.lax.with_sharding_constraint`, kept)."""
+    if not constraint and any(entry is UNCONSTRAINED for entry in spec):
         spec = PartitionSpec(*(None if e is UNCONSTRAINED else e for e in spec))
     return NamedSharding(mesh, spec)
 
