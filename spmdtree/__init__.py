@@ -33,6 +33,7 @@ from spmdtree._src.boxes import with_partitioning as with_partitioning
 from spmdtree._src.constraints import constrain as constrain
 from spmdtree._src.constraints import shard as shard
 from spmdtree._src.constraints import with_logical_constraint as with_logical_constraint
+from spmdtree._src.hlo import Collective as Collective
 from spmdtree._src.interop import from_flax as from_flax
 from spmdtree._src.optim import optimizer_sharding as optimizer_sharding
 from spmdtree._src.plan import DiffRow as DiffRow
@@ -40,7 +41,6 @@ from spmdtree._src.plan import Plan as Plan
 from spmdtree._src.plan import PlanDiff as PlanDiff
 from spmdtree._src.plan import PlanRow as PlanRow
 from spmdtree._src.plan import plan as plan
-from spmdtree._src.preflight import Collective as Collective
 from spmdtree._src.preflight import StepPlan as StepPlan
 from spmdtree._src.preflight import preflight as preflight
 from spmdtree._src.report import describe as describe

@@ -18,12 +18,11 @@ import json
 import math
 import os
 import pickle
-import re
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, TypeVar, cast
+from typing import Any, TypeVar, cast
 
 import jax
 import numpy as np
@@ -32,6 +31,7 @@ from jax.typing import ArrayLike
 
 from spmdtree._src.boxes import dtype_of, shape_of
 from spmdtree._src.errors import Mistake, public
+from spmdtree._src.hlo import Collective, count_collectives
 from spmdtree._src.plan import Plan, planned_walk
 from spmdtree._src.resolve import (
     Resolution,
@@ -46,31 +46,7 @@ from spmdtree._src.rules import (
 )
 from spmdtree._src.text import short_value, step_table
 
-#: The collectives counted, in the order rows are listed.
 T = TypeVar("T")
-
-KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
-
-
-class Collective(NamedTuple):
-    """One kind of collective in a compiled step, per executed step.
-
-    Attributes:
-        kind: ``all-gather``, ``all-reduce``, ``reduce-scatter``,
-            ``all-to-all`` or ``collective-permute``.
-        count: how many run per step (an op in a loop counts once per
-            iteration where the trip count is known).
-        bytes: the size of their results on one device, summed over `count`.
-
-    Example:
-        >>> import spmdtree as st
-        >>> st.Collective("all-reduce", 2, 4096).bytes
-        4096
-    """
-
-    kind: str
-    count: int  # type: ignore[assignment]  # the field shadows tuple.count, as named
-    bytes: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +72,9 @@ class StepPlan:
         compile_seconds: how long lowering and compiling took.
         flags: sentences for what the figures do not cover (a loop whose
             trip count the compiler does not know counts once).
+        flops: floating-point operations per device per step (new in 0.3).
+        overstated_bytes: how much of the peak a CPU compile may overstate
+            (new in 0.3; 0 where nothing is).
 
     Example:
         >>> import jax, jax.numpy as jnp, spmdtree as st
@@ -121,6 +100,8 @@ class StepPlan:
     mesh: AnyMesh
     compile_seconds: float
     flags: tuple[str, ...] = ()
+    flops: int = 0
+    overstated_bytes: int = 0
 
     @property
     def peak_bytes(self) -> int:
@@ -511,84 +492,3 @@ def analyse(compiled: jax.stages.Compiled) -> dict[str, Any]:
         "collectives": collectives,
         "flags": flags,
     }
-
-
-_HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
-_CALLEE = re.compile(
-    r"\b(body|condition|to_apply|calls|true_computation|false_computation)=%?([\w.\-]+)"
-)
-_CALLEES = re.compile(r"\b(?:branch_computations|called_computations)=\{([^}]*)\}")
-_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
-_OP = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.+?)\s+(" + "|".join(KINDS) + r")(-done)?\(")
-_ARRAY = re.compile(r"\b(pred|[a-z]+\d+[a-z0-9]*)\[([\d,]*)\]")
-
-
-def count_collectives(hlo: str) -> tuple[list[tuple[str, int, int]], list[str]]:
-    """Collectives per executed step, from a compiled module's HLO text.
-
-    A computation runs as often as its callers run it: a ``while`` body once
-    per iteration where the compiler recorded the trip count, else once (and
-    flagged). Async pairs count once, by their ``-done`` half, whose result
-    is the collective's.
-    """
-    comps: dict[str, list[str]] = {}
-    order: list[str] = []
-    current: list[str] | None = None
-    entry = None
-    for line in hlo.splitlines():
-        header = _HEADER.match(line) if line[:1] not in (" ", "\t", "") else None
-        if header:
-            order.append(header.group(1))
-            current = comps.setdefault(header.group(1), [])
-            entry = header.group(1) if line.startswith("ENTRY") else entry
-        elif current is not None and line.startswith(" "):
-            current.append(line)
-    runs = dict.fromkeys(order, 0)
-    if entry is not None:
-        runs[entry] = 1
-    unknown: set[str] = set()  # computations inside a loop of unknown length
-    for name in reversed(order):  # callers come after their callees in the text
-        for line in comps[name]:
-            trips = _TRIPS.search(line)
-            for role, callee in _callees(line):
-                loop = role == "body"
-                if (loop and not trips) or name in unknown:
-                    unknown.add(callee)
-                if callee in runs:
-                    runs[callee] += runs[name] * (int(trips.group(1)) if loop and trips else 1)
-    counts = {kind: [0, 0] for kind in KINDS}
-    flagged: set[str] = set()
-    for name in order:
-        for line in comps[name]:
-            op = _OP.match(line)
-            if op is None or not runs[name]:
-                continue
-            counts[op.group(2)][0] += runs[name]
-            counts[op.group(2)][1] += runs[name] * _type_bytes(op.group(1))
-            if name in unknown:
-                flagged.add(op.group(2))
-    rows = [(kind, n, size) for kind, (n, size) in counts.items() if n]
-    flags = [
-        f"{kind} inside a loop whose trip count the compiler does not know: counted once per step"
-        for kind in KINDS
-        if kind in flagged
-    ]
-    return rows, flags
-
-
-def _callees(line: str) -> list[tuple[str, str]]:
-    """The computations an HLO instruction calls, each with its role (``body``,
-    ``condition``, ``to_apply``, ``calls``, ``branch``, ...)."""
-    found = _CALLEE.findall(line)
-    for group in _CALLEES.findall(line):
-        found += [("branch", c.strip().lstrip("%")) for c in group.split(",")]
-    return found
-
-
-def _type_bytes(text: str) -> int:
-    """The bytes of an HLO result type (a tuple's elements summed): ``f32[8,256]{1,0}``."""
-    total = 0
-    for dtype, dims in _ARRAY.findall(text):
-        bits = 8 if dtype == "pred" else int(re.search(r"\d+", dtype).group())  # type: ignore[union-attr]
-        total += math.prod(int(d) for d in dims.split(",") if d) * max(bits // 8, 1)
-    return total
