@@ -33,6 +33,9 @@ from spmdtree._src.boxes import with_partitioning as with_partitioning
 from spmdtree._src.constraints import constrain as constrain
 from spmdtree._src.constraints import shard as shard
 from spmdtree._src.constraints import with_logical_constraint as with_logical_constraint
+from spmdtree._src.hardware import Hardware as Hardware
+from spmdtree._src.hardware import StepTime as StepTime
+from spmdtree._src.hardware import hardware as hardware
 from spmdtree._src.hlo import Collective as Collective
 from spmdtree._src.interop import from_flax as from_flax
 from spmdtree._src.optim import optimizer_sharding as optimizer_sharding
@@ -94,6 +97,7 @@ __all__ = [
     "AxisName",
     "Collective",
     "DiffRow",
+    "Hardware",
     "LogicallyPartitioned",
     "MeshAxes",
     "Names",
@@ -105,6 +109,7 @@ __all__ = [
     "Rules",
     "RulesFallback",
     "StepPlan",
+    "StepTime",
     "add_axis",
     "box",
     "constrain",
@@ -114,6 +119,7 @@ __all__ = [
     "get_logical_axis_rules",
     "get_partition_spec",
     "get_sharding",
+    "hardware",
     "is_boxed",
     "kept_dimensions",
     "logical_axis_rules",

@@ -31,6 +31,7 @@ from jax.typing import ArrayLike
 
 from spmdtree._src.boxes import dtype_of, shape_of
 from spmdtree._src.errors import Mistake, public
+from spmdtree._src.hardware import Hardware, StepTime, step_time
 from spmdtree._src.hlo import Collective, count_collectives
 from spmdtree._src.plan import Plan, planned_walk
 from spmdtree._src.resolve import (
@@ -122,6 +123,42 @@ class StepPlan:
         if not isinstance(budget_bytes, (int, np.integer)) or isinstance(budget_bytes, bool):
             raise Mistake(TypeError, f"budget_bytes is {budget_bytes!r}; expected an int of bytes.")
         return self.peak_bytes <= budget_bytes
+
+    @public
+    def time(self, hardware: Hardware, *, devices_per_node: int | None = None) -> StepTime:
+        """A roofline bound on this step on `hardware`: its FLOPs at the peak, its
+        collectives at the links' bandwidth (new in 0.3).
+
+        Devices sit on nodes by their position in the mesh's row-major device
+        order (position // devices_per_node); a group that spans nodes is
+        timed as hierarchical algorithms run it (docs/planning.md, "Hardware
+        and time"). Not a prediction: perfect overlap, peak FLOPs.
+
+        Args:
+            hardware: a `Hardware` (e.g. ``st.hardware("h100")``).
+            devices_per_node: overrides the hardware's (the slice size of a
+                multi-slice TPU job; 1 puts every device on its own node).
+
+        Returns:
+            The `StepTime`.
+
+        Raises:
+            ValueError: for `devices_per_node` < 1, or a collective that needs
+                a link kind the hardware does not have.
+
+        Example:
+            >>> import jax, jax.numpy as jnp, spmdtree as st
+            >>> mesh = jax.sharding.AbstractMesh((2,), ("data",))
+            >>> w = st.Partitioned(jax.ShapeDtypeStruct((256, 256), jnp.float32), (None, None))
+            >>> x = st.Partitioned(jax.ShapeDtypeStruct((64, 256), jnp.float32), ("data", None))
+            >>> step = st.preflight(lambda w, x: jnp.sum(x.value @ w.value), w, x, mesh=mesh)
+            >>> t = step.time(st.hardware("h100"))
+            >>> t.compute_seconds == step.flops / 989e12
+            True
+            >>> t.bound_seconds == max(t.compute_seconds, t.comm_seconds)
+            True
+        """
+        return step_time(self.collectives, self.flops, self.mesh.shape, hardware, devices_per_node)
 
     def __str__(self) -> str:
         return step_table(self)
