@@ -162,7 +162,7 @@ def test_a_scanned_layer_counts_once_per_iteration():
     bytes_four = sum(row.bytes for row in four.collectives)
     assert bytes_two > 0
     assert 1.8 <= bytes_four / bytes_two <= 2.2
-    assert not two.flags and not four.flags
+    assert not [f for f in two.flags + four.flags if "trip count" in f]
 
 
 def test_a_loop_of_unknown_length_is_flagged():

@@ -32,7 +32,7 @@ from jax.typing import ArrayLike
 from spmdtree._src.boxes import dtype_of, shape_of
 from spmdtree._src.errors import Mistake, public
 from spmdtree._src.hardware import Hardware, StepTime, step_time
-from spmdtree._src.hlo import Collective, count_collectives
+from spmdtree._src.hlo import Collective, read_step
 from spmdtree._src.plan import Plan, planned_walk
 from spmdtree._src.resolve import (
     Resolution,
@@ -45,7 +45,7 @@ from spmdtree._src.rules import (
     Rules,
     logical_axis_rules,
 )
-from spmdtree._src.text import short_value, step_table
+from spmdtree._src.text import short_value, size_text, step_table
 
 T = TypeVar("T")
 
@@ -291,12 +291,17 @@ def preflight(
         alias_bytes=found["alias"],
         temp_bytes=found["temp"],
         code_bytes=found["code"],
-        collectives=tuple(Collective(*row) for row in found["collectives"]),
+        collectives=tuple(
+            Collective(kind, n, size, tuple(axes), group)
+            for kind, n, size, axes, group in found["collectives"]
+        ),
         inputs=inputs,
         backend=found["backend"],
         mesh=mesh,
         compile_seconds=found["seconds"],
         flags=tuple(found["flags"]),
+        flops=found["flops"],
+        overstated_bytes=found["overstated"],
     )
 
 
@@ -391,7 +396,7 @@ def _compile(
     with jax.set_mesh(mesh):
         lowered = _traced(lambda: jitted.lower(*flat), signature)
     compiled = lowered.compile(cpu_options(mesh))
-    found = analyse(compiled)
+    found = analyse(compiled, mesh)
     found["seconds"] = time.perf_counter() - start
     found["backend"] = mesh.devices.flat[0].platform
     return found
@@ -491,7 +496,7 @@ def child() -> None:
     jitted = jax.jit(exported.call, in_shardings=shardings, donate_argnums=payload["donated"])
     with jax.set_mesh(mesh):
         compiled = jitted.lower(*args).compile(cpu_options(mesh))
-    found = analyse(compiled)
+    found = analyse(compiled, mesh)
     found["backend"] = "cpu"
     json.dump(found, sys.stdout)
 
@@ -505,8 +510,12 @@ def cpu_options(mesh: Mesh) -> dict[str, Any]:
     return {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 
-def analyse(compiled: jax.stages.Compiled) -> dict[str, Any]:
-    """A compiled step's memory per device and its collectives per step.
+def analyse(compiled: jax.stages.Compiled, mesh: Mesh) -> dict[str, Any]:
+    """A compiled step's memory per device, its collectives and flops per step.
+
+    On CPU devices, an all-reduce whose every use takes one device's slice is
+    counted as the reduce-scatter an accelerator runs, and the whole results
+    such all-reduces keep live bound how much the peak may overstate.
 
     Raises:
         Mistake: if the backend reports no memory analysis or no HLO text.
@@ -519,13 +528,27 @@ def analyse(compiled: jax.stages.Compiled) -> dict[str, Any]:
             "text) for it, which preflight reads. Preflight on an AbstractMesh, which "
             "compiles for CPU devices.",
         )
-    collectives, flags = count_collectives(text)
+    cpu = mesh.devices.flat[0].platform == "cpu"
+    read = read_step(text, tuple(mesh.shape.items()), cpu=cpu)
+    temp = int(memory.temp_size_in_bytes)
+    # 64 bytes for the partition-id scalars the slices are offset by.
+    overstated = min(read.held_bytes + 64, temp) if read.held_bytes else 0
+    flags = read.flags + (
+        [
+            f"peak may be overstated by up to {size_text(overstated)}: the CPU compile holds "
+            "whole reductions an accelerator holds as reduce-scattered shards"
+        ]
+        if overstated
+        else []
+    )
     return {
         "argument": int(memory.argument_size_in_bytes),
         "output": int(memory.output_size_in_bytes),
         "alias": int(memory.alias_size_in_bytes),
-        "temp": int(memory.temp_size_in_bytes),
+        "temp": temp,
         "code": int(memory.generated_code_size_in_bytes),
-        "collectives": collectives,
+        "collectives": read.collectives,
         "flags": flags,
+        "flops": read.flops,
+        "overstated": overstated,
     }
