@@ -21,7 +21,8 @@ import pickle
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar, cast
 
 import jax
@@ -237,22 +238,60 @@ def preflight(
         ('all-reduce', 16384)
     """
     check_mesh(mesh)
-    static = _argnums(static_argnums, len(args), "static_argnums")
-    donated = _argnums(donate_argnums, len(args), "donate_argnums")
+    static, donated = _positions(static_argnums, donate_argnums, len(args))
+    dynamic = tuple(None if i in static else arg for i, arg in enumerate(args))
+    inputs, walk = planned_walk(
+        dynamic, mesh, rules, params=params, large=1 << 20, lenient=False, argument="args"
+    )
+    target = _compile_mesh(mesh)
+    flat, treedef, flat_donated = _abstract_args(walk, target or mesh, donated)
+
+    def call(*leaves: Any) -> Any:
+        full = treedef.unflatten(leaves)
+        return fn(*(args[i] if i in static else full[i] for i in range(len(args))))
+
+    def step(*leaves: Any) -> list[Any]:
+        return jax.tree.leaves(call(*leaves))
+
+    signature = _signature(args, static)
+    # The step is traced as it runs: under the mesh and, if given, the rules; what
+    # it warns of while tracing becomes flags.
+    with _tracing(rules) as warned:
+        out = None
+        if out_shardings is not None:
+            outputs = _outputs(call, flat, mesh, target, signature)
+            out = _out_shardings(out_shardings, outputs, target or mesh)
+        jitted = jax.jit(step, donate_argnums=flat_donated, out_shardings=out)
+        if target is None:
+            found = _in_subprocess(jitted, flat, flat_donated, mesh, signature)
+        else:
+            found = _compile(jitted, flat, target, signature)
+    return _step_plan(found, inputs, mesh, warned)
+
+
+def _positions(
+    static_argnums: int | Sequence[int], donate_argnums: int | Sequence[int], count: int
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The static and the donated argument positions, checked."""
+    static = _argnums(static_argnums, count, "static_argnums")
+    donated = _argnums(donate_argnums, count, "donate_argnums")
     if set(static) & set(donated):
         raise Mistake(
             ValueError,
             f"argument {sorted(set(static) & set(donated))[0]} is both static and donated; "
             "a static argument has no buffer to donate. Drop it from one of them.",
         )
-    dynamic = tuple(None if i in static else arg for i, arg in enumerate(args))
-    inputs, walk = planned_walk(
-        dynamic, mesh, rules, params=params, large=1 << 20, lenient=False, argument="args"
-    )
-    target = _compile_mesh(mesh)
+    return static, donated
+
+
+def _abstract_args(
+    walk: Any, mesh: AnyMesh, donated: tuple[int, ...]
+) -> tuple[list[Any], Any, tuple[int, ...]]:
+    """The arguments as placed `ShapeDtypeStruct` leaves on `mesh`, their tree, and the
+    donated leaves' positions."""
 
     def abstract(value: ArrayLike, res: Resolution) -> jax.ShapeDtypeStruct:
-        sharding = named_sharding(target or mesh, res.spec)
+        sharding = named_sharding(mesh, res.spec)
         return jax.ShapeDtypeStruct(shape_of(value), dtype_of(value), sharding=sharding)
 
     abstract_args = walk.map(abstract, keep_boxes=True)
@@ -266,25 +305,29 @@ def preflight(
                 "arguments.",
             )
     flat, treedef = jax.tree.flatten(abstract_args)
-    treedef = cast(Any, treedef)
     counts = [len(jax.tree.leaves(arg)) for arg in abstract_args]
     starts = np.cumsum([0, *counts])
     flat_donated = tuple(j for i in donated for j in range(starts[i], starts[i + 1]))
+    return flat, cast(Any, treedef), flat_donated
 
-    def step(*leaves: Any) -> list[Any]:
-        full = treedef.unflatten(leaves)
-        return jax.tree.leaves(fn(*(args[i] if i in static else full[i] for i in range(len(args)))))
 
-    out = None
-    if out_shardings is not None:
-        out = _out_shardings(out_shardings, step, flat, target or mesh)
-    jitted = jax.jit(step, donate_argnums=flat_donated, out_shardings=out)
-    # The step is traced as it runs: under the mesh and, if given, the rules.
-    with contextlib.nullcontext() if rules is None else logical_axis_rules(rules):
-        if target is None:
-            found = _in_subprocess(jitted, flat, flat_donated, mesh, _signature(args, static))
-        else:
-            found = _compile(jitted, flat, target, _signature(args, static))
+@contextlib.contextmanager
+def _tracing(rules: Rules | None) -> Iterator[list[str]]:
+    """Under `rules` (if given), recording every warning raised as a sentence."""
+    warned: list[str] = []
+    with contextlib.ExitStack() as stack:
+        if rules is not None:
+            stack.enter_context(logical_axis_rules(rules))
+        caught = stack.enter_context(warnings.catch_warnings(record=True))
+        warnings.simplefilter("always")
+        yield warned
+        warned += [f"{w.category.__name__} while tracing: {w.message}" for w in caught]
+
+
+def _step_plan(found: dict[str, Any], inputs: Plan, mesh: AnyMesh, warned: list[str]) -> StepPlan:
+    """The `StepPlan` of an analysis; its flags: the inputs' first, then the step's."""
+    flags = [f"{row.path}: {flag}" for row in inputs.rows for flag in row.flags]
+    flags += [*found["flags"], *warned]
     return StepPlan(
         argument_bytes=found["argument"],
         output_bytes=found["output"],
@@ -299,7 +342,7 @@ def preflight(
         backend=found["backend"],
         mesh=mesh,
         compile_seconds=found["seconds"],
-        flags=tuple(found["flags"]),
+        flags=tuple(dict.fromkeys(flags)),
         flops=found["flops"],
         overstated_bytes=found["overstated"],
     )
@@ -338,17 +381,35 @@ def _compile_mesh(mesh: AnyMesh) -> Mesh | None:
     return Mesh(devices, tuple(mesh.axis_names), axis_types=tuple(mesh.axis_types))
 
 
-def _out_shardings(
-    prefix: PyTree, step: Callable[..., Any], flat: list[Any], mesh: AnyMesh
-) -> list[NamedSharding | None]:
-    """`prefix` (specs or shardings, a prefix of the outputs) as one sharding per
+def _outputs(
+    call: Callable[..., Any], flat: list[Any], mesh: AnyMesh, target: Mesh | None, signature: str
+) -> Any:
+    """The step's outputs as a tree of `ShapeDtypeStruct`s (traced under the mesh)."""
+    abstract = mesh if isinstance(mesh, AbstractMesh) else mesh.abstract_mesh
+    context = (
+        jax.set_mesh(target) if target is not None else jax.sharding.use_abstract_mesh(abstract)
+    )
+    with context:
+        return _traced(lambda: jax.eval_shape(call, *flat), signature)
+
+
+def _out_shardings(prefix: PyTree, outputs: Any, mesh: AnyMesh) -> list[NamedSharding | None]:
+    """`prefix` (specs or shardings, a prefix of the `outputs` tree) as one sharding per
     output leaf, on `mesh`."""
     is_spec = lambda x: x is None or isinstance(x, (PartitionSpec, NamedSharding))  # noqa: E731
     specs, spec_def = jax.tree.flatten(prefix, is_leaf=is_spec)
-    spec_def = cast(Any, spec_def)
-    outputs = jax.eval_shape(step, *flat)
+    try:
+        subtrees = cast(Any, spec_def).flatten_up_to(outputs)
+    except (ValueError, TypeError) as e:
+        shapes = jax.tree.map(short_value, outputs)
+        raise Mistake(
+            ValueError,
+            f"out_shardings is {short_value(prefix)}, which is not a prefix of the step's "
+            f"outputs {shapes} ({e}). Give a PartitionSpec per output, in a tree shaped "
+            "like the outputs (or one for all).",
+        ) from None
     out: list[NamedSharding | None] = []
-    for spec, subtree in zip(specs, spec_def.flatten_up_to(outputs), strict=True):
+    for spec, subtree in zip(specs, subtrees, strict=True):
         if not is_spec(spec):
             raise Mistake(
                 TypeError,
@@ -356,7 +417,16 @@ def _out_shardings(
                 "NamedSharding or None per output.",
             )
         spec = spec.spec if isinstance(spec, NamedSharding) else spec
-        out += [None if spec is None else named_sharding(mesh, spec)] * len(subtree)
+        for leaf in jax.tree.leaves(subtree):
+            if spec is not None and len(spec) > len(leaf.shape):
+                raise Mistake(
+                    ValueError,
+                    f"out_shardings gives {spec} to an output of {short_value(leaf)}, which "
+                    f"has {len(leaf.shape)} dimensions. Give it a spec of at most that many.",
+                )
+        out += [None if spec is None else named_sharding(mesh, spec)] * len(
+            jax.tree.leaves(subtree)
+        )
     return out
 
 
