@@ -524,6 +524,13 @@ def read_step(hlo: str, shape: Sequence[tuple[str, int]] = (), *, cpu: bool = Fa
     return Reading(found, _flags(flagged, partial, len(scattered)), flops, held)
 
 
+def overstated_bytes(held_bytes: int, temp_bytes: int) -> int:
+    """How much a CPU compile's peak may overstate an accelerator's: the whole
+    reductions held at once, plus 64 bytes for the partition-id scalars their
+    slices are offset by, at most the temporaries; 0 where none are held."""
+    return min(held_bytes + 64, temp_bytes) if held_bytes else 0
+
+
 def _collective(mod: Module, comp: str, ins: Instr) -> tuple[str | None, int, Instr]:
     """The kind of collective `ins` is (None if none), its result bytes, and the
     instruction that carries its groups (an async ``-done``'s ``-start``)."""

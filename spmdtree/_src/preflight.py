@@ -33,7 +33,7 @@ from jax.typing import ArrayLike
 from spmdtree._src.boxes import dtype_of, shape_of
 from spmdtree._src.errors import Mistake, public
 from spmdtree._src.hardware import Hardware, StepTime, step_time
-from spmdtree._src.hlo import Collective, read_step
+from spmdtree._src.hlo import Collective, overstated_bytes, read_step
 from spmdtree._src.plan import Plan, planned_walk
 from spmdtree._src.resolve import (
     Resolution,
@@ -601,8 +601,7 @@ def analyse(compiled: jax.stages.Compiled, mesh: Mesh) -> dict[str, Any]:
     cpu = mesh.devices.flat[0].platform == "cpu"
     read = read_step(text, tuple(mesh.shape.items()), cpu=cpu)
     temp = int(memory.temp_size_in_bytes)
-    # 64 bytes for the partition-id scalars the slices are offset by.
-    overstated = min(read.held_bytes + 64, temp) if read.held_bytes else 0
+    overstated = overstated_bytes(read.held_bytes, temp)
     flags = read.flags + (
         [
             f"peak may be overstated by up to {size_text(overstated)}: the CPU compile holds "
