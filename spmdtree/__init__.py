@@ -24,6 +24,11 @@ Example:
     P('data', None)
 """
 
+from spmdtree._src.advise import Advice as Advice
+from spmdtree._src.advise import AdviceRow as AdviceRow
+from spmdtree._src.advise import Candidate as Candidate
+from spmdtree._src.advise import advise as advise
+from spmdtree._src.advise import layouts as layouts
 from spmdtree._src.boxes import PARTITION_NAME as PARTITION_NAME
 from spmdtree._src.boxes import AxisMetadata as AxisMetadata
 from spmdtree._src.boxes import LogicallyPartitioned as LogicallyPartitioned
@@ -92,9 +97,12 @@ __version__ = "0.1.0"
 
 __all__ = [
     "PARTITION_NAME",
+    "Advice",
+    "AdviceRow",
     "AnyMesh",
     "AxisMetadata",
     "AxisName",
+    "Candidate",
     "Collective",
     "DiffRow",
     "Hardware",
@@ -111,6 +119,7 @@ __all__ = [
     "StepPlan",
     "StepTime",
     "add_axis",
+    "advise",
     "box",
     "constrain",
     "describe",
@@ -122,6 +131,7 @@ __all__ = [
     "hardware",
     "is_boxed",
     "kept_dimensions",
+    "layouts",
     "logical_axis_rules",
     "logical_to_mesh",
     "logical_to_mesh_axes",

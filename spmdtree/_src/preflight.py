@@ -13,6 +13,7 @@ code is not imported there). The compiled step's memory analysis and its HLO
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import json
 import math
@@ -472,6 +473,30 @@ def _compile(
     return found
 
 
+class Exported(BaseException):
+    """Raised out of `preflight` by `_in_subprocess` when `DEFER` asks for the
+    payload instead of the compile (advise runs the children itself). A
+    BaseException, so that no ``except Exception`` on the way swallows it."""
+
+    def __init__(self, payload: bytes, devices: int, caught: list[Any], seconds: float) -> None:
+        super().__init__("exported")
+        self.payload, self.devices, self.caught, self.seconds = payload, devices, caught, seconds
+
+
+@dataclasses.dataclass
+class Deferral:
+    """How `_in_subprocess` runs under `DEFER`: without `found`, export the step and
+    raise `Exported`; with it (what the child said), return it, re-raising the
+    warnings that tracing gave."""
+
+    found: dict[str, Any] | None = None
+    caught: list[Any] = dataclasses.field(default_factory=list)
+
+
+#: None: `_in_subprocess` runs its child; a `Deferral`: see there.
+DEFER: contextvars.ContextVar[Deferral | None] = contextvars.ContextVar("defer", default=None)
+
+
 def _in_subprocess(
     jitted: jax.stages.Wrapped,
     flat: list[Any],
@@ -481,6 +506,31 @@ def _in_subprocess(
 ) -> dict[str, Any]:
     """Compiled in a fresh process with as many CPU devices as `mesh` has."""
     start = time.perf_counter()
+    deferral = DEFER.get()
+    if deferral is not None and deferral.found is not None:
+        for caught in deferral.caught:
+            warnings.warn_explicit(caught.message, caught.category, caught.filename, caught.lineno)
+        return dict(deferral.found)
+    devices = math.prod(mesh.shape.values())
+    if deferral is None:
+        found = _run_child(_export(jitted, flat, donated, mesh, signature), devices)
+        found["seconds"] = time.perf_counter() - start
+        return found
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        payload = _export(jitted, flat, donated, mesh, signature)
+    raise Exported(payload, devices, caught, time.perf_counter() - start)
+
+
+def _export(
+    jitted: jax.stages.Wrapped,
+    flat: list[Any],
+    donated: tuple[int, ...],
+    mesh: AnyMesh,
+    signature: str,
+) -> bytes:
+    """The payload a compile subprocess reads: the traced step, serialized by
+    `jax.export`, with the mesh's shape and axis types."""
     abstract = mesh if isinstance(mesh, AbstractMesh) else mesh.abstract_mesh
     with jax.sharding.use_abstract_mesh(abstract):
         exported = _traced(lambda: jax.export.export(jitted, platforms=["cpu"])(*flat), signature)
@@ -490,9 +540,7 @@ def _in_subprocess(
         "types": tuple(mesh.axis_types),
         "donated": donated,
     }
-    found = _run_child(pickle.dumps(payload), math.prod(mesh.shape.values()))
-    found["seconds"] = time.perf_counter() - start
-    return found
+    return pickle.dumps(payload)
 
 
 #: How long a compile subprocess may take before it is stopped.
