@@ -132,6 +132,44 @@ def test_a_slice_at_a_fixed_offset_keeps_the_all_reduce():
     assert read.held_bytes == 0
 
 
+MIXED = """\
+HloModule m, is_scheduled=true, num_partitions=4
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %s = f32[] add(%x, %y)
+}
+
+ENTRY %main (a: f32[64,16], n: f32[16]) -> (bf16[16,16], f32[16]) {
+  %a = f32[64,16]{1,0} parameter(0)
+  %n = f32[16]{0} parameter(1)
+  %pid = u32[] partition-id()
+  %k = u32[] constant(16)
+  %off = u32[] multiply(%pid, %k)
+  %z = u32[] constant(0)
+  %ar = (f32[64,16]{1,0}, f32[16]{0}) all-reduce(%a, %n), channel_id=1, replica_groups=[1,4]<=[4], to_apply=%add
+  %g = f32[64,16]{1,0} get-tuple-element(%ar), index=0
+  %norm = f32[16]{0} get-tuple-element(%ar), index=1
+  %half = bf16[64,16]{1,0} convert(%g)
+  %sq = bf16[64,16]{1,0} multiply(%half, %half)
+  %ds = bf16[16,16]{1,0} dynamic-slice(%sq, %off, %z), dynamic_slice_sizes={16,16}
+  ROOT %out = (bf16[16,16]{1,0}, f32[16]{0}) tuple(%ds, %norm)
+}
+"""
+
+
+def test_a_tuple_all_reduce_splits_into_its_sliced_and_its_whole_elements():
+    # element 0 reaches a partition-offset slice through a convert and an elementwise
+    # op (the CPU pipeline reduces bf16 in f32); element 1 is an output, used whole
+    read = hlo.read_step(MIXED, (("x", 4),), cpu=True)
+    assert read.collectives == [
+        ("all-reduce", 1, 16 * 4, ("x",), 4),
+        ("reduce-scatter", 1, 16 * 16 * 2, ("x",), 4),
+    ]
+    assert read.held_bytes == 64 * 16 * 4  # the sliced element's whole size only
+
+
 def test_the_overstatement_is_what_is_held_plus_the_offsets_capped_at_the_temporaries():
     assert hlo.overstated_bytes(0, 1000) == 0
     assert hlo.overstated_bytes(4096, 1 << 20) == 4096 + 64

@@ -208,11 +208,7 @@ MUTANTS: dict[str, list[tuple[str, str, str]]] = {
         ),
     ],
     "loop-trip-count-ignored": [
-        (
-            "_src/preflight.py",
-            "(int(trips.group(1)) if loop and trips else 1)",
-            "1",
-        ),
+        ("_src/hlo.py", "times = int(trips.group(1)) if loop and trips else 1", "times = 1"),
     ],
     "peak-ignores-aliasing": [
         ("_src/preflight.py", "+ self.output_bytes - self.alias_bytes +", "+ self.output_bytes +"),
@@ -229,13 +225,67 @@ MUTANTS: dict[str, list[tuple[str, str, str]]] = {
     ],
     "tuple-result-first-element-only": [
         (
-            "_src/preflight.py",
+            "_src/hlo.py",
             "for dtype, dims in _ARRAY.findall(text):",
             "for dtype, dims in _ARRAY.findall(text)[:1]:",
         ),
     ],
     "argnums-negative-taken-as-positive": [
         ("_src/preflight.py", "out.append(n % count)", "out.append(abs(n))"),
+    ],
+    # 0.3: reading the compiled step (hlo.py).
+    "wire-bytes-all-reduce-one-way": [
+        ("_src/hlo.py", "return 2 * (g - 1) * self.bytes // g", "return (g - 1) * self.bytes // g"),
+    ],
+    "wire-bytes-reduce-scatter-as-gather": [
+        ("_src/hlo.py", "return (g - 1) * self.bytes\n", "return (g - 1) * self.bytes // g\n"),
+    ],
+    "wire-bytes-gather-whole-result": [
+        ("_src/hlo.py", "return (g - 1) * self.bytes // g\n", "return self.bytes\n"),
+    ],
+    "reduce-scatter-not-recognised": [
+        ("_src/hlo.py", 'if kind == "all-reduce" and cpu:  # the CPU', "if False:  # the CPU"),
+    ],
+    "reduce-scatter-on-an-accelerator-too": [
+        (
+            "_src/hlo.py",
+            'if kind == "all-reduce" and cpu:  # the CPU',
+            'if kind == "all-reduce":  # the',
+        ),
+    ],
+    "slice-offset-partition-unchecked": [
+        (
+            "_src/hlo.py",
+            "if sliced and any(self.depends(comp, o) for o in user.operands[1:]):",
+            "if sliced:",
+        ),
+    ],
+    "mesh-groups-along-the-other-axes": [
+        ("_src/hlo.py", ".transpose(rest + grouped)", ".transpose(grouped + rest)"),
+    ],
+    "reduce-scatter-tuple-all-or-nothing": [
+        (
+            "_src/hlo.py",
+            'parts = [("reduce-scatter", cut)] + ([(kind, kept)] if kept else [])',
+            'parts = [("reduce-scatter", cut)]',
+        ),
+    ],
+    "elementwise-uses-not-followed": [
+        (
+            "_src/hlo.py",
+            "if user.op in _PASS or (user.op in _ELEMENTWISE and index is None):",
+            "if user.op in _PASS:",
+        ),
+    ],
+    "flops-trip-count-ignored": [
+        ("_src/hlo.py", "flops += runs[name] * _instr_flops(", "flops += _instr_flops("),
+    ],
+    "overstated-uncapped": [
+        (
+            "_src/hlo.py",
+            "return min(held_bytes + 64, temp_bytes) if held_bytes else 0",
+            "return held_bytes + 64 if held_bytes else 0",
+        ),
     ],
     # Categories: arithmetic off by a factor, a memo key missing a field, a comparison
     # flipped at the boundary, an order changed, a metadata field dropped by one path.
@@ -313,6 +363,7 @@ FIRST = [
     "tests/test_oracles.py",
     "tests/test_trees.py",
     "tests/test_tactics.py",
+    "tests/test_hlo.py",
     "tests/test_preflight.py",
     "tests/test_constraints.py",
     "tests/test_transforms.py",

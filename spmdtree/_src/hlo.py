@@ -121,6 +121,50 @@ _AXIS = re.compile(r"'([^']*)'=(\d+)")
 _REF = re.compile(r"'([^']*)'(?::\((\d+)\)(\d+))?")
 #: Ops a value passes through unchanged in content (what is followed to its uses).
 _PASS = frozenset({"bitcast", "copy", "reshape", "transpose"})
+#: Elementwise ops: a slice of their result needs only the same slice of their
+#: operands, so a reduction's result that flows through them to slices is needed
+#: only as slices (``convert`` among them: the CPU pipeline reduces bf16 in f32).
+_ELEMENTWISE = frozenset(
+    [
+        "abs",
+        "add",
+        "and",
+        "atan2",
+        "cbrt",
+        "ceil",
+        "clamp",
+        "compare",
+        "convert",
+        "cosine",
+        "divide",
+        "exponential",
+        "exponential-minus-one",
+        "floor",
+        "is-finite",
+        "log",
+        "log-plus-one",
+        "logistic",
+        "maximum",
+        "minimum",
+        "multiply",
+        "negate",
+        "not",
+        "or",
+        "power",
+        "remainder",
+        "round-nearest-afz",
+        "round-nearest-even",
+        "rsqrt",
+        "select",
+        "sign",
+        "sine",
+        "sqrt",
+        "subtract",
+        "tan",
+        "tanh",
+        "xor",
+    ]
+)
 
 
 def _closing(text: str, start: int) -> int:
@@ -244,7 +288,8 @@ class Module:
         value `name` (its tuple element `index`) ends in, or None if some use does not.
 
         Uses are followed through fusion parameters, ``bitcast``, ``copy``,
-        ``reshape``, ``transpose``, ``get-tuple-element``, tuples and a loop's state.
+        ``reshape``, ``transpose``, elementwise ops, ``get-tuple-element``, tuples
+        and a loop's state.
         """
         if (comp, name, index) in seen:
             return []
@@ -267,7 +312,7 @@ class Module:
         self, comp: str, user: Instr, j: int, index: int | None, seen: set[Any]
     ) -> list[int] | None:
         """`slices` of one use: `user` takes the value as its operand `j`."""
-        if user.op in _PASS:
+        if user.op in _PASS or (user.op in _ELEMENTWISE and index is None):
             return self.slices(comp, user.name, index, seen)
         if user.op == "get-tuple-element":
             picked = _element(user)
@@ -501,20 +546,19 @@ def read_step(hlo: str, shape: Sequence[tuple[str, int]] = (), *, cpu: bool = Fa
             kind, size, start = _collective(mod, name, ins)
             if kind is None:
                 continue
-            if kind == "all-reduce" and cpu and (cut := _scatter(mod, name, ins)) is not None:
-                kind, size, scattered[(name, ins.name)] = "reduce-scatter", cut, size
-            if kind == "collective-permute":
-                axes, group, whole = permute_axes(start.attrs, shape), 2, True
-            else:
-                groups = replica_groups(start.attrs, devices or 1)
-                axes, group, whole = (
-                    group_axes(groups, shape) if shape else ((), len(groups[0]), True)
-                )
-            row = rows.setdefault((kind, axes, group), [0, 0])
-            row[0] += runs[name]
-            row[1] += runs[name] * size
-            flagged |= {kind} if name in unknown else set()
-            partial |= set() if whole else {(kind, axes, group)}
+            parts = [(kind, size)]
+            if kind == "all-reduce" and cpu:  # the CPU compiler's form of a reduce-scatter
+                cut, held, kept = _scatter(mod, name, ins)
+                if cut:
+                    scattered[(name, ins.name)] = held
+                    parts = [("reduce-scatter", cut)] + ([(kind, kept)] if kept else [])
+            axes, group, whole = _axes(kind, start, shape, devices)
+            for kind, size in parts:
+                row = rows.setdefault((kind, axes, group), [0, 0])
+                row[0] += runs[name]
+                row[1] += runs[name] * size
+                flagged |= {kind} if name in unknown else set()
+                partial |= set() if whole else {(kind, axes, group)}
     held = _held(mod, scattered, mod.entry) if scattered and mod.entry else 0
     order = sorted(rows, key=lambda k: KINDS.index(k[0]))
     found = [
@@ -531,6 +575,16 @@ def overstated_bytes(held_bytes: int, temp_bytes: int) -> int:
     return min(held_bytes + 64, temp_bytes) if held_bytes else 0
 
 
+def _axes(
+    kind: str, ins: Instr, shape: Sequence[tuple[str, int]], devices: int
+) -> tuple[tuple[str, ...], int, bool]:
+    """A collective's mesh axes, group size, and whether its groups are whole axes."""
+    if kind == "collective-permute":
+        return permute_axes(ins.attrs, shape), 2, True
+    groups = replica_groups(ins.attrs, devices or 1)
+    return group_axes(groups, shape) if shape else ((), len(groups[0]), True)
+
+
 def _collective(mod: Module, comp: str, ins: Instr) -> tuple[str | None, int, Instr]:
     """The kind of collective `ins` is (None if none), its result bytes, and the
     instruction that carries its groups (an async ``-done``'s ``-start``)."""
@@ -542,17 +596,20 @@ def _collective(mod: Module, comp: str, ins: Instr) -> tuple[str | None, int, In
     return None, 0, ins
 
 
-def _scatter(mod: Module, comp: str, ins: Instr) -> int | None:
-    """The slice bytes if every use of all-reduce `ins` takes one device's slice of
-    it (summed over a tuple's elements), else None."""
-    elements = len(_ARRAY.findall(ins.type)) if ins.type.startswith("(") else 0
-    total = 0
-    for index in range(elements) if elements else [None]:
+def _scatter(mod: Module, comp: str, ins: Instr) -> tuple[int, int, int]:
+    """Of all-reduce `ins`'s result (each element of a tuple): the slice bytes of the
+    elements whose every use takes one device's slice, their whole bytes, and the
+    bytes of the other elements (used whole: a real all-reduce)."""
+    arrays = _ARRAY.findall(ins.type)
+    cut = held = kept = 0
+    for index in range(len(arrays)) if ins.type.startswith("(") else [None]:
         got = mod.slices(comp, ins.name, index, set())
-        if got is None:
-            return None
-        total += max(got, default=0)
-    return total or None
+        size = _type_bytes(ins.type if index is None else "{}[{}]".format(*arrays[index]))
+        if got:
+            cut, held = cut + max(got), held + size
+        else:
+            kept += size
+    return cut, held, kept
 
 
 def _flags(
