@@ -170,6 +170,36 @@ def test_a_tuple_all_reduce_splits_into_its_sliced_and_its_whole_elements():
     assert read.held_bytes == 64 * 16 * 4  # the sliced element's whole size only
 
 
+WIDENED = """\
+HloModule m, is_scheduled=true, num_partitions=4
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %s = f32[] add(%x, %y)
+}
+
+%widen (p: bf16[64,16]) -> f32[1,64,16] {
+  %p = bf16[64,16]{1,0} parameter(0)
+  %w = f32[64,16]{1,0} convert(%p)
+  ROOT %b = f32[1,64,16]{2,1,0} bitcast(%w)
+}
+
+ENTRY %main (a: bf16[64,16]) -> f32[1,64,16] {
+  %a = bf16[64,16]{1,0} parameter(0)
+  %f = f32[1,64,16]{2,1,0} fusion(%a), kind=kLoop, calls=%widen
+  ROOT %ar = f32[1,64,16]{2,1,0} all-reduce(%f), channel_id=1, replica_groups={}, to_apply=%add
+}
+"""
+
+
+def test_a_bf16_reduction_the_cpu_widens_counts_at_bf16():
+    read = hlo.read_step(WIDENED, (("x", 4),), cpu=True)
+    assert read.collectives == [("all-reduce", 1, 64 * 16 * 2, ("x",), 4)]
+    assert any("bf16 in f32" in flag for flag in read.flags)
+    assert hlo.read_step(WIDENED, (("x", 4),)).collectives[0][2] == 64 * 16 * 4  # as it is
+
+
 def test_the_overstatement_is_what_is_held_plus_the_offsets_capped_at_the_temporaries():
     assert hlo.overstated_bytes(0, 1000) == 0
     assert hlo.overstated_bytes(4096, 1 << 20) == 4096 + 64

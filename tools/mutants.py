@@ -266,8 +266,15 @@ MUTANTS: dict[str, list[tuple[str, str, str]]] = {
     "reduce-scatter-tuple-all-or-nothing": [
         (
             "_src/hlo.py",
-            'parts = [("reduce-scatter", cut)] + ([(kind, kept)] if kept else [])',
-            'parts = [("reduce-scatter", cut)]',
+            'parts = [(k, b) for k, b in (("reduce-scatter", cut), (kind, kept)) if b]',
+            'parts = [("reduce-scatter", cut)] if cut else [(kind, kept)]',
+        ),
+    ],
+    "widened-reduction-counted-wide": [
+        (
+            "_src/hlo.py",
+            "kept += size * narrow // wide if narrow and wide else size",
+            "kept += size",
         ),
     ],
     "elementwise-uses-not-followed": [

@@ -538,7 +538,7 @@ def read_step(hlo: str, shape: Sequence[tuple[str, int]] = (), *, cpu: bool = Fa
     flagged: set[str] = set()
     partial: set[tuple[str, tuple[str, ...], int]] = set()
     scattered: dict[tuple[str, str], int] = {}
-    flops = 0
+    flops = widened = 0
     for name in mod.order:
         for ins in mod.comps[name] if runs[name] else []:
             if ins.op in ("dot", "convolution"):
@@ -548,10 +548,11 @@ def read_step(hlo: str, shape: Sequence[tuple[str, int]] = (), *, cpu: bool = Fa
                 continue
             parts = [(kind, size)]
             if kind == "all-reduce" and cpu:  # the CPU compiler's form of a reduce-scatter
-                cut, held, kept = _scatter(mod, name, ins)
+                cut, held, kept, wide = _scatter(mod, name, ins)
                 if cut:
                     scattered[(name, ins.name)] = held
-                    parts = [("reduce-scatter", cut)] + ([(kind, kept)] if kept else [])
+                widened += 1 if wide else 0
+                parts = [(k, b) for k, b in (("reduce-scatter", cut), (kind, kept)) if b]
             axes, group, whole = _axes(kind, start, shape, devices)
             for kind, size in parts:
                 row = rows.setdefault((kind, axes, group), [0, 0])
@@ -565,7 +566,7 @@ def read_step(hlo: str, shape: Sequence[tuple[str, int]] = (), *, cpu: bool = Fa
         (kind, n, size, axes, group)
         for (kind, axes, group), (n, size) in ((k, rows[k]) for k in order)
     ]
-    return Reading(found, _flags(flagged, partial, len(scattered)), flops, held)
+    return Reading(found, _flags(flagged, partial, len(scattered), widened), flops, held)
 
 
 def overstated_bytes(held_bytes: int, temp_bytes: int) -> int:
@@ -596,24 +597,61 @@ def _collective(mod: Module, comp: str, ins: Instr) -> tuple[str | None, int, In
     return None, 0, ins
 
 
-def _scatter(mod: Module, comp: str, ins: Instr) -> tuple[int, int, int]:
+def _scatter(mod: Module, comp: str, ins: Instr) -> tuple[int, int, int, int]:
     """Of all-reduce `ins`'s result (each element of a tuple): the slice bytes of the
-    elements whose every use takes one device's slice, their whole bytes, and the
-    bytes of the other elements (used whole: a real all-reduce)."""
+    elements whose every use takes one device's slice, their whole bytes, the bytes
+    of the other elements (used whole: a real all-reduce), and how many elements
+    are reduced wider than their values (bf16 reduced in f32: counted at bf16)."""
     arrays = _ARRAY.findall(ins.type)
-    cut = held = kept = 0
+    cut = held = kept = widened = 0
     for index in range(len(arrays)) if ins.type.startswith("(") else [None]:
         got = mod.slices(comp, ins.name, index, set())
         size = _type_bytes(ins.type if index is None else "{}[{}]".format(*arrays[index]))
+        operand = ins.operands[index or 0] if len(ins.operands) > (index or 0) else ""
+        narrow = _widened_bits(mod, comp, operand)
         if got:
             cut, held = cut + max(got), held + size
         else:
-            kept += size
-    return cut, held, kept
+            wide = _bits(arrays[index or 0][0]) if arrays else 0
+            kept += size * narrow // wide if narrow and wide else size
+            widened += 1 if narrow else 0
+    return cut, held, kept, widened
+
+
+def _bits(dtype: str) -> int:
+    """The bits of an HLO element type: ``bf16`` 16, ``pred`` 8."""
+    found = re.search(r"\d+", dtype)
+    return 8 if dtype == "pred" or found is None else int(found.group())
+
+
+def _widened_bits(mod: Module, comp: str, name: str) -> int | None:
+    """The bits of the narrower float that value `name` was converted from (behind
+    bitcasts, copies and reshapes, inside a fusion too), or None if it was not."""
+    ins = mod.by_name.get(comp, {}).get(name)
+    while ins is not None:
+        if ins.op in _PASS and ins.operands:
+            ins = mod.by_name[comp].get(ins.operands[0])
+        elif ins.op == "fusion":
+            comp = dict(_callees(ins.attrs)).get("calls", "")
+            ins = next((i for i in mod.comps.get(comp, []) if i.root), None)
+        elif ins.op == "convert" and ins.operands:
+            source = mod.by_name[comp].get(ins.operands[0])
+            found = _ARRAY.search(source.type) if source else None
+            wide = _ARRAY.search(ins.type)
+            if found and wide and found.group(1).startswith(("f", "bf")):
+                narrow = _bits(found.group(1))
+                return narrow if narrow < _bits(wide.group(1)) else None
+            return None
+        else:
+            return None
+    return None
 
 
 def _flags(
-    unknown: set[str], partial: set[tuple[str, tuple[str, ...], int]], scattered: int
+    unknown: set[str],
+    partial: set[tuple[str, tuple[str, ...], int]],
+    scattered: int,
+    widened: int,
 ) -> list[str]:
     flags = [
         f"{kind} inside a loop whose trip count the compiler does not know: counted once per step"
@@ -630,6 +668,11 @@ def _flags(
             f"{scattered} all-reduce{'s' if scattered > 1 else ''} whose every use takes one "
             "device's slice (the CPU compiler's form of a reduce-scatter) counted as the "
             "reduce-scatter an accelerator runs"
+        )
+    if widened:
+        flags.append(
+            f"{widened} all-reduce{'s' if widened > 1 else ''} of values the CPU compiler "
+            "reduces in a wider float than they hold (bf16 in f32) counted at their own width"
         )
     return flags
 
