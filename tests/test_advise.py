@@ -156,6 +156,15 @@ def test_kwargs_naming_the_mesh_are_refused_at_once():
         st.advise(make_step, [st.Candidate(mesh, RULES, 2)], hardware=HW, progress=False)
 
 
+def test_across_batches_the_bound_per_sequence_ranks():
+    step = small_batch_advice().best.step
+    small, large = (st.Candidate(step.mesh, RULES, batch=b) for b in (8, 32))
+    search = advise_module._Search(HW, None, step.peak_bytes, False, [small, large])
+    search.judge(0, dataclasses.replace(step, flops=10**14))  # 1 s for 8 sequences
+    search.judge(1, dataclasses.replace(step, flops=2 * 10**14))  # 2 s for 32
+    assert [row.candidate.batch for row in search.ranked()] == [32, 8]
+
+
 def test_a_failing_make_step_is_a_row():
     mesh = st.layouts(2, ("data",))[0]
 
@@ -170,7 +179,7 @@ def test_a_failing_make_step_is_a_row():
 def test_ranking_puts_fits_then_may_fit_then_over_then_not_compiled():
     step = small_batch_advice().best.step
     mesh = step.mesh
-    candidates = [st.Candidate(mesh, RULES, batch=i) for i in range(6)]
+    candidates = [st.Candidate(mesh, RULES, batch=8, label=str(i)) for i in range(6)]
     search = advise_module._Search(HW, None, step.peak_bytes, False, candidates)
     slow = dataclasses.replace(step, flops=10**14)  # one second of compute
     over = dataclasses.replace(step, temp_bytes=step.temp_bytes + 100)
@@ -182,7 +191,7 @@ def test_ranking_puts_fits_then_may_fit_then_over_then_not_compiled():
     search.judge(4, may)
     search.judge(5, step)
     ranked = search.ranked()
-    assert [row.candidate.batch for row in ranked] == [5, 3, 4, 2, 1, 0]
+    assert [row.candidate.label for row in ranked] == ["5", "3", "4", "2", "1", "0"]
     assert [row.verdict for row in ranked] == [
         "fits",
         "fits",

@@ -94,7 +94,8 @@ class AdviceRow(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class Advice:
-    """Candidates ranked: those that fit by their bound, then those that may fit,
+    """Candidates ranked: those that fit by their bound per sequence of the batch
+    (by the bound itself where the batches are equal), then those that may fit,
     then those over budget (compiled, then not), then those that do not compile.
 
     Attributes:
@@ -263,6 +264,8 @@ class _Search:
                 timed = step.time(self.hardware, devices_per_node=self.devices_per_node)
             except ValueError as e:  # the hardware lacks a link kind: said, not lost
                 reason = f"{reason}; not timed: {e}"
+        if timed is not None and verdict == "fits":
+            reason += "; " + _bound_by(timed)
         tokens = None
         if timed is not None and candidate.length is not None and timed.bound_seconds > 0:
             tokens = candidate.batch * candidate.length / timed.bound_seconds
@@ -281,8 +284,10 @@ class _Search:
         """The verdict on a compiled step, from its peak against the budget."""
         peak, budget = size_text(step.peak_bytes), size_text(self.budget)
         if step.fits(self.budget):
-            said = step.flags[0] if step.flags else f"peak {peak} <= {budget} budget"
-            self.row(index, "fits", said, step)
+            # the arguments' own flags first (a batch left unsharded is what a
+            # reader must see), else the peak and what bounds the step
+            flags = [f"{row.path}: {flag}" for row in step.inputs.rows for flag in row.flags]
+            self.row(index, "fits", flags[0] if flags else f"peak {peak} <= {budget} budget", step)
         elif step.peak_bytes - step.overstated_bytes <= self.budget:
             over = size_text(step.overstated_bytes)
             self.row(
@@ -296,10 +301,20 @@ class _Search:
             row = self.rows[index]
             rank = VERDICTS.index(row.verdict)
             rank += rank >= 3 or (rank == 2 and row.step is None)  # compiled over budget first
-            timed = row.time.bound_seconds if row.time is not None else math.inf
+            # per sequence: at one batch, the bound's order; across batches, the
+            # step time alone would always favour the smaller batch
+            timed = math.inf if row.time is None else row.time.bound_seconds / row.candidate.batch
             return (rank, timed if rank < 2 else 0.0, index)
 
         return tuple(self.rows[i] for i in sorted(self.rows, key=key))
+
+
+def _bound_by(timed: StepTime) -> str:
+    """``bound by compute`` or ``bound by collectives, most over fsdp``."""
+    if timed.compute_seconds >= timed.comm_seconds:
+        return "bound by compute"
+    axes = max(timed.comm_by_axes, key=lambda a: timed.comm_by_axes[a])
+    return f"bound by collectives, most over {'+'.join(axes) or 'no axis'}"
 
 
 def _message(error: BaseException) -> str:
@@ -374,6 +389,36 @@ def _second_pass(search: _Search, pending: _Pending, child: _Child) -> None:
     search.judge(pending.index, step)
 
 
+def _run(
+    search: _Search,
+    make_step: Callable[[Candidate], Any],
+    pool: concurrent.futures.ThreadPoolExecutor,
+) -> None:
+    """Traces each candidate in turn, starting its compile (once per distinct step),
+    and finishes every candidate whose compile is done between traces, so the
+    progress lines come as candidates finish."""
+    children: dict[tuple[str, int], _Child] = {}
+    waiting: dict[_Child, list[_Pending]] = {}
+
+    def finish(done: Iterable[_Child]) -> None:
+        for child in done:
+            while waiting[child]:
+                _second_pass(search, waiting[child].pop(0), child)
+
+    for index in range(len(search.candidates)):
+        pending = _first_pass(search, index, make_step)
+        if pending is not None:
+            key = (hashlib.sha256(pending.exported.payload).hexdigest(), pending.exported.devices)
+            if key not in children:
+                children[key] = pool.submit(_timed_child, pending.exported.payload, key[1])
+                waiting[children[key]] = []
+                search.compiles += 1
+            waiting[children[key]].append(pending)
+            pending.exported.payload = b""  # sent; not kept
+        finish([child for child in waiting if child.done()])
+    finish(concurrent.futures.as_completed(waiting))
+
+
 def _timed_child(payload: bytes, devices: int) -> tuple[dict[str, Any], float]:
     start = time.perf_counter()
     found = _run_child(payload, devices)
@@ -442,22 +487,15 @@ def advise(
         raise Mistake(TypeError, f"hardware is {hardware!r}; expected a st.Hardware.")
     if jobs is not None and (not isinstance(jobs, int) or isinstance(jobs, bool) or jobs < 1):
         raise Mistake(ValueError, f"jobs is {jobs!r}; expected an int >= 1 (or None).")
+    for c in candidates:
+        if not isinstance(c, Candidate) or not isinstance(c.batch, int) or c.batch < 1:
+            raise Mistake(
+                ValueError,
+                f"candidates holds {c!r}; expected st.Candidate(mesh, rules, batch) with a "
+                "batch >= 1.",
+            )
     budget = hardware.memory_bytes if budget_bytes is None else budget_bytes
     search = _Search(hardware, devices_per_node, budget, progress, candidates)
     with concurrent.futures.ThreadPoolExecutor(jobs or default_jobs()) as pool:
-        children: dict[tuple[str, int], _Child] = {}
-        waiting: dict[_Child, list[_Pending]] = {}
-        for index in range(len(candidates)):
-            pending = _first_pass(search, index, make_step)
-            if pending is None:
-                continue
-            key = (hashlib.sha256(pending.exported.payload).hexdigest(), pending.exported.devices)
-            if key not in children:
-                children[key] = pool.submit(_timed_child, pending.exported.payload, key[1])
-                search.compiles += 1
-            waiting.setdefault(children[key], []).append(pending)
-            pending.exported.payload = b""  # sent; not kept
-        for child in concurrent.futures.as_completed(waiting):
-            for pending in waiting[child]:
-                _second_pass(search, pending, child)
+        _run(search, make_step, pool)
     return Advice(search.ranked(), search.compiles, hardware, budget)
