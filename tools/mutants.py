@@ -354,6 +354,86 @@ MUTANTS: dict[str, list[tuple[str, str, str]]] = {
             "meta = meta._replace(mesh=None)",
         ),
     ],
+    # The roofline (hardware.py) and the ranking (advise.py).
+    "hierarchy-divides-by-nothing": [("_src/hardware.py", "        faster *= g[k]\n", "\n")],
+    "reduce-scatter-volume-is-its-result": [
+        (
+            "_src/hardware.py",
+            '"reduce-scatter": (1.0, row.bytes * row.group),',
+            '"reduce-scatter": (1.0, row.bytes),',
+        ),
+    ],
+    "all-reduce-factor-one": [
+        ("_src/hardware.py", '"all-reduce": (2.0, row.bytes),', '"all-reduce": (1.0, row.bytes),'),
+    ],
+    "all-to-all-divided-like-a-ring": [
+        (
+            "_src/hardware.py",
+            "return {k: (g[k] - 1) / g[k] * row.bytes for k in LINKS}",
+            'return {k: (g[k] - 1) / g[k] * row.bytes / (g["ici"] if k == "dcn" else 1) for k in LINKS}',
+        ),
+    ],
+    "latency-once-per-row": [
+        ("_src/hardware.py", "row.count * latency * (g[kind] - 1)", "latency * (g[kind] - 1)"),
+    ],
+    "nodes-round-robin": [
+        (
+            "_src/hardware.py",
+            "nodes = np.sort(groups // devices_per_node",
+            "nodes = np.sort(groups % devices_per_node",
+        ),
+    ],
+    "whole-ring-on-the-slow-link": [
+        (
+            "_src/hardware.py",
+            "g_dcn = float(min(span, row.group))",
+            "g_dcn = float(row.group if span > 1 else 1)",
+        ),
+    ],
+    "bound-is-serial": [
+        (
+            "_src/hardware.py",
+            "return max(self.compute_seconds, self.comm_seconds)",
+            "return self.compute_seconds + self.comm_seconds",
+        ),
+    ],
+    "devices-per-node-override-ignored": [
+        (
+            "_src/hardware.py",
+            "per_node = hw.devices_per_node if devices_per_node is None else devices_per_node",
+            "per_node = hw.devices_per_node",
+        ),
+    ],
+    "ranking-ignores-the-bound": [
+        (
+            "_src/advise.py",
+            "return (rank, timed if rank < 2 else 0.0, index)",
+            "return (rank, 0.0, index)",
+        ),
+    ],
+    "ranking-per-step-across-batches": [
+        (
+            "_src/advise.py",
+            "row.time.bound_seconds / row.candidate.batch",
+            "row.time.bound_seconds",
+        ),
+    ],
+    "over-budget-not-split-by-compiled": [
+        (
+            "_src/advise.py",
+            "rank += rank >= 3 or (rank == 2 and row.step is None)",
+            "rank += rank >= 3",
+        ),
+    ],
+    "may-fit-ignores-the-overstatement": [
+        (
+            "_src/advise.py",
+            "elif step.peak_bytes - step.overstated_bytes <= self.budget:",
+            "elif step.peak_bytes <= self.budget:",
+        ),
+    ],
+    "arrays-over-budget-compiled": [("_src/advise.py", "if arrays > search.budget:", "if False:")],
+    "repeated-steps-compiled-again": [("_src/advise.py", "if key not in children:", "if True:")],
 }
 
 #: Test files in the order a mutant's run takes them: quick, broad ones first, so
@@ -372,6 +452,8 @@ FIRST = [
     "tests/test_tactics.py",
     "tests/test_hlo.py",
     "tests/test_preflight.py",
+    "tests/test_hardware.py",
+    "tests/test_advise.py",
     "tests/test_constraints.py",
     "tests/test_transforms.py",
     "tests/test_fuzz.py",
