@@ -67,17 +67,24 @@ class StepPlan:
         alias_bytes: bytes of outputs that reuse a donated argument's buffer.
         temp_bytes: the compiler's temporaries (activations among them).
         code_bytes: the generated code (0 on CPU).
-        collectives: one `Collective` per kind that the step runs.
+        collectives: one `Collective` per kind and set of mesh axes that the
+            step runs, as an accelerator runs it (on CPU, an all-reduce of which
+            each device only takes its slice is the reduce-scatter it stands for).
         inputs: the `Plan` of the arguments.
         backend: where it was compiled: ``"cpu"`` for fake devices, else the
             platform of the mesh's devices.
         mesh: the mesh planned for, as given.
         compile_seconds: how long lowering and compiling took.
-        flags: sentences for what the figures do not cover (a loop whose
-            trip count the compiler does not know counts once).
-        flops: floating-point operations per device per step (new in 0.3).
-        overstated_bytes: how much of the peak a CPU compile may overstate
-            (new in 0.3; 0 where nothing is).
+        flags: sentences: the inputs' plan flags first (a dimension left
+            unsharded), then what the figures do not cover (a loop whose trip
+            count the compiler does not know counts once; reductions read as
+            reduce-scatters), then the warnings raised while tracing.
+        flops: floating-point operations per device per step: every dot and
+            convolution, times its loops' trip counts; elementwise work left
+            out (new in 0.3).
+        overstated_bytes: a bound on how much of the peak a CPU compile
+            overstates by holding whole reductions an accelerator holds as
+            shards (new in 0.3; 0 where there are none, and on accelerators).
 
     Example:
         >>> import jax, jax.numpy as jnp, spmdtree as st
