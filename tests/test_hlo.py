@@ -78,6 +78,15 @@ def test_groups_name_the_mesh_axes_they_vary_along(groups, axes, group, whole):
     assert hlo.group_axes(groups, (("data", 2), ("fsdp", 4))) == (axes, group, whole)
 
 
+def test_groups_of_part_of_an_axis_keep_it_and_are_flagged():
+    text = SLICED.replace("%OFFSET", "%z").replace("{{0,1,2,3}}", "{{0,1},{2,3}}")
+    read = hlo.read_step(text, (("x", 4),), cpu=True)
+    assert read.collectives == [("all-reduce", 1, 64 * 16 * 4, ("x",), 2)]
+    assert read.flags == [
+        "all-reduce over groups of 2 devices that are not whole mesh axes (part of x)"
+    ]
+
+
 def test_a_permute_names_the_axes_its_pairs_cross():
     shape = (("data", 2), ("fsdp", 4))
     assert hlo.permute_axes("source_target_pairs={{0,1},{1,2},{2,3},{3,0}}", shape) == ("fsdp",)

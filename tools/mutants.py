@@ -284,6 +284,23 @@ MUTANTS: dict[str, list[tuple[str, str, str]]] = {
             "if user.op in _PASS:",
         ),
     ],
+    "step-drops-the-inputs-flags": [
+        (
+            "_src/preflight.py",
+            'flags = [f"{row.path}: {flag}" for row in inputs.rows for flag in row.flags]',
+            "flags = []",
+        ),
+    ],
+    "step-drops-what-tracing-warned": [
+        ("_src/preflight.py", 'flags += [*found["flags"], *warned]', 'flags += [*found["flags"]]'),
+    ],
+    "out-shardings-rank-unchecked": [
+        (
+            "_src/preflight.py",
+            "if spec is not None and len(spec) > len(leaf.shape):",
+            "if False:",
+        ),
+    ],
     "flops-trip-count-ignored": [
         ("_src/hlo.py", "flops += runs[name] * _instr_flops(", "flops += _instr_flops("),
     ],
