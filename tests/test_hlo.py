@@ -434,3 +434,29 @@ def _decoder():
 def test_a_dense_decoder_is_about_6_n_tokens():
     flops, expected = _decoder()
     assert abs(flops / expected - 1) < 0.1
+
+
+GPU = """\
+HloModule m, is_scheduled=true, num_partitions=1
+
+%f (p0: f32[8,1024], p1: f32[1024,512]) -> f32[8,512] {
+  %p0 = f32[8,1024]{1,0} parameter(0)
+  %p1 = f32[1024,512]{1,0} parameter(1)
+  ROOT %d = f32[8,512]{1,0} dot(f32[8,1024]{1,0} %p0, f32[1024,512]{1,0} %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (a: f32[8,1024], b: f32[1024,512], c: f32[2,64,32]) -> f32[8,512] {
+  %a = f32[8,1024]{1,0} parameter(0)
+  %b = f32[1024,512]{1,0} parameter(1)
+  %c = f32[2,64,32]{2,1,0} parameter(2)
+  %g = (f32[8,512]{1,0}, s8[4194304]{0}) custom-call(f32[8,1024]{1,0} %a, f32[1024,512]{1,0} %b), custom_call_target="__cublas$gemm", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"],"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]}}}
+  %t = f32[8,512]{1,0} fusion(f32[8,1024]{1,0} %a, f32[1024,512]{1,0} %b), kind=kCustom, calls=%f
+  %other = f32[2,64,32]{2,1,0} custom-call(f32[2,64,32]{2,1,0} %c), custom_call_target="Sharding"
+  ROOT %r = f32[8,512]{1,0} get-tuple-element(%g), index=0
+}
+"""
+
+
+def test_a_gpu_compile_counts_its_library_matmuls_and_fused_dots():
+    # operands printed with their types, as newer and GPU HLO prints them
+    assert hlo.read_step(GPU).flops == 2 * (2 * 8 * 1024 * 512)

@@ -473,16 +473,25 @@ def _dims(type_: str) -> list[int]:
     return [int(d) for d in found.group(2).split(",") if d] if found else []
 
 
+#: A GPU compile's matmuls are library calls, which say their contracting dims.
+_GEMM = re.compile(r'custom_call_target="[^"]*(?:gemm|matmul)', re.IGNORECASE)
+_GEMM_DIMS = re.compile(r'"lhs_contracting_dimensions":\[([^\]]*)\]')
+
+
 def _instr_flops(comp: dict[str, Instr], ins: Instr) -> int:
-    """2 x result elements x contracted size, for a ``dot`` or ``convolution``."""
+    """2 x result elements x contracted size, for a ``dot``, a matmul library call
+    (``custom-call``; a tuple's first element is its result) or a ``convolution``."""
     result = math.prod(_dims(ins.type))
-    if ins.op == "dot":
+    if ins.op in ("dot", "custom-call"):
         lhs = comp.get(ins.operands[0]) if ins.operands else None
         found = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.attrs)
+        if ins.op == "custom-call":
+            found = _GEMM_DIMS.search(ins.attrs) if _GEMM.search(ins.attrs) else None
         if lhs is None or found is None:
             return 0
         shape = _dims(lhs.type)
-        return 2 * result * math.prod(shape[int(d)] for d in found.group(1).split(",") if d)
+        dims = [int(d.strip('" ')) for d in found.group(1).split(",") if d.strip('" ')]
+        return 2 * result * math.prod(shape[d] for d in dims)
     kernel = comp.get(ins.operands[1]) if len(ins.operands) > 1 else None
     labels = re.search(r"dim_labels=\w+_(\w+)->", ins.attrs)
     if kernel is None or labels is None or "o" not in labels.group(1):
@@ -541,7 +550,7 @@ def read_step(hlo: str, shape: Sequence[tuple[str, int]] = (), *, cpu: bool = Fa
     flops = widened = 0
     for name in mod.order:
         for ins in mod.comps[name] if runs[name] else []:
-            if ins.op in ("dot", "convolution"):
+            if ins.op in ("dot", "convolution", "custom-call"):
                 flops += runs[name] * _instr_flops(mod.by_name[name], ins)
             kind, size, start = _collective(mod, name, ins)
             if kind is None:
