@@ -72,12 +72,18 @@ def why_others_lost(advice):
     lines = []
     slower = [row for row in advice.rows if row.verdict == "fits" and row is not best]
     if slower:
-        ratios = [row.time.bound_seconds / best.time.bound_seconds for row in slower]
+        ratios = [best.tokens_per_second / row.tokens_per_second for row in slower]
         comm = sum(row.time.comm_seconds > row.time.compute_seconds for row in slower)
+        ties = sum(abs(ratio - 1) < 1e-9 for ratio in ratios)
         lines.append(
-            f"  {len(slower)} fit but are slower: {min(ratios):.2f}x to {max(ratios):.2f}x the "
-            f"best's bound ({comm} bound by collectives, {len(slower) - comm} by compute)"
+            f"  {len(slower)} fit but are slower: the best's tokens/s is {min(ratios):.2f}x to "
+            f"{max(ratios):.2f}x theirs ({comm} bound by collectives, {len(slower) - comm} by "
+            "compute)"
         )
+        if ties:
+            lines.append(
+                f"  {ties} of them tie at the compute bound, with more collectives to overlap"
+            )
     over = [row for row in advice.rows if row.verdict in ("may fit", "over budget")]
     if over:
         planned = sum(row.step is None for row in over)

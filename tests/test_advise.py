@@ -165,6 +165,19 @@ def test_across_batches_the_bound_per_sequence_ranks():
     assert [row.candidate.batch for row in search.ranked()] == [32, 8]
 
 
+def test_equal_bounds_rank_by_the_serial_time():
+    step = small_batch_advice().best.step
+    candidates = [st.Candidate(step.mesh, RULES, batch=8, label=str(i)) for i in range(2)]
+    search = advise_module._Search(HW, None, step.peak_bytes, False, candidates)
+    compute_bound = dataclasses.replace(step, flops=10**14)  # 1 s, more than its collectives
+    fewer = dataclasses.replace(compute_bound, collectives=step.collectives[:0])
+    search.judge(0, compute_bound)
+    search.judge(1, fewer)
+    ranked = search.ranked()
+    assert ranked[0].time.bound_seconds == ranked[1].time.bound_seconds
+    assert [row.candidate.label for row in ranked] == ["1", "0"]
+
+
 def test_a_failing_make_step_is_a_row():
     mesh = st.layouts(2, ("data",))[0]
 

@@ -449,6 +449,9 @@ MUTANTS: dict[str, list[tuple[str, str, str]]] = {
             "elif step.peak_bytes <= self.budget:",
         ),
     ],
+    "ties-in-candidate-order": [
+        ("_src/advise.py", "row.time.serial_seconds / per, index)", "0.0, index)"),
+    ],
     "arrays-over-budget-compiled": [("_src/advise.py", "if arrays > search.budget:", "if False:")],
     "repeated-steps-compiled-again": [("_src/advise.py", "if key not in children:", "if True:")],
 }

@@ -95,7 +95,8 @@ class AdviceRow(NamedTuple):
 @dataclasses.dataclass(frozen=True)
 class Advice:
     """Candidates ranked: those that fit by their bound per sequence of the batch
-    (by the bound itself where the batches are equal), then those that may fit,
+    (by the bound itself where the batches are equal; equal bounds by the serial
+    time, compute + collectives), then those that may fit,
     then those over budget (compiled, then not), then those that do not compile.
 
     Attributes:
@@ -297,14 +298,17 @@ class _Search:
             self.row(index, "over budget", f"peak {peak} > {budget} budget", step)
 
     def ranked(self) -> tuple[AdviceRow, ...]:
-        def key(index: int) -> tuple[int, float, int]:
+        def key(index: int) -> tuple[int, float, float, int]:
             row = self.rows[index]
             rank = VERDICTS.index(row.verdict)
             rank += rank >= 3 or (rank == 2 and row.step is None)  # compiled over budget first
+            if rank >= 2 or row.time is None:
+                return (rank, math.inf if rank < 2 else 0.0, 0.0, index)
             # per sequence: at one batch, the bound's order; across batches, the
-            # step time alone would always favour the smaller batch
-            timed = math.inf if row.time is None else row.time.bound_seconds / row.candidate.batch
-            return (rank, timed if rank < 2 else 0.0, index)
+            # step time alone would always favour the smaller batch. Equal bounds
+            # (compute-bound) rank by the serial time: less to overlap.
+            per = row.candidate.batch
+            return (rank, row.time.bound_seconds / per, row.time.serial_seconds / per, index)
 
         return tuple(self.rows[i] for i in sorted(self.rows, key=key))
 
