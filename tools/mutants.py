@@ -424,16 +424,12 @@ MUTANTS: dict[str, list[tuple[str, str, str]]] = {
     "ranking-ignores-the-bound": [
         (
             "_src/advise.py",
-            "return (rank, timed if rank < 2 else 0.0, index)",
-            "return (rank, 0.0, index)",
+            "row.time.bound_seconds / per, row.time.serial_seconds / per, index)",
+            "0.0, 0.0, index)",
         ),
     ],
     "ranking-per-step-across-batches": [
-        (
-            "_src/advise.py",
-            "row.time.bound_seconds / row.candidate.batch",
-            "row.time.bound_seconds",
-        ),
+        ("_src/advise.py", "per = row.candidate.batch", "per = 1"),
     ],
     "over-budget-not-split-by-compiled": [
         (
