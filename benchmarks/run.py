@@ -17,6 +17,7 @@ import functools
 import math
 import os
 import re
+import subprocess
 import sys
 import timeit
 from collections import Counter
@@ -32,8 +33,10 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import spmdtree as st
+from spmdtree._src.preflight import cpu_options
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+import advise as advised  # the Llama-3 8B step advise ranks (examples/advise.py)
 import llama  # abstract Llama-3 trees
 import train  # the main example's model and step
 
@@ -407,13 +410,115 @@ def b9_preflight(bench: Bench) -> None:
     bench.figure("B9 preflight of the main step on 2048 chips", ours, "reported", unit="s")
 
 
+#: The Llama-3 step of examples/advise.py: (model size, chips, length) per mode.
+ADVISED = {False: ("8B", 256, 4096), True: ("tiny", 16, 128)}
+
+
+def _llama_args(size: str, batch: int, length: int) -> tuple[tuple, dict]:
+    """The 8B (or tiny) train step's arguments at a global batch, as advise's make_step."""
+    candidate = st.Candidate(jax.sharding.AbstractMesh((1,), ("data",)), None, batch, length)
+    _, args, kwargs = advised.make_step(size, length)(candidate)
+    return args, kwargs
+
+
+def bare_compile(size: str, shape: tuple[int, ...], batch: int, length: int) -> float:
+    """Seconds of one bare `jax.jit(...).lower(...).compile()` of the Llama-3 train step
+    on CPU devices laid out as `shape`, timed inside a fresh process that has them
+    (with the compiler options preflight uses for fake devices)."""
+    env = {
+        **os.environ,
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={math.prod(shape)}",
+    }
+    command = [sys.executable, __file__, "--bare", size, ",".join(map(str, shape)), str(batch)]
+    done = subprocess.run(
+        [*command, str(length)], capture_output=True, text=True, env=env, check=True
+    )
+    return float(done.stdout.split()[-1])
+
+
+def _bare(size: str, shape_text: str, batch: int, length: int) -> None:
+    """The child of `bare_compile`: prints its compile's seconds."""
+    shape = tuple(int(n) for n in shape_text.split(","))
+    mesh = jax.make_mesh(shape, advised.example.AXES, axis_types=(AxisType.Auto,) * len(shape))
+    (params, state, tokens), _ = _llama_args(size, batch, length)
+    with st.logical_axis_rules(advised.example.RULES), jax.set_mesh(mesh):
+        args = (
+            st.to_abstract(params, mesh),
+            st.to_abstract(state, mesh, params=params),
+            st.to_abstract(tokens, mesh),
+        )
+        jitted = jax.jit(advised.example.train_step, donate_argnums=(0, 1))
+        start = timeit.default_timer()
+        jitted.lower(*args).compile(cpu_options(mesh))
+        print(timeit.default_timer() - start)
+
+
+def b9_fsdp(bench: Bench) -> None:
+    """preflight of the Llama-3 step, pure FSDP on 2,048 chips, against one bare compile
+    of the same step on 8 devices here (another process, as preflight's child)."""
+    size, _, length = ADVISED[bench.quick]
+    chips = jax.sharding.AbstractMesh(
+        (1, 2048, 1), advised.example.AXES, axis_types=(AxisType.Auto,) * 3
+    )
+    args, kwargs = _llama_args(size, 2048, length)
+    start = timeit.default_timer()
+    st.preflight(
+        advised.example.train_step, *args, mesh=chips, rules=advised.example.RULES, **kwargs
+    )
+    ours = timeit.default_timer() - start
+    base = bare_compile(size, (1, 8, 1), 2048, length)
+    bench.at_most(f"B9 preflight, {size} pure FSDP on 2048 / bare compile on 8", ours / base, 3.0)
+    bench.figure(
+        f"B9 preflight of the {size} step, pure FSDP on 2048 chips", ours, "reported", unit="s"
+    )
+
+
+def b10_advise(bench: Bench) -> None:
+    """advise over layouts x 2 batches of the Llama-3 step on 256 chips, against one
+    bare compile of the same step (its first candidate) in the same run."""
+    size, devices, length = ADVISED[bench.quick]
+    sizes = {"tensor": 8, "data": (1, 2)} if bench.quick else {"tensor": (4, 8), "data": (1, 4)}
+    meshes = st.layouts(devices, advised.example.AXES, sizes=sizes)
+    batches = (devices, 2 * devices)
+    candidates = [
+        st.Candidate(mesh, advised.example.RULES, batch, length=length)
+        for batch in batches
+        for mesh in meshes
+    ]
+    start = timeit.default_timer()
+    advice = st.advise(
+        advised.make_step(size, length), candidates, hardware=st.hardware("h100"), progress=False
+    )
+    seconds = timeit.default_timer() - start
+    assert all(row.step is not None for row in advice.rows), str(advice)
+    base = bare_compile(size, tuple(meshes[0].shape.values()), batches[0], length)
+    n = len(candidates)
+    name = f"B10 advise, {n} candidates of the {size} step on {devices} chips"
+    bench.figure(name, seconds, "goal <= 120 s", seconds <= 120, unit="s")
+    bench.figure(
+        f"B10 advise per candidate / one bare compile ({size})", seconds / n / base, "reported"
+    )
+    bench.figure(
+        f"B10 one bare compile of the {size} step on {devices} chips", base, "reported", unit="s"
+    )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes; never fails on a goal")
+    parser.add_argument("--only", nargs="+", metavar="FIGURE", help="run only these (b9_fsdp, ...)")
+    parser.add_argument("--bare", nargs=4, help=argparse.SUPPRESS)  # bare_compile's child
     args = parser.parse_args()
+    if args.bare:
+        _bare(args.bare[0], args.bare[1], int(args.bare[2]), int(args.bare[3]))
+        return 0
     bench = Bench(args.quick)
     mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
     print(f"{'figure':<50} {'ratio':>9}   {'goal':<16} verdict")
+    if args.only:
+        for name in args.only:
+            globals()[name](bench)
+        return 1 if bench.missed and not args.quick else 0
     b1_pytree(bench, 200 if args.quick else 2000)
     b2_to_sharding(bench, mesh, [400, 4000] if args.quick else [1000, 4000, 10000, 100000])
     b3_dispatch(bench, mesh)
@@ -422,6 +527,8 @@ def main() -> int:
     b6_optimizer_sharding(bench, mesh, [200, 2000] if args.quick else [1000, 10000])
     b7_b8_plan(bench, mesh, [400, 4000] if args.quick else [1000, 100000])
     b9_preflight(bench)
+    b9_fsdp(bench)
+    b10_advise(bench)
     if bench.missed and not args.quick:
         print(f"missed: {', '.join(bench.missed)}")
         return 1

@@ -20,6 +20,7 @@ Run: python examples/preflight.py [--budget-gib 80] [--length 4096] [--chips 256
 """
 
 import argparse
+import collections
 import math
 import pathlib
 import sys
@@ -171,26 +172,30 @@ def main():
     print("(per chip; compiled for fake CPU devices: an estimate; nothing allocated)\n")
     print(
         f"{'chips':>5}  {'layout':<12}{'mesh':<9}{'arrays':>8}{'peak':>9}"
-        f"{'gather':>9}{'reduce':>9}  {'batch/chip':>10}"
+        f"{'gather':>9}{'reduce':>9}{'sent':>9}  {'batch/chip':>10}"
     )
     for chips in args.chips:
         for layout, shapes in MESHES.items():
             step = preflight(layout, chips, 1, args.length)
-            moved = {row.kind: row.bytes for row in step.collectives}
-            reduced = moved.get("all-reduce", 0) + moved.get("reduce-scatter", 0)
+            moved = collections.Counter()
+            for row in step.collectives:  # one row per kind and mesh axes
+                moved[row.kind] += row.bytes
+            reduced = moved["all-reduce"] + moved["reduce-scatter"]
             best = (
                 "-" if args.no_search else largest_batch(layout, chips, args.length, budget, step)
             )
             print(
                 f"{chips:>5}  {layout:<12}{'x'.join(map(str, shapes[chips])):<9}"
                 f"{step.inputs.device_bytes / GIB:>7.2f}G{step.peak_bytes / GIB:>8.2f}G"
-                f"{moved.get('all-gather', 0) / GIB:>8.2f}G{reduced / GIB:>8.2f}G  {best:>10}"
+                f"{moved['all-gather'] / GIB:>8.2f}G{reduced / GIB:>8.2f}G"
+                f"{sum(row.wire_bytes for row in step.collectives) / GIB:>8.2f}G  {best:>10}"
             )
     print(
         "\narrays: params + adamw state on a chip (what st.plan counts); peak: the whole "
-        "step at one\nsequence per chip; gather, reduce: all-gather and all-reduce + "
-        "reduce-scatter bytes per step;\nbatch/chip: the most sequences per batch-parallel "
-        "chip that fit (bisection)."
+        "step at one\nsequence per chip; gather, reduce: the results of all-gathers and of "
+        "all-reduces + reduce-scatters\nper step (a reduce-scatter's is its shard); sent: "
+        "what a chip sends per step by the ring\nalgorithm (Collective.wire_bytes); "
+        "batch/chip: the most sequences per batch-parallel chip that fit\n(bisection)."
     )
     print(f"\nThe step on {args.chips[0]} chips, fsdp+tensor, one sequence per chip:")
     print(preflight("fsdp+tensor", args.chips[0], 1, args.length))

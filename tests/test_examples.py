@@ -18,6 +18,7 @@ SMALL = {
     "multihost.py": ["--processes", "1"],
     "train.py": ["--steps", "20", "--log-every", "10", "--width", "32", "--mlp", "64"],
     "checkpoint.py": ["--steps", "4", "--save-every", "2"],
+    "advise.py": ["--quick"],
 }
 
 
@@ -83,6 +84,14 @@ def test_example_runs(script):
         assert "peak" in done.stdout and "collectives per step" in done.stdout
     if script == "plan_llama.py":
         assert "arrays fit" in done.stdout and "st.preflight" in done.stdout
+    if script == "advise.py":  # the ranked table of every candidate, the best, why the rest lost
+        table = done.stdout.split("4 candidates on 16 x h100")[1].split("times: a roofline")[0]
+        ranked = [line for line in table.splitlines() if line[:1].isdigit()]
+        assert [line.split()[0] for line in ranked] == ["1", "2", "3", "4"], done.stdout
+        assert all(line.endswith("fits") for line in ranked)
+        assert "best: data " in done.stdout and "why the others lost:" in done.stdout
+        assert "3 fit but are slower" in done.stdout and "4 compiles" in done.stdout
+        assert done.stderr.count("advise [") == 4  # one progress line per candidate
     if script == "train.py":  # the plan table, progress lines and the summary
         assert "names -> mesh spec" in done.stdout and "per device" in done.stdout
         assert "step   10  loss" in done.stdout and "steps/s" in done.stdout

@@ -4,6 +4,7 @@ import functools
 import importlib.util
 import pathlib
 import subprocess
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -162,7 +163,7 @@ def test_a_scanned_layer_counts_once_per_iteration():
     bytes_four = sum(row.bytes for row in four.collectives)
     assert bytes_two > 0
     assert 1.8 <= bytes_four / bytes_two <= 2.2
-    assert not two.flags and not four.flags
+    assert not [f for f in two.flags + four.flags if "trip count" in f]
 
 
 def test_a_loop_of_unknown_length_is_flagged():
@@ -346,6 +347,56 @@ def test_out_shardings_take_specs():
     free = st.preflight(lambda x: x * 2, x, mesh=mesh)
     split = st.preflight(lambda x: x * 2, x, mesh=mesh, out_shardings=P("data"))
     assert split.output_bytes == free.output_bytes // 8
+
+
+def test_out_shardings_follow_the_step_own_output_tree():
+    mesh = abstract_mesh((8,), ("data",))
+    x = jax.ShapeDtypeStruct((64, 64), jnp.float32)
+
+    def step(x):
+        return x * 2, {"y": x, "z": x}
+
+    whole = st.preflight(step, x, mesh=mesh, out_shardings=(P(), P()))
+    split = st.preflight(step, x, mesh=mesh, out_shardings=(P("data"), P()))
+    assert whole.output_bytes - split.output_bytes == 64 * 64 * 4 * 7 // 8
+
+
+@pytest.mark.parametrize(
+    ("out_shardings", "words"),
+    [
+        ((P("data"), P(), P()), r"out_shardings is .* not a prefix of the step's outputs"),
+        ([P("data")] * 3, r"out_shardings is .* not a prefix of the step's outputs"),
+        ((P("data", None, None), P()), r"out_shardings gives .* to an output of f32\[64,64\]"),
+    ],
+)
+def test_out_shardings_that_do_not_fit_the_outputs_say_so(out_shardings, words):
+    mesh = abstract_mesh((8,), ("data",))
+    x = jax.ShapeDtypeStruct((64, 64), jnp.float32)
+    with pytest.raises(ValueError, match="^preflight: " + words):
+        st.preflight(lambda x: (x * 2, x), x, mesh=mesh, out_shardings=out_shardings)
+
+
+def test_flags_carry_the_inputs_flags_first_and_what_tracing_warned():
+    mesh = abstract_mesh((8,), ("data",))
+    batch = st.LogicallyPartitioned(jax.ShapeDtypeStruct((12, 64), jnp.float32), ("batch", None))
+
+    def step(x):
+        warnings.warn("this layer is slow", stacklevel=1)
+        return jnp.sum(x.value)
+
+    with warnings.catch_warnings(record=True) as emitted:
+        warnings.simplefilter("always")
+        plan = st.preflight(step, batch, mesh=mesh, rules=[("batch", "data")])
+    assert not [w for w in emitted if "slow" in str(w.message)]  # recorded, not emitted
+    assert "dimension 0 (batch, size 12) left unsharded" in plan.flags[0]
+    assert "UserWarning while tracing: this layer is slow" in plan.flags
+    text = str(plan)
+    assert all(f"! {flag}" in text for flag in plan.flags)
+    assert "axis types Auto" in text
+    explicit = jax.sharding.AbstractMesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+    assert "axis types Explicit" in str(
+        st.preflight(jnp.sin, jax.ShapeDtypeStruct((8,), jnp.float32), mesh=explicit)
+    )
 
 
 def test_plan_lays_out_a_plain_leaf_by_its_own_sharding():

@@ -173,7 +173,9 @@ def test_strict_raises_instead(call):
 
 def test_optimizer_sharding_strict_raises_instead():
     params = {"w": st.LogicallyPartitioned(jnp.zeros((1001, 64)), ("vocab", "embed"))}
-    with pytest.raises(ValueError, match=r"(?s)^optimizer_sharding: 2 leaves are wrong.*mu.*size 1001"):
+    with pytest.raises(
+        ValueError, match=r"(?s)^optimizer_sharding: 2 leaves are wrong.*mu.*size 1001"
+    ):
         st.optimizer_sharding(optax.adam(1e-3), params, MESH, RULES, strict=True)
 
 

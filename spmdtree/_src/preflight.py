@@ -13,17 +13,18 @@ code is not imported there). The compiled step's memory analysis and its HLO
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import json
 import math
 import os
 import pickle
-import re
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, TypeVar, cast
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar, cast
 
 import jax
 import numpy as np
@@ -32,6 +33,8 @@ from jax.typing import ArrayLike
 
 from spmdtree._src.boxes import dtype_of, shape_of
 from spmdtree._src.errors import Mistake, public
+from spmdtree._src.hardware import Hardware, StepTime, step_time
+from spmdtree._src.hlo import Collective, overstated_bytes, read_step
 from spmdtree._src.plan import Plan, planned_walk
 from spmdtree._src.resolve import (
     Resolution,
@@ -44,33 +47,9 @@ from spmdtree._src.rules import (
     Rules,
     logical_axis_rules,
 )
-from spmdtree._src.text import short_value, step_table
+from spmdtree._src.text import short_value, size_text, step_table
 
-#: The collectives counted, in the order rows are listed.
 T = TypeVar("T")
-
-KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
-
-
-class Collective(NamedTuple):
-    """One kind of collective in a compiled step, per executed step.
-
-    Attributes:
-        kind: ``all-gather``, ``all-reduce``, ``reduce-scatter``,
-            ``all-to-all`` or ``collective-permute``.
-        count: how many run per step (an op in a loop counts once per
-            iteration where the trip count is known).
-        bytes: the size of their results on one device, summed over `count`.
-
-    Example:
-        >>> import spmdtree as st
-        >>> st.Collective("all-reduce", 2, 4096).bytes
-        4096
-    """
-
-    kind: str
-    count: int  # type: ignore[assignment]  # the field shadows tuple.count, as named
-    bytes: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,14 +67,24 @@ class StepPlan:
         alias_bytes: bytes of outputs that reuse a donated argument's buffer.
         temp_bytes: the compiler's temporaries (activations among them).
         code_bytes: the generated code (0 on CPU).
-        collectives: one `Collective` per kind that the step runs.
+        collectives: one `Collective` per kind and set of mesh axes that the
+            step runs, as an accelerator runs it (on CPU, an all-reduce of which
+            each device only takes its slice is the reduce-scatter it stands for).
         inputs: the `Plan` of the arguments.
         backend: where it was compiled: ``"cpu"`` for fake devices, else the
             platform of the mesh's devices.
         mesh: the mesh planned for, as given.
         compile_seconds: how long lowering and compiling took.
-        flags: sentences for what the figures do not cover (a loop whose
-            trip count the compiler does not know counts once).
+        flags: sentences: the inputs' plan flags first (a dimension left
+            unsharded), then what the figures do not cover (a loop whose trip
+            count the compiler does not know counts once; reductions read as
+            reduce-scatters), then the warnings raised while tracing.
+        flops: floating-point operations per device per step: every dot and
+            convolution, times its loops' trip counts; elementwise work left
+            out (new in 0.3).
+        overstated_bytes: a bound on how much of the peak a CPU compile
+            overstates by holding whole reductions an accelerator holds as
+            shards (new in 0.3; 0 where there are none, and on accelerators).
 
     Example:
         >>> import jax, jax.numpy as jnp, spmdtree as st
@@ -121,6 +110,8 @@ class StepPlan:
     mesh: AnyMesh
     compile_seconds: float
     flags: tuple[str, ...] = ()
+    flops: int = 0
+    overstated_bytes: int = 0
 
     @property
     def peak_bytes(self) -> int:
@@ -141,6 +132,42 @@ class StepPlan:
         if not isinstance(budget_bytes, (int, np.integer)) or isinstance(budget_bytes, bool):
             raise Mistake(TypeError, f"budget_bytes is {budget_bytes!r}; expected an int of bytes.")
         return self.peak_bytes <= budget_bytes
+
+    @public
+    def time(self, hardware: Hardware, *, devices_per_node: int | None = None) -> StepTime:
+        """A roofline bound on this step on `hardware`: its FLOPs at the peak, its
+        collectives at the links' bandwidth (new in 0.3).
+
+        Devices sit on nodes by their position in the mesh's row-major device
+        order (position // devices_per_node); a group that spans nodes is
+        timed as hierarchical algorithms run it (docs/planning.md, "Hardware
+        and time"). Not a prediction: perfect overlap, peak FLOPs.
+
+        Args:
+            hardware: a `Hardware` (e.g. ``st.hardware("h100")``).
+            devices_per_node: overrides the hardware's (the slice size of a
+                multi-slice TPU job; 1 puts every device on its own node).
+
+        Returns:
+            The `StepTime`.
+
+        Raises:
+            ValueError: for `devices_per_node` < 1, or a collective that needs
+                a link kind the hardware does not have.
+
+        Example:
+            >>> import jax, jax.numpy as jnp, spmdtree as st
+            >>> mesh = jax.sharding.AbstractMesh((2,), ("data",))
+            >>> w = st.Partitioned(jax.ShapeDtypeStruct((256, 256), jnp.float32), (None, None))
+            >>> x = st.Partitioned(jax.ShapeDtypeStruct((64, 256), jnp.float32), ("data", None))
+            >>> step = st.preflight(lambda w, x: jnp.sum(x.value @ w.value), w, x, mesh=mesh)
+            >>> t = step.time(st.hardware("h100"))
+            >>> t.compute_seconds == step.flops / 989e12
+            True
+            >>> t.bound_seconds == max(t.compute_seconds, t.comm_seconds)
+            True
+        """
+        return step_time(self.collectives, self.flops, self.mesh.shape, hardware, devices_per_node)
 
     def __str__(self) -> str:
         return step_table(self)
@@ -219,22 +246,60 @@ def preflight(
         ('all-reduce', 16384)
     """
     check_mesh(mesh)
-    static = _argnums(static_argnums, len(args), "static_argnums")
-    donated = _argnums(donate_argnums, len(args), "donate_argnums")
+    static, donated = _positions(static_argnums, donate_argnums, len(args))
+    dynamic = tuple(None if i in static else arg for i, arg in enumerate(args))
+    inputs, walk = planned_walk(
+        dynamic, mesh, rules, params=params, large=1 << 20, lenient=False, argument="args"
+    )
+    target = _compile_mesh(mesh)
+    flat, treedef, flat_donated = _abstract_args(walk, target or mesh, donated)
+
+    def call(*leaves: Any) -> Any:
+        full = treedef.unflatten(leaves)
+        return fn(*(args[i] if i in static else full[i] for i in range(len(args))))
+
+    def step(*leaves: Any) -> list[Any]:
+        return jax.tree.leaves(call(*leaves))
+
+    signature = _signature(args, static)
+    # The step is traced as it runs: under the mesh and, if given, the rules; what
+    # it warns of while tracing becomes flags.
+    with _tracing(rules) as warned:
+        out = None
+        if out_shardings is not None:
+            outputs = _outputs(call, flat, mesh, target, signature)
+            out = _out_shardings(out_shardings, outputs, target or mesh)
+        jitted = jax.jit(step, donate_argnums=flat_donated, out_shardings=out)
+        if target is None:
+            found = _in_subprocess(jitted, flat, flat_donated, mesh, signature)
+        else:
+            found = _compile(jitted, flat, target, signature)
+    return _step_plan(found, inputs, mesh, warned)
+
+
+def _positions(
+    static_argnums: int | Sequence[int], donate_argnums: int | Sequence[int], count: int
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The static and the donated argument positions, checked."""
+    static = _argnums(static_argnums, count, "static_argnums")
+    donated = _argnums(donate_argnums, count, "donate_argnums")
     if set(static) & set(donated):
         raise Mistake(
             ValueError,
             f"argument {sorted(set(static) & set(donated))[0]} is both static and donated; "
             "a static argument has no buffer to donate. Drop it from one of them.",
         )
-    dynamic = tuple(None if i in static else arg for i, arg in enumerate(args))
-    inputs, walk = planned_walk(
-        dynamic, mesh, rules, params=params, large=1 << 20, lenient=False, argument="args"
-    )
-    target = _compile_mesh(mesh)
+    return static, donated
+
+
+def _abstract_args(
+    walk: Any, mesh: AnyMesh, donated: tuple[int, ...]
+) -> tuple[list[Any], Any, tuple[int, ...]]:
+    """The arguments as placed `ShapeDtypeStruct` leaves on `mesh`, their tree, and the
+    donated leaves' positions."""
 
     def abstract(value: ArrayLike, res: Resolution) -> jax.ShapeDtypeStruct:
-        sharding = named_sharding(target or mesh, res.spec)
+        sharding = named_sharding(mesh, res.spec)
         return jax.ShapeDtypeStruct(shape_of(value), dtype_of(value), sharding=sharding)
 
     abstract_args = walk.map(abstract, keep_boxes=True)
@@ -248,37 +313,46 @@ def preflight(
                 "arguments.",
             )
     flat, treedef = jax.tree.flatten(abstract_args)
-    treedef = cast(Any, treedef)
     counts = [len(jax.tree.leaves(arg)) for arg in abstract_args]
     starts = np.cumsum([0, *counts])
     flat_donated = tuple(j for i in donated for j in range(starts[i], starts[i + 1]))
+    return flat, cast(Any, treedef), flat_donated
 
-    def step(*leaves: Any) -> list[Any]:
-        full = treedef.unflatten(leaves)
-        return jax.tree.leaves(fn(*(args[i] if i in static else full[i] for i in range(len(args)))))
 
-    out = None
-    if out_shardings is not None:
-        out = _out_shardings(out_shardings, step, flat, target or mesh)
-    jitted = jax.jit(step, donate_argnums=flat_donated, out_shardings=out)
-    # The step is traced as it runs: under the mesh and, if given, the rules.
-    with contextlib.nullcontext() if rules is None else logical_axis_rules(rules):
-        if target is None:
-            found = _in_subprocess(jitted, flat, flat_donated, mesh, _signature(args, static))
-        else:
-            found = _compile(jitted, flat, target, _signature(args, static))
+@contextlib.contextmanager
+def _tracing(rules: Rules | None) -> Iterator[list[str]]:
+    """Under `rules` (if given), recording every warning raised as a sentence."""
+    warned: list[str] = []
+    with contextlib.ExitStack() as stack:
+        if rules is not None:
+            stack.enter_context(logical_axis_rules(rules))
+        caught = stack.enter_context(warnings.catch_warnings(record=True))
+        warnings.simplefilter("always")
+        yield warned
+        warned += [f"{w.category.__name__} while tracing: {w.message}" for w in caught]
+
+
+def _step_plan(found: dict[str, Any], inputs: Plan, mesh: AnyMesh, warned: list[str]) -> StepPlan:
+    """The `StepPlan` of an analysis; its flags: the inputs' first, then the step's."""
+    flags = [f"{row.path}: {flag}" for row in inputs.rows for flag in row.flags]
+    flags += [*found["flags"], *warned]
     return StepPlan(
         argument_bytes=found["argument"],
         output_bytes=found["output"],
         alias_bytes=found["alias"],
         temp_bytes=found["temp"],
         code_bytes=found["code"],
-        collectives=tuple(Collective(*row) for row in found["collectives"]),
+        collectives=tuple(
+            Collective(kind, n, size, tuple(axes), group)
+            for kind, n, size, axes, group in found["collectives"]
+        ),
         inputs=inputs,
         backend=found["backend"],
         mesh=mesh,
         compile_seconds=found["seconds"],
-        flags=tuple(found["flags"]),
+        flags=tuple(dict.fromkeys(flags)),
+        flops=found["flops"],
+        overstated_bytes=found["overstated"],
     )
 
 
@@ -315,17 +389,35 @@ def _compile_mesh(mesh: AnyMesh) -> Mesh | None:
     return Mesh(devices, tuple(mesh.axis_names), axis_types=tuple(mesh.axis_types))
 
 
-def _out_shardings(
-    prefix: PyTree, step: Callable[..., Any], flat: list[Any], mesh: AnyMesh
-) -> list[NamedSharding | None]:
-    """`prefix` (specs or shardings, a prefix of the outputs) as one sharding per
+def _outputs(
+    call: Callable[..., Any], flat: list[Any], mesh: AnyMesh, target: Mesh | None, signature: str
+) -> Any:
+    """The step's outputs as a tree of `ShapeDtypeStruct`s (traced under the mesh)."""
+    abstract = mesh if isinstance(mesh, AbstractMesh) else mesh.abstract_mesh
+    context = (
+        jax.set_mesh(target) if target is not None else jax.sharding.use_abstract_mesh(abstract)
+    )
+    with context:
+        return _traced(lambda: jax.eval_shape(call, *flat), signature)
+
+
+def _out_shardings(prefix: PyTree, outputs: Any, mesh: AnyMesh) -> list[NamedSharding | None]:
+    """`prefix` (specs or shardings, a prefix of the `outputs` tree) as one sharding per
     output leaf, on `mesh`."""
     is_spec = lambda x: x is None or isinstance(x, (PartitionSpec, NamedSharding))  # noqa: E731
     specs, spec_def = jax.tree.flatten(prefix, is_leaf=is_spec)
-    spec_def = cast(Any, spec_def)
-    outputs = jax.eval_shape(step, *flat)
+    try:
+        subtrees = cast(Any, spec_def).flatten_up_to(outputs)
+    except (ValueError, TypeError) as e:
+        shapes = jax.tree.map(short_value, outputs)
+        raise Mistake(
+            ValueError,
+            f"out_shardings is {short_value(prefix)}, which is not a prefix of the step's "
+            f"outputs {shapes} ({e}). Give a PartitionSpec per output, in a tree shaped "
+            "like the outputs (or one for all).",
+        ) from None
     out: list[NamedSharding | None] = []
-    for spec, subtree in zip(specs, spec_def.flatten_up_to(outputs), strict=True):
+    for spec, subtree in zip(specs, subtrees, strict=True):
         if not is_spec(spec):
             raise Mistake(
                 TypeError,
@@ -333,7 +425,16 @@ def _out_shardings(
                 "NamedSharding or None per output.",
             )
         spec = spec.spec if isinstance(spec, NamedSharding) else spec
-        out += [None if spec is None else named_sharding(mesh, spec)] * len(subtree)
+        for leaf in jax.tree.leaves(subtree):
+            if spec is not None and len(spec) > len(leaf.shape):
+                raise Mistake(
+                    ValueError,
+                    f"out_shardings gives {spec} to an output of {short_value(leaf)}, which "
+                    f"has {len(leaf.shape)} dimensions. Give it a spec of at most that many.",
+                )
+        out += [None if spec is None else named_sharding(mesh, spec)] * len(
+            jax.tree.leaves(subtree)
+        )
     return out
 
 
@@ -373,10 +474,34 @@ def _compile(
     with jax.set_mesh(mesh):
         lowered = _traced(lambda: jitted.lower(*flat), signature)
     compiled = lowered.compile(cpu_options(mesh))
-    found = analyse(compiled)
+    found = analyse(compiled, mesh)
     found["seconds"] = time.perf_counter() - start
     found["backend"] = mesh.devices.flat[0].platform
     return found
+
+
+class Exported(BaseException):
+    """Raised out of `preflight` by `_in_subprocess` when `DEFER` asks for the
+    payload instead of the compile (advise runs the children itself). A
+    BaseException, so that no ``except Exception`` on the way swallows it."""
+
+    def __init__(self, payload: bytes, devices: int, caught: list[Any], seconds: float) -> None:
+        super().__init__("exported")
+        self.payload, self.devices, self.caught, self.seconds = payload, devices, caught, seconds
+
+
+@dataclasses.dataclass
+class Deferral:
+    """How `_in_subprocess` runs under `DEFER`: without `found`, export the step and
+    raise `Exported`; with it (what the child said), return it, re-raising the
+    warnings that tracing gave."""
+
+    found: dict[str, Any] | None = None
+    caught: list[Any] = dataclasses.field(default_factory=list)
+
+
+#: None: `_in_subprocess` runs its child; a `Deferral`: see there.
+DEFER: contextvars.ContextVar[Deferral | None] = contextvars.ContextVar("defer", default=None)
 
 
 def _in_subprocess(
@@ -388,6 +513,31 @@ def _in_subprocess(
 ) -> dict[str, Any]:
     """Compiled in a fresh process with as many CPU devices as `mesh` has."""
     start = time.perf_counter()
+    deferral = DEFER.get()
+    if deferral is not None and deferral.found is not None:
+        for caught in deferral.caught:
+            warnings.warn_explicit(caught.message, caught.category, caught.filename, caught.lineno)
+        return dict(deferral.found)
+    devices = math.prod(mesh.shape.values())
+    if deferral is None:
+        found = _run_child(_export(jitted, flat, donated, mesh, signature), devices)
+        found["seconds"] = time.perf_counter() - start
+        return found
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        payload = _export(jitted, flat, donated, mesh, signature)
+    raise Exported(payload, devices, caught, time.perf_counter() - start)
+
+
+def _export(
+    jitted: jax.stages.Wrapped,
+    flat: list[Any],
+    donated: tuple[int, ...],
+    mesh: AnyMesh,
+    signature: str,
+) -> bytes:
+    """The payload a compile subprocess reads: the traced step, serialized by
+    `jax.export`, with the mesh's shape and axis types."""
     abstract = mesh if isinstance(mesh, AbstractMesh) else mesh.abstract_mesh
     with jax.sharding.use_abstract_mesh(abstract):
         exported = _traced(lambda: jax.export.export(jitted, platforms=["cpu"])(*flat), signature)
@@ -397,9 +547,7 @@ def _in_subprocess(
         "types": tuple(mesh.axis_types),
         "donated": donated,
     }
-    found = _run_child(pickle.dumps(payload), math.prod(mesh.shape.values()))
-    found["seconds"] = time.perf_counter() - start
-    return found
+    return pickle.dumps(payload)
 
 
 #: How long a compile subprocess may take before it is stopped.
@@ -473,7 +621,7 @@ def child() -> None:
     jitted = jax.jit(exported.call, in_shardings=shardings, donate_argnums=payload["donated"])
     with jax.set_mesh(mesh):
         compiled = jitted.lower(*args).compile(cpu_options(mesh))
-    found = analyse(compiled)
+    found = analyse(compiled, mesh)
     found["backend"] = "cpu"
     json.dump(found, sys.stdout)
 
@@ -487,8 +635,12 @@ def cpu_options(mesh: Mesh) -> dict[str, Any]:
     return {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 
-def analyse(compiled: jax.stages.Compiled) -> dict[str, Any]:
-    """A compiled step's memory per device and its collectives per step.
+def analyse(compiled: jax.stages.Compiled, mesh: Mesh) -> dict[str, Any]:
+    """A compiled step's memory per device, its collectives and flops per step.
+
+    On CPU devices, an all-reduce whose every use takes one device's slice is
+    counted as the reduce-scatter an accelerator runs, and the whole results
+    such all-reduces keep live bound how much the peak may overstate.
 
     Raises:
         Mistake: if the backend reports no memory analysis or no HLO text.
@@ -501,94 +653,26 @@ def analyse(compiled: jax.stages.Compiled) -> dict[str, Any]:
             "text) for it, which preflight reads. Preflight on an AbstractMesh, which "
             "compiles for CPU devices.",
         )
-    collectives, flags = count_collectives(text)
+    cpu = mesh.devices.flat[0].platform == "cpu"
+    read = read_step(text, tuple(mesh.shape.items()), cpu=cpu)
+    temp = int(memory.temp_size_in_bytes)
+    overstated = overstated_bytes(read.held_bytes, temp)
+    flags = read.flags + (
+        [
+            f"peak may be overstated by up to {size_text(overstated)}: the CPU compile holds "
+            "whole reductions an accelerator holds as reduce-scattered shards"
+        ]
+        if overstated
+        else []
+    )
     return {
         "argument": int(memory.argument_size_in_bytes),
         "output": int(memory.output_size_in_bytes),
         "alias": int(memory.alias_size_in_bytes),
-        "temp": int(memory.temp_size_in_bytes),
+        "temp": temp,
         "code": int(memory.generated_code_size_in_bytes),
-        "collectives": collectives,
+        "collectives": read.collectives,
         "flags": flags,
+        "flops": read.flops,
+        "overstated": overstated,
     }
-
-
-_HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
-_CALLEE = re.compile(
-    r"\b(body|condition|to_apply|calls|true_computation|false_computation)=%?([\w.\-]+)"
-)
-_CALLEES = re.compile(r"\b(?:branch_computations|called_computations)=\{([^}]*)\}")
-_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
-_OP = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.+?)\s+(" + "|".join(KINDS) + r")(-done)?\(")
-_ARRAY = re.compile(r"\b(pred|[a-z]+\d+[a-z0-9]*)\[([\d,]*)\]")
-
-
-def count_collectives(hlo: str) -> tuple[list[tuple[str, int, int]], list[str]]:
-    """Collectives per executed step, from a compiled module's HLO text.
-
-    A computation runs as often as its callers run it: a ``while`` body once
-    per iteration where the compiler recorded the trip count, else once (and
-    flagged). Async pairs count once, by their ``-done`` half, whose result
-    is the collective's.
-    """
-    comps: dict[str, list[str]] = {}
-    order: list[str] = []
-    current: list[str] | None = None
-    entry = None
-    for line in hlo.splitlines():
-        header = _HEADER.match(line) if line[:1] not in (" ", "\t", "") else None
-        if header:
-            order.append(header.group(1))
-            current = comps.setdefault(header.group(1), [])
-            entry = header.group(1) if line.startswith("ENTRY") else entry
-        elif current is not None and line.startswith(" "):
-            current.append(line)
-    runs = dict.fromkeys(order, 0)
-    if entry is not None:
-        runs[entry] = 1
-    unknown: set[str] = set()  # computations inside a loop of unknown length
-    for name in reversed(order):  # callers come after their callees in the text
-        for line in comps[name]:
-            trips = _TRIPS.search(line)
-            for role, callee in _callees(line):
-                loop = role == "body"
-                if (loop and not trips) or name in unknown:
-                    unknown.add(callee)
-                if callee in runs:
-                    runs[callee] += runs[name] * (int(trips.group(1)) if loop and trips else 1)
-    counts = {kind: [0, 0] for kind in KINDS}
-    flagged: set[str] = set()
-    for name in order:
-        for line in comps[name]:
-            op = _OP.match(line)
-            if op is None or not runs[name]:
-                continue
-            counts[op.group(2)][0] += runs[name]
-            counts[op.group(2)][1] += runs[name] * _type_bytes(op.group(1))
-            if name in unknown:
-                flagged.add(op.group(2))
-    rows = [(kind, n, size) for kind, (n, size) in counts.items() if n]
-    flags = [
-        f"{kind} inside a loop whose trip count the compiler does not know: counted once per step"
-        for kind in KINDS
-        if kind in flagged
-    ]
-    return rows, flags
-
-
-def _callees(line: str) -> list[tuple[str, str]]:
-    """The computations an HLO instruction calls, each with its role (``body``,
-    ``condition``, ``to_apply``, ``calls``, ``branch``, ...)."""
-    found = _CALLEE.findall(line)
-    for group in _CALLEES.findall(line):
-        found += [("branch", c.strip().lstrip("%")) for c in group.split(",")]
-    return found
-
-
-def _type_bytes(text: str) -> int:
-    """The bytes of an HLO result type (a tuple's elements summed): ``f32[8,256]{1,0}``."""
-    total = 0
-    for dtype, dims in _ARRAY.findall(text):
-        bits = 8 if dtype == "pred" else int(re.search(r"\d+", dtype).group())  # type: ignore[union-attr]
-        total += math.prod(int(d) for d in dims.split(",") if d) * max(bits // 8, 1)
-    return total

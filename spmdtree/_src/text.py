@@ -314,8 +314,26 @@ def _spec_text(spec: Any) -> str:
     return "(none)" if spec is None else "(" + entries_text(spec, len(spec)) + ")"
 
 
+def flops_text(n: int) -> str:
+    """Floating-point operations as people read them: ``512 FLOP``, ``33.6 GFLOP``."""
+    amount = float(n)
+    for unit in ("", "k", "M", "G", "T", "P", "E"):
+        if amount < 1000 or unit == "E":
+            return f"{n} FLOP" if not unit else f"{amount:.1f} {unit}FLOP"
+        amount /= 1000
+    raise AssertionError("unreachable")
+
+
+def axis_types_text(mesh: Any) -> str:
+    """``Auto`` where every axis is Auto, else each axis's: ``data Explicit, fsdp Auto``."""
+    types = [getattr(t, "name", str(t)) for t in getattr(mesh, "axis_types", ())]
+    if len(set(types)) == 1:
+        return types[0]
+    return ", ".join(f"{name} {kind}" for name, kind in zip(mesh.axis_names, types, strict=True))
+
+
 def step_table(step: Any) -> str:
-    """The table of a `StepPlan`: memory per device, collectives, the inputs."""
+    """The table of a `StepPlan`: memory per device, compute, collectives, the inputs."""
     axes = ", ".join(f"{name} {size}" for name, size in step.mesh.shape.items())
     devices = math.prod(step.mesh.shape.values())
     estimate = " (an estimate of an accelerator's)" if step.backend == "cpu" else ""
@@ -327,7 +345,8 @@ def step_table(step: Any) -> str:
         ("peak", step.peak_bytes, "arguments + outputs - aliased + temporaries"),
     ]
     lines = [
-        f"step on {devices} device{'' if devices == 1 else 's'} ({axes}), compiled for {step.backend}{estimate} "
+        f"step on {devices} device{'' if devices == 1 else 's'} ({axes}; axis types "
+        f"{axis_types_text(step.mesh)}), compiled for {step.backend}{estimate} "
         f"in {step.compile_seconds:.1f} s",
         "memory per device",
     ]
@@ -335,13 +354,81 @@ def step_table(step: Any) -> str:
         text = size_text(abs(amount))
         text = f"-{text}" if amount < 0 else text
         lines.append(f"  {label:<12}{text:>11}" + (f"  {note}" if note else ""))
+    if step.overstated_bytes:
+        lines.append(f"{'':<25}peak may be overstated by up to {size_text(step.overstated_bytes)}")
+    lines.append(f"compute  {flops_text(step.flops)} per device (dots and convolutions)")
     lines.append("collectives per step" + ("" if step.collectives else ": none"))
     for row in step.collectives:
-        lines.append(f"  {row.kind:<19}{row.count:>6} x  {size_text(row.bytes):>11} in all")
+        over = f"over {'+'.join(row.axes)} ({row.group})" if row.axes else f"group {row.group}"
+        lines.append(
+            f"  {row.kind:<19}{row.count:>6} x  {size_text(row.bytes):>11} in all, "
+            f"{size_text(row.wire_bytes):>11} sent per device, {over}"
+        )
     noun = "array" if len(step.inputs.rows) == 1 else "arrays"
     lines.append(
         f"inputs  {len(step.inputs.rows)} {noun}, {size_text(step.inputs.device_bytes)} on "
         "the most loaded device (st.plan counts these only)"
     )
     lines += [f"! {flag}" for flag in step.flags]
+    return "\n".join(lines)
+
+
+def _seconds_text(seconds: float | None) -> str:
+    """``1.23 s``, ``45.6 ms``, ``789 us``; ``-`` for none."""
+    if seconds is None:
+        return "-"
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+        if seconds >= scale or unit == "us":
+            return f"{seconds / scale:.3g} {unit}"
+    raise AssertionError("unreachable")
+
+
+def advice_table(advice: Any, *, width: int = 100) -> str:
+    """The ranked table of an `Advice`: per candidate its layout, batch, peak, the
+    roofline's compute, collectives and bound, tokens per second, the verdict,
+    and the reason under it."""
+    rows = advice.rows
+    devices = math.prod(rows[0].candidate.mesh.shape.values()) if rows else 0
+    header = ["#", "layout", "batch", "peak", "compute", "comm", "bound", "tokens/s", "verdict"]
+    cells = []
+    for rank, row in enumerate(rows, 1):
+        c, t, step = row.candidate, row.time, row.step
+        layout = c.label or " x ".join(f"{a} {n}" for a, n in c.mesh.shape.items())
+        cells.append(
+            [
+                str(rank),
+                layout,
+                str(c.batch),
+                "-" if step is None else size_text(step.peak_bytes),
+                _seconds_text(None if t is None else t.compute_seconds),
+                _seconds_text(None if t is None else t.comm_seconds),
+                _seconds_text(None if t is None else t.bound_seconds),
+                "-" if row.tokens_per_second is None else f"{row.tokens_per_second:,.0f}",
+                row.verdict,
+            ]
+        )
+    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(header)]
+    right = {0, 2, 3, 4, 5, 6, 7}
+
+    def line(items: list[str]) -> str:
+        return "  ".join(
+            item.rjust(w) if i in right else item.ljust(w)
+            for i, (item, w) in enumerate(zip(items, widths, strict=True))
+        ).rstrip()
+
+    hw = advice.hardware
+    lines = [
+        f"{len(rows)} candidates on {devices} x {hw.name}, budget {size_text(advice.budget_bytes)} "
+        f"per device, {advice.compiles} compile{'' if advice.compiles == 1 else 's'}",
+        line(header),
+    ]
+    for items, row in zip(cells, rows, strict=True):
+        lines.append(line(items))
+        lines += textwrap.wrap(
+            row.reason, width, initial_indent="     ", subsequent_indent="       "
+        )
+    lines.append(
+        "times: a roofline bound (peak FLOPs, collectives at full link bandwidth, perfect "
+        "overlap), not a prediction"
+    )
     return "\n".join(lines)

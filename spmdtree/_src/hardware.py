@@ -1,0 +1,321 @@
+"""Hardware and time: a roofline over what a compiled step computes and moves.
+
+A step cannot run faster than its FLOPs at the chip's peak, nor than its
+collectives at the links' bandwidth. `Hardware` holds those figures (the
+presets list their public sources in docs/planning.md); `step_time` turns a
+step's FLOPs and `Collective` rows into a `StepTime`: a lower bound on the
+step (perfect overlap, peak FLOPs), not a prediction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import types
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Protocol
+
+import numpy as np
+
+from spmdtree._src.errors import Mistake, public
+
+#: The link kinds, fastest first: within a node or slice, then across.
+LINKS = ("ici", "dcn")
+
+GIB = 2**30
+
+
+class Row(Protocol):
+    """What timing reads of a collective row (`Collective` has these)."""
+
+    @property
+    def kind(self) -> str: ...
+    @property
+    def count(self) -> int: ...
+    @property
+    def bytes(self) -> int: ...
+    @property
+    def axes(self) -> tuple[str, ...]: ...
+    @property
+    def group(self) -> int: ...
+
+
+def _positive(value: object, what: str) -> None:
+    ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+    if not ok or not math.isfinite(float(value)) or float(value) <= 0:  # type: ignore[arg-type]
+        raise Mistake(ValueError, f"{what} is {value!r}; expected a number > 0.")
+
+
+def _nodes_per_device(devices_per_node: object, what: str) -> None:
+    if (
+        not isinstance(devices_per_node, (int, np.integer))
+        or isinstance(devices_per_node, bool)
+        or devices_per_node < 1
+    ):
+        raise Mistake(
+            ValueError,
+            f"{what} is {devices_per_node!r}; expected an int >= 1 (or None: every "
+            "device on one node).",
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    """One kind of accelerator and its links: the figures a roofline needs.
+
+    Attributes:
+        name: what tables call it.
+        memory_bytes: memory per device.
+        flops_per_second: the dense bf16 peak per device.
+        links: the link kinds ``"ici"`` (within a node or slice: NVLink, TPU
+            ICI) and ``"dcn"`` (across: InfiniBand, data-centre network), each
+            mapped to ``(bytes_per_second, latency_seconds)``: the bandwidth a
+            ring collective gets per device on that link, and the latency per
+            hop (0 to leave latency out).
+        devices_per_node: how many consecutive devices (in the mesh's
+            row-major order) share the fast link; None: every device does (one
+            node, or one TPU slice).
+
+    Raises:
+        ValueError: for a figure <= 0 (a latency < 0), a link kind other than
+            ``"ici"``/``"dcn"``, or `devices_per_node` < 1.
+
+    Example:
+        >>> import spmdtree as st
+        >>> gpu = st.Hardware("mine", 80 * 2**30, 1e15, {"ici": (400e9, 2e-6), "dcn": (50e9, 5e-6)}, 8)
+        >>> gpu.links["dcn"]
+        (50000000000.0, 5e-06)
+        >>> st.Hardware("bad", 1, 1e15, {"nvlink": (1e9, 0.0)})
+        Traceback (most recent call last):
+        ...
+        ValueError: Hardware: links has a link kind 'nvlink'; the kinds are 'ici' (within a node or slice) and 'dcn' (across).
+    """
+
+    name: str
+    memory_bytes: int
+    flops_per_second: float
+    links: Mapping[str, tuple[float, float]] = dataclasses.field(hash=False)
+    devices_per_node: int | None = None
+
+    @functools.partial(public, name="Hardware")
+    def __post_init__(self) -> None:
+        _positive(self.memory_bytes, "memory_bytes")
+        _positive(self.flops_per_second, "flops_per_second")
+        if not isinstance(self.links, Mapping) or not self.links:
+            raise Mistake(
+                ValueError,
+                f"links is {self.links!r}; expected a mapping of 'ici' and/or 'dcn' to "
+                "(bytes_per_second, latency_seconds).",
+            )
+        links = {}
+        for kind, figures in self.links.items():
+            if kind not in LINKS:
+                raise Mistake(
+                    ValueError,
+                    f"links has a link kind {kind!r}; the kinds are 'ici' (within a node or "
+                    "slice) and 'dcn' (across).",
+                )
+            if not isinstance(figures, Sequence) or len(figures) != 2:
+                raise Mistake(
+                    ValueError,
+                    f"links[{kind!r}] is {figures!r}; expected (bytes_per_second, "
+                    "latency_seconds).",
+                )
+            _positive(figures[0], f"links[{kind!r}] bandwidth")
+            if figures[1] != 0:
+                _positive(figures[1], f"links[{kind!r}] latency")
+            links[kind] = (float(figures[0]), float(figures[1]))
+        if self.devices_per_node is not None:
+            _nodes_per_device(self.devices_per_node, "devices_per_node")
+        object.__setattr__(self, "links", types.MappingProxyType(links))
+
+
+#: The presets; every figure's source is listed in docs/planning.md
+#: ("Hardware and time"). Latencies are rough.
+PRESETS = {
+    "h100": Hardware("h100", 80 * GIB, 989e12, {"ici": (450e9, 2e-6), "dcn": (50e9, 5e-6)}, 8),
+    "h200": Hardware("h200", 141 * GIB, 989e12, {"ici": (450e9, 2e-6), "dcn": (50e9, 5e-6)}, 8),
+    "b200": Hardware("b200", 180 * GIB, 2.25e15, {"ici": (900e9, 2e-6), "dcn": (50e9, 5e-6)}, 8),
+    "tpu-v5e": Hardware(
+        "tpu-v5e", 16 * GIB, 1.97e14, {"ici": (1e11, 1e-6), "dcn": (3.125e9, 1e-5)}
+    ),
+    "tpu-v5p": Hardware("tpu-v5p", 96 * GIB, 4.59e14, {"ici": (2e11, 1e-6), "dcn": (6.25e9, 1e-5)}),
+    "tpu-v6e": Hardware("tpu-v6e", 32 * GIB, 9.2e14, {"ici": (2e11, 1e-6), "dcn": (3.125e9, 1e-5)}),
+}
+
+
+@public
+def hardware(name: str) -> Hardware:
+    """A preset `Hardware`: ``"h100"``, ``"h200"``, ``"b200"``, ``"tpu-v5e"``,
+    ``"tpu-v5p"`` or ``"tpu-v6e"``.
+
+    The figures are the vendors' data sheets and the JAX team's scaling book
+    (docs/planning.md lists each with its source); latencies are rough.
+
+    Args:
+        name: the preset's name.
+
+    Returns:
+        The `Hardware`.
+
+    Raises:
+        ValueError: for a name that is no preset (the message lists them).
+
+    Example:
+        >>> import spmdtree as st
+        >>> h100 = st.hardware("h100")
+        >>> h100.flops_per_second, h100.devices_per_node, h100.links["ici"][0]
+        (989000000000000.0, 8, 450000000000.0)
+    """
+    if name not in PRESETS:
+        raise Mistake(
+            ValueError,
+            f"there is no preset {name!r}; the presets are {', '.join(map(repr, PRESETS))}. "
+            "Build your own with st.Hardware(name, memory_bytes, flops_per_second, links).",
+        )
+    return PRESETS[name]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTime:
+    """A roofline bound on one step: its compute and its collectives, in seconds.
+
+    Not a prediction: `bound_seconds` assumes peak FLOPs and collectives that
+    overlap compute perfectly, each at its links' full bandwidth.
+
+    Attributes:
+        compute_seconds: the step's FLOPs per device at the peak.
+        comm_by_axes: collective seconds per mesh-axes tuple.
+
+    Example:
+        >>> import spmdtree as st
+        >>> t = st.StepTime(compute_seconds=0.5, comm_by_axes={("fsdp",): 0.25, ("tensor",): 0.5})
+        >>> t.comm_seconds, t.bound_seconds, t.serial_seconds
+        (0.75, 0.75, 1.25)
+        >>> t.mfu(1.0)  # a real step of 1 s used half the peak
+        0.5
+    """
+
+    compute_seconds: float
+    comm_by_axes: Mapping[tuple[str, ...], float] = dataclasses.field(hash=False)
+
+    @property
+    def comm_seconds(self) -> float:
+        """The collectives' seconds, summed."""
+        return sum(self.comm_by_axes.values())
+
+    @property
+    def bound_seconds(self) -> float:
+        """max(compute, collectives): perfect overlap, a lower bound on the step."""
+        return max(self.compute_seconds, self.comm_seconds)
+
+    @property
+    def serial_seconds(self) -> float:
+        """compute + collectives: no overlap at all."""
+        return self.compute_seconds + self.comm_seconds
+
+    @public
+    def mfu(self, step_seconds: float) -> float:
+        """The share of the peak a step of `step_seconds` used: compute_seconds / step_seconds.
+
+        Hardware FLOPs: a rematerialised forward pass counts.
+
+        Raises:
+            ValueError: for a time <= 0.
+
+        Example:
+            >>> import spmdtree as st
+            >>> st.StepTime(compute_seconds=0.4, comm_by_axes={}).mfu(1.0)
+            0.4
+        """
+        _positive(step_seconds, "step_seconds")
+        return self.compute_seconds / step_seconds
+
+
+def nodes_spanned(shape: Sequence[int], varying: Sequence[int], devices_per_node: int) -> int:
+    """The most distinct nodes one device group touches: groups vary over the mesh
+    positions `varying` (the others fixed); devices sit on nodes by their
+    row-major position // `devices_per_node`."""
+    if not varying:
+        return 1
+    positions = np.arange(math.prod(shape)).reshape(tuple(shape))
+    rest = [i for i in range(len(shape)) if i not in varying]
+    groups = positions.transpose(rest + list(varying)).reshape(
+        -1, math.prod(shape[i] for i in varying)
+    )
+    nodes = np.sort(groups // devices_per_node, axis=1)
+    return int(1 + (np.diff(nodes, axis=1) != 0).sum(axis=1).max())
+
+
+def _bytes_per_kind(row: Row, g: Mapping[str, float]) -> dict[str, float]:
+    """The bytes each device sends across each link kind by the hierarchical
+    algorithm: `g` holds the group's size on each kind, fastest first."""
+    if row.kind == "collective-permute":  # its size, on the slowest link it crosses
+        slowest = [k for k in LINKS if g[k] > 1][-1:] or ["ici"]
+        return {slowest[0]: float(row.bytes)}
+    if row.kind == "all-to-all":  # that data must cross every kind, not divided
+        return {k: (g[k] - 1) / g[k] * row.bytes for k in LINKS}
+    factor, volume = {
+        "all-gather": (1.0, row.bytes),
+        "reduce-scatter": (1.0, row.bytes * row.group),
+        "all-reduce": (2.0, row.bytes),
+    }[row.kind]
+    out, faster = {}, 1.0
+    for k in LINKS:
+        out[k] = factor * (g[k] - 1) / g[k] * volume / faster
+        faster *= g[k]
+    return out
+
+
+def collective_seconds(
+    row: Row, shape: Mapping[str, int], hw: Hardware, devices_per_node: int | None
+) -> float:
+    """One row's seconds on `hw`: over each link kind it crosses, its bytes /
+    bandwidth + latency x (group on that kind - 1) per op."""
+    if row.group <= 1:
+        return 0.0
+    names = list(shape)
+    varying = [names.index(a) for a in row.axes if a in names]
+    span = nodes_spanned(
+        list(shape.values()), varying, devices_per_node or math.prod(shape.values())
+    )
+    g_dcn = float(min(span, row.group))
+    g = {"ici": row.group / g_dcn, "dcn": g_dcn}
+    seconds = 0.0
+    for kind, sent in _bytes_per_kind(row, g).items():
+        if g[kind] <= 1:
+            continue
+        if kind not in hw.links:
+            raise Mistake(
+                ValueError,
+                f"a {row.kind} over {row.axes} crosses {int(g[kind])} "
+                f"{'nodes' if kind == 'dcn' else 'devices of a node'}, but hardware "
+                f"{hw.name!r} has no {kind!r} link. Add one to its links.",
+            )
+        bandwidth, latency = hw.links[kind]
+        seconds += sent / bandwidth + row.count * latency * (g[kind] - 1)
+    return seconds
+
+
+def step_time(
+    collectives: Iterable[Row],
+    flops: float,
+    shape: Mapping[str, int],
+    hw: Hardware,
+    devices_per_node: int | None = None,
+) -> StepTime:
+    """The `StepTime` of a step with these FLOPs per device and collectives on a
+    mesh of this shape (axis name -> size), on `hw`."""
+    if not isinstance(hw, Hardware):
+        raise Mistake(
+            TypeError, f"hardware is {hw!r}; expected a st.Hardware (st.hardware('h100'))."
+        )
+    if devices_per_node is not None:
+        _nodes_per_device(devices_per_node, "devices_per_node")
+    per_node = hw.devices_per_node if devices_per_node is None else devices_per_node
+    by_axes: dict[tuple[str, ...], float] = {}
+    for row in collectives:
+        seconds = collective_seconds(row, shape, hw, per_node)
+        by_axes[tuple(row.axes)] = by_axes.get(tuple(row.axes), 0.0) + seconds
+    return StepTime(flops / hw.flops_per_second, types.MappingProxyType(by_axes))
