@@ -419,3 +419,23 @@ def test_str_is_a_table_and_plan_budget_says_arrays_only():
         assert words in text
     described = st.describe({"x": x}, mesh, budget=1 << 20)
     assert "params + state only; see st.preflight for the step" in described
+
+
+def test_an_unsharded_input_or_constraint_is_a_flag_never_a_warning():
+    mesh = abstract_mesh((8,), ("data",))
+    batch = st.LogicallyPartitioned(jax.ShapeDtypeStruct((12, 64), jnp.float32), ("batch", None))
+
+    def step(x):
+        h = st.with_logical_constraint(x.value * 2, ("batch", None))
+        return jnp.sum(h)
+
+    with warnings.catch_warnings(record=True) as emitted:
+        warnings.simplefilter("always")
+        plan = st.preflight(step, batch, mesh=mesh, rules=[("batch", "data")])
+    assert [w for w in emitted if issubclass(w.category, st.UnshardedWarning)] == []
+    assert (
+        plan.flags[0]
+        == "dimension 0 (batch, size 12) left unsharded: its mesh axes do not divide it"
+    )
+    traced = [f for f in plan.flags if f.startswith("UnshardedWarning while tracing: ")]
+    assert len(traced) == 1 and "x dimension 0 ('batch', size 12) over 'data' (size 8)" in traced[0]
