@@ -226,7 +226,9 @@ def reference(names, shape, logical, rules, sizes, strict):
     if len(shape) != len(names):
         if all(d == 1 for d in shape):
             return (), ()  # a size-1 placeholder: replicated
-        raise Wrong(ValueError)
+        if not all(n is None for n in names):
+            raise Wrong(ValueError)
+        names = (None,) * len(shape)  # all None: replicated at any rank, as JAX reads it (0.3)
     if not logical:
         return tuple(check_literal(names, shape, sizes, strict)), ()
     strs = [n for n in names if isinstance(n, str)]
