@@ -71,6 +71,12 @@ def at(argument: str, path: Sequence[Any]) -> str:
     return argument + tree_util.keystr(tuple(path))
 
 
+def called(noun: str, where: str) -> str:
+    """How a message names a leaf at key path `where`: ``the box at tree['w']``, or
+    ``the box`` for a box on its own (`where` empty)."""
+    return f"the {noun} at {where}" if where else f"the {noun}"
+
+
 def raise_collected(problems: Sequence[tuple[str, Mistake]]) -> None:
     """Raises one `Mistake` for all `problems`, each a (subject, mistake) pair.
 

@@ -20,7 +20,15 @@ from typing import Any, NamedTuple, TypeGuard
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from spmdtree._src.errors import Mistake, at, fmt, public, raise_collected, user_level
+from spmdtree._src.errors import (
+    Mistake,
+    at,
+    called,
+    fmt,
+    public,
+    raise_collected,
+    user_level,
+)
 from spmdtree._src.rules import (
     UNCONSTRAINED,
     AnyMesh,
@@ -30,6 +38,7 @@ from spmdtree._src.rules import (
     PyTree,
     Rules,
     RuleTuple,
+    fit_rank,
     normalize_names,
     rules_or_context,
 )
@@ -239,9 +248,10 @@ def resolve(
         Mistake: for names that cannot be right for this array on this mesh.
     """
     if shape is not None and len(shape) != len(names):
-        if not all(name is None for name in names) or all(size == 1 for size in shape):
+        fitted = fit_rank(names, len(shape), spec=False)  # all None: any rank, as JAX reads it
+        if fitted is None or all(size == 1 for size in shape):
             return _rank_differs(names, shape, logical)
-        names = (None,) * len(shape)  # all None: replicated at any rank, as JAX reads it
+        names = fitted
     sizes = None if mesh_shape is None else dict(mesh_shape)
     dims = [Dim(name, None if shape is None else shape[i], name) for i, name in enumerate(names)]
     unmentioned: tuple[str, ...] = ()
@@ -414,7 +424,7 @@ def check_call(
     if found:
         raise_collected(
             [
-                (_subject(noun, where(i)), Mistake(ValueError, found[res]))
+                (called(noun, where(i)), Mistake(ValueError, found[res]))
                 for i, res in enumerate(resolutions)
                 if type(res) is Resolution and res in found
             ]
@@ -427,10 +437,6 @@ def check_call(
                 if type(res) is Resolution and unsharded(res)
             ]
         )
-
-
-def _subject(noun: str, where: str) -> str:
-    return f"the {noun} at {where}" if where else f"the {noun}"  # "": a box on its own
 
 
 def one_edit(a: str, b: str) -> bool:

@@ -26,7 +26,7 @@ from spmdtree._src.boxes import (
     refuse_foreign,
     shape_of,
 )
-from spmdtree._src.errors import Mistake, at, fmt, public, raise_collected
+from spmdtree._src.errors import Mistake, at, called, fmt, public, raise_collected
 from spmdtree._src.resolve import (
     check_mesh,
 )
@@ -78,8 +78,7 @@ def is_boxed(x: object) -> TypeGuard[AxisMetadata]:
 def subject(tree_leaf: object, path: KeyPath, argument: str = "tree") -> str:
     """How a message names a leaf: ``the box at tree['w']``."""
     kind = "box" if is_boxed(tree_leaf) or foreign_kind(tree_leaf) else "leaf"
-    where = at(argument, path)
-    return f"the {kind} at {where}" if where else f"the {kind}"  # "": a box on its own
+    return called(kind, at(argument, path))
 
 
 def each_leaf(
