@@ -24,7 +24,15 @@ from jax.sharding import AbstractMesh, AxisType, Mesh
 from spmdtree._src.errors import Mistake, public
 from spmdtree._src.hardware import Hardware, StepTime
 from spmdtree._src.plan import plan
-from spmdtree._src.preflight import DEFER, Deferral, Exported, StepPlan, _run_child, preflight
+from spmdtree._src.preflight import (
+    DEFER,
+    Deferral,
+    Exported,
+    StepPlan,
+    _run_child,
+    argnums,
+    preflight,
+)
 from spmdtree._src.rules import AnyMesh, Rules
 from spmdtree._src.text import advice_table, size_text
 
@@ -347,11 +355,10 @@ def _first_pass(
             f"make_step returned kwargs with {sorted({'mesh', 'rules'} & set(kwargs))}; "
             "advise passes each candidate's mesh and rules itself. Leave them out.",
         )
-    mesh = candidate.mesh.abstract_mesh if isinstance(candidate.mesh, Mesh) else candidate.mesh
-    static = kwargs.get("static_argnums", ())
-    static = {i % len(args) for i in ((static,) if isinstance(static, int) else static)}
-    dynamic = tuple(None if i in static else arg for i, arg in enumerate(args))
+    mesh = _abstract(candidate)
     try:
+        static = argnums(kwargs.get("static_argnums", ()), len(args), "static_argnums")
+        dynamic = tuple(None if i in static else arg for i, arg in enumerate(args))
         arrays = plan(dynamic, mesh, candidate.rules, params=kwargs.get("params")).device_bytes
         if arrays > search.budget:
             said = f"arrays alone {size_text(arrays)} > {size_text(search.budget)}, not compiled"
@@ -372,10 +379,16 @@ def _first_pass(
     return None
 
 
+def _abstract(candidate: Candidate) -> AnyMesh:
+    """The mesh a candidate is preflighted on: a `Mesh` stands for its abstract mesh."""
+    mesh = candidate.mesh
+    return mesh.abstract_mesh if isinstance(mesh, Mesh) else mesh
+
+
 def _second_pass(search: _Search, pending: _Pending, child: _Child) -> None:
     """The StepPlan of a pending candidate from its subprocess's analysis."""
     candidate, (fn, args, kwargs) = search.candidates[pending.index], pending.call
-    mesh = candidate.mesh.abstract_mesh if isinstance(candidate.mesh, Mesh) else candidate.mesh
+    mesh = _abstract(candidate)
     try:
         found, seconds = child.result()
     except Mistake as mistake:

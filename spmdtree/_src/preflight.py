@@ -281,8 +281,8 @@ def _positions(
     static_argnums: int | Sequence[int], donate_argnums: int | Sequence[int], count: int
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The static and the donated argument positions, checked."""
-    static = _argnums(static_argnums, count, "static_argnums")
-    donated = _argnums(donate_argnums, count, "donate_argnums")
+    static = argnums(static_argnums, count, "static_argnums")
+    donated = argnums(donate_argnums, count, "donate_argnums")
     if set(static) & set(donated):
         raise Mistake(
             ValueError,
@@ -356,7 +356,7 @@ def _step_plan(found: dict[str, Any], inputs: Plan, mesh: AnyMesh, warned: list[
     )
 
 
-def _argnums(value: object, count: int, what: str) -> tuple[int, ...]:
+def argnums(value: object, count: int, what: str) -> tuple[int, ...]:
     """`value` (an int or ints, negatives from the end, as `jax.jit` takes them) as
     non-negative argument positions."""
     numbers = (value,) if isinstance(value, int) else value
