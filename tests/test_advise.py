@@ -214,3 +214,16 @@ def test_ranking_puts_fits_then_may_fit_then_over_then_not_compiled():
         "does not compile",
     ]
     assert "overstated by up to 100 B" in ranked[2].reason
+
+
+def test_static_argnums_out_of_range_is_the_candidates_row():
+    mesh = st.layouts(2, ("data",))[0]
+
+    def make_step(candidate):
+        step, args, kwargs = mlp_step(candidate)
+        return step, args, {**kwargs, "static_argnums": 2}  # two arguments: 0 and 1
+
+    advice = st.advise(make_step, [st.Candidate(mesh, RULES, 2)], hardware=HW, progress=False)
+    (row,) = advice.rows
+    assert row.verdict == "does not compile" and advice.compiles == 0
+    assert "static_argnums holds 2" in row.reason and "2 arguments" in row.reason
