@@ -33,7 +33,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import spmdtree as st
-from spmdtree._src.preflight import cpu_options
+from spmdtree._src.step.preflight import cpu_options
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 import advise as advised  # the Llama-3 8B step advise ranks (examples/advise.py)

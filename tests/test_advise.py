@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import AxisType
 
 import spmdtree as st
-from spmdtree._src import advise as advise_module
+from spmdtree._src.step import advise as advise_module
 
 RULES = [("batch", "data"), ("mlp", "tensor"), ("embed", None)]
 WIDE, MLP = 512, 4096  # a wide MLP: its gradients are megabytes, its activations kilobytes

@@ -2,7 +2,7 @@
 pattern, wire bytes, flops by trip counts, and the bound on the CPU peak's overstatement.
 
 The HLO reader has no public entry of its own (`preflight` is its face), so the
-literal-snippet tests read it from `spmdtree._src.hlo`; everything else goes
+literal-snippet tests read it from `spmdtree._src.step.hlo`; everything else goes
 through `st.preflight` on real compiles.
 """
 
@@ -16,7 +16,7 @@ from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
 import spmdtree as st
-from spmdtree._src import hlo
+from spmdtree._src.step import hlo
 
 
 def abstract_mesh(shape, names):

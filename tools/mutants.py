@@ -288,13 +288,13 @@ MUTANTS: dict[str, list[tuple[str, str, str]]] = {
         ),
     ],
     "loop-trip-count-ignored": [
-        ("_src/hlo.py", "times = int(trips.group(1)) if loop and trips else 1", "times = 1"),
+        ("_src/step/hlo.py", "times = int(trips.group(1)) if loop and trips else 1", "times = 1"),
     ],
     "peak-ignores-aliasing": [
-        ("_src/preflight.py", "+ self.output_bytes - self.alias_bytes +", "+ self.output_bytes +"),
+        ("_src/step/preflight.py", "+ self.output_bytes - self.alias_bytes +", "+ self.output_bytes +"),
     ],
     "preflight-drops-donation": [
-        ("_src/preflight.py", "jax.jit(step, donate_argnums=flat_donated,", "jax.jit(step,"),
+        ("_src/step/preflight.py", "jax.jit(step, donate_argnums=flat_donated,", "jax.jit(step,"),
     ],
     "placed-leaf-replicated": [
         (
@@ -305,88 +305,88 @@ MUTANTS: dict[str, list[tuple[str, str, str]]] = {
     ],
     "tuple-result-first-element-only": [
         (
-            "_src/hlo.py",
+            "_src/step/hlo.py",
             "for dtype, dims in _ARRAY.findall(text):",
             "for dtype, dims in _ARRAY.findall(text)[:1]:",
         ),
     ],
     "argnums-negative-taken-as-positive": [
-        ("_src/preflight.py", "out.append(n % count)", "out.append(abs(n))"),
+        ("_src/step/preflight.py", "out.append(n % count)", "out.append(abs(n))"),
     ],
     # 0.3: reading the compiled step (hlo.py).
     "wire-bytes-all-reduce-one-way": [
-        ("_src/hlo.py", "return 2 * (g - 1) * self.bytes // g", "return (g - 1) * self.bytes // g"),
+        ("_src/step/hlo.py", "return 2 * (g - 1) * self.bytes // g", "return (g - 1) * self.bytes // g"),
     ],
     "wire-bytes-reduce-scatter-as-gather": [
-        ("_src/hlo.py", "return (g - 1) * self.bytes\n", "return (g - 1) * self.bytes // g\n"),
+        ("_src/step/hlo.py", "return (g - 1) * self.bytes\n", "return (g - 1) * self.bytes // g\n"),
     ],
     "wire-bytes-gather-whole-result": [
-        ("_src/hlo.py", "return (g - 1) * self.bytes // g\n", "return self.bytes\n"),
+        ("_src/step/hlo.py", "return (g - 1) * self.bytes // g\n", "return self.bytes\n"),
     ],
     "reduce-scatter-not-recognised": [
-        ("_src/hlo.py", 'if kind == "all-reduce" and cpu:  # the CPU', "if False:  # the CPU"),
+        ("_src/step/hlo.py", 'if kind == "all-reduce" and cpu:  # the CPU', "if False:  # the CPU"),
     ],
     "reduce-scatter-on-an-accelerator-too": [
         (
-            "_src/hlo.py",
+            "_src/step/hlo.py",
             'if kind == "all-reduce" and cpu:  # the CPU',
             'if kind == "all-reduce":  # the',
         ),
     ],
     "slice-offset-partition-unchecked": [
         (
-            "_src/hlo.py",
+            "_src/step/hlo.py",
             "if sliced and any(self.depends(comp, o) for o in user.operands[1:]):",
             "if sliced:",
         ),
     ],
     "mesh-groups-along-the-other-axes": [
-        ("_src/hlo.py", ".transpose(rest + grouped)", ".transpose(grouped + rest)"),
+        ("_src/step/hlo.py", ".transpose(rest + grouped)", ".transpose(grouped + rest)"),
     ],
     "reduce-scatter-tuple-all-or-nothing": [
         (
-            "_src/hlo.py",
+            "_src/step/hlo.py",
             'parts = [(k, b) for k, b in (("reduce-scatter", cut), (kind, kept)) if b]',
             'parts = [("reduce-scatter", cut)] if cut else [(kind, kept)]',
         ),
     ],
     "widened-reduction-counted-wide": [
         (
-            "_src/hlo.py",
+            "_src/step/hlo.py",
             "kept += size * narrow // wide if narrow and wide else size",
             "kept += size",
         ),
     ],
     "elementwise-uses-not-followed": [
         (
-            "_src/hlo.py",
+            "_src/step/hlo.py",
             "if user.op in _PASS or (user.op in _ELEMENTWISE and index is None):",
             "if user.op in _PASS:",
         ),
     ],
     "step-drops-the-inputs-flags": [
         (
-            "_src/preflight.py",
+            "_src/step/preflight.py",
             'flags = [f"{row.path}: {flag}" for row in inputs.rows for flag in row.flags]',
             "flags = []",
         ),
     ],
     "step-drops-what-tracing-warned": [
-        ("_src/preflight.py", 'flags += [*found["flags"], *warned]', 'flags += [*found["flags"]]'),
+        ("_src/step/preflight.py", 'flags += [*found["flags"], *warned]', 'flags += [*found["flags"]]'),
     ],
     "out-shardings-rank-unchecked": [
         (
-            "_src/preflight.py",
+            "_src/step/preflight.py",
             "if spec is not None and len(spec) > len(leaf.shape):",
             "if False:",
         ),
     ],
     "flops-trip-count-ignored": [
-        ("_src/hlo.py", "flops += runs[name] * _instr_flops(", "flops += _instr_flops("),
+        ("_src/step/hlo.py", "flops += runs[name] * _instr_flops(", "flops += _instr_flops("),
     ],
     "overstated-uncapped": [
         (
-            "_src/hlo.py",
+            "_src/step/hlo.py",
             "return min(held_bytes + 64, temp_bytes) if held_bytes else 0",
             "return held_bytes + 64 if held_bytes else 0",
         ),
@@ -470,84 +470,84 @@ MUTANTS: dict[str, list[tuple[str, str, str]]] = {
         ),
     ],
     # The roofline (hardware.py) and the ranking (advise.py).
-    "hierarchy-divides-by-nothing": [("_src/hardware.py", "        faster *= g[k]\n", "\n")],
+    "hierarchy-divides-by-nothing": [("_src/step/hardware.py", "        faster *= g[k]\n", "\n")],
     "reduce-scatter-volume-is-its-result": [
         (
-            "_src/hardware.py",
+            "_src/step/hardware.py",
             '"reduce-scatter": (1.0, row.bytes * row.group),',
             '"reduce-scatter": (1.0, row.bytes),',
         ),
     ],
     "all-reduce-factor-one": [
-        ("_src/hardware.py", '"all-reduce": (2.0, row.bytes),', '"all-reduce": (1.0, row.bytes),'),
+        ("_src/step/hardware.py", '"all-reduce": (2.0, row.bytes),', '"all-reduce": (1.0, row.bytes),'),
     ],
     "all-to-all-divided-like-a-ring": [
         (
-            "_src/hardware.py",
+            "_src/step/hardware.py",
             "return {k: (g[k] - 1) / g[k] * row.bytes for k in LINKS}",
             'return {k: (g[k] - 1) / g[k] * row.bytes / (g["ici"] if k == "dcn" else 1) for k in LINKS}',
         ),
     ],
     "latency-once-per-row": [
-        ("_src/hardware.py", "row.count * latency * (g[kind] - 1)", "latency * (g[kind] - 1)"),
+        ("_src/step/hardware.py", "row.count * latency * (g[kind] - 1)", "latency * (g[kind] - 1)"),
     ],
     "nodes-round-robin": [
         (
-            "_src/hardware.py",
+            "_src/step/hardware.py",
             "nodes = np.sort(groups // devices_per_node",
             "nodes = np.sort(groups % devices_per_node",
         ),
     ],
     "whole-ring-on-the-slow-link": [
         (
-            "_src/hardware.py",
+            "_src/step/hardware.py",
             "g_dcn = float(min(span, row.group))",
             "g_dcn = float(row.group if span > 1 else 1)",
         ),
     ],
     "bound-is-serial": [
         (
-            "_src/hardware.py",
+            "_src/step/hardware.py",
             "return max(self.compute_seconds, self.comm_seconds)",
             "return self.compute_seconds + self.comm_seconds",
         ),
     ],
     "devices-per-node-override-ignored": [
         (
-            "_src/hardware.py",
+            "_src/step/hardware.py",
             "per_node = hw.devices_per_node if devices_per_node is None else devices_per_node",
             "per_node = hw.devices_per_node",
         ),
     ],
     "ranking-ignores-the-bound": [
         (
-            "_src/advise.py",
+            "_src/step/advise.py",
             "row.time.bound_seconds / per, row.time.serial_seconds / per, index)",
             "0.0, 0.0, index)",
         ),
     ],
     "ranking-per-step-across-batches": [
-        ("_src/advise.py", "per = row.candidate.batch", "per = 1"),
+        ("_src/step/advise.py", "per = row.candidate.batch", "per = 1"),
     ],
     "over-budget-not-split-by-compiled": [
         (
-            "_src/advise.py",
+            "_src/step/advise.py",
             "rank += rank >= 3 or (rank == 2 and row.step is None)",
             "rank += rank >= 3",
         ),
     ],
     "may-fit-ignores-the-overstatement": [
         (
-            "_src/advise.py",
+            "_src/step/advise.py",
             "elif step.peak_bytes - step.overstated_bytes <= self.budget:",
             "elif step.peak_bytes <= self.budget:",
         ),
     ],
     "ties-in-candidate-order": [
-        ("_src/advise.py", "row.time.serial_seconds / per, index)", "0.0, index)"),
+        ("_src/step/advise.py", "row.time.serial_seconds / per, index)", "0.0, index)"),
     ],
-    "arrays-over-budget-compiled": [("_src/advise.py", "if arrays > search.budget:", "if False:")],
-    "repeated-steps-compiled-again": [("_src/advise.py", "if key not in children:", "if True:")],
+    "arrays-over-budget-compiled": [("_src/step/advise.py", "if arrays > search.budget:", "if False:")],
+    "repeated-steps-compiled-again": [("_src/step/advise.py", "if key not in children:", "if True:")],
 }
 
 #: Test files in the order a mutant's run takes them: quick, broad ones first, so

@@ -22,9 +22,9 @@ from typing import Any, NamedTuple
 from jax.sharding import AbstractMesh, AxisType, Mesh
 
 from spmdtree._src.errors import Mistake, public
-from spmdtree._src.hardware import Hardware, StepTime
+from spmdtree._src.step.hardware import Hardware, StepTime
 from spmdtree._src.plan import plan
-from spmdtree._src.preflight import (
+from spmdtree._src.step.preflight import (
     DEFER,
     Deferral,
     Exported,

@@ -33,8 +33,8 @@ from jax.typing import ArrayLike
 
 from spmdtree._src.boxes import dtype_of, shape_of
 from spmdtree._src.errors import Mistake, public
-from spmdtree._src.hardware import Hardware, StepTime, step_time
-from spmdtree._src.hlo import Collective, overstated_bytes, read_step
+from spmdtree._src.step.hardware import Hardware, StepTime, step_time
+from spmdtree._src.step.hlo import Collective, overstated_bytes, read_step
 from spmdtree._src.plan import Plan, planned_walk
 from spmdtree._src.resolve import (
     Resolution,
@@ -555,7 +555,9 @@ CHILD_SECONDS = 3600
 
 
 def _run_child(payload: bytes, devices: int) -> dict[str, Any]:
-    package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    package_root = os.path.dirname(
+        os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    )
     env = {
         **os.environ,
         "JAX_PLATFORMS": "cpu",
@@ -563,7 +565,7 @@ def _run_child(payload: bytes, devices: int) -> dict[str, Any]:
         f"--xla_force_host_platform_device_count={devices}".strip(),
         "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])),
     }
-    code = "from spmdtree._src.preflight import child; child()"
+    code = "from spmdtree._src.step.preflight import child; child()"
     try:
         done = subprocess.run(
             [sys.executable, "-c", code],
