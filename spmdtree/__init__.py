@@ -24,11 +24,6 @@ Example:
     P('data', None)
 """
 
-from spmdtree._src.step.advise import Advice as Advice
-from spmdtree._src.step.advise import AdviceRow as AdviceRow
-from spmdtree._src.step.advise import Candidate as Candidate
-from spmdtree._src.step.advise import advise as advise
-from spmdtree._src.step.advise import layouts as layouts
 from spmdtree._src.boxes import PARTITION_NAME as PARTITION_NAME
 from spmdtree._src.boxes import AxisMetadata as AxisMetadata
 from spmdtree._src.boxes import LogicallyPartitioned as LogicallyPartitioned
@@ -38,10 +33,6 @@ from spmdtree._src.boxes import with_partitioning as with_partitioning
 from spmdtree._src.constraints import constrain as constrain
 from spmdtree._src.constraints import shard as shard
 from spmdtree._src.constraints import with_logical_constraint as with_logical_constraint
-from spmdtree._src.step.hardware import Hardware as Hardware
-from spmdtree._src.step.hardware import StepTime as StepTime
-from spmdtree._src.step.hardware import hardware as hardware
-from spmdtree._src.step.hlo import Collective as Collective
 from spmdtree._src.interop import from_flax as from_flax
 from spmdtree._src.optim import optimizer_sharding as optimizer_sharding
 from spmdtree._src.plan import DiffRow as DiffRow
@@ -49,8 +40,6 @@ from spmdtree._src.plan import Plan as Plan
 from spmdtree._src.plan import PlanDiff as PlanDiff
 from spmdtree._src.plan import PlanRow as PlanRow
 from spmdtree._src.plan import plan as plan
-from spmdtree._src.step.preflight import StepPlan as StepPlan
-from spmdtree._src.step.preflight import preflight as preflight
 from spmdtree._src.report import describe as describe
 from spmdtree._src.resolve import (
     RulesFallback as RulesFallback,
@@ -82,6 +71,17 @@ from spmdtree._src.specs import to_abstract as to_abstract
 from spmdtree._src.specs import to_sharding as to_sharding
 from spmdtree._src.specs import to_spec as to_spec
 from spmdtree._src.specs import validate_rules as validate_rules
+from spmdtree._src.step.advise import Advice as Advice
+from spmdtree._src.step.advise import AdviceRow as AdviceRow
+from spmdtree._src.step.advise import Candidate as Candidate
+from spmdtree._src.step.advise import advise as advise
+from spmdtree._src.step.advise import layouts as layouts
+from spmdtree._src.step.hardware import Hardware as Hardware
+from spmdtree._src.step.hardware import StepTime as StepTime
+from spmdtree._src.step.hardware import hardware as hardware
+from spmdtree._src.step.hlo import Collective as Collective
+from spmdtree._src.step.preflight import StepPlan as StepPlan
+from spmdtree._src.step.preflight import preflight as preflight
 from spmdtree._src.tactics import fsdp as fsdp
 from spmdtree._src.tactics import match as match
 from spmdtree._src.transforms import scan as scan

@@ -291,7 +291,11 @@ MUTANTS: dict[str, list[tuple[str, str, str]]] = {
         ("_src/step/hlo.py", "times = int(trips.group(1)) if loop and trips else 1", "times = 1"),
     ],
     "peak-ignores-aliasing": [
-        ("_src/step/preflight.py", "+ self.output_bytes - self.alias_bytes +", "+ self.output_bytes +"),
+        (
+            "_src/step/preflight.py",
+            "+ self.output_bytes - self.alias_bytes +",
+            "+ self.output_bytes +",
+        ),
     ],
     "preflight-drops-donation": [
         ("_src/step/preflight.py", "jax.jit(step, donate_argnums=flat_donated,", "jax.jit(step,"),
@@ -315,7 +319,11 @@ MUTANTS: dict[str, list[tuple[str, str, str]]] = {
     ],
     # 0.3: reading the compiled step (hlo.py).
     "wire-bytes-all-reduce-one-way": [
-        ("_src/step/hlo.py", "return 2 * (g - 1) * self.bytes // g", "return (g - 1) * self.bytes // g"),
+        (
+            "_src/step/hlo.py",
+            "return 2 * (g - 1) * self.bytes // g",
+            "return (g - 1) * self.bytes // g",
+        ),
     ],
     "wire-bytes-reduce-scatter-as-gather": [
         ("_src/step/hlo.py", "return (g - 1) * self.bytes\n", "return (g - 1) * self.bytes // g\n"),
@@ -372,7 +380,11 @@ MUTANTS: dict[str, list[tuple[str, str, str]]] = {
         ),
     ],
     "step-drops-what-tracing-warned": [
-        ("_src/step/preflight.py", 'flags += [*found["flags"], *warned]', 'flags += [*found["flags"]]'),
+        (
+            "_src/step/preflight.py",
+            'flags += [*found["flags"], *warned]',
+            'flags += [*found["flags"]]',
+        ),
     ],
     "out-shardings-rank-unchecked": [
         (
@@ -479,7 +491,11 @@ MUTANTS: dict[str, list[tuple[str, str, str]]] = {
         ),
     ],
     "all-reduce-factor-one": [
-        ("_src/step/hardware.py", '"all-reduce": (2.0, row.bytes),', '"all-reduce": (1.0, row.bytes),'),
+        (
+            "_src/step/hardware.py",
+            '"all-reduce": (2.0, row.bytes),',
+            '"all-reduce": (1.0, row.bytes),',
+        ),
     ],
     "all-to-all-divided-like-a-ring": [
         (
@@ -546,8 +562,12 @@ MUTANTS: dict[str, list[tuple[str, str, str]]] = {
     "ties-in-candidate-order": [
         ("_src/step/advise.py", "row.time.serial_seconds / per, index)", "0.0, index)"),
     ],
-    "arrays-over-budget-compiled": [("_src/step/advise.py", "if arrays > search.budget:", "if False:")],
-    "repeated-steps-compiled-again": [("_src/step/advise.py", "if key not in children:", "if True:")],
+    "arrays-over-budget-compiled": [
+        ("_src/step/advise.py", "if arrays > search.budget:", "if False:")
+    ],
+    "repeated-steps-compiled-again": [
+        ("_src/step/advise.py", "if key not in children:", "if True:")
+    ],
 }
 
 #: Test files in the order a mutant's run takes them: quick, broad ones first, so

@@ -22,8 +22,9 @@ from typing import Any, NamedTuple
 from jax.sharding import AbstractMesh, AxisType, Mesh
 
 from spmdtree._src.errors import Mistake, public
-from spmdtree._src.step.hardware import Hardware, StepTime
 from spmdtree._src.plan import plan
+from spmdtree._src.rules import AnyMesh, Rules
+from spmdtree._src.step.hardware import Hardware, StepTime
 from spmdtree._src.step.preflight import (
     DEFER,
     Deferral,
@@ -33,7 +34,6 @@ from spmdtree._src.step.preflight import (
     argnums,
     preflight,
 )
-from spmdtree._src.rules import AnyMesh, Rules
 from spmdtree._src.text import advice_table, size_text
 
 #: A compile subprocess's analysis and its seconds, to come.

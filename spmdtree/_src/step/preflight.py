@@ -33,8 +33,6 @@ from jax.typing import ArrayLike
 
 from spmdtree._src.boxes import dtype_of, shape_of
 from spmdtree._src.errors import Mistake, public
-from spmdtree._src.step.hardware import Hardware, StepTime, step_time
-from spmdtree._src.step.hlo import Collective, overstated_bytes, read_step
 from spmdtree._src.plan import Plan, planned_walk
 from spmdtree._src.resolve import (
     Resolution,
@@ -47,6 +45,8 @@ from spmdtree._src.rules import (
     Rules,
     logical_axis_rules,
 )
+from spmdtree._src.step.hardware import Hardware, StepTime, step_time
+from spmdtree._src.step.hlo import Collective, overstated_bytes, read_step
 from spmdtree._src.text import short_value, size_text, step_table
 
 T = TypeVar("T")
