@@ -337,6 +337,7 @@ def step_table(step: Any) -> str:
     axes = ", ".join(f"{name} {size}" for name, size in step.mesh.shape.items())
     devices = math.prod(step.mesh.shape.values())
     estimate = " (an estimate of an accelerator's)" if step.backend == "cpu" else ""
+    compiled = step.target or f"{step.backend}{estimate}"
     memory = [
         ("arguments", step.argument_bytes, ""),
         ("outputs", step.output_bytes, ""),
@@ -346,7 +347,7 @@ def step_table(step: Any) -> str:
     ]
     lines = [
         f"step on {devices} device{'' if devices == 1 else 's'} ({axes}; axis types "
-        f"{axis_types_text(step.mesh)}), compiled for {step.backend}{estimate} "
+        f"{axis_types_text(step.mesh)}), compiled for {compiled} "
         f"in {step.compile_seconds:.1f} s",
         "memory per device",
     ]

@@ -15,29 +15,21 @@ import hashlib
 import math
 import os
 import sys
-import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from jax.sharding import AbstractMesh, AxisType, Mesh
 
 from spmdtree._src.errors import Mistake, public
-from spmdtree._src.plan import plan
 from spmdtree._src.rules import AnyMesh, Rules
 from spmdtree._src.step.hardware import Hardware, StepTime
-from spmdtree._src.step.preflight import (
-    DEFER,
-    Deferral,
-    Exported,
-    StepPlan,
-    _run_child,
-    argnums,
-    preflight,
-)
+from spmdtree._src.step.preflight import StepPlan, Where, step_plan, target_of, where
+from spmdtree._src.step.targets import Analysis, check_compiler, compile_child, compile_here, place
+from spmdtree._src.step.trace import Arguments, Traced, arguments, trace
 from spmdtree._src.text import advice_table, size_text
 
-#: A compile subprocess's analysis and its seconds, to come.
-_Child = concurrent.futures.Future[tuple[dict[str, Any], float]]
+#: A compile subprocess's analysis, to come.
+_Child = concurrent.futures.Future[Analysis]
 
 #: The verdicts, best first.
 VERDICTS = ("fits", "may fit", "over budget", "does not compile")
@@ -112,6 +104,8 @@ class Advice:
         compiles: how many compiles ran (rejected and repeated steps run none).
         hardware: the `Hardware` they were timed on.
         budget_bytes: the memory budget per device.
+        note: what `confirm` did: which rows the target's compiler confirmed, or
+            why none were (its compiler is not installed) (new in 0.4).
 
     Example:
         >>> import jax, spmdtree as st
@@ -126,6 +120,7 @@ class Advice:
     compiles: int
     hardware: Hardware
     budget_bytes: int
+    note: str = ""
 
     @property
     def best(self) -> AdviceRow | None:
@@ -244,13 +239,22 @@ def label_of(candidate: Candidate) -> str:
     return candidate.label or " x ".join(f"{a} {n}" for a, n in candidate.mesh.shape.items())
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
+class _Step:
+    """A candidate's step, planned: what tracing it (again, for a target) takes."""
+
+    fn: Callable[..., Any]
+    planned: Arguments
+    out_shardings: Any
+
+
+@dataclasses.dataclass(frozen=True)
 class _Pending:
     """A candidate traced and exported, waiting for its compile subprocess."""
 
     index: int
-    call: tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]
-    exported: Exported
+    traced: Traced
+    where: Where
 
 
 @dataclasses.dataclass
@@ -263,6 +267,7 @@ class _Search:
     progress: bool
     candidates: list[Candidate]
     rows: dict[int, AdviceRow] = dataclasses.field(default_factory=dict)
+    steps: dict[int, _Step] = dataclasses.field(default_factory=dict)
     compiles: int = 0
 
     def row(self, index: int, verdict: str, reason: str, step: StepPlan | None = None) -> None:
@@ -305,20 +310,23 @@ class _Search:
         else:
             self.row(index, "over budget", f"peak {peak} > {budget} budget", step)
 
-    def ranked(self) -> tuple[AdviceRow, ...]:
-        def key(index: int) -> tuple[int, float, float, int]:
-            row = self.rows[index]
-            rank = VERDICTS.index(row.verdict)
-            rank += rank >= 3 or (rank == 2 and row.step is None)  # compiled over budget first
-            if rank >= 2 or row.time is None:
-                return (rank, math.inf if rank < 2 else 0.0, 0.0, index)
-            # per sequence: at one batch, the bound's order; across batches, the
-            # step time alone would always favour the smaller batch. Equal bounds
-            # (compute-bound) rank by the serial time: less to overlap.
-            per = row.candidate.batch
-            return (rank, row.time.bound_seconds / per, row.time.serial_seconds / per, index)
+    def rank(self, index: int) -> tuple[int, int, float, float, int]:
+        """The sort key of a row: its verdict, the target's figures before the CPU
+        estimate's, then its bound per sequence."""
+        row = self.rows[index]
+        rank = VERDICTS.index(row.verdict)
+        rank += rank >= 3 or (rank == 2 and row.step is None)  # compiled over budget first
+        estimate = int(row.step is not None and row.step.backend == "cpu")
+        if rank >= 2 or row.time is None:
+            return (rank, estimate, math.inf if rank < 2 else 0.0, 0.0, index)
+        # per sequence: at one batch, the bound's order; across batches, the
+        # step time alone would always favour the smaller batch. Equal bounds
+        # (compute-bound) rank by the serial time: less to overlap.
+        per = row.candidate.batch
+        return (rank, estimate, row.time.bound_seconds / per, row.time.serial_seconds / per, index)
 
-        return tuple(self.rows[i] for i in sorted(self.rows, key=key))
+    def ranked(self) -> tuple[AdviceRow, ...]:
+        return tuple(self.rows[i] for i in sorted(self.rows, key=self.rank))
 
 
 def _bound_by(timed: StepTime) -> str:
@@ -337,6 +345,10 @@ def _message(error: BaseException) -> str:
     )
 
 
+#: What make_step's kwargs may hold: preflight's own, but the mesh and rules.
+_KWARGS = ("params", "donate_argnums", "static_argnums", "out_shardings")
+
+
 def _first_pass(
     search: _Search, index: int, make_step: Callable[[Candidate], Any]
 ) -> _Pending | None:
@@ -349,28 +361,35 @@ def _first_pass(
     except Exception as e:
         search.row(index, "does not compile", f"make_step raised {_message(e)}")
         return None
-    if {"mesh", "rules"} & set(kwargs):
-        raise Mistake(
-            ValueError,
-            f"make_step returned kwargs with {sorted({'mesh', 'rules'} & set(kwargs))}; "
-            "advise passes each candidate's mesh and rules itself. Leave them out.",
-        )
+    odd = sorted(set(kwargs) - set(_KWARGS))
+    if odd:
+        said = "advise passes each candidate's mesh and rules itself. Leave them out."
+        if not {"mesh", "rules"} & set(odd):
+            said = f"preflight takes only {', '.join(_KWARGS)} there."
+        raise Mistake(ValueError, f"make_step returned kwargs with {odd}; {said}")
     mesh = _abstract(candidate)
     try:
-        static = argnums(kwargs.get("static_argnums", ()), len(args), "static_argnums")
-        dynamic = tuple(None if i in static else arg for i, arg in enumerate(args))
-        arrays = plan(dynamic, mesh, candidate.rules, params=kwargs.get("params")).device_bytes
+        planned = arguments(
+            tuple(args),
+            mesh,
+            candidate.rules,
+            params=kwargs.get("params"),
+            donate_argnums=kwargs.get("donate_argnums", ()),
+            static_argnums=kwargs.get("static_argnums", ()),
+        )
+        arrays = planned.plan.device_bytes
         if arrays > search.budget:
             said = f"arrays alone {size_text(arrays)} > {size_text(search.budget)}, not compiled"
             search.row(index, "over budget", said)
             return None
-        token = DEFER.set(Deferral())
-        try:
-            step = preflight(fn, *args, mesh=mesh, rules=candidate.rules, **kwargs)
-        finally:
-            DEFER.reset(token)
-    except Exported as exported:
-        return _Pending(index, (fn, args, kwargs), exported)
+        search.steps[index] = _Step(fn, planned, kwargs.get("out_shardings"))
+        at, here = where(mesh, None, None)
+        traced = trace(
+            fn, planned, mesh, candidate.rules, out_shardings=kwargs.get("out_shardings"), here=here
+        )
+        if here is None:
+            return _Pending(index, traced, at)
+        step = step_plan(traced, compile_here(traced), at)
     except Exception as e:
         search.row(index, "does not compile", _message(e))
         return None
@@ -387,34 +406,23 @@ def _abstract(candidate: Candidate) -> AnyMesh:
 
 def _second_pass(search: _Search, pending: _Pending, child: _Child) -> None:
     """The StepPlan of a pending candidate from its subprocess's analysis."""
-    candidate, (fn, args, kwargs) = search.candidates[pending.index], pending.call
-    mesh = _abstract(candidate)
     try:
-        found, seconds = child.result()
+        step = step_plan(pending.traced, child.result(), pending.where)
     except Mistake as mistake:
         search.row(pending.index, "does not compile", str(mistake.error("preflight")))
         return
-    found = {**found, "seconds": pending.exported.seconds + seconds}
-    token = DEFER.set(Deferral(found, pending.exported.caught))
-    try:
-        step = preflight(fn, *args, mesh=mesh, rules=candidate.rules, **kwargs)
-    except Exception as e:
-        search.row(pending.index, "does not compile", _message(e))
-        return
-    finally:
-        DEFER.reset(token)
     search.judge(pending.index, step)
 
 
 def _run(
     search: _Search,
-    make_step: Callable[[Candidate], Any],
+    pendings: Iterable[_Pending | None],
     pool: concurrent.futures.ThreadPoolExecutor,
 ) -> None:
-    """Traces each candidate in turn, starting its compile (once per distinct step),
-    and finishes every candidate whose compile is done between traces, so the
+    """Starts each pending candidate's compile as it comes (once per distinct step)
+    and finishes every candidate whose compile is done between them, so the
     progress lines come as candidates finish."""
-    children: dict[tuple[str, int], _Child] = {}
+    children: dict[tuple[str, Any], _Child] = {}
     waiting: dict[_Child, list[_Pending]] = {}
 
     def finish(done: Iterable[_Child]) -> None:
@@ -422,24 +430,67 @@ def _run(
             while waiting[child]:
                 _second_pass(search, waiting[child].pop(0), child)
 
-    for index in range(len(search.candidates)):
-        pending = _first_pass(search, index, make_step)
+    for pending in pendings:
         if pending is not None:
-            key = (hashlib.sha256(pending.exported.payload).hexdigest(), pending.exported.devices)
+            placement = pending.where.placement
+            if placement is None:
+                raise Mistake(ValueError, "a pending compile has no placement.")
+            key = (hashlib.sha256(pending.traced.payload).hexdigest(), placement)
             if key not in children:
-                children[key] = pool.submit(_timed_child, pending.exported.payload, key[1])
+                children[key] = pool.submit(compile_child, pending.traced.payload, placement)
                 waiting[children[key]] = []
                 search.compiles += 1
             waiting[children[key]].append(pending)
-            pending.exported.payload = b""  # sent; not kept
         finish([child for child in waiting if child.done()])
     finish(concurrent.futures.as_completed(waiting))
 
 
-def _timed_child(payload: bytes, devices: int) -> tuple[dict[str, Any], float]:
-    start = time.perf_counter()
-    found = _run_child(payload, devices)
-    return found, time.perf_counter() - start
+def _confirmed(search: _Search, index: int, target: Where) -> _Pending | None:
+    """The candidate's step traced again, exported for the target's compiler."""
+    candidate, step = search.candidates[index], search.steps[index]
+    try:
+        traced = trace(
+            step.fn,
+            step.planned,
+            _abstract(candidate),
+            candidate.rules,
+            out_shardings=step.out_shardings,
+            here=None,
+            platform=target.platform,
+        )
+    except Exception as e:
+        search.row(index, "does not compile", f"for {target}: {_message(e)}")
+        return None
+    return _Pending(index, traced, target)
+
+
+def _confirm(search: _Search, confirm: int, pool: concurrent.futures.ThreadPoolExecutor) -> str:
+    """Compiles the best `confirm` screened rows for the hardware's target and judges
+    them again on its figures; what the header says of it."""
+    if not confirm:
+        return ""
+    try:
+        chosen, per_node = target_of(search.hardware)
+        check_compiler(chosen)
+    except Mistake as mistake:
+        return f"not confirmed: {mistake.error('advise')}"
+    per_node = per_node if search.devices_per_node is None else search.devices_per_node
+    best = [
+        i
+        for i in sorted(search.rows, key=search.rank)
+        if search.rows[i].step is not None and search.rows[i].verdict in VERDICTS[:2]
+    ][:confirm]
+    pendings = []
+    for index in best:
+        try:
+            devices = math.prod(search.candidates[index].mesh.shape.values())
+            at = Where(place(chosen, devices, per_node))
+        except Mistake as mistake:
+            search.row(index, "does not compile", str(mistake.error("advise")))
+            continue
+        pendings.append(_confirmed(search, index, at))
+    _run(search, pendings, pool)
+    return f"the best {len(best)} confirmed by the {chosen.compiler} compiler for {chosen.name}"
 
 
 @public
@@ -452,6 +503,7 @@ def advise(
     budget_bytes: int | None = None,
     jobs: int | None = None,
     progress: bool = True,
+    confirm: int = 0,
 ) -> Advice:
     """Preflights every candidate layout and ranks them by a roofline of each step.
 
@@ -477,6 +529,10 @@ def advise(
         jobs: how many compiles run at once; None: the CPU count, fewer where
             memory is short (a compile takes ~0.7 GB).
         progress: print one line per candidate to stderr.
+        confirm: compile the best `confirm` rows that fit (or may) again with the
+            hardware's own compiler (`preflight`'s ``target=``) and rank them on
+            its figures, ahead of the CPU estimates (new in 0.4). A missing
+            compiler is said once, in `Advice.note`.
 
     Returns:
         The `Advice`, ranked.
@@ -504,6 +560,12 @@ def advise(
         raise Mistake(TypeError, f"hardware is {hardware!r}; expected a st.Hardware.")
     if jobs is not None and (not isinstance(jobs, int) or isinstance(jobs, bool) or jobs < 1):
         raise Mistake(ValueError, f"jobs is {jobs!r}; expected an int >= 1 (or None).")
+    if not isinstance(confirm, int) or isinstance(confirm, bool) or confirm < 0:
+        raise Mistake(
+            ValueError,
+            f"confirm is {confirm!r}; expected an int >= 0: how many of the best rows to "
+            "compile again for the hardware's target (0: none).",
+        )
     for c in candidates:
         if not isinstance(c, Candidate) or not isinstance(c.batch, int) or c.batch < 1:
             raise Mistake(
@@ -514,5 +576,6 @@ def advise(
     budget = hardware.memory_bytes if budget_bytes is None else budget_bytes
     search = _Search(hardware, devices_per_node, budget, progress, candidates)
     with concurrent.futures.ThreadPoolExecutor(jobs or default_jobs()) as pool:
-        _run(search, make_step, pool)
-    return Advice(search.ranked(), search.compiles, hardware, budget)
+        _run(search, (_first_pass(search, i, make_step) for i in range(len(candidates))), pool)
+        note = _confirm(search, confirm, pool)
+    return Advice(search.ranked(), search.compiles, hardware, budget, note)

@@ -1,0 +1,506 @@
+"""Where a step compiles, and what the compile says: the third of preflight's stages.
+
+Three places: this process (a mesh of its own devices, or enough CPU devices
+for an `AbstractMesh`), a CPU child (a fresh process given as many fake CPU
+devices: the fast estimate), and a target child, where an accelerator's own
+compiler runs without the accelerator: XLA's GPU compiler (``jax-cuda12-plugin``
+with a chip's description, no device needed) or the TPU compiler in
+``libtpu`` (a slice's topology, as MaxText's ``train_compile.py`` does). A
+child gets the step through `jax.export` and answers an `Analysis` as JSON.
+The chips' descriptions are their data sheets' figures (docs/planning.md,
+"Compiling for the target", lists each with its source).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import math
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from typing import Any, cast
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from spmdtree._src.errors import Mistake
+from spmdtree._src.step.hlo import Collective, overstated_bytes, read_step
+from spmdtree._src.step.trace import Traced
+from spmdtree._src.text import size_text
+
+#: How long a compile subprocess may take before it is stopped.
+CHILD_SECONDS = 3600
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+    """An NVIDIA GPU's facts, as XLA's GPU target description reads them.
+
+    Sources: NVIDIA's data sheets (SMs, memory, bandwidth, clock, L2) and the
+    CUDA programming guide's per-compute-capability limits (shared memory,
+    registers, threads); docs/planning.md lists each figure's source.
+    """
+
+    description: str
+    capability: tuple[int, int]
+    sms: int
+    memory_bytes: int
+    bandwidth: int  # bytes per second
+    clock_ghz: float
+    l2_bytes: int
+    shared_per_sm: int = 233_472  # 228 KiB per SM (compute capability 9.0 and 10.0)
+    shared_per_block_optin: int = 232_448  # 227 KiB
+    registers_per_sm: int = 65_536
+
+    def target_config(self) -> str:
+        """The chip as XLA's ``GpuTargetConfigProto``, in protobuf text format."""
+        major, minor = self.capability
+        return (
+            "gpu_device_info {\n"
+            f"  cuda_compute_capability {{ major: {major} minor: {minor} }}\n"
+            "  threads_per_block_limit: 1024\n  threads_per_warp: 32\n"
+            "  shared_memory_per_block: 49152\n"
+            f"  shared_memory_per_core: {self.shared_per_sm}\n"
+            "  threads_per_core_limit: 2048\n"
+            f"  core_count: {self.sms}\n  fpus_per_core: 128\n"
+            "  block_dim_limit_x: 2147483647\n  block_dim_limit_y: 65535\n"
+            "  block_dim_limit_z: 65535\n"
+            f"  memory_bandwidth: {self.bandwidth}\n  l2_cache_size: {self.l2_bytes}\n"
+            f"  clock_rate_ghz: {self.clock_ghz}\n  device_memory_size: {self.memory_bytes}\n"
+            f"  shared_memory_per_block_optin: {self.shared_per_block_optin}\n"
+            f"  registers_per_core_limit: {self.registers_per_sm}\n"
+            f"  registers_per_block_limit: {self.registers_per_sm}\n"
+            "}\n"
+            'platform_name: "CUDA"\n'
+            "dnn_version_info { major: 9 minor: 8 }\n"
+            f'device_description_str: "{self.description}"\n'
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """An accelerator's compiler: XLA GPU for a `Chip`, or libtpu for a TPU generation.
+
+    Attributes:
+        name: the preset it belongs to (``"h100"``, ``"tpu-v5p"``).
+        platform: ``"cuda"`` or ``"tpu"``.
+        chip: the GPU's `Chip`, or the TPU generation as libtpu names it
+            (``"v5p"``, ``"v5e"``, ``"v6e"``).
+        dimensions: a TPU slice's topology dimensions (3 for v5p, 2 for v5e/v6e).
+        slice_limit: the most chips one TPU slice holds (None: no limit here).
+    """
+
+    name: str
+    platform: str
+    chip: Chip | str
+    dimensions: int = 0
+    slice_limit: int | None = None
+
+    @property
+    def compiler(self) -> str:
+        """``"XLA GPU"`` or ``"libtpu"``."""
+        return "XLA GPU" if self.platform == "cuda" else "libtpu"
+
+    @property
+    def extra(self) -> str:
+        """The pip extra that installs the compiler: ``"cuda"`` or ``"tpu"``."""
+        return "cuda" if self.platform == "cuda" else "tpu"
+
+
+GB = 10**9
+
+#: The targets, by preset name. H100 SXM5 80 GB, H200 SXM 141 GB and B200: SMs, memory
+#: (CUDA's device query: 81,559 MiB, 143,771 MiB, 183,359 MiB), bandwidth and boost clock
+#: from NVIDIA's data sheets; TPU generations as libtpu names them.
+TARGETS = {
+    "h100": Target(
+        "h100",
+        "cuda",
+        Chip("NVIDIA H100 80GB HBM3", (9, 0), 132, 85_520_809_984, 3_350 * GB, 1.98, 50 * 2**20),
+    ),
+    "h200": Target(
+        "h200",
+        "cuda",
+        Chip("NVIDIA H200", (9, 0), 132, 150_754_820_096, 4_800 * GB, 1.98, 50 * 2**20),
+    ),
+    "b200": Target(
+        "b200",
+        "cuda",
+        Chip("NVIDIA B200", (10, 0), 148, 192_265_846_784, 8_000 * GB, 1.965, 126 * 2**20),
+    ),
+    "tpu-v5e": Target("tpu-v5e", "tpu", "v5e", dimensions=2, slice_limit=256),
+    "tpu-v5p": Target("tpu-v5p", "tpu", "v5p", dimensions=3),
+    "tpu-v6e": Target("tpu-v6e", "tpu", "v6e", dimensions=2, slice_limit=256),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """How a target's devices are laid out for a mesh: GPUs as nodes, TPU chips as
+    slices of one topology.
+
+    Attributes:
+        target: the `Target`, or None for fake CPU devices.
+        devices: how many devices.
+        per_node: devices per GPU node, or chips per TPU slice.
+    """
+
+    target: Target | None
+    devices: int
+    per_node: int
+
+    @property
+    def nodes(self) -> int:
+        """How many GPU nodes or TPU slices."""
+        return self.devices // self.per_node
+
+    @property
+    def topology(self) -> str:
+        """What the compiler is given: ``1x8x8`` (GPU), ``v5p:4x4x4`` (one TPU slice)."""
+        if self.target is None:
+            return f"{self.devices} cpu"
+        if self.target.platform == "cuda":
+            return f"1x{self.nodes}x{self.per_node}"
+        dims = _tpu_dims(self.per_node, self.target.dimensions)
+        return f"{self.target.chip}:{'x'.join(map(str, dims))}"
+
+    def __str__(self) -> str:
+        if self.target is None:
+            return f"{self.devices} CPU devices (the XLA CPU compiler's estimate)"
+        kind = "node" if self.target.platform == "cuda" else "slice"
+        parts = f"{self.nodes} {kind}{'' if self.nodes == 1 else 's'} of {self.per_node}"
+        if self.target.platform == "tpu" and self.nodes == 1:
+            parts = f"one slice, {self.topology.split(':')[1]}"
+        return f"{self.devices} x {self.target.name}, {parts}, {self.target.compiler} compiler"
+
+
+def place(target: Target, devices: int, per_node: int | None) -> Placement:
+    """The placement of `devices` on `target` (nodes or slices of `per_node`; None:
+    the GPU's 8 per node, one TPU slice), checked before anything compiles."""
+    if target.platform == "cuda":
+        node = min(per_node or 8, devices)
+        if devices % node:
+            raise Mistake(
+                ValueError,
+                f"a mesh of {devices} GPUs does not fill nodes of {node}: give a mesh "
+                f"whose size is a multiple of {node}, or devices_per_node= that divides it.",
+            )
+        return Placement(target, devices, node)
+    size = per_node or devices
+    if devices % size or not _power_of_two(size):
+        raise Mistake(
+            ValueError,
+            f"a mesh of {devices} {target.name} chips cannot be laid on TPU slices of "
+            f"{size} chips: a slice holds a power of two of chips, and the mesh must "
+            "fill whole slices. Give a mesh of such a size, or devices_per_node= (the "
+            "slice size) that divides it.",
+        )
+    if target.slice_limit is not None and size > target.slice_limit:
+        raise Mistake(
+            ValueError,
+            f"one {target.name} slice holds at most {target.slice_limit} chips, and the "
+            f"mesh has {devices}. Pass devices_per_node= (the slice size, e.g. "
+            f"{target.slice_limit}) to compile it as a multi-slice job.",
+        )
+    return Placement(target, devices, size)
+
+
+def _power_of_two(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0
+
+
+def _tpu_dims(chips: int, count: int) -> list[int]:
+    """A slice's topology for a power of two of chips: ``2x1x1``, ``2x2x1``,
+    ``2x2x2``, ``2x2x4``, ``2x4x4``, ... (the smallest dimension doubled, the last
+    of ties first)."""
+    if chips < 4:
+        return [chips] + [1] * (count - 1)
+    dims = [2, 2] + [1] * (count - 2)
+    while math.prod(dims) < chips:
+        smallest = min(dims)
+        dims[max(i for i, d in enumerate(dims) if d == smallest)] *= 2
+    return dims
+
+
+def check_compiler(target: Target) -> None:
+    """Raises, naming the pip command, if `target`'s compiler is not installed."""
+    module = "jax_plugins.xla_cuda12" if target.platform == "cuda" else "libtpu"
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        found = False
+    if not found:
+        raise Mistake(
+            ValueError,
+            f"compiling for {target.name} needs the {target.compiler} compiler, which is not "
+            f"installed: pip install 'spmdtree[{target.extra}]' (it runs without the "
+            "accelerator). Without target=, preflight gives the CPU estimate.",
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Analysis:
+    """What a compile says of a step, per device: the fourth stage's input.
+
+    Crosses a process boundary as JSON (`to_json`, `from_json`).
+    """
+
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int
+    temp_bytes: int
+    code_bytes: int
+    collectives: tuple[Collective, ...]
+    flags: tuple[str, ...]
+    flops: int
+    overstated_bytes: int
+    backend: str
+    seconds: float = 0.0
+
+    def to_json(self) -> str:
+        """The analysis as a JSON object."""
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> Analysis:
+        """The analysis `to_json` wrote."""
+        fields = json.loads(text)
+        rows = tuple(
+            Collective(kind, n, size, tuple(axes), group)
+            for kind, n, size, axes, group in fields.pop("collectives")
+        )
+        return cls(**{**fields, "collectives": rows, "flags": tuple(fields["flags"])})
+
+
+def analyse(compiled: jax.stages.Compiled, mesh: Mesh, platform: str) -> Analysis:
+    """A compiled step's memory per device, its collectives and FLOPs per step.
+
+    On CPU devices, an all-reduce whose every use takes one device's slice is
+    counted as the reduce-scatter an accelerator runs, and the whole results
+    such all-reduces keep live bound how much the peak may overstate.
+
+    Raises:
+        Mistake: if the backend reports no memory analysis or no HLO.
+    """
+    memory, text = compiled.memory_analysis(), compiled.as_text()
+    if memory is None or text is None:
+        raise Mistake(
+            ValueError,
+            "the backend this step compiled for reports no memory analysis (or no HLO "
+            "text) for it, which preflight reads. Preflight on an AbstractMesh, which "
+            "compiles for CPU devices, or pass target=.",
+        )
+    read = read_step(text, tuple(mesh.shape.items()), cpu=platform == "cpu")
+    temp = int(memory.temp_size_in_bytes)
+    overstated = overstated_bytes(read.held_bytes, temp) if platform == "cpu" else 0
+    flags = list(read.flags)
+    if overstated:
+        flags.append(
+            f"peak may be overstated by up to {size_text(overstated)}: the CPU compile holds "
+            "whole reductions an accelerator holds as reduce-scattered shards"
+        )
+    return Analysis(
+        argument_bytes=int(memory.argument_size_in_bytes),
+        output_bytes=int(memory.output_size_in_bytes),
+        alias_bytes=int(memory.alias_size_in_bytes),
+        temp_bytes=temp,
+        code_bytes=int(memory.generated_code_size_in_bytes),
+        collectives=tuple(Collective(k, n, b, tuple(a), g) for k, n, b, a, g in read.collectives),
+        flags=tuple(flags),
+        flops=int(read.flops),
+        overstated_bytes=overstated,
+        backend=platform,
+    )
+
+
+def compile_options(platform: str) -> dict[str, Any]:
+    """Compiler options per platform. Fake CPU devices: no costly machine-code
+    optimisation, which halves the compile time and changes no buffer. XLA GPU
+    without a device: GEMMs to cuBLAS, as the device's autotuner mostly picks
+    (deviceless, XLA cannot autotune; with Triton GEMMs its peaks came 10-27%
+    under a real H200's with rematerialisation, with cuBLAS within 4%)."""
+    if platform == "cpu":
+        return {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+    if platform == "cuda":
+        return {"xla_gpu_enable_triton_gemm": False}
+    return {}
+
+
+def compile_here(traced: Traced) -> Analysis:
+    """Compiles a step lowered for this process's devices."""
+    if traced.lowered is None or traced.here is None:
+        raise Mistake(ValueError, "the step was exported for a subprocess, not lowered here.")
+    start = time.perf_counter()
+    platform = traced.here.devices.flat[0].platform
+    platform = "cuda" if platform == "gpu" else platform
+    compiled = traced.lowered.compile(compile_options(platform))
+    found = analyse(compiled, traced.here, platform)
+    return dataclasses.replace(found, seconds=traced.seconds + time.perf_counter() - start)
+
+
+def compile_child(payload: bytes, placement: Placement) -> Analysis:
+    """Compiles an exported step in a fresh process: on that many fake CPU devices
+    (no target), or by the target's compiler for its topology."""
+    start = time.perf_counter()
+    target = placement.target
+    package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    env = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])),
+        "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1",
+        "TPU_SKIP_MDS_QUERY": "1",
+        "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",  # parallel compiles, and a parent holding it
+        "TF_CPP_MIN_LOG_LEVEL": "3",
+    }
+    if target is None:
+        env["XLA_FLAGS"] = (
+            f"{os.environ.get('XLA_FLAGS', '')} "
+            f"--xla_force_host_platform_device_count={placement.devices}".strip()
+        )
+    request = pickle.dumps((payload, placement))
+    with tempfile.TemporaryDirectory() as folder:
+        answer = os.path.join(folder, "analysis.json")
+        code = f"from spmdtree._src.step.targets import child; child({answer!r})"
+        try:
+            done = subprocess.run(
+                [sys.executable, "-c", code],
+                input=request,
+                capture_output=True,
+                env=env,
+                timeout=CHILD_SECONDS,
+            )
+        except subprocess.TimeoutExpired:
+            raise Mistake(
+                ValueError,
+                f"compiling for {placement} in a subprocess took over {CHILD_SECONDS} s and "
+                "was stopped.",
+            ) from None
+        if done.returncode == 0 and os.path.exists(answer):
+            with open(answer) as f:
+                found = Analysis.from_json(f.read())
+            return dataclasses.replace(found, seconds=time.perf_counter() - start)
+    raise _child_failed(done, placement)
+
+
+#: What a child's stderr says when it ran out of memory.
+_MEMORY_WORDS = (
+    b"MemoryError",
+    b"RESOURCE_EXHAUSTED",
+    b"bad_alloc",
+    b"Cannot allocate memory",
+    b"failed to map segment",  # no address space left to load a library
+)
+
+
+def _child_failed(done: subprocess.CompletedProcess[bytes], placement: Placement) -> Mistake:
+    """The mistake a failed compile subprocess is said as."""
+    said = [
+        line
+        for line in done.stderr.decode(errors="replace").strip().splitlines()
+        if line.strip() and not line.startswith(("W0", "I0", "E0", "WARNING: All log"))
+    ]
+    if done.returncode < 0 or any(word in done.stderr for word in _MEMORY_WORDS):
+        return Mistake(
+            ValueError,
+            f"compiling for {placement} in a subprocess ran out of memory (exit "
+            f"{done.returncode}); this machine cannot host a mesh of that size. Plan on a "
+            "smaller mesh, or on a machine with more memory.",
+        )
+    return Mistake(
+        ValueError,
+        f"compiling for {placement} in a subprocess failed: " + " / ".join(said[-3:]),
+    )
+
+
+def child(answer: str) -> None:
+    """The compile subprocess: reads the request on stdin, writes the `Analysis` as
+    JSON to `answer`."""
+    payload, placement = pickle.loads(sys.stdin.buffer.read())
+    step = pickle.loads(payload)
+    sizes = tuple(size for _, size in step["shape"])
+    names = tuple(name for name, _ in step["shape"])
+    if placement.target is None:
+        jax.config.update("jax_num_cpu_devices", math.prod(sizes))
+        devices = np.array(jax.devices("cpu")[: math.prod(sizes)]).reshape(sizes)
+        mesh = Mesh(devices, names, axis_types=step["types"])
+    else:
+        mesh = target_mesh(placement, sizes, names, step["types"])
+    exported = jax.export.deserialize(bytearray(step["module"]))
+    shardings = exported.in_shardings_jax(mesh)
+    args = [
+        jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=sharding)
+        for aval, sharding in zip(exported.in_avals, shardings, strict=True)
+    ]
+    jitted = jax.jit(exported.call, in_shardings=shardings, donate_argnums=step["donated"])
+    platform = "cpu" if placement.target is None else placement.target.platform
+    with jax.set_mesh(mesh):
+        compiled = jitted.lower(*args).compile(compile_options(platform))
+    found = analyse(compiled, mesh, platform)
+    with open(answer, "w") as f:
+        f.write(found.to_json())
+
+
+def target_mesh(
+    placement: Placement, sizes: Sequence[int], names: Sequence[str], types: Sequence[Any]
+) -> Mesh:
+    """The mesh over the target's devices, laid as a real job lays it: `jax.make_mesh`
+    on one slice or a GPU cluster, the hybrid form across TPU slices. Devices sit
+    on nodes (slices) by row-major position // per_node, as `StepPlan.time` reads."""
+    from jax.experimental import mesh_utils, topologies
+
+    target = placement.target
+    if target is None:
+        raise Mistake(ValueError, "no target to lay the mesh on.")
+    if target.platform == "cuda":
+        chip = cast(Chip, target.chip)  # a GPU target holds a Chip
+        topology = topologies.get_topology_desc(
+            platform="cuda", target_config=chip.target_config(), topology=placement.topology
+        )
+        return jax.make_mesh(
+            tuple(sizes), tuple(names), axis_types=tuple(types), devices=topology.devices
+        )
+    dims = _tpu_dims(placement.per_node, target.dimensions)
+    options: dict[str, Any] = {}
+    if placement.per_node < 4:
+        options["chips_per_host_bounds"] = [*dims, 1][:3]
+    if placement.nodes > 1:
+        options["num_slices"] = placement.nodes
+    topology = topologies.get_topology_desc(
+        platform="tpu", topology_name=placement.topology, **options
+    )
+    devices = topology.devices
+    if placement.nodes == 1:
+        grid = mesh_utils.create_device_mesh(tuple(sizes), devices, allow_split_physical_axes=True)
+    else:
+        dcn = _across_slices(sizes, placement.nodes)
+        ici = [size // d for size, d in zip(sizes, dcn, strict=True)]
+        grid = mesh_utils.create_hybrid_device_mesh(
+            ici, dcn, devices, allow_split_physical_axes=True
+        )
+    return Mesh(grid, tuple(names), axis_types=tuple(types))
+
+
+def _across_slices(sizes: Sequence[int], slices: int) -> list[int]:
+    """How many slices each mesh axis spans, node-spanning axes first, so that a
+    device's slice is its row-major position // the slice size."""
+    dcn, left = [], slices
+    for size in sizes:
+        span = size if left % size == 0 else left if size % left == 0 else 0
+        if span == 0:
+            raise Mistake(
+                ValueError,
+                f"a mesh of shape {tuple(sizes)} cannot be laid across {slices} slices with "
+                "its leading axes spanning them. Make the leading axes' sizes fill the "
+                "slices (e.g. data across slices).",
+            )
+        dcn.append(span)
+        left //= span
+    return dcn

@@ -1,0 +1,317 @@
+"""Tracing a step: its arguments planned and placed, then lowered here or exported.
+
+The first two of preflight's stages, each a frozen record: `Arguments` (the
+plan of the arguments and their abstract, placed leaves) and `Traced` (the
+step lowered for a mesh of this process's devices, or exported by
+`jax.export` for a compile subprocess, with the warnings tracing raised).
+`advise` calls them itself: it plans every candidate once, and rejects one
+whose arrays alone exceed the budget before tracing it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import pickle
+import time
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar, cast
+
+import jax
+import numpy as np
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
+from jax.typing import ArrayLike
+
+from spmdtree._src.boxes import dtype_of, shape_of
+from spmdtree._src.errors import Mistake
+from spmdtree._src.plan import Plan, planned_walk
+from spmdtree._src.resolve import Resolution, named_sharding
+from spmdtree._src.rules import AnyMesh, PyTree, Rules, logical_axis_rules
+from spmdtree._src.text import short_value
+
+T = TypeVar("T")
+
+
+@dataclasses.dataclass(frozen=True)
+class Arguments:
+    """A step's arguments, planned: their `Plan`, and how to lay them out as
+    placed `jax.ShapeDtypeStruct` leaves on a mesh."""
+
+    args: tuple[Any, ...]
+    plan: Plan
+    walk: Any = dataclasses.field(repr=False, compare=False)
+    static: tuple[int, ...]
+    donated: tuple[int, ...]
+
+    def leaves(self, mesh: AnyMesh) -> tuple[list[Any], Any, tuple[int, ...]]:
+        """The arguments as placed leaves on `mesh`, their tree, and the donated
+        leaves' positions."""
+        return _abstract_args(self.walk, mesh, self.donated)
+
+    @property
+    def signature(self) -> str:
+        """``args[0]: 12 arrays, args[1]: f32[8,1024]``: what the step was given."""
+        said = []
+        for i, arg in enumerate(self.args):
+            leaves = jax.tree.leaves(arg)
+            what = (
+                "static"
+                if i in self.static
+                else short_value(leaves[0])
+                if len(leaves) == 1
+                else f"{len(leaves)} arrays"
+            )
+            said.append(f"args[{i}]: {what}")
+        return ", ".join(said)
+
+
+@dataclasses.dataclass(frozen=True)
+class Traced:
+    """A step traced for a mesh: lowered for `here` (a mesh of this process's
+    devices), or exported (`payload`, what a compile subprocess reads).
+
+    Attributes:
+        arguments: the planned `Arguments`.
+        mesh: the mesh planned for, as given.
+        here: the mesh of this process's devices it was lowered for, or None.
+        lowered: the lowered step where `here` is set.
+        payload: the exported step, the mesh's shape and axis types and the
+            donated leaves, pickled; empty where `here` is set.
+        warned: the warnings raised while tracing, as sentences.
+        seconds: how long tracing took.
+    """
+
+    arguments: Arguments
+    mesh: AnyMesh
+    here: Mesh | None
+    lowered: jax.stages.Lowered | None = dataclasses.field(repr=False, compare=False)
+    payload: bytes = dataclasses.field(repr=False)
+    warned: tuple[str, ...]
+    seconds: float
+
+    @property
+    def devices(self) -> int:
+        """How many devices the step is compiled for."""
+        return math.prod(self.mesh.shape.values())
+
+
+def arguments(
+    args: tuple[Any, ...],
+    mesh: AnyMesh,
+    rules: Rules | None,
+    *,
+    params: PyTree,
+    donate_argnums: int | Sequence[int],
+    static_argnums: int | Sequence[int],
+) -> Arguments:
+    """The first stage: the arguments planned on `mesh`, their positions checked."""
+    static, donated = _positions(static_argnums, donate_argnums, len(args))
+    dynamic = tuple(None if i in static else arg for i, arg in enumerate(args))
+    plan, walk = planned_walk(
+        dynamic, mesh, rules, params=params, large=1 << 20, lenient=False, argument="args"
+    )
+    return Arguments(tuple(args), plan, walk, static, donated)
+
+
+def trace(
+    fn: Callable[..., Any],
+    planned: Arguments,
+    mesh: AnyMesh,
+    rules: Rules | None,
+    *,
+    out_shardings: PyTree = None,
+    here: Mesh | None,
+    platform: str = "cpu",
+) -> Traced:
+    """The second stage: `fn` traced as it runs (under the mesh and, if given, the
+    rules), lowered for `here`, or else exported for `platform`'s compiler."""
+    start = time.perf_counter()
+    flat, treedef, flat_donated = planned.leaves(here or mesh)
+    args, static = planned.args, planned.static
+
+    def call(*leaves: Any) -> Any:
+        full = treedef.unflatten(leaves)
+        return fn(*(args[i] if i in static else full[i] for i in range(len(args))))
+
+    def step(*leaves: Any) -> list[Any]:
+        return jax.tree.leaves(call(*leaves))
+
+    signature = planned.signature
+    with _tracing(rules) as warned, _under(mesh, here):
+        out = None
+        if out_shardings is not None:
+            outputs = _traced(lambda: jax.eval_shape(call, *flat), signature)
+            out = _out_shardings(out_shardings, outputs, here or mesh)
+        jitted = jax.jit(step, donate_argnums=flat_donated, out_shardings=out)
+        if here is not None:
+            lowered = _traced(lambda: jitted.lower(*flat), signature)
+            payload = b""
+        else:
+            lowered = None
+            exported = _traced(
+                lambda: jax.export.export(jitted, platforms=[platform])(*flat), signature
+            )
+            payload = _payload(exported, mesh, flat_donated)
+    seconds = time.perf_counter() - start
+    return Traced(planned, mesh, here, lowered, payload, tuple(warned), seconds)
+
+
+def _payload(exported: jax.export.Exported, mesh: AnyMesh, donated: tuple[int, ...]) -> bytes:
+    """What a compile subprocess reads: the traced step, serialized by
+    `jax.export`, with the mesh's shape and axis types and the donated leaves."""
+    return pickle.dumps(
+        {
+            "module": exported.serialize(),
+            "shape": tuple(mesh.shape.items()),
+            "types": tuple(mesh.axis_types),
+            "donated": donated,
+        }
+    )
+
+
+def here_mesh(mesh: AnyMesh) -> Mesh | None:
+    """The mesh to compile on in this process: `mesh` itself if it has devices, else
+    this process's CPU devices laid out like it, or None if there are too few."""
+    if isinstance(mesh, Mesh):
+        return mesh
+    sizes = tuple(mesh.shape.values())
+    cpus = jax.devices("cpu")
+    if len(cpus) < math.prod(sizes):
+        return None
+    devices = np.array(cpus[: math.prod(sizes)]).reshape(sizes)
+    return Mesh(devices, tuple(mesh.axis_names), axis_types=tuple(mesh.axis_types))
+
+
+def argnums(value: object, count: int, what: str) -> tuple[int, ...]:
+    """`value` (an int or ints, negatives from the end, as `jax.jit` takes them) as
+    non-negative argument positions."""
+    numbers = (value,) if isinstance(value, int) else value
+    if isinstance(numbers, (str, bytes)) or not isinstance(numbers, Sequence):
+        raise Mistake(TypeError, f"{what} is {value!r}; expected an int or a sequence of ints.")
+    out = []
+    for n in numbers:
+        if not isinstance(n, int) or isinstance(n, bool):
+            raise Mistake(TypeError, f"{what} holds {n!r}; expected ints.")
+        if not -count <= n < count:
+            raise Mistake(
+                ValueError,
+                f"{what} holds {n}, but the step was given {count} arguments "
+                f"(positions {-count} to {count - 1}).",
+            )
+        out.append(n % count)
+    return tuple(sorted(set(out)))
+
+
+def _positions(
+    static_argnums: int | Sequence[int], donate_argnums: int | Sequence[int], count: int
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The static and the donated argument positions, checked."""
+    static = argnums(static_argnums, count, "static_argnums")
+    donated = argnums(donate_argnums, count, "donate_argnums")
+    if set(static) & set(donated):
+        raise Mistake(
+            ValueError,
+            f"argument {sorted(set(static) & set(donated))[0]} is both static and donated; "
+            "a static argument has no buffer to donate. Drop it from one of them.",
+        )
+    return static, donated
+
+
+def _abstract_args(
+    walk: Any, mesh: AnyMesh, donated: tuple[int, ...]
+) -> tuple[list[Any], Any, tuple[int, ...]]:
+    """The arguments as placed `ShapeDtypeStruct` leaves on `mesh`, their tree, and the
+    donated leaves' positions."""
+
+    def abstract(value: ArrayLike, res: Resolution) -> jax.ShapeDtypeStruct:
+        sharding = named_sharding(mesh, res.spec)
+        return jax.ShapeDtypeStruct(shape_of(value), dtype_of(value), sharding=sharding)
+
+    abstract_args = walk.map(abstract, keep_boxes=True)
+    for i, arg in enumerate(abstract_args):
+        odd = [x for x in jax.tree.leaves(arg) if not isinstance(x, jax.ShapeDtypeStruct)]
+        if odd:
+            raise Mistake(
+                TypeError,
+                f"args[{i}] holds {short_value(odd[0])}, which is not an array; pass it "
+                f"as a static argument (static_argnums={i}) or leave it out of the "
+                "arguments.",
+            )
+    flat, treedef = jax.tree.flatten(abstract_args)
+    counts = [len(jax.tree.leaves(arg)) for arg in abstract_args]
+    starts = np.cumsum([0, *counts])
+    flat_donated = tuple(j for i in donated for j in range(starts[i], starts[i + 1]))
+    return flat, cast(Any, treedef), flat_donated
+
+
+@contextlib.contextmanager
+def _tracing(rules: Rules | None) -> Iterator[list[str]]:
+    """Under `rules` (if given), recording every warning raised as a sentence."""
+    warned: list[str] = []
+    with contextlib.ExitStack() as stack:
+        if rules is not None:
+            stack.enter_context(logical_axis_rules(rules))
+        caught = stack.enter_context(warnings.catch_warnings(record=True))
+        warnings.simplefilter("always")
+        yield warned
+        warned += [f"{w.category.__name__} while tracing: {w.message}" for w in caught]
+
+
+def _under(mesh: AnyMesh, here: Mesh | None) -> contextlib.AbstractContextManager[Any]:
+    """The mesh in context while tracing: `here`, else `mesh`'s abstract mesh."""
+    if here is not None:
+        return jax.set_mesh(here)
+    abstract = mesh if isinstance(mesh, AbstractMesh) else mesh.abstract_mesh
+    return jax.sharding.use_abstract_mesh(abstract)
+
+
+def _out_shardings(prefix: PyTree, outputs: Any, mesh: AnyMesh) -> list[NamedSharding | None]:
+    """`prefix` (specs or shardings, a prefix of the `outputs` tree) as one sharding per
+    output leaf, on `mesh`."""
+    is_spec = lambda x: x is None or isinstance(x, (PartitionSpec, NamedSharding))  # noqa: E731
+    specs, spec_def = jax.tree.flatten(prefix, is_leaf=is_spec)
+    try:
+        subtrees = cast(Any, spec_def).flatten_up_to(outputs)
+    except (ValueError, TypeError) as e:
+        shapes = jax.tree.map(short_value, outputs)
+        raise Mistake(
+            ValueError,
+            f"out_shardings is {short_value(prefix)}, which is not a prefix of the step's "
+            f"outputs {shapes} ({e}). Give a PartitionSpec per output, in a tree shaped "
+            "like the outputs (or one for all).",
+        ) from None
+    out: list[NamedSharding | None] = []
+    for spec, subtree in zip(specs, subtrees, strict=True):
+        if not is_spec(spec):
+            raise Mistake(
+                TypeError,
+                f"out_shardings holds {short_value(spec)}; expected a PartitionSpec, a "
+                "NamedSharding or None per output.",
+            )
+        spec = spec.spec if isinstance(spec, NamedSharding) else spec
+        for leaf in jax.tree.leaves(subtree):
+            if spec is not None and len(spec) > len(leaf.shape):
+                raise Mistake(
+                    ValueError,
+                    f"out_shardings gives {spec} to an output of {short_value(leaf)}, which "
+                    f"has {len(leaf.shape)} dimensions. Give it a spec of at most that many.",
+                )
+        out += [None if spec is None else named_sharding(mesh, spec)] * len(
+            jax.tree.leaves(subtree)
+        )
+    return out
+
+
+def _traced(thunk: Callable[[], T], signature: str) -> T:
+    """``thunk()``, with a failure to trace said as preflight's, with JAX's message."""
+    try:
+        return thunk()
+    except Mistake:
+        raise
+    except Exception as e:
+        raise Mistake(
+            TypeError if isinstance(e, TypeError) else ValueError,
+            f"the step does not trace with its arguments ({signature}): {type(e).__name__}: {e}",
+        ) from None
