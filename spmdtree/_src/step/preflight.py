@@ -323,9 +323,10 @@ def where(
             return Where(None, here), here
         return Where(Placement(None, devices, devices)), None
     chosen, per_node = target_of(target)
-    check_compiler(chosen)
     per_node = per_node if devices_per_node is None else devices_per_node
-    return Where(place(chosen, devices, per_node)), None
+    placement = place(chosen, devices, per_node)
+    check_compiler(chosen)
+    return Where(placement), None
 
 
 def target_of(target: Hardware | str) -> tuple[Target, int | None]:

@@ -464,9 +464,7 @@ def target_mesh(
         topology = topologies.get_topology_desc(
             platform="cuda", target_config=chip.target_config(), topology=placement.topology
         )
-        return jax.make_mesh(
-            tuple(sizes), tuple(names), axis_types=tuple(types), devices=topology.devices
-        )
+        return _one_slice(topology.devices, sizes, names, types)
     dims = _tpu_dims(placement.per_node, target.dimensions)
     options: dict[str, Any] = {}
     if placement.per_node < 4:
@@ -476,16 +474,28 @@ def target_mesh(
     topology = topologies.get_topology_desc(
         platform="tpu", topology_name=placement.topology, **options
     )
-    devices = topology.devices
     if placement.nodes == 1:
-        grid = mesh_utils.create_device_mesh(tuple(sizes), devices, allow_split_physical_axes=True)
-    else:
-        dcn = _across_slices(sizes, placement.nodes)
-        ici = [size // d for size, d in zip(sizes, dcn, strict=True)]
-        grid = mesh_utils.create_hybrid_device_mesh(
-            ici, dcn, devices, allow_split_physical_axes=True
-        )
+        return _one_slice(topology.devices, sizes, names, types)
+    dcn = _across_slices(sizes, placement.nodes)
+    ici = [size // d for size, d in zip(sizes, dcn, strict=True)]
+    grid = mesh_utils.create_hybrid_device_mesh(
+        ici, dcn, topology.devices, allow_split_physical_axes=True
+    )
     return Mesh(grid, tuple(names), axis_types=tuple(types))
+
+
+def _one_slice(
+    devices: Sequence[Any], sizes: Sequence[int], names: Sequence[str], types: Sequence[Any]
+) -> Mesh:
+    """`jax.make_mesh` over `devices`; where it finds no assignment of the logical
+    axes to the physical ones, the same with physical axes split."""
+    from jax.experimental import mesh_utils
+
+    try:
+        return jax.make_mesh(tuple(sizes), tuple(names), axis_types=tuple(types), devices=devices)
+    except (NotImplementedError, ValueError):
+        grid = mesh_utils.create_device_mesh(tuple(sizes), devices, allow_split_physical_axes=True)
+        return Mesh(grid, tuple(names), axis_types=tuple(types))
 
 
 def _across_slices(sizes: Sequence[int], slices: int) -> list[int]:
