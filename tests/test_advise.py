@@ -231,10 +231,17 @@ def test_every_verdict_in_its_place():
     assert advice.compiles == 3  # neither rejected candidate compiles
 
 
-def test_a_batch_its_axes_do_not_divide_is_no_layout():
+def on_mesh_axes(candidate):
+    """`mlp_step` with its batch on mesh axes directly, not a logical name."""
+    fn, (params, x), kwargs = mlp_step(candidate)
+    return fn, (params, st.Partitioned(x.value, ("data", None))), kwargs
+
+
+@pytest.mark.parametrize("make_step", [mlp_step, on_mesh_axes], ids=["logical", "mesh-axes"])
+def test_a_batch_its_axes_do_not_divide_is_no_layout(make_step):
     data8 = _mesh(8, 1)
     unsharded, sharded = st.Candidate(data8, RULES, 12), st.Candidate(data8, RULES, 16)
-    advice = st.advise(mlp_step, [unsharded, sharded], hardware=HW, progress=False)
+    advice = st.advise(make_step, [unsharded, sharded], hardware=HW, progress=False)
     best, row = advice.rows
     assert best.candidate == sharded and best.verdict == "fits"
     assert row.verdict == "batch unsharded" and row.step is None

@@ -362,16 +362,11 @@ class _Search:
     def reject(self, index: int, planned: Plan) -> bool:
         """Rejects a candidate by the plan of its arguments, before any compile: its
         batch axes do not divide its batch, or its arrays alone exceed the budget."""
-        flags = tuple(f"{row.path}: {flag}" for row in planned.rows for flag in row.flags)
-        unsharded = _unsharded_batch(self.candidates[index], planned)
-        if unsharded is not None:
-            self.row(index, "batch unsharded", f"{unsharded}; not compiled", flags=flags)
-        elif planned.device_bytes > self.budget:
-            arrays, budget = size_text(planned.device_bytes), size_text(self.budget)
-            self.row(
-                index, "over budget", f"arrays alone {arrays} > {budget}, not compiled", None, flags
-            )
-        return unsharded is not None or planned.device_bytes > self.budget
+        rejected = _rejected(self.candidates[index], planned, self.budget)
+        if rejected is not None:
+            flags = tuple(f"{row.path}: {flag}" for row in planned.rows for flag in row.flags)
+            self.row(index, *rejected, flags=flags)
+        return rejected is not None
 
     def judge(self, index: int, step: StepPlan) -> None:
         """The verdict on a compiled step, from its peak against the budget."""
@@ -379,6 +374,17 @@ class _Search:
 
     def ranked(self) -> tuple[AdviceRow, ...]:
         return tuple(self.rows[i] for i in sorted(self.rows, key=lambda i: _rank(self.rows[i], i)))
+
+
+def _rejected(candidate: Candidate, planned: Plan, budget: int) -> tuple[str, str] | None:
+    """The verdict and reason of a candidate its plan rules out, or None."""
+    unsharded = _unsharded_batch(candidate, planned)
+    if unsharded is not None:
+        return "batch unsharded", f"{unsharded}; not compiled"
+    if planned.device_bytes > budget:
+        arrays, said = size_text(planned.device_bytes), size_text(budget)
+        return "over budget", f"arrays alone {arrays} > {said}, not compiled"
+    return None
 
 
 def _verdict(step: StepPlan, budget: int) -> tuple[str, str]:
@@ -627,7 +633,11 @@ def advise(
     I don't have. Each candidate is planned first: one whose batch its batch
     axes do not divide (every device would compute the whole batch: verdict
     ``"batch unsharded"``), or whose arrays alone exceed the budget, is not
-    compiled. The others are traced here, one after the other, and compiled in
+    compiled. The batch axes are read from the plan's record, whatever the
+    batch's names: a dimension of the arguments of the candidate's batch
+    size that its mesh axes (a rule's, or a box's own) do not divide, left
+    unsharded; a name such as "batch" need not be resolved, and a batch on
+    mesh axes directly is caught alike. The others are traced here, one after the other, and compiled in
     parallel subprocesses (at most `jobs` at once; each distinct step once),
     then timed with `StepPlan.time`. A candidate whose `make_step` or step
     fails is a row with the message, never an exception. A first line on
