@@ -531,8 +531,10 @@ def _step_call(
     returned: object,
 ) -> tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]:
     """`make_step`'s return, checked: ``(fn, args, kwargs)``, kwargs without mesh or rules."""
-    shape = "(fn, args, kwargs): the step, a tuple of its arguments and a dict of preflight's \
-other keywords (such as donate_argnums), e.g. `return step, (params, batch), {}`"
+    shape = (
+        "(fn, args, kwargs): the step, a tuple of its arguments and a dict of preflight's "
+        "other keywords (such as donate_argnums), e.g. `return step, (params, batch), {}`"
+    )
     if not isinstance(returned, (tuple, list)) or len(returned) != 3:
         got = (
             f"{len(returned)} values"
