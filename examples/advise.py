@@ -84,12 +84,23 @@ def why_others_lost(advice):
             lines.append(
                 f"  {ties} of them tie at the compute bound, with more collectives to overlap"
             )
+    tight = [row for row in advice.rows if row.verdict == "tight"]
+    if tight:
+        lines.append(
+            f"  {len(tight)} fit within {advice.margin:.0%} of the budget (tight): too close to "
+            "count on"
+        )
     over = [row for row in advice.rows if row.verdict in ("may fit", "over budget")]
     if over:
         planned = sum(row.step is None for row in over)
         lines.append(
             f"  {len(over)} over the budget: {planned} by their arrays alone (not compiled), "
             f"{len(over) - planned} by the compiled step's peak"
+        )
+    unsharded = [row for row in advice.rows if row.verdict == "batch unsharded"]
+    if unsharded:
+        lines.append(
+            f"  {len(unsharded)} are no layout: their batch axes do not divide their batch"
         )
     failed = [row for row in advice.rows if row.verdict == "does not compile"]
     if failed:
@@ -136,6 +147,10 @@ def main():
     )
     print("why the others lost:")
     print("\n".join(why_others_lost(advice)))
+    print(
+        f"to run it: advice.best.make_mesh() gives the jax.sharding.Mesh ({_label(best.candidate)}, "
+        f"axis types {best.candidate.mesh.axis_types[0].name}) on the job's {setup['chips']} devices"
+    )
     print(f"\nadvised in {time.perf_counter() - start:.0f} s, {advice.compiles} compiles")
 
 

@@ -91,7 +91,9 @@ def test_example_runs(script):
         assert all(line.endswith("fits") for line in ranked)
         assert "best: data " in done.stdout and "why the others lost:" in done.stdout
         assert "3 fit but are slower" in done.stdout and "4 compiles" in done.stdout
+        assert "advise: 4 candidates on 16 devices, at most 4 compiles" in done.stderr
         assert done.stderr.count("advise [") == 4  # one progress line per candidate
+        assert "advice.best.make_mesh() gives the jax.sharding.Mesh" in done.stdout
     if script == "train.py":  # the plan table, progress lines and the summary
         assert "names -> mesh spec" in done.stdout and "per device" in done.stdout
         assert "step   10  loss" in done.stdout and "steps/s" in done.stdout

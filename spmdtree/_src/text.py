@@ -384,10 +384,24 @@ def _seconds_text(seconds: float | None) -> str:
     raise AssertionError("unreachable")
 
 
+def _budget_text(advice: Any) -> str:
+    """What the budget is, and why: the hardware's whole memory, or as given."""
+    hw, budget = advice.hardware, size_text(advice.budget_bytes)
+    tight = f'"tight": within {advice.margin:.0%} of it'
+    if advice.budget_bytes != hw.memory_bytes:
+        return f"budget {budget} per device, as given (the {hw.name} has {size_text(hw.memory_bytes)}); {tight}"
+    return (
+        f"budget {budget} per device: the {hw.name}'s whole memory (on GPU, JAX preallocates 75% "
+        f"of it unless XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise, and fragmentation takes "
+        f"some: pass budget_bytes); {tight}"
+    )
+
+
 def advice_table(advice: Any, *, width: int = 100) -> str:
-    """The ranked table of an `Advice`: per candidate its layout, batch, peak, the
-    roofline's compute, collectives and bound, tokens per second, the verdict,
-    and the reason under it."""
+    """The ranked table of an `Advice`: what the budget is, then per candidate its
+    layout, batch, peak, the roofline's compute, collectives and bound, tokens
+    per second, the verdict, the reason under it (whole), and its flags apart
+    (``!``)."""
     rows = advice.rows
     devices = math.prod(rows[0].candidate.mesh.shape.values()) if rows else 0
     header = ["#", "layout", "batch", "peak", "compute", "comm", "bound", "tokens/s", "verdict"]
@@ -417,10 +431,10 @@ def advice_table(advice: Any, *, width: int = 100) -> str:
             for i, (item, w) in enumerate(zip(items, widths, strict=True))
         ).rstrip()
 
-    hw = advice.hardware
     lines = [
-        f"{len(rows)} candidates on {devices} x {hw.name}, budget {size_text(advice.budget_bytes)} "
-        f"per device, {advice.compiles} compile{'' if advice.compiles == 1 else 's'}",
+        f"{len(rows)} candidates on {devices} x {advice.hardware.name}, "
+        f"{advice.compiles} compile{'' if advice.compiles == 1 else 's'}",
+        *textwrap.wrap(_budget_text(advice), width, subsequent_indent="  "),
         line(header),
     ]
     for items, row in zip(cells, rows, strict=True):
@@ -428,6 +442,10 @@ def advice_table(advice: Any, *, width: int = 100) -> str:
         lines += textwrap.wrap(
             row.reason, width, initial_indent="     ", subsequent_indent="       "
         )
+        for flag in row.flags:
+            lines += textwrap.wrap(
+                flag, width, initial_indent="     ! ", subsequent_indent="       "
+            )
     lines.append(
         "times: a roofline bound (peak FLOPs, collectives at full link bandwidth, perfect "
         "overlap), not a prediction"

@@ -1,10 +1,11 @@
 """Choosing a layout: `advise` preflights candidate layouts and ranks them by a roofline.
 
 Each candidate (a mesh, rules, a batch) is first planned: one whose arrays
-alone exceed the budget is rejected without compiling. The rest are traced
-here, one after the other, and compiled in parallel subprocesses on
-preflight's own export path (each distinct step once), then timed with
-`StepPlan.time`. A candidate that fails is a row with its message.
+alone exceed the budget, or whose batch its batch axes do not divide, is
+rejected without compiling. The rest are traced here, one after the other,
+and compiled in parallel subprocesses on preflight's own export path (each
+distinct step once), then timed with `StepPlan.time`. A candidate that fails
+is a row with its message.
 """
 
 from __future__ import annotations
@@ -15,24 +16,33 @@ import hashlib
 import math
 import os
 import sys
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
+import jax
+import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh
 
 from spmdtree._src.errors import Mistake, public
+from spmdtree._src.plan import Plan
 from spmdtree._src.rules import AnyMesh, Rules
 from spmdtree._src.step.hardware import Hardware, StepTime
 from spmdtree._src.step.preflight import StepPlan, Where, step_plan, target_of, where
 from spmdtree._src.step.targets import Analysis, check_compiler, compile_child, compile_here, place
 from spmdtree._src.step.trace import Arguments, Traced, arguments, trace
-from spmdtree._src.text import advice_table, size_text
+from spmdtree._src.text import LeftUnsharded, advice_table, entries_text, size_text
 
 #: A compile subprocess's analysis, to come.
 _Child = concurrent.futures.Future[Analysis]
 
 #: The verdicts, best first.
-VERDICTS = ("fits", "may fit", "over budget", "does not compile")
+VERDICTS = ("fits", "tight", "may fit", "over budget", "batch unsharded", "does not compile")
+
+#: A step whose peak is within this share of the budget is "tight", not "fits":
+#: the budget is a device's whole memory by default, and an allocator loses
+#: some to fragmentation (docs/planning.md, "Choosing a layout").
+TIGHT_MARGIN = 0.05
 
 #: The memory one compile subprocess takes (measured: ~0.7 GB at 2,048 devices,
 #: about flat in the device count), to bound how many run at once.
@@ -68,20 +78,27 @@ class AdviceRow(NamedTuple):
 
     Attributes:
         candidate: the `Candidate`.
-        verdict: ``"fits"``, ``"may fit"``, ``"over budget"`` or ``"does not compile"``.
-        reason: one sentence: the peak against the budget, the step's first
-            flag, or JAX's or spmdtree's message.
+        verdict: one of ``"fits"``, ``"tight"`` (fits, but within the margin
+            of the budget), ``"may fit"``, ``"over budget"``, ``"batch
+            unsharded"`` (its batch axes do not divide its batch: not a real
+            layout) or ``"does not compile"``.
+        reason: one sentence, never a flag: the peak against the budget and
+            what bounds the step, why it was not compiled, or JAX's or
+            spmdtree's message.
         step: the `StepPlan`, or None (not compiled).
         time: the `StepTime`, or None.
         tokens_per_second: batch x length / bound seconds, where the length is
             known and the step compiled.
+        flags: what needs a look apart from the verdict: the step's flags (an
+            array replicated on every device, a dimension left unsharded), or
+            the plan's where it was not compiled (new in 0.4).
 
     Example:
         >>> import jax, spmdtree as st
         >>> mesh = jax.sharding.AbstractMesh((1,), ("data",))
         >>> row = st.AdviceRow(st.Candidate(mesh, None, 8), "does not compile", "a typo", None, None, None)
-        >>> row.verdict
-        'does not compile'
+        >>> row.verdict, row.flags
+        ('does not compile', ())
     """
 
     candidate: Candidate
@@ -90,20 +107,73 @@ class AdviceRow(NamedTuple):
     step: StepPlan | None
     time: StepTime | None
     tokens_per_second: float | None
+    flags: tuple[str, ...] = ()
+
+    @public
+    def make_mesh(self, devices: Sequence[jax.Device] | None = None) -> Mesh:
+        """The real mesh of this row's layout, to run the advised step on (new in 0.4).
+
+        Its axis names, sizes and axis types are the candidate's (`layouts`
+        gives Auto axes; ``jax.make_mesh(sizes, names)`` alone would give
+        Explicit ones on recent jax, on which the advised step may not run).
+
+        Args:
+            devices: the devices in mesh order (row-major), at least as many as
+                the layout has (the first that many are used); None: the
+                process's devices in ``jax.make_mesh``'s order (on GPUs and TPUs,
+                by their physical topology), the order `StepPlan.time` assumes.
+                A candidate given as a `Mesh` is returned as it is.
+
+        Returns:
+            The `jax.sharding.Mesh`.
+
+        Raises:
+            ValueError: for fewer devices than the layout has.
+
+        Example:
+            >>> import jax, spmdtree as st
+            >>> (mesh,) = st.layouts(1, ("data", "tensor"))  # Auto axes
+            >>> row = st.AdviceRow(st.Candidate(mesh, None, 8), "fits", "", None, None, None)
+            >>> real = row.make_mesh()
+            >>> type(real).__name__, real.axis_names, real.axis_sizes, real.axis_types == mesh.axis_types
+            ('Mesh', ('data', 'tensor'), (1, 1), True)
+        """
+        mesh = self.candidate.mesh
+        if isinstance(mesh, Mesh) and devices is None:
+            return mesh
+        sizes, names, types = mesh.axis_sizes, mesh.axis_names, mesh.axis_types
+        needed = math.prod(sizes)
+        given = list(jax.devices() if devices is None else devices)
+        if len(given) < needed:
+            where = "this process has" if devices is None else "devices holds"
+            raise Mistake(
+                ValueError,
+                f"the layout {label_of(self.candidate)} needs {needed} devices; {where} "
+                f"{len(given)}. Call it where the job runs (jax.devices() sees every host's "
+                "devices), or pass as many devices.",
+            )
+        if devices is None:
+            return jax.make_mesh(sizes, names, axis_types=types)
+        return Mesh(
+            np.asarray(given[:needed], dtype=object).reshape(sizes), names, axis_types=types
+        )
 
 
 @dataclasses.dataclass(frozen=True)
 class Advice:
-    """Candidates ranked: those that fit by their bound per sequence of the batch
-    (by the bound itself where the batches are equal; equal bounds by the serial
-    time, compute + collectives), then those that may fit,
-    then those over budget (compiled, then not), then those that do not compile.
+    """Candidates ranked by verdict (`VERDICTS`' order: fits, tight, may fit,
+    over budget (compiled, then not), batch unsharded, does not compile); within
+    the first three by the bound per sequence of the batch (the bound itself
+    where the batches are equal), equal ones (to 6 significant figures) by the
+    smaller peak, then by the serial time (compute + collectives).
 
     Attributes:
         rows: one `AdviceRow` per candidate, ranked.
         compiles: how many compiles ran (rejected and repeated steps run none).
         hardware: the `Hardware` they were timed on.
         budget_bytes: the memory budget per device.
+        margin: a step whose peak is within this share of the budget is
+            ``"tight"`` (new in 0.4).
         note: what `confirm` did: which rows the target's compiler confirmed, or
             why none were (its compiler is not installed) (new in 0.4).
 
@@ -112,19 +182,20 @@ class Advice:
         >>> mesh = jax.sharding.AbstractMesh((1,), ("data",))
         >>> row = st.AdviceRow(st.Candidate(mesh, None, 8), "does not compile", "a typo", None, None, None)
         >>> advice = st.Advice((row,), 0, st.hardware("h100"), 2**30)
-        >>> advice.best is None, advice.compiles
-        (True, 0)
+        >>> advice.best is None, advice.compiles, advice.margin
+        (True, 0, 0.05)
     """
 
     rows: tuple[AdviceRow, ...]
     compiles: int
     hardware: Hardware
     budget_bytes: int
+    margin: float = TIGHT_MARGIN
     note: str = ""
 
     @property
     def best(self) -> AdviceRow | None:
-        """The first row that fits, else None."""
+        """The first row that fits (a tight row is not one), else None."""
         return next((row for row in self.rows if row.verdict == "fits"), None)
 
     def __str__(self) -> str:
@@ -269,8 +340,16 @@ class _Search:
     rows: dict[int, AdviceRow] = dataclasses.field(default_factory=dict)
     steps: dict[int, _Step] = dataclasses.field(default_factory=dict)
     compiles: int = 0
+    started: float = dataclasses.field(default_factory=time.perf_counter)
 
-    def row(self, index: int, verdict: str, reason: str, step: StepPlan | None = None) -> None:
+    def row(
+        self,
+        index: int,
+        verdict: str,
+        reason: str,
+        step: StepPlan | None = None,
+        flags: tuple[str, ...] = (),
+    ) -> None:
         candidate = self.candidates[index]
         timed = None
         if step is not None:
@@ -278,55 +357,134 @@ class _Search:
                 timed = step.time(self.hardware, devices_per_node=self.devices_per_node)
             except ValueError as e:  # the hardware lacks a link kind: said, not lost
                 reason = f"{reason}; not timed: {e}"
-        if timed is not None and verdict == "fits":
+        if timed is not None and verdict in ("fits", "tight"):
             reason += "; " + _bound_by(timed)
         tokens = None
         if timed is not None and candidate.length is not None and timed.bound_seconds > 0:
             tokens = candidate.batch * candidate.length / timed.bound_seconds
-        self.rows[index] = AdviceRow(candidate, verdict, reason, step, timed, tokens)
+        self.rows[index] = AdviceRow(candidate, verdict, reason, step, timed, tokens, flags)
         if self.progress:
-            bound = f", bound {timed.bound_seconds:.3g} s" if timed is not None else ""
-            said = reason if len(reason) <= 120 else reason[:119] + "…"
-            print(
-                f"advise [{len(self.rows)}/{len(self.candidates)}] {label_of(candidate)}, "
-                f"batch {candidate.batch}: {verdict}{bound} ({said})",
-                file=sys.stderr,
-                flush=True,
-            )
+            print(_progress_line(self, self.rows[index]), file=sys.stderr, flush=True)
+
+    def reject(self, index: int, planned: Plan) -> bool:
+        """Rejects a candidate by the plan of its arguments, before any compile: its
+        batch axes do not divide its batch, or its arrays alone exceed the budget."""
+        rejected = _rejected(self.candidates[index], planned, self.budget)
+        if rejected is not None:
+            flags = tuple(f"{row.path}: {flag}" for row in planned.rows for flag in row.flags)
+            self.row(index, *rejected, flags=flags)
+        return rejected is not None
 
     def judge(self, index: int, step: StepPlan) -> None:
         """The verdict on a compiled step, from its peak against the budget."""
-        peak, budget = size_text(step.peak_bytes), size_text(self.budget)
-        if step.fits(self.budget):
-            # the arguments' own flags first (a batch left unsharded is what a
-            # reader must see), else the peak and what bounds the step
-            flags = [f"{row.path}: {flag}" for row in step.inputs.rows for flag in row.flags]
-            self.row(index, "fits", flags[0] if flags else f"peak {peak} <= {budget} budget", step)
-        elif step.peak_bytes - step.overstated_bytes <= self.budget:
-            over = size_text(step.overstated_bytes)
-            self.row(
-                index, "may fit", f"peak {peak} > {budget} budget, overstated by up to {over}", step
-            )
-        else:
-            self.row(index, "over budget", f"peak {peak} > {budget} budget", step)
-
-    def rank(self, index: int) -> tuple[int, int, float, float, int]:
-        """The sort key of a row: its verdict, the target's figures before the CPU
-        estimate's, then its bound per sequence."""
-        row = self.rows[index]
-        rank = VERDICTS.index(row.verdict)
-        rank += rank >= 3 or (rank == 2 and row.step is None)  # compiled over budget first
-        estimate = int(row.step is not None and row.step.backend == "cpu")
-        if rank >= 2 or row.time is None:
-            return (rank, estimate, math.inf if rank < 2 else 0.0, 0.0, index)
-        # per sequence: at one batch, the bound's order; across batches, the
-        # step time alone would always favour the smaller batch. Equal bounds
-        # (compute-bound) rank by the serial time: less to overlap.
-        per = row.candidate.batch
-        return (rank, estimate, row.time.bound_seconds / per, row.time.serial_seconds / per, index)
+        self.row(index, *_verdict(step, self.budget), step, step.flags)
 
     def ranked(self) -> tuple[AdviceRow, ...]:
-        return tuple(self.rows[i] for i in sorted(self.rows, key=self.rank))
+        return tuple(self.rows[i] for i in sorted(self.rows, key=lambda i: _rank(self.rows[i], i)))
+
+
+def _rejected(candidate: Candidate, planned: Plan, budget: int) -> tuple[str, str] | None:
+    """The verdict and reason of a candidate its plan rules out, or None."""
+    unsharded = _unsharded_batch(candidate, planned)
+    if unsharded is not None:
+        return "batch unsharded", f"{unsharded}; not compiled"
+    if planned.device_bytes > budget:
+        arrays, said = size_text(planned.device_bytes), size_text(budget)
+        return "over budget", f"arrays alone {arrays} > {said}, not compiled"
+    return None
+
+
+def _verdict(step: StepPlan, budget: int) -> tuple[str, str]:
+    """A compiled step's verdict and its reason: its peak against the budget."""
+    peak, said = size_text(step.peak_bytes), size_text(budget)
+    if step.peak_bytes <= budget * (1 - TIGHT_MARGIN):
+        return "fits", f"peak {peak} of {said} budget"
+    if step.peak_bytes <= budget:
+        return "tight", f"peak {peak} of {said} budget, within {TIGHT_MARGIN:.0%} of it"
+    if step.peak_bytes - step.overstated_bytes <= budget:
+        over = size_text(step.overstated_bytes)
+        return "may fit", f"peak {peak} > {said} budget, overstated by up to {over}"
+    return "over budget", f"peak {peak} > {said} budget"
+
+
+def _rank(row: AdviceRow, index: int) -> tuple[int, int, float, int, float, int]:
+    """A row's place: its verdict (compiled over budget before rejected), then, for
+    those that fit, may fit or are tight, the target compiler's figures before
+    the CPU estimate's, the bound per sequence (6 significant figures: equal
+    throughput is equal), the smaller peak, the serial time."""
+    verdict = VERDICTS.index(row.verdict)
+    order = 2 * verdict + (row.verdict == "over budget" and row.step is None)
+    if verdict > VERDICTS.index("may fit") or row.step is None:
+        return (order, 0, 0.0, 0, 0.0, index)
+    estimate = int(row.step.backend == "cpu")
+    if row.time is None:  # compiled but not timed: after the timed ones
+        return (order, estimate, math.inf, row.step.peak_bytes, math.inf, index)
+    # per sequence: at one batch, the bound's order; across batches, the step
+    # time alone would always favour the smaller batch
+    per = row.candidate.batch
+    bound = float(f"{row.time.bound_seconds / per:.6g}")
+    return (order, estimate, bound, row.step.peak_bytes, row.time.serial_seconds / per, index)
+
+
+def _unsharded_batch(candidate: Candidate, planned: Plan) -> str | None:
+    """Why the candidate's batch is no layout: a dimension of its arguments of the
+    candidate's batch size that its mesh axes do not divide, left unsharded (the
+    plan's own record, `LeftUnsharded`, so it holds whatever the batch's names
+    are, logical or mesh axes); None where there is none."""
+    sizes = dict(candidate.mesh.shape)
+    for row in planned.rows:
+        for flag in row.flags:
+            if isinstance(flag, LeftUnsharded) and flag.size == candidate.batch:
+                tried = " or ".join(
+                    f"{entries_text((axes,), 1)} "
+                    f"({math.prod(sizes.get(a, 1) for a in ((axes,) if isinstance(axes, str) else axes))})"
+                    for axes in flag.axes
+                )
+                return (
+                    f"batch {candidate.batch} is not divided by its batch axes {tried}: every "
+                    f"device would compute the whole batch (the array at {row.path}, dimension "
+                    f"{flag.dimension})"
+                )
+    return None
+
+
+def _progress_line(search: _Search, row: AdviceRow) -> str:
+    """``advise [3/12] data 2 x tensor 4, batch 8: fits, bound 1.2 ms (peak ...); about 40 s left``."""
+    done, total = len(search.rows), len(search.candidates)
+    elapsed = time.perf_counter() - search.started
+    # the rest at the mean pace of those done so far
+    left = _duration(elapsed / done * (total - done))
+    left = f"{'' if left.startswith('under') else 'about '}{left} left"
+    if done == total:
+        left = f"done in {_duration(elapsed)}"
+    bound = "" if row.time is None else f", bound {row.time.bound_seconds:.3g} s"
+    return (
+        f"advise [{done}/{total}] {label_of(row.candidate)}, batch {row.candidate.batch}: "
+        f"{row.verdict}{bound} ({row.reason}); {left}"
+    )
+
+
+def _duration(seconds: float) -> str:
+    """``under 1 s``, ``12 s``, ``3 min 20 s``, ``1 h 5 min``."""
+    whole = round(seconds)
+    if whole < 1:
+        return "under 1 s"
+    if whole < 60:
+        return f"{whole} s"
+    if whole < 3600:
+        return f"{whole // 60} min {whole % 60} s"
+    return f"{whole // 3600} h {whole % 3600 // 60} min"
+
+
+def _start_line(candidates: list[Candidate], jobs: int) -> str:
+    """The first progress line: what the search will do."""
+    n = len(candidates)
+    devices = math.prod(candidates[0].mesh.shape.values())
+    return (
+        f"advise: {n} candidate{'' if n == 1 else 's'} on {devices} devices, at most {n} "
+        f"compile{'' if n == 1 else 's'} (each distinct step once), {jobs} "
+        f"job{'' if jobs == 1 else 's'} at once"
+    )
 
 
 def _bound_by(timed: StepTime) -> str:
@@ -356,31 +514,22 @@ def _first_pass(
     mesh this process has the devices for): a pending compile, or None (a row)."""
     candidate = search.candidates[index]
     try:
-        fn, args, kwargs = make_step(candidate)
-        kwargs = dict(kwargs)
+        returned = make_step(candidate)
     except Exception as e:
         search.row(index, "does not compile", f"make_step raised {_message(e)}")
         return None
-    odd = sorted(set(kwargs) - set(_KWARGS))
-    if odd:
-        said = "advise passes each candidate's mesh and rules itself. Leave them out."
-        if not {"mesh", "rules"} & set(odd):
-            said = f"preflight takes only {', '.join(_KWARGS)} there."
-        raise Mistake(ValueError, f"make_step returned kwargs with {odd}; {said}")
+    fn, args, kwargs = _step_call(returned)
     mesh = _abstract(candidate)
     try:
         planned = arguments(
-            tuple(args),
+            args,
             mesh,
             candidate.rules,
             params=kwargs.get("params"),
             donate_argnums=kwargs.get("donate_argnums", ()),
             static_argnums=kwargs.get("static_argnums", ()),
         )
-        arrays = planned.plan.device_bytes
-        if arrays > search.budget:
-            said = f"arrays alone {size_text(arrays)} > {size_text(search.budget)}, not compiled"
-            search.row(index, "over budget", said)
+        if search.reject(index, planned.plan):
             return None
         search.steps[index] = _Step(fn, planned, kwargs.get("out_shardings"))
         at, here = where(mesh, None, None)
@@ -396,6 +545,34 @@ def _first_pass(
     search.compiles += 1
     search.judge(index, step)
     return None
+
+
+def _step_call(
+    returned: object,
+) -> tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]:
+    """`make_step`'s return, checked: ``(fn, args, kwargs)``, kwargs without mesh or rules."""
+    shape = (
+        "(fn, args, kwargs): the step, a tuple of its arguments and a dict of preflight's "
+        "other keywords (such as donate_argnums), e.g. `return step, (params, batch), {}`"
+    )
+    if not isinstance(returned, (tuple, list)) or len(returned) != 3:
+        got = (
+            f"{len(returned)} values"
+            if isinstance(returned, (tuple, list))
+            else f"a {type(returned).__name__}"
+        )
+        raise Mistake(TypeError, f"make_step returned {got}; it must return {shape}.")
+    fn, args, kwargs = returned
+    if not callable(fn) or not isinstance(args, (tuple, list)) or not isinstance(kwargs, Mapping):
+        got = ", ".join(type(value).__name__ for value in returned)
+        raise Mistake(TypeError, f"make_step returned ({got}); it must return {shape}.")
+    odd = sorted(set(kwargs) - set(_KWARGS))
+    if odd:
+        said = "advise passes each candidate's mesh and rules itself. Leave them out."
+        if not {"mesh", "rules"} & set(odd):
+            said = f"preflight takes only {', '.join(_KWARGS)} there."
+        raise Mistake(ValueError, f"make_step returned kwargs with {odd}; {said}")
+    return fn, tuple(args), dict(kwargs)
 
 
 def _abstract(candidate: Candidate) -> AnyMesh:
@@ -477,8 +654,9 @@ def _confirm(search: _Search, confirm: int, pool: concurrent.futures.ThreadPoolE
     per_node = per_node if search.devices_per_node is None else search.devices_per_node
     best = [
         i
-        for i in sorted(search.rows, key=search.rank)
-        if search.rows[i].step is not None and search.rows[i].verdict in VERDICTS[:2]
+        for i in sorted(search.rows, key=lambda i: _rank(search.rows[i], i))
+        if search.rows[i].step is not None
+        and search.rows[i].verdict in ("fits", "tight", "may fit")
     ][:confirm]
     pendings = []
     for index in best:
@@ -507,12 +685,26 @@ def advise(
 ) -> Advice:
     """Preflights every candidate layout and ranks them by a roofline of each step.
 
-    Each candidate is planned first: one whose arrays alone exceed the budget
-    is not compiled. The others are traced here, one after the other, and
-    compiled in parallel subprocesses (at most `jobs` at once; each distinct
-    step once), then timed with `StepPlan.time`. A candidate whose
-    `make_step` or step fails is a row with the message, never an exception.
-    One line per candidate goes to stderr as it finishes.
+    It answers: which layout of my step fits, and which is fastest, on hardware
+    I don't have. Each candidate is planned first: one whose batch its batch
+    axes do not divide (every device would compute the whole batch: verdict
+    ``"batch unsharded"``), or whose arrays alone exceed the budget, is not
+    compiled. The batch axes are read from the plan's record, whatever the
+    batch's names: a dimension of the arguments of the candidate's batch
+    size that its mesh axes (a rule's, or a box's own) do not divide, left
+    unsharded; a name such as "batch" need not be resolved, and a batch on
+    mesh axes directly is caught alike. The others are traced here, one after the other, and compiled in
+    parallel subprocesses (at most `jobs` at once; each distinct step once),
+    then timed with `StepPlan.time`. A candidate whose `make_step` or step
+    fails is a row with the message, never an exception. A first line on
+    stderr says what the search will do, then one line per candidate as it
+    finishes, with the time left.
+
+    The budget is a device's whole memory unless `budget_bytes` says less; a
+    step within `TIGHT_MARGIN` (5%) of it is ``"tight"``, not ``"fits"``. On
+    GPU, JAX preallocates 75% of the memory unless
+    ``XLA_PYTHON_CLIENT_MEM_FRACTION`` says otherwise, and an allocator loses
+    some to fragmentation: pass ``budget_bytes`` for what the job will have.
 
     The times are roofline bounds (peak FLOPs, perfect overlap), not
     predictions: they rank layouts; published runs reach 40-70% of such
@@ -522,13 +714,13 @@ def advise(
         make_step: ``make_step(candidate) -> (fn, args, kwargs)``, what
             ``preflight(fn, *args, mesh=candidate.mesh, rules=candidate.rules,
             **kwargs)`` takes (kwargs without mesh or rules).
-        candidates: the `Candidate` layouts.
+        candidates: the `Candidate` layouts, all over one device count.
         hardware: the `Hardware` to time on (``st.hardware("h100")``).
         devices_per_node: overrides the hardware's.
-        budget_bytes: memory per device; None: the hardware's.
+        budget_bytes: memory per device, an int > 0; None: the hardware's.
         jobs: how many compiles run at once; None: the CPU count, fewer where
             memory is short (a compile takes ~0.7 GB).
-        progress: print one line per candidate to stderr.
+        progress: print the progress lines to stderr.
         confirm: compile the best `confirm` rows that fit (or may) again with the
             hardware's own compiler (`preflight`'s ``target=``) and rank them on
             its figures, ahead of the CPU estimates (new in 0.4). A missing
@@ -538,8 +730,12 @@ def advise(
         The `Advice`, ranked.
 
     Raises:
-        ValueError: for no candidates, bad `jobs`, or kwargs that name the
-            mesh or rules.
+        TypeError: for a `budget_bytes` that is not an int (such as 1.5e9), or
+            a `make_step` that does not return ``(fn, args, kwargs)``.
+        ValueError: for no candidates, candidates over different device
+            counts, a `budget_bytes` <= 0, bad `jobs` or `devices_per_node`
+            (all before any `make_step` runs), or kwargs that name the mesh
+            or rules.
 
     Example:
         >>> import jax, jax.numpy as jnp, spmdtree as st
@@ -553,29 +749,88 @@ def advise(
         >>> len(advice.rows), advice.compiles, advice.best is not None
         (3, 3, True)
     """
-    candidates = list(candidates)
-    if not candidates:
-        raise Mistake(ValueError, "candidates is empty; give at least one st.Candidate.")
+    candidates = _checked(candidates)
     if not isinstance(hardware, Hardware):
         raise Mistake(TypeError, f"hardware is {hardware!r}; expected a st.Hardware.")
-    if jobs is not None and (not isinstance(jobs, int) or isinstance(jobs, bool) or jobs < 1):
+    if not _count_or_none(jobs):
         raise Mistake(ValueError, f"jobs is {jobs!r}; expected an int >= 1 (or None).")
+    if not _count_or_none(devices_per_node):
+        raise Mistake(
+            ValueError, f"devices_per_node is {devices_per_node!r}; expected an int >= 1 (or None)."
+        )
     if not isinstance(confirm, int) or isinstance(confirm, bool) or confirm < 0:
         raise Mistake(
             ValueError,
             f"confirm is {confirm!r}; expected an int >= 0: how many of the best rows to "
             "compile again for the hardware's target (0: none).",
         )
+    budget = _budget(budget_bytes, hardware)
+    workers = jobs or default_jobs()
+    search = _Search(hardware, devices_per_node, budget, progress, candidates)
+    if progress:
+        print(_start_line(candidates, workers), file=sys.stderr, flush=True)
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        _run(search, (_first_pass(search, i, make_step) for i in range(len(candidates))), pool)
+        note = _confirm(search, confirm, pool)
+    return Advice(search.ranked(), search.compiles, hardware, budget, note=note)
+
+
+def _count_or_none(value: object) -> bool:
+    return value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1)
+
+
+def _checked(candidates: Iterable[Candidate]) -> list[Candidate]:
+    """The candidates, each a `Candidate` with a mesh and a batch >= 1, all over one
+    device count (a ranking compares layouts of one job)."""
+    candidates = list(candidates)
+    if not candidates:
+        raise Mistake(ValueError, "candidates is empty; give at least one st.Candidate.")
     for c in candidates:
-        if not isinstance(c, Candidate) or not isinstance(c.batch, int) or c.batch < 1:
+        if (
+            not isinstance(c, Candidate)
+            or not isinstance(c.mesh, (AbstractMesh, Mesh))
+            or not isinstance(c.batch, int)
+            or c.batch < 1
+        ):
             raise Mistake(
                 ValueError,
                 f"candidates holds {c!r}; expected st.Candidate(mesh, rules, batch) with a "
-                "batch >= 1.",
+                "jax.sharding.AbstractMesh (or Mesh) and a batch >= 1.",
             )
-    budget = hardware.memory_bytes if budget_bytes is None else budget_bytes
-    search = _Search(hardware, devices_per_node, budget, progress, candidates)
-    with concurrent.futures.ThreadPoolExecutor(jobs or default_jobs()) as pool:
-        _run(search, (_first_pass(search, i, make_step) for i in range(len(candidates))), pool)
-        note = _confirm(search, confirm, pool)
-    return Advice(search.ranked(), search.compiles, hardware, budget, note)
+    counts: dict[int, list[Candidate]] = {}
+    for c in candidates:
+        counts.setdefault(math.prod(c.mesh.shape.values()), []).append(c)
+    if len(counts) > 1:
+        said = ", ".join(
+            f"{n} ({len(cs)} candidate{'' if len(cs) == 1 else 's'}, such as {label_of(cs[0])!r})"
+            for n, cs in counts.items()
+        )
+        raise Mistake(
+            ValueError,
+            f"candidates lay out different device counts: {said}. A ranking compares the "
+            "layouts of one job: pass candidates of one device count (st.layouts(n) gives "
+            "them), and call advise once per count.",
+        )
+    return candidates
+
+
+def _budget(budget_bytes: object, hardware: Hardware) -> int:
+    """The budget per device: `budget_bytes` checked, or the hardware's whole memory."""
+    if budget_bytes is None:
+        return hardware.memory_bytes
+    if not isinstance(budget_bytes, (int, np.integer)) or isinstance(budget_bytes, bool):
+        fix = (
+            f" Pass int({budget_bytes!r})."
+            if isinstance(budget_bytes, float) and budget_bytes.is_integer()
+            else ""
+        )
+        raise Mistake(
+            TypeError,
+            f"budget_bytes is {budget_bytes!r} (a {type(budget_bytes).__name__}); expected an "
+            f"int of bytes per device, or None for the hardware's memory.{fix}",
+        )
+    if budget_bytes <= 0:
+        raise Mistake(
+            ValueError, f"budget_bytes is {budget_bytes}; expected bytes per device, > 0."
+        )
+    return int(budget_bytes)
