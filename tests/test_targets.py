@@ -318,3 +318,71 @@ def test_a_target_spmdtree_does_not_know(target, error):
         st.preflight(
             jnp.sin, jax.ShapeDtypeStruct((8,), jnp.float32), mesh=abstract((8, 1)), target=target
         )
+
+
+def advise_step(candidate):
+    x = st.LogicallyPartitioned(
+        jax.ShapeDtypeStruct((candidate.batch, 256), jnp.bfloat16), ("batch", None)
+    )
+    w = st.LogicallyPartitioned(jax.ShapeDtypeStruct((256, 256), jnp.float32), ("embed", "mlp"))
+
+    def step(x, w):
+        grad = jax.grad(lambda w: jnp.sum((x.value @ w.value.astype(jnp.bfloat16)) ** 2))(w)
+        return st.replace_boxed(w, w.value - grad.value)
+
+    return step, (x, w), {"donate_argnums": 1}
+
+
+ADVISE_RULES = [("batch", "data"), ("embed", "fsdp"), ("mlp", None)]
+
+
+def candidates():
+    return [
+        st.Candidate(mesh, ADVISE_RULES, batch=64)
+        for mesh in st.layouts(8, ("data", "fsdp"), sizes={"fsdp": (1, 4)})
+    ]
+
+
+@pytest.mark.parametrize("preset", [needs("h100")])
+def test_advise_confirms_its_best_rows_with_the_target_compiler(preset):
+    advice = st.advise(
+        advise_step, candidates(), hardware=st.hardware(preset), progress=False, confirm=2
+    )
+    backends = [row.step.backend for row in advice.rows]
+    assert backends[:2] == ["cuda", "cuda"] and set(backends[2:]) == {"cpu"}
+    assert "confirmed by the XLA GPU compiler" in advice.note
+    shown = str(advice)
+    assert advice.note in shown and shown.count("XLA GPU") >= 3  # the note, and two rows
+    # ranked on the target's figures: the two confirmed rows by their own bounds
+    first, second = advice.rows[:2]
+    assert first.time.bound_seconds / first.candidate.batch <= (
+        second.time.bound_seconds / second.candidate.batch
+    )
+
+
+def test_advise_says_a_missing_compiler_once_and_keeps_the_estimates(monkeypatch):
+    found = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "jax_plugins.xla_cuda12" else found(name, *a),
+    )
+    advice = st.advise(
+        advise_step, candidates(), hardware=st.hardware("h100"), progress=False, confirm=2
+    )
+    assert "pip install 'spmdtree[cuda]'" in advice.note
+    assert {row.step.backend for row in advice.rows} == {"cpu"}
+    assert str(advice).count("spmdtree[cuda]") == 1
+
+
+@pytest.mark.parametrize("confirm", [-1, 1.5, True], ids=["negative", "float", "bool"])
+def test_advise_checks_confirm_before_any_work(confirm):
+    called = []
+    with pytest.raises(ValueError, match=r"^advise: confirm is"):
+        st.advise(
+            lambda c: called.append(c),
+            candidates(),
+            hardware=st.hardware("h100"),
+            confirm=confirm,
+        )
+    assert called == []

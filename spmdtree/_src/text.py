@@ -397,6 +397,10 @@ def _budget_text(advice: Any) -> str:
     )
 
 
+#: Whose figures a row shows, by the platform that compiled its step.
+COMPILERS = {"cpu": "cpu est.", "cuda": "XLA GPU", "tpu": "libtpu"}
+
+
 def advice_table(advice: Any, *, width: int = 100) -> str:
     """The ranked table of an `Advice`: what the budget is, then per candidate its
     layout, batch, peak, the roofline's compute, collectives and bound, tokens
@@ -404,7 +408,8 @@ def advice_table(advice: Any, *, width: int = 100) -> str:
     (``!``)."""
     rows = advice.rows
     devices = math.prod(rows[0].candidate.mesh.shape.values()) if rows else 0
-    header = ["#", "layout", "batch", "peak", "compute", "comm", "bound", "tokens/s", "verdict"]
+    header = ["#", "layout", "batch", "peak", "compute", "comm", "bound", "tokens/s", "from"]
+    header.append("verdict")
     cells = []
     for rank, row in enumerate(rows, 1):
         c, t, step = row.candidate, row.time, row.step
@@ -419,6 +424,7 @@ def advice_table(advice: Any, *, width: int = 100) -> str:
                 _seconds_text(None if t is None else t.comm_seconds),
                 _seconds_text(None if t is None else t.bound_seconds),
                 "-" if row.tokens_per_second is None else f"{row.tokens_per_second:,.0f}",
+                "-" if step is None else COMPILERS.get(step.backend, step.backend),
                 row.verdict,
             ]
         )
@@ -435,6 +441,7 @@ def advice_table(advice: Any, *, width: int = 100) -> str:
         f"{len(rows)} candidates on {devices} x {advice.hardware.name}, "
         f"{advice.compiles} compile{'' if advice.compiles == 1 else 's'}",
         *textwrap.wrap(_budget_text(advice), width, subsequent_indent="  "),
+        *textwrap.wrap(advice.note, width, subsequent_indent="  "),
         line(header),
     ]
     for items, row in zip(cells, rows, strict=True):
