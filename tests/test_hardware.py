@@ -87,7 +87,7 @@ def test_a_group_over_two_nodes_takes_the_slower_levels_time():
 
 
 def test_a_fast_link_slower_than_the_slow_links_share_sets_the_time():
-    # the same 2 x 4 group, with the ici link 40x slower: now ici is the slower level
+    # the same 2 x 4 group on an ici link 10x slower than its dcn: now ici sets the time
     slow_ici = st.Hardware("x", 1000, 1e12, {"ici": (1e7, 0.0), "dcn": (1e8, 0.0)}, 4)
     row = st.Collective("all-gather", 1, 8000, axes=("fsdp",), group=8)
     t = timed([row], {"fsdp": 8}, hw=slow_ici)
