@@ -3,6 +3,7 @@
 import dataclasses
 import functools
 import math
+import pickle
 
 import jax
 import jax.numpy as jnp
@@ -59,28 +60,117 @@ def test_one_link_kind_is_wire_bytes_over_bandwidth_plus_latency_per_hop():
         assert t.comm_seconds == pytest.approx(row.wire_bytes / ICI[0] + hops), row.kind
 
 
-def test_a_group_over_two_nodes_is_timed_hierarchically():
-    # fsdp 8 on nodes of 4: each group is 4 devices on each of 2 nodes.
+def test_a_group_over_two_nodes_takes_the_slower_levels_time():
+    # fsdp 8 on nodes of 4: each group is 4 devices on each of 2 nodes. Each kind
+    # carries its hierarchical share; the collective takes the slower kind's time.
     shape = {"fsdp": 8}
     v = 8000
 
     def seconds(kind, size):
         return timed([st.Collective(kind, 1, size, axes=("fsdp",), group=8)], shape).comm_seconds
 
-    hops = 3 * ICI[1] + 1 * DCN[1]
-    gather = 3 / 4 * v / ICI[0] + 1 / 2 * v / 4 / DCN[0] + hops
+    def slower(on_ici, on_dcn):  # bytes per device on each kind
+        return max(on_ici / ICI[0] + 3 * ICI[1], on_dcn / DCN[0] + 1 * DCN[1])
+
+    gather = slower(3 / 4 * v, 1 / 2 * v / 4)  # 6.0e-6 + 3e-6 on ici, 1.0e-5 + 1e-5 on dcn
     assert seconds("all-gather", v) == pytest.approx(gather)
+    assert gather == pytest.approx(1 / 2 * v / 4 / DCN[0] + DCN[1])  # here dcn is the slower
     # a reduce-scatter's volume is its input: result x group
-    scatter = 3 / 4 * (v * 8) / ICI[0] + 1 / 2 * (v * 8) / 4 / DCN[0] + hops
-    assert seconds("reduce-scatter", v) == pytest.approx(scatter)
-    reduce = 2 * 3 / 4 * v / ICI[0] + 2 * 1 / 2 * v / 4 / DCN[0] + hops
+    assert seconds("reduce-scatter", v) == pytest.approx(slower(3 / 4 * v * 8, 1 / 2 * v * 8 / 4))
+    reduce = slower(2 * 3 / 4 * v, 2 * 1 / 2 * v / 4)
     assert seconds("all-reduce", v) == pytest.approx(reduce)
     # an all-to-all's data must cross: not divided by the faster kind's group
-    to_all = 3 / 4 * v / ICI[0] + 1 / 2 * v / DCN[0] + hops
-    assert seconds("all-to-all", v) == pytest.approx(to_all)
+    assert seconds("all-to-all", v) == pytest.approx(slower(3 / 4 * v, 1 / 2 * v))
     # the whole ring on the slow link would be several times slower
     whole_ring = st.Collective("all-gather", 1, v, axes=("fsdp",), group=8).wire_bytes / DCN[0]
-    assert whole_ring > 3 * (gather - hops)
+    assert whole_ring > 3 * (gather - DCN[1])
+
+
+def test_a_fast_link_slower_than_the_slow_links_share_sets_the_time():
+    # the same 2 x 4 group on an ici link 10x slower than its dcn: now ici sets the time
+    slow_ici = st.Hardware("x", 1000, 1e12, {"ici": (1e7, 0.0), "dcn": (1e8, 0.0)}, 4)
+    row = st.Collective("all-gather", 1, 8000, axes=("fsdp",), group=8)
+    t = timed([row], {"fsdp": 8}, hw=slow_ici)
+    on_ici, on_dcn = 3 / 4 * 8000 / 1e7, 1 / 2 * 8000 / 4 / 1e8  # 6e-4 s, 1e-5 s
+    assert t.comm_seconds == pytest.approx(on_ici) and on_ici > on_dcn
+
+
+def test_a_two_node_all_gather_on_h100s_is_the_books_max_not_the_sum():
+    # The scaling book's 2-node all-gather (GPU chapter): max(B 7/8 / 450e9 within
+    # the node, B 1/2 / (8 x 50e9) across). 16 devices as fsdp 16, nodes of 8.
+    h100 = st.hardware("h100")
+    b = 64 * 2**20  # the result, on each device
+    row = st.Collective("all-gather", 1, b, axes=("fsdp",), group=16)
+    t = timed([row], {"fsdp": 16}, hw=h100)
+    on_ici = 7 / 8 * b / 450e9 + 7 * 2e-6  # 130.5 us + 7 hops of 2 us = 144.5 us
+    on_dcn = 1 / 2 * b / 8 / 50e9 + 1 * 5e-6  # 83.9 us + 1 hop of 5 us = 88.9 us
+    assert t.comm_seconds == pytest.approx(max(on_ici, on_dcn))
+    assert t.comm_seconds == pytest.approx(144.5e-6, rel=1e-3)
+    assert t.comm_seconds < on_ici + on_dcn  # 0.3's sum: 233 us
+
+
+def test_tensor_8_across_nodes_is_slower_than_within_a_node():
+    # 16 H100s as nodes of 8. (data 2, tensor 8): tensor's 8 devices share a node.
+    # (tensor 8, data 2): tensor's stride is 2, so each group has 4 on each of 2 nodes.
+    h100, v = st.hardware("h100"), 32 * 2**20
+    row = st.Collective("all-gather", 1, v, axes=("tensor",), group=8)
+    within = timed([row], {"data": 2, "tensor": 8}, hw=h100).comm_seconds
+    across = timed([row], {"tensor": 8, "data": 2}, hw=h100).comm_seconds
+    assert within == pytest.approx(7 / 8 * v / 450e9 + 7 * 2e-6)  # 65.2 us + 14 us
+    on_ici = 3 / 4 * v / 450e9 + 3 * 2e-6  # 55.9 us + 6 us
+    on_dcn = 1 / 2 * v / 4 / 50e9 + 1 * 5e-6  # 83.9 us + 5 us
+    assert across == pytest.approx(on_dcn) and on_dcn > on_ici
+    assert across > 1.1 * within
+
+
+def _fsdp_rows(per_device, d, f, x, itemsize=2):
+    """A matmul's FSDP step by hand: its weight [d, f] gathered over fsdp x for the
+    forward pass, its gradient reduce-scattered; 2 matmuls of 2 x batch x d x f."""
+    gather = st.Collective("all-gather", 1, d * f * itemsize, axes=("fsdp",), group=x)
+    scatter = st.Collective("reduce-scatter", 1, d * f * itemsize // x, axes=("fsdp",), group=x)
+    return [gather, scatter], 4 * per_device * d * f
+
+
+@pytest.mark.parametrize("name", ["tpu-v5e", "tpu-v5p", "tpu-v6e"])
+def test_fsdp_is_compute_bound_above_c_over_w_per_device_and_collective_bound_below(name):
+    # T_math = 4 b d f / C, T_comm = 2 x (x-1)/x x 2 d f / W (+ hops): compute-bound
+    # when b > (x-1)/x x C/W, the book's rule with its (x-1)/x. For v5p, x = 8,
+    # d = f = 8192: 7/8 x 2550 = 2231, + 2 x 7 x 1 us x C / (4 d f) = 24 for the hops.
+    hw = st.hardware(name)
+    critical = hw.flops_per_second / hw.links["ici"][0]
+    for per_device, compute_bound in [(1.05 * critical, True), (0.8 * critical, False)]:
+        rows, flops = _fsdp_rows(int(per_device), 8192, 8192, 8)
+        t = timed(rows, {"fsdp": 8}, flops=flops, hw=hw)
+        assert (t.compute_seconds > t.comm_seconds) is compute_bound, (name, per_device)
+
+
+def test_fsdp_step_preflighted_matches_the_rows_by_hand():
+    # The rows above are what a compiled FSDP step holds (f32 here: the CPU compile
+    # widens a bf16 weight before gathering it), and its FLOPs are the two matmuls'.
+    d = f = 1024
+    mesh = jax.sharding.AbstractMesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
+    w = st.Partitioned(jax.ShapeDtypeStruct((d, f), jnp.float32), ("fsdp", None))
+    x = st.Partitioned(jax.ShapeDtypeStruct((8 * 256, d), jnp.float32), ("fsdp", None))
+
+    def sgd(w, x):
+        grad = jax.grad(lambda w: jnp.mean((x.value @ w.value) ** 2))(w)
+        return st.replace_boxed(w, w.value - grad.value)
+
+    step = st.preflight(sgd, w, x, mesh=mesh, donate_argnums=0)
+    rows, flops = _fsdp_rows(256, d, f, 8, itemsize=4)
+    assert sorted(step.collectives) == sorted(rows)
+    assert step.flops == flops
+
+
+@pytest.mark.parametrize(
+    "name, book",
+    [("tpu-v5e", 2200), ("tpu-v5p", 2550), ("tpu-v6e", 5100)],
+)
+def test_tpu_critical_batch_per_chip_is_the_books(name, book):
+    # C/W: v5e 1.97e14 / 9e10 = 2189, v5p 4.59e14 / 1.8e11 = 2550, v6e 9.2e14 / 1.8e11
+    # = 5111; the book rounds them to 2200 (v5e), 2550 (v5p) and its int8 5100 (v6e bf16).
+    hw = st.hardware(name)
+    assert hw.flops_per_second / hw.links["ici"][0] == pytest.approx(book, rel=0.03)
 
 
 def test_a_permute_across_nodes_takes_the_slow_link():
@@ -117,7 +207,8 @@ def test_nodes_follow_row_major_positions():
     both = timed(
         [st.Collective("all-gather", 1, 8000, axes=("fsdp", "tensor"), group=32)], shape, hw=one
     )
-    assert both.comm_seconds == pytest.approx(7 / 8 * 8000 / 1e9 + 3 / 4 * 8000 / 8 / 1e6)
+    # ici 7e-6 s, dcn 7.5e-4 s: the slower
+    assert both.comm_seconds == pytest.approx(max(7 / 8 * 8000 / 1e9, 3 / 4 * 8000 / 8 / 1e6))
     alone = timed([st.Collective("all-gather", 1, 8000, axes=("tensor",), group=8)], shape, hw=one)
     assert alone == tensor
     one_node = dataclasses.replace(one, devices_per_node=None)
@@ -158,6 +249,12 @@ def test_presets():
         ),
         (lambda: _step().time(HW, devices_per_node=0), "devices_per_node is 0"),
         (lambda: st.StepTime(1.0, {}).mfu(0.0), "step_seconds is 0.0"),
+        (lambda: st.StepTime(1.0, {}, 1e12).mfu(1.0, model_flops=0), "model_flops is 0"),
+        (
+            lambda: st.StepTime(1.0, {}).mfu(1.0, model_flops=1e12),
+            "^mfu: model_flops is 1000000000000.0, but this StepTime has no flops_per_second",
+        ),
+        (lambda: st.StepTime(1.0, {}, flops_per_second=0.0), "flops_per_second is 0.0"),
     ],
     ids=[
         "preset",
@@ -169,6 +266,9 @@ def test_presets():
         "per-node",
         "time-per-node",
         "mfu",
+        "mfu-model-flops",
+        "mfu-without-the-peak",
+        "step-time-peak",
     ],
 )
 def test_mistakes_name_the_figure(build, said):
@@ -176,9 +276,63 @@ def test_mistakes_name_the_figure(build, said):
         build()
 
 
-def test_hardware_is_immutable():
+def test_hardware_and_step_time_are_immutable():
     with pytest.raises(dataclasses.FrozenInstanceError):
         HW.memory_bytes = 1  # type: ignore[misc]
     with pytest.raises(TypeError):
         HW.links["ici"] = (1.0, 0.0)  # type: ignore[index]
     assert math.isclose(HW.links["ici"][0], 1e9)
+    with pytest.raises(TypeError):
+        timed([], {"data": 2}).comm_by_axes[("data",)] = 1.0  # type: ignore[index]
+
+
+def test_mfu_counts_hardware_flops_or_the_models():
+    # a step of 5e11 FLOPs per device on a 1e12 FLOP/s chip: 0.5 s at the peak
+    t = timed([], {"data": 2}, flops=5e11)
+    assert t.flops_per_second == HW.flops_per_second
+    assert t.mfu(2.0) == pytest.approx(0.5 / 2.0)  # hardware FLOPs, recompute included
+    # the model's own 3e11 (no recompute): 3e11 / 1e12 / 2.0 s = 0.15
+    assert t.mfu(2.0, model_flops=3e11) == pytest.approx(0.15)
+    # a dense decoder's training step: 6 x params x tokens / devices per device
+    params, tokens, devices = 1e9, 4096 * 8, 8
+    model = 6 * params * tokens / devices  # 2.46e13 FLOPs per device
+    assert t.mfu(100.0, model_flops=model) == pytest.approx(model / 1e12 / 100.0)
+
+
+def test_step_time_built_without_the_peak_still_works():
+    t = st.StepTime(compute_seconds=0.5, comm_by_axes={("fsdp",): 0.25})
+    assert t.flops_per_second is None and t.mfu(1.0) == 0.5 and t.bound_seconds == 0.5
+    with pytest.raises(TypeError, match=r"^StepTime: comm_by_axes is \[0.25\]; expected a mapping"):
+        st.StepTime(0.5, [0.25])  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        st.hardware("h100"),
+        st.hardware("tpu-v5p"),
+        HW,
+        st.StepTime(0.5, {("fsdp",): 0.25, ("data", "fsdp"): 0.5}, 1e15),
+        st.StepTime(0.5, {}),
+    ],
+    ids=["h100", "tpu-v5p", "custom", "step-time", "step-time-without-peak"],
+)
+def test_hardware_and_step_time_pickle_and_compare_equal(value):
+    again = pickle.loads(pickle.dumps(value))
+    assert again == value and type(again) is type(value)
+    assert repr(again) == repr(value)
+    assert hash(again) == hash(value)
+
+
+def test_a_timed_step_pickles():
+    t = timed([st.Collective("all-gather", 2, 4000, axes=("fsdp",), group=4)], {"fsdp": 4})
+    again = pickle.loads(pickle.dumps(t))
+    assert again == t and again.comm_by_axes == {("fsdp",): t.comm_seconds}
+
+
+def test_repr_shows_plain_dicts():
+    text = repr(st.hardware("h100"))
+    assert "mappingproxy" not in text
+    assert "links={'ici': (450000000000.0, 2e-06), 'dcn': (50000000000.0, 5e-06)}" in text
+    t = repr(st.StepTime(0.5, {("fsdp",): 0.25}))
+    assert "mappingproxy" not in t and "comm_by_axes={('fsdp',): 0.25}" in t

@@ -666,6 +666,26 @@ def test_a_typo_in_a_constraint_names_the_likely_spelling_too():
     assert "which 1 other leaf uses in this call. Did you mean 'embed'?" in message
 
 
+@pytest.mark.parametrize(
+    "others, said",
+    [
+        (0, "which no other leaf uses in this call"),
+        (1, "which 1 other leaf uses in this call"),
+        (2, "which 2 other leaves use in this call"),
+    ],
+)
+def test_a_typo_message_counts_the_other_leaves_only(others, said):
+    # the leaf with the typo uses 'embed' itself, on its other dimension: not counted
+    value = jax.ShapeDtypeStruct((4, 8), jnp.float32)
+    tree = {"typo": st.LogicallyPartitioned(value, ("embed", "embde"))}
+    tree |= {f"w{i}": st.LogicallyPartitioned(value, ("embed", None)) for i in range(others)}
+    with pytest.raises(ValueError) as info:
+        st.to_spec(tree, TYPO_RULES, mesh=MESH)
+    message = str(info.value)
+    assert "tree['typo']" in message and "one edit from 'embed' of rule 1" in message
+    assert f"{said}. Did you mean 'embed'?" in message
+
+
 class _Recorded(Exception):
     """Raised by the stand-in for st.to_sharding once it has recorded its inputs."""
 

@@ -192,3 +192,98 @@ def test_python_shows_a_repeated_warning_once_per_call_site():
         for _ in range(3):
             st.to_spec(_indivisible(), mesh=MESH)
     assert len([w for w in caught if issubclass(w.category, st.UnshardedWarning)]) == 1
+
+
+def _agreement_case(case):
+    """(call with strict=, whether the warning is expected) for one case."""
+    lp = st.LogicallyPartitioned
+    on_mesh = {  # case: (tree, rules, warned)
+        "indivisible": (_indivisible(), None, True),
+        "indivisible-by-every-rule": (
+            {"w": lp(jnp.zeros((6, 8)), ("vocab", "embed"))},
+            [("vocab", "tensor"), ("vocab", ("fsdp", "tensor")), ("embed", "fsdp")],
+            True,
+        ),
+        "indivisible-then-yields": (  # 'tensor' does not divide 6; 'fsdp' is embed's
+            {"w": lp(jnp.zeros((6, 8)), ("vocab", "embed"))},
+            [("embed", "fsdp"), ("vocab", "tensor"), ("vocab", "fsdp")],
+            True,
+        ),
+        "size-1-dimension": (
+            {"w": st.Partitioned(jnp.zeros((1, 8)), ("fsdp", "tensor"))},
+            None,
+            False,
+        ),
+        "size-1-dimension-by-rule": (
+            {"w": lp(jnp.zeros((1, 8)), ("vocab", "embed"))},
+            RULES,
+            False,
+        ),
+        "placeholder": (
+            {
+                "w": st.Partitioned(jnp.zeros((2, 4)), ("fsdp", "tensor")).replace_boxed(
+                    jnp.zeros((1,))
+                )
+            },
+            None,
+            False,
+        ),
+        "yields-to-an-axis-taken": (
+            {"w": lp(jnp.zeros((8, 8)), ("heads", "kv"))},
+            [("heads", "tensor"), ("kv", "tensor")],
+            False,
+        ),
+        "a-later-rule-fits": (
+            {"w": lp(jnp.zeros((6, 8)), ("vocab", "embed"))},
+            [("vocab", "tensor"), ("vocab", "fsdp"), ("embed", None)],
+            False,
+        ),
+        "replicated-by-a-name-none-rule": (
+            {"w": lp(jnp.zeros((6, 8)), ("vocab", "embed"))},
+            [("vocab", "tensor"), ("vocab", None), ("embed", "fsdp")],
+            False,
+        ),
+        "none-entry": ({"w": st.Partitioned(jnp.zeros((1001, 64)), (None, "fsdp"))}, None, False),
+    }
+    if case == "reduced-state-through-params":  # its param's own dimension is the one to fix
+        params = {"w": lp(jnp.zeros((1001, 8)), ("vocab", "embed"))}
+        state = jax.eval_shape(optax.adafactor(1e-3, min_dim_size_to_factor=4).init, params)
+        return lambda strict: st.to_sharding(
+            state, MESH, RULES, params=params, strict=strict
+        ), False
+    if case == "axes-of-size-1":
+        mesh = jax.sharding.AbstractMesh((8, 1), ("fsdp", "tensor"))
+        tree = {
+            "w": st.Partitioned(jax.ShapeDtypeStruct((1001, 64), "float32"), ("tensor", "fsdp"))
+        }
+        return lambda strict: st.to_spec(tree, mesh=mesh, strict=strict), False
+    tree, rules, warned = on_mesh[case]
+    return lambda strict: st.to_sharding(tree, MESH, rules, strict=strict), warned
+
+
+AGREEMENT = [
+    "indivisible",
+    "indivisible-by-every-rule",
+    "indivisible-then-yields",
+    "size-1-dimension",
+    "size-1-dimension-by-rule",
+    "placeholder",
+    "yields-to-an-axis-taken",
+    "a-later-rule-fits",
+    "replicated-by-a-name-none-rule",
+    "none-entry",
+    "reduced-state-through-params",
+    "axes-of-size-1",
+]
+
+
+@pytest.mark.parametrize("case", AGREEMENT)
+def test_strict_raises_exactly_where_the_warning_is_issued(case):
+    call, expected = _agreement_case(case)
+    _, caught = _caught(lambda: call(False))
+    assert bool(caught) is expected
+    if expected:
+        with pytest.raises(ValueError, match="so it would be left unsharded"):
+            call(True)
+    else:
+        call(True)

@@ -169,6 +169,18 @@ class Resolution:
         """Dimensions left unsharded because the candidates' mesh axes do not divide them."""
         return tuple(i for i, d in enumerate(self.dims) if d.indivisible)
 
+    @property
+    def unsharded(self) -> tuple[int, ...]:
+        """The dimensions asked to shard that end unsharded: the one test of both
+        `UnshardedWarning` and ``strict=True``. Mesh axes of total size > 1 asked
+        to shard them and do not divide them, and no later candidate served
+        them; not a size-1 dimension (nothing to shard), a placeholder (no
+        dimensions), or a reduced state resolved through params (its param's
+        own dimension is the one to fix)."""
+        if self.kept is not None or self.problem is not None:
+            return ()
+        return tuple(i for i in self.indivisible if self.dims[i].size != 1)
+
     def strict_problem(self) -> str | None:
         """Why ``strict=True`` refuses this resolution, or None."""
         if self.fallback == AMBIGUOUS:
@@ -183,9 +195,10 @@ class Resolution:
                 f"({self.unmentioned[0]!r}, None) to the rules to say it is replicated, or "
                 "a rule that shards it, or pass strict=False."
             )
-        if self.problem is not None or not self.indivisible:
+        if self.problem is not None or not self.unsharded:
             return self.problem
-        dim = self.dims[self.indivisible[0]]
+        first = self.unsharded[0]
+        dim = self.dims[first]
         candidates = [p for p in dim.passed if p.reason == INDIVISIBLE]
         if candidates[0].rule is None:
             tried = f"mesh axes {candidates[0].axes!r} of total size {candidates[0].size}"
@@ -194,7 +207,7 @@ class Resolution:
             tried = f"the mesh axes of every rule for it ({listed})"
         return (
             f"has names {self.names} and shape {tuple(d.size for d in self.dims)}: dimension "
-            f"{self.indivisible[0]} ({dim.name!r}) has size {dim.size}, which {tried} do "
+            f"{first} ({dim.name!r}) has size {dim.size}, which {tried} do "
             "not divide, so it would be left unsharded. Pick a size the mesh axes divide, "
             "add a rule whose axes do, or pass strict=False to leave it unsharded."
         )
@@ -371,15 +384,6 @@ class UnshardedWarning(UserWarning):
     """
 
 
-def unsharded(res: Resolution) -> tuple[int, ...]:
-    """The dimensions of `res` to warn of: asked to shard over axes of total size
-    > 1 that do not divide them, with no later candidate serving them. Not a
-    size-1 dimension, a placeholder, or a reduced state resolved through params."""
-    if res.kept is not None or res.problem is not None:
-        return ()
-    return tuple(i for i in res.indivisible if res.dims[i].size != 1)
-
-
 def warn_unsharded(found: Sequence[tuple[str, Resolution]]) -> None:
     """One `UnshardedWarning` for the leaves of a call (key path, resolution)
     with dimensions to warn of, at the user's line."""
@@ -387,7 +391,7 @@ def warn_unsharded(found: Sequence[tuple[str, Resolution]]) -> None:
         f"{where} dimension {i} ({res.dims[i].name!r}, size {res.dims[i].size}) over "
         + ", ".join(f"{p.axes!r} (size {p.size})" for p in res.dims[i].passed if p.size > 1)
         for where, res in found
-        for i in unsharded(res)
+        for i in res.unsharded
     ]
     if not lines:
         return
@@ -429,12 +433,12 @@ def check_call(
                 if type(res) is Resolution and res in found
             ]
         )
-    if warn and any(type(r) is Resolution and unsharded(r) for r in set(resolutions)):
+    if warn and any(type(r) is Resolution and r.unsharded for r in set(resolutions)):
         warn_unsharded(
             [
                 (where(i) or f"the {noun}", res)
                 for i, res in enumerate(resolutions)
-                if type(res) is Resolution and unsharded(res)
+                if type(res) is Resolution and res.unsharded
             ]
         )
 
@@ -481,7 +485,7 @@ def typos(resolutions: Sequence[object], rules: RuleTuple) -> dict[Resolution, s
                 continue
             if uses is None:  # counted once, and only where a typo is likely
                 uses = _uses(resolutions)
-            found[res] = _typo_sentence(name, index, rules[index][0], uses)
+            found[res] = _typo_sentence(name, index, rules[index][0], uses, res.names or ())
             break
     return found
 
@@ -497,15 +501,20 @@ def _uses(resolutions: Sequence[object]) -> dict[str, int]:
     return uses
 
 
-def _typo_sentence(name: str, index: int, ruled: str, uses: dict[str, int]) -> str:
+def _typo_sentence(
+    name: str, index: int, ruled: str, uses: dict[str, int], names: NameTuple
+) -> str:
+    """The typo message of a leaf with `names`, which use `name`, one edit from
+    `ruled` (rule `index`'s name); `uses` counts the call's leaves per name."""
     said = f"uses logical name {name!r}, which no rule mentions, one edit from {ruled!r}"
     own = (
         f"If {name!r} is a name of its own, add a rule for it: ({name!r}, None) to "
         "replicate it, or one that shards it."
     )
     if uses.get(ruled):
+        others = uses[ruled] - (ruled in names)  # the leaf itself may use the rule's name too
         return (
-            f"{said} of rule {index}, which {_leaves(uses[ruled], 'other ')} in this call. "
+            f"{said} of rule {index}, which {_others(others)} in this call. "
             f"Did you mean {ruled!r}? {own}"
         )
     if uses.get(name, 0) > 1:
@@ -520,8 +529,13 @@ def _typo_sentence(name: str, index: int, ruled: str, uses: dict[str, int]) -> s
     )
 
 
-def _leaves(n: int, other: str = "") -> str:
-    return f"1 {other}leaf uses" if n == 1 else f"{n} {other}leaves use"
+def _leaves(n: int) -> str:
+    return "1 leaf uses" if n == 1 else f"{n} leaves use"
+
+
+def _others(n: int) -> str:
+    """How many other leaves use a name: "no other leaf uses", "1 other leaf uses", ..."""
+    return {0: "no other leaf uses", 1: "1 other leaf uses"}.get(n, f"{n} other leaves use")
 
 
 def _rank_differs(names: NameTuple, shape: tuple[int, ...], logical: bool) -> Resolution:

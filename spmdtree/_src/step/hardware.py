@@ -4,7 +4,8 @@ A step cannot run faster than its FLOPs at the chip's peak, nor than its
 collectives at the links' bandwidth. `Hardware` holds those figures (the
 presets list their public sources in docs/planning.md); `step_time` turns a
 step's FLOPs and `Collective` rows into a `StepTime`: a lower bound on the
-step (perfect overlap, peak FLOPs), not a prediction.
+step (perfect overlap, peak FLOPs), not a prediction. Both records are frozen
+and pickle; their mappings are `Frozen`, read-only dicts.
 """
 
 from __future__ import annotations
@@ -12,9 +13,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import types
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Protocol
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -24,6 +24,41 @@ from spmdtree._src.errors import Mistake, public
 LINKS = ("ici", "dcn")
 
 GIB = 2**30
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+class Frozen(Mapping[K, V]):
+    """A read-only dict: compares equal to a dict of the same items, shows as
+    one, and pickles (`types.MappingProxyType` refuses to).
+
+    Example:
+        >>> import pickle
+        >>> links = Frozen({"ici": (4e11, 0.0)})
+        >>> links, links == {"ici": (4e11, 0.0)}, pickle.loads(pickle.dumps(links)) == links
+        ({'ici': (400000000000.0, 0.0)}, True, True)
+    """
+
+    __slots__ = ("_items",)
+
+    def __init__(self, items: Mapping[K, V]) -> None:
+        self._items = dict(items)
+
+    def __getitem__(self, key: K) -> V:
+        return self._items[key]
+
+    def __iter__(self) -> Iterator[K]:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __repr__(self) -> str:
+        return repr(self._items)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Frozen, (self._items,))
 
 
 class Row(Protocol):
@@ -72,7 +107,7 @@ class Hardware:
             ICI) and ``"dcn"`` (across: InfiniBand, data-centre network), each
             mapped to ``(bytes_per_second, latency_seconds)``: the bandwidth a
             ring collective gets per device on that link, and the latency per
-            hop (0 to leave latency out).
+            hop (0 to leave latency out); kept as a read-only dict.
         devices_per_node: how many consecutive devices (in the mesh's
             row-major order) share the fast link; None: every device does (one
             node, or one TPU slice).
@@ -128,7 +163,7 @@ class Hardware:
             links[kind] = (float(figures[0]), float(figures[1]))
         if self.devices_per_node is not None:
             _nodes_per_device(self.devices_per_node, "devices_per_node")
-        object.__setattr__(self, "links", types.MappingProxyType(links))
+        object.__setattr__(self, "links", Frozen(links))
 
 
 #: The presets; every figure's source is listed in docs/planning.md
@@ -138,10 +173,14 @@ PRESETS = {
     "h200": Hardware("h200", 141 * GIB, 989e12, {"ici": (450e9, 2e-6), "dcn": (50e9, 5e-6)}, 8),
     "b200": Hardware("b200", 180 * GIB, 2.25e15, {"ici": (900e9, 2e-6), "dcn": (50e9, 5e-6)}, 8),
     "tpu-v5e": Hardware(
-        "tpu-v5e", 16 * GIB, 1.97e14, {"ici": (1e11, 1e-6), "dcn": (3.125e9, 1e-5)}
+        "tpu-v5e", 16 * GIB, 1.97e14, {"ici": (9e10, 1e-6), "dcn": (3.125e9, 1e-5)}
     ),
-    "tpu-v5p": Hardware("tpu-v5p", 96 * GIB, 4.59e14, {"ici": (2e11, 1e-6), "dcn": (6.25e9, 1e-5)}),
-    "tpu-v6e": Hardware("tpu-v6e", 32 * GIB, 9.2e14, {"ici": (2e11, 1e-6), "dcn": (3.125e9, 1e-5)}),
+    "tpu-v5p": Hardware(
+        "tpu-v5p", 96 * GIB, 4.59e14, {"ici": (1.8e11, 1e-6), "dcn": (6.25e9, 1e-5)}
+    ),
+    "tpu-v6e": Hardware(
+        "tpu-v6e", 32 * GIB, 9.2e14, {"ici": (1.8e11, 1e-6), "dcn": (12.5e9, 1e-5)}
+    ),
 }
 
 
@@ -187,6 +226,13 @@ class StepTime:
     Attributes:
         compute_seconds: the step's FLOPs per device at the peak.
         comm_by_axes: collective seconds per mesh-axes tuple.
+        flops_per_second: the peak the FLOPs were timed at (the hardware's;
+            `StepPlan.time` sets it), which `mfu` needs for model FLOPs; None
+            if unknown (new in 0.4).
+
+    Raises:
+        ValueError: for a `flops_per_second` <= 0.
+        TypeError: for a `comm_by_axes` that is not a mapping.
 
     Example:
         >>> import spmdtree as st
@@ -199,6 +245,19 @@ class StepTime:
 
     compute_seconds: float
     comm_by_axes: Mapping[tuple[str, ...], float] = dataclasses.field(hash=False)
+    flops_per_second: float | None = None
+
+    @functools.partial(public, name="StepTime")
+    def __post_init__(self) -> None:
+        if not isinstance(self.comm_by_axes, Mapping):
+            raise Mistake(
+                TypeError,
+                f"comm_by_axes is {self.comm_by_axes!r}; expected a mapping of mesh-axes "
+                "tuples to seconds, e.g. {('fsdp',): 0.25}.",
+            )
+        if self.flops_per_second is not None:
+            _positive(self.flops_per_second, "flops_per_second")
+        object.__setattr__(self, "comm_by_axes", Frozen(self.comm_by_axes))
 
     @property
     def comm_seconds(self) -> float:
@@ -216,21 +275,47 @@ class StepTime:
         return self.compute_seconds + self.comm_seconds
 
     @public
-    def mfu(self, step_seconds: float) -> float:
-        """The share of the peak a step of `step_seconds` used: compute_seconds / step_seconds.
+    def mfu(self, step_seconds: float, model_flops: float | None = None) -> float:
+        """The share of the peak a real step of `step_seconds` used.
 
-        Hardware FLOPs: a rematerialised forward pass counts.
+        Without `model_flops`, hardware FLOPs: compute_seconds / step_seconds,
+        every FLOP the compiled step runs (a rematerialised forward pass
+        counts). With `model_flops`, the model's FLOPs per device per step
+        (e.g. 6 x params x tokens / devices for a dense decoder's training
+        step), as published MFU counts them: model_flops / flops_per_second /
+        step_seconds (`model_flops` new in 0.4).
+
+        Args:
+            step_seconds: how long a real step took.
+            model_flops: the model's FLOPs per device per step, or None.
+
+        Returns:
+            The share of the peak, 0 to 1 for a real step.
 
         Raises:
-            ValueError: for a time <= 0.
+            ValueError: for a time or a `model_flops` <= 0, or `model_flops`
+                given to a StepTime without `flops_per_second`.
 
         Example:
             >>> import spmdtree as st
-            >>> st.StepTime(compute_seconds=0.4, comm_by_axes={}).mfu(1.0)
+            >>> t = st.StepTime(compute_seconds=0.4, comm_by_axes={}, flops_per_second=1e15)
+            >>> t.mfu(1.0)  # the compiled step's 4e14 FLOPs, recompute included
             0.4
+            >>> t.mfu(1.0, model_flops=3e14)  # the model's own FLOPs
+            0.3
         """
         _positive(step_seconds, "step_seconds")
-        return self.compute_seconds / step_seconds
+        if model_flops is None:
+            return self.compute_seconds / step_seconds
+        _positive(model_flops, "model_flops")
+        if self.flops_per_second is None:
+            raise Mistake(
+                ValueError,
+                f"model_flops is {model_flops!r}, but this StepTime has no flops_per_second "
+                "to turn FLOPs into seconds. Take the StepTime from StepPlan.time(hardware), "
+                "which sets it, or build it with flops_per_second=.",
+            )
+        return model_flops / self.flops_per_second / step_seconds
 
 
 def nodes_spanned(shape: Sequence[int], varying: Sequence[int], devices_per_node: int) -> int:
@@ -271,8 +356,17 @@ def _bytes_per_kind(row: Row, g: Mapping[str, float]) -> dict[str, float]:
 def collective_seconds(
     row: Row, shape: Mapping[str, int], hw: Hardware, devices_per_node: int | None
 ) -> float:
-    """One row's seconds on `hw`: over each link kind it crosses, its bytes /
-    bandwidth + latency x (group on that kind - 1) per op."""
+    """One row's seconds on `hw`: the slowest of the link kinds it crosses, each
+    its bytes / bandwidth + latency x (group on that kind - 1) per op.
+
+    The slowest, not the sum: NCCL splits a collective into chunks and
+    pipelines them, so the NVLink stage of one chunk runs while another
+    crosses the network, and the slower stage sets the pace (a multi-slice
+    TPU collective is timed the same way). The JAX scaling book ("How to
+    Think About GPUs", cross-node collectives) times a 2-node all-gather of B
+    bytes so: max(B (8-1)/8 / 450e9 within the node, B (2-1)/2 / 400e9 of
+    node egress across), 130 us for 64 MiB on H100s (a sum would say 214 us).
+    """
     if row.group <= 1:
         return 0.0
     names = list(shape)
@@ -294,7 +388,7 @@ def collective_seconds(
                 f"{hw.name!r} has no {kind!r} link. Add one to its links.",
             )
         bandwidth, latency = hw.links[kind]
-        seconds += sent / bandwidth + row.count * latency * (g[kind] - 1)
+        seconds = max(seconds, sent / bandwidth + row.count * latency * (g[kind] - 1))
     return seconds
 
 
@@ -318,4 +412,4 @@ def step_time(
     for row in collectives:
         seconds = collective_seconds(row, shape, hw, per_node)
         by_axes[tuple(row.axes)] = by_axes.get(tuple(row.axes), 0.0) + seconds
-    return StepTime(flops / hw.flops_per_second, types.MappingProxyType(by_axes))
+    return StepTime(flops / hw.flops_per_second, by_axes, hw.flops_per_second)
