@@ -125,13 +125,13 @@ def abstract(shape):
 
 
 @functools.cache
-def targeted(preset, remat=True):
+def targeted(preset, remat=True, shape=None):
     """preflight of the step for the preset's compiler, on 64 chips."""
     return st.preflight(
         make_step(remat),
         params(),
         tokens(256),
-        mesh=abstract(SHAPES[preset]),
+        mesh=abstract(shape or SHAPES[preset]),
         rules=RULES,
         donate_argnums=0,
         target=preset,
@@ -250,11 +250,13 @@ def jaxpr_flops(jaxpr):
 @pytest.mark.parametrize("preset", [needs("h100"), needs("tpu-v5p")])
 @pytest.mark.parametrize("remat", [False, True], ids=["plain", "remat"])
 def test_target_flops_are_the_programs(preset, remat):
-    step = targeted(preset, remat)
+    # data parallel: every dot is split evenly over the 64 chips by its batch (under
+    # FSDP the compiler may choose to compute some of them redundantly, measured
+    # here: 1.47x the even share on 8 x 8, on CPU and GPU alike)
+    step = targeted(preset, remat, (64, 1))
     with st.logical_axis_rules(RULES):
         args = (params(), tokens(256))
         jaxpr = jax.make_jaxpr(make_step(remat))(*args)
-    # every dot is split over all 64 chips (the batch over data x fsdp)
     assert step.flops == pytest.approx(jaxpr_flops(jaxpr.jaxpr) / 64, rel=0.01)
     assert not any("trip count" in flag for flag in step.flags)
 
