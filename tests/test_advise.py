@@ -416,11 +416,6 @@ def test_a_row_and_its_step_pickle():
             assert pickle.loads(pickle.dumps(row)) == row
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Hardware and StepTime hold mappingproxy fields, which pickle refuses (fixed in "
-    "hardware.py apart)",
-)
 def test_advice_pickles_and_compares_equal():
     advice = small_batch_advice()
     again = pickle.loads(pickle.dumps(advice))
