@@ -655,11 +655,10 @@ def analyse(compiled: jax.stages.Compiled, mesh: Mesh) -> dict[str, Any]:
             "text) for it, which preflight reads. Preflight on an AbstractMesh, which "
             "compiles for CPU devices.",
         )
-    cpu = mesh.devices.flat[0].platform == "cpu"
-    read = read_step(text, tuple(mesh.shape.items()), cpu=cpu)
+    read = read_step(text, tuple(mesh.shape.items()), platform=mesh.devices.flat[0].platform)
     temp = int(memory.temp_size_in_bytes)
     overstated = overstated_bytes(read.held_bytes, temp)
-    flags = read.flags + (
+    flags = [*read.flags] + (
         [
             f"peak may be overstated by up to {size_text(overstated)}: the CPU compile holds "
             "whole reductions an accelerator holds as reduce-scattered shards"
