@@ -23,6 +23,8 @@ import spmdtree as st
 # neither compiler needs its device: no driver to check, no metadata server to ask
 os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
 os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+# libtpu locks /tmp/libtpu_lockfile for one process at a time unless told otherwise
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 #: An H100 SXM as XLA's GPU target description reads it (for these tests only).
 H100 = """

@@ -655,7 +655,9 @@ def analyse(compiled: jax.stages.Compiled, mesh: Mesh) -> dict[str, Any]:
             "text) for it, which preflight reads. Preflight on an AbstractMesh, which "
             "compiles for CPU devices.",
         )
-    read = read_step(text, tuple(mesh.shape.items()), platform=mesh.devices.flat[0].platform)
+    executable = compiled.runtime_executable()
+    module = executable.hlo_modules()[0] if executable is not None else text
+    read = read_step(module, tuple(mesh.shape.items()), platform=mesh.devices.flat[0].platform)
     temp = int(memory.temp_size_in_bytes)
     overstated = overstated_bytes(read.held_bytes, temp)
     flags = [*read.flags] + (
