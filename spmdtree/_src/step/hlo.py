@@ -160,7 +160,7 @@ _CALLEE = re.compile(
     r"=%?([\w.\-]+)"
 )
 _CALLEES = re.compile(r"\b(?:branch_computations|called_computations)=\{([^}]*)\}")
-_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+_TRIPS = re.compile(r'"known_trip_count":\s*\{\s*"n":\s*"(\d+)"')
 _ARRAY = re.compile(r"\b(pred|[a-z]+\d+[a-z0-9]*)\[([\d,]*)\]")
 _INDEX = re.compile(r"\bindex=(\d+)")
 _IOTA = r"\[([\d,]+)\](?:<=\[([\d,]+)\])?(?:T\(([\d,]+)\))?"
@@ -210,6 +210,23 @@ def _callees(attrs: str) -> list[tuple[str, str]]:
     return found
 
 
+def _post_order(instructions: Sequence[Any]) -> list[Any]:
+    """Instructions with each after its operands (the API lists them in no such order)."""
+    done: dict[str, Any] = {}
+    for first in instructions:
+        todo = [(first, False)]
+        while todo:
+            ins, ready = todo.pop()
+            if ins.name in done:
+                continue
+            if ready:
+                done[ins.name] = ins
+                continue
+            todo.append((ins, True))
+            todo += [(o, False) for o in reversed(ins.operands()) if o.name not in done]
+    return list(done.values())
+
+
 def _root(api_comp: Any, order: list[Any]) -> str | None:
     """The name of a computation's root: the API has no field for it, and a compiled
     computation has no dead code, so it is the instruction nobody uses (a
@@ -249,8 +266,8 @@ class Module:
     def _read(comp: Any, schedule: Any, home: dict[str, str]) -> list[Instr]:
         try:
             order = list(schedule.sequence(comp))
-        except (IndexError, RuntimeError, ValueError):  # not scheduled: a fused computation
-            order = list(comp.instructions())
+        except (AttributeError, IndexError):  # no schedule, or a fused computation
+            order = _post_order(comp.instructions())
         root = _root(comp, order)
         body = []
         for ins in order:
@@ -524,7 +541,22 @@ def _mesh_groups(axes: str, ids: str | None, refs: str) -> list[list[int]]:
 
 def replica_groups(attrs: str, devices: int) -> list[list[int]]:
     """The device groups (partition ids) of a collective, from any of the four forms
-    its replica groups print in; no groups (or ``{}``) is one group of all devices."""
+    its replica groups print in; no groups (or ``{}``) is one group of all devices.
+
+    Example:
+        The same groups (along the first axis of a (2, 4) mesh) in each form:
+
+        >>> replica_groups("replica_groups={{0,4},{1,5},{2,6},{3,7}}", 8)
+        [[0, 4], [1, 5], [2, 6], [3, 7]]
+        >>> replica_groups("replica_groups=[4,2]<=[2,4]T(1,0)", 8)
+        [[0, 4], [1, 5], [2, 6], [3, 7]]
+        >>> replica_groups("replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0'}", 8)
+        [[0, 4], [1, 5], [2, 6], [3, 7]]
+        >>> replica_groups("replica_groups=mesh['a'=2,'b'=2], device_ids=(3,1,2,0) {'a'}", 4)
+        [[3, 2], [1, 0]]
+        >>> replica_groups("replica_groups=mesh['x'=8] {'x':(1)2}", 8)  # a sub-axis
+        [[0, 4], [1, 5], [2, 6], [3, 7]]
+    """
     mesh = _GROUPS_MESH.search(attrs)
     if mesh:
         return _mesh_groups(*mesh.groups())
@@ -616,8 +648,8 @@ def _type_bytes(text: str) -> int:
 _LABELS = re.compile(r"\bdim_labels=(\w+)_(\w+)->(\w+)")
 _WINDOW = re.compile(r"\bwindow=\{([^}]*)\}")
 _TARGET = re.compile(r'custom_call_target="([^"]*)"')
-_GEMM_DIMS = re.compile(r'"lhs_contracting_dimensions":\[([^\]]*)\]')
-_FMHA_SHAPE = re.compile(r'"intermediate_tensor_shape":\{[^}]*?"dimensions":\[([^\]]*)\]')
+_GEMM_DIMS = re.compile(r'"lhs_contracting_dimensions":\s*\[([^\]]*)\]')
+_FMHA_SHAPE = re.compile(r'"intermediate_tensor_shape":\s*\{[^}]*?"dimensions":\s*\[([^\]]*)\]')
 
 
 def _numbers(text: str) -> list[int]:
@@ -645,7 +677,14 @@ def _taps(out: int, size: int, stride: int, pad: int, lhs: int, rhs: int, n: int
     """Over the `out` output positions of one spatial dimension, how many kernel taps
     land on a real input element (not padding, not a hole of the input's dilation):
     a batch dimension a TPU writes as a window (``size=4 stride=3 lhs_dilate=4``)
-    has one per position."""
+    has one per position.
+
+    Example:
+        >>> _taps(out=4, size=4, stride=3, pad=0, lhs=4, rhs=1, n=4)  # 4 heads
+        4
+        >>> _taps(out=3, size=3, stride=1, pad=1, lhs=1, rhs=1, n=3)  # "SAME", 3 wide
+        7
+    """
     start = np.arange(out)[:, None] * stride - pad + np.arange(size)[None, :] * rhs
     real = (start >= 0) & (start <= (n - 1) * lhs) & (start % lhs == 0)
     return int(real.sum())
@@ -709,7 +748,16 @@ def _custom_flops(mod: Module, comp: str, ins: Instr) -> int:
 def _attention_flops(name: str, attrs: str, query: str, value: str) -> int:
     """cuDNN fused attention: scores (heads x queries x keys, each a dot of the head
     width) and their product with the values; its backward recomputes the scores and
-    takes the four gradients' dots."""
+    takes the four gradients' dots.
+
+    Example:
+        >>> shape = '"intermediate_tensor_shape":{"dimensions":["1","4","512","512"]}'
+        >>> q = "bf16[1,512,4,64]"
+        >>> _attention_flops("__cudnn$fmhaSoftmax", shape, q, q) == 2 * 2 * 4 * 512 * 512 * 64
+        True
+        >>> _attention_flops("__cudnn$fmhaSoftmaxBackward", shape, q, q) // (4 * 512 * 512 * 64)
+        10
+    """
     scores = _FMHA_SHAPE.search(attrs)
     if scores is None or not _dims(query) or not _dims(value):
         return 0
@@ -1012,6 +1060,47 @@ def read_step(module: Any, shape: Sequence[tuple[str, int]] = (), *, platform: s
     it (by its partition id), and whose slice times its group is the whole,
     is counted as the reduce-scatter an accelerator runs, and a collective of
     values the CPU widened (bf16 in f32) at their own width.
+
+    Example:
+        A loop as libtpu leaves it (no ``known_trip_count``): six iterations of a
+        (16, 16) matmul and an all-reduce over groups of 4 (the mesh's fsdp axis).
+
+        >>> text = '''HloModule m
+        ... %add (p: f32[], q: f32[]) -> f32[] {
+        ...   %p = f32[] parameter(0)
+        ...   %q = f32[] parameter(1)
+        ...   ROOT %r = f32[] add(%p, %q)
+        ... }
+        ... %body (s: (s32[], f32[16,16])) -> (s32[], f32[16,16]) {
+        ...   %s = (s32[], f32[16,16]) parameter(0)
+        ...   %i = s32[] get-tuple-element(%s), index=0
+        ...   %x = f32[16,16] get-tuple-element(%s), index=1
+        ...   %one = s32[] constant(1)
+        ...   %next = s32[] add(%i, %one)
+        ...   %y = f32[16,16] dot(%x, %x), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+        ...   %sum = f32[16,16] all-reduce(%y), replica_groups=[2,4]<=[8], to_apply=%add
+        ...   ROOT %t = (s32[], f32[16,16]) tuple(%next, %sum)
+        ... }
+        ... %cond (c: (s32[], f32[16,16])) -> pred[] {
+        ...   %c = (s32[], f32[16,16]) parameter(0)
+        ...   %j = s32[] get-tuple-element(%c), index=0
+        ...   %six = s32[] constant(6)
+        ...   ROOT %lt = pred[] compare(%j, %six), direction=LT
+        ... }
+        ... ENTRY %main (a: f32[16,16]) -> f32[16,16] {
+        ...   %a = f32[16,16] parameter(0)
+        ...   %zero = s32[] constant(0)
+        ...   %init = (s32[], f32[16,16]) tuple(%zero, %a)
+        ...   %loop = (s32[], f32[16,16]) while(%init), condition=%cond, body=%body
+        ...   ROOT %out = f32[16,16] get-tuple-element(%loop), index=1
+        ... }'''
+        >>> read = read_step(text, (("data", 2), ("fsdp", 4)), platform="tpu")
+        >>> read.flops == 6 * 2 * 16 * 16 * 16
+        True
+        >>> read.collectives
+        (Collective(kind='all-reduce', count=6, bytes=6144, axes=('fsdp',), group=4),)
+        >>> Reading.from_json(read.to_json()) == read
+        True
     """
     mod = Module(parse_module(module) if isinstance(module, str) else module)
     if mod.entry is None:
