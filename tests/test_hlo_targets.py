@@ -203,3 +203,29 @@ def test_a_cond_counts_its_costlier_branch_once(devices):
     plan = st.preflight(step, x, w, jax.ShapeDtypeStruct((), jnp.int32), mesh=mesh)
     assert plan.flops == 2 * (2 * 64 * 256 * 256) // 8
     assert [(c.kind, c.count) for c in plan.collectives] == [("all-reduce", 1)]
+
+
+def test_a_convolution_counts_its_multiply_adds(devices):
+    # cuDNN's forward and filter-gradient calls on GPU, convolutions on TPU
+    n, size, k, c_in, c_out = 8, 16, 3, 8, 16
+    mesh = mesh_of(devices, (8,), ("data",))
+    x = st.Partitioned(
+        jax.ShapeDtypeStruct((n, size, size, c_in), jnp.float32), ("data", None, None, None)
+    )
+    w = jax.ShapeDtypeStruct((k, k, c_in, c_out), jnp.float32)
+
+    def loss(w, x):
+        y = jax.lax.conv_general_dilated(
+            x, w, (1, 1), "VALID", dimension_numbers=("NHWC", "HWIO", "NHWC")
+        )
+        return jnp.sum(y**2)
+
+    plan = st.preflight(lambda w, x: jax.grad(loss)(w, x.value), w, x, mesh=mesh)
+    out = size - k + 1
+    multiply_adds = (n // 8) * out * out * c_out * k * k * c_in
+    # the forward, and the filter's gradient: exactly, as cuDNN's calls say; libtpu lays
+    # the 14 output columns on 16 and computes those too (what its program runs)
+    if devices[0].platform == "gpu":
+        assert plan.flops == 2 * 2 * multiply_adds
+    else:
+        assert 2 * 2 * multiply_adds <= plan.flops <= 2 * 2 * multiply_adds * 16 // 14
