@@ -211,6 +211,28 @@ def test_a_reduction_sliced_by_fewer_devices_than_it_spans_stays_an_all_reduce()
     assert plan.overstated_bytes == 0
 
 
+def test_a_combined_reduction_splits_into_its_sliced_and_its_whole_elements():
+    # the CPU reduces both gradients in one all-reduce: the weight's is sliced (FSDP),
+    # the bias's is used whole
+    mesh = abstract_mesh((8,), ("fsdp",))
+    w = st.Partitioned(jax.ShapeDtypeStruct((256, 256), jnp.float32), ("fsdp", None))
+    b = st.Partitioned(jax.ShapeDtypeStruct((256,), jnp.float32), (None,))
+    x = st.Partitioned(jax.ShapeDtypeStruct((64, 256), jnp.float32), ("fsdp", None))
+
+    def step(w, b, x):
+        loss = lambda w, b: jnp.mean((x.value @ w + b) ** 2)  # noqa: E731
+        gw, gb = jax.grad(loss, argnums=(0, 1))(w.value, b.value)
+        return st.replace_boxed(w, w.value - 0.1 * gw), st.replace_boxed(b, b.value - 0.1 * gb)
+
+    plan = st.preflight(step, w, b, x, mesh=mesh, donate_argnums=(0, 1))
+    assert rows(plan) == {
+        ("all-gather", ("fsdp",)): (1, 256 * 256 * 4, 8),
+        ("all-reduce", ("fsdp",)): (1, 256 * 4, 8),
+        ("reduce-scatter", ("fsdp",)): (1, 256 * 256 * 4 // 8, 8),
+    }
+    assert plan.overstated_bytes == 256 * 256 * 4 + 64  # the sliced element only
+
+
 def test_bf16_values_the_cpu_widens_count_at_bf16():
     mesh = abstract_mesh((8,), ("fsdp",))
     n = 512

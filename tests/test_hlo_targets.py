@@ -192,6 +192,34 @@ def test_async_collectives_count_once_at_their_results(devices):
     }
 
 
+def test_gathers_the_compiler_combines_count_every_element(devices):
+    mesh = mesh_of(devices, (8,), ("fsdp",))
+    w1, w2 = (
+        st.Partitioned(jax.ShapeDtypeStruct((256, 256), jnp.bfloat16), ("fsdp", None))
+        for _ in range(2)
+    )
+    x = st.Partitioned(jax.ShapeDtypeStruct((64, 256), jnp.bfloat16), ("fsdp", None))
+    plan = st.preflight(lambda w1, w2, x: x.value @ w1.value @ w2.value, w1, w2, x, mesh=mesh)
+    gathers = [c for c in plan.collectives if c.kind == "all-gather"]
+    assert sum(c.bytes for c in gathers) == 2 * 256 * 256 * 2
+
+
+def test_an_accelerators_own_sliced_reductions_are_counted_as_written(devices):
+    # libtpu writes this psum_scatter as an all-reduce and a slice: what it runs
+    mesh = mesh_of(devices, (8,), ("x",))
+
+    def step(a):
+        def local(a):
+            return jax.lax.psum_scatter(a, "x", scatter_dimension=0, tiled=True)
+
+        return jax.shard_map(local, in_specs=P("x"), out_specs=P("x"), check_vma=False)(a)
+
+    plan = st.preflight(step, jax.ShapeDtypeStruct((8 * 64, 16), jnp.float32), mesh=mesh)
+    assert plan.overstated_bytes == 0
+    assert not any("CPU" in flag for flag in plan.flags)
+    assert {c.kind for c in plan.collectives} <= {"reduce-scatter", "all-reduce"}
+
+
 def test_a_cond_counts_its_costlier_branch_once(devices):
     mesh = mesh_of(devices, (8,), ("data",))
     x = st.Partitioned(jax.ShapeDtypeStruct((64, 256), jnp.float32), ("data", None))
