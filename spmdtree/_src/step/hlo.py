@@ -227,7 +227,7 @@ def _post_order(instructions: Sequence[Any]) -> list[Any]:
     return list(done.values())
 
 
-def _root(api_comp: Any, order: list[Any]) -> str | None:
+def _root(order: list[Any]) -> str | None:
     """The name of a computation's root: the API has no field for it, and a compiled
     computation has no dead code, so it is the instruction nobody uses (a
     non-parameter first; the last scheduled where several are)."""
@@ -268,7 +268,7 @@ class Module:
             order = list(schedule.sequence(comp))
         except (AttributeError, IndexError):  # no schedule, or a fused computation
             order = _post_order(comp.instructions())
-        root = _root(comp, order)
+        root = _root(order)
         body = []
         for ins in order:
             type_, args, attrs = _split(ins.to_string())
@@ -653,6 +653,7 @@ _FMHA_SHAPE = re.compile(r'"intermediate_tensor_shape":\s*\{[^}]*?"dimensions":\
 
 
 def _numbers(text: str) -> list[int]:
+    """The integers in `text`: ``["1","2"]`` -> [1, 2]."""
     return [int(d) for d in re.findall(r"\d+", text)]
 
 
@@ -1155,6 +1156,8 @@ def _last_use(mod: Module, comp: str, ins: Instr, position: dict[str, int]) -> i
 def _flags(
     unknown: frozenset[str], partial: frozenset[Key], scattered: int, widened: int
 ) -> Iterator[str]:
+    """The sentences a reading's figures need: loops of unknown trip count, groups
+    that are not whole axes, and the CPU forms read as an accelerator runs them."""
     for kind in KINDS:
         if kind in unknown:
             yield (
