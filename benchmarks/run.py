@@ -410,8 +410,12 @@ def b9_preflight(bench: Bench) -> None:
 
 
 #: The options preflight compiles for fake CPU devices with (docs/planning.md): no
-#: costly machine-code optimisation, which changes no buffer.
-CPU_OPTIONS = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+#: costly machine-code optimisation, which changes no buffer; remat barriers kept.
+CPU_OPTIONS = {
+    "xla_backend_optimization_level": 0,
+    "xla_llvm_disable_expensive_passes": True,
+    "xla_disable_hlo_passes": "cse_barrier_expander",
+}
 
 #: The Llama-3 step of examples/advise.py: (model size, chips, length) per mode.
 ADVISED = {False: ("8B", 256, 4096), True: ("tiny", 16, 128)}

@@ -1,17 +1,25 @@
 """Reading a compiled step: what it moves, as an accelerator runs it, and what it computes.
 
-The compiled module's HLO text names every collective with its replica
-groups (which partitions, i.e. positions in the mesh's row-major device
-order, take part together) and every loop with its trip count where the
-compiler knows it. From them: one `Collective` row per kind and set of mesh
-axes, with the bytes each device sends by the ring algorithm.
+The compiled module is read through jaxlib's HLO module API: its
+computations, their instructions (opcodes, operands, users) and, where the
+API has no field, an instruction's own text (its type, replica groups,
+windows, backend config). From them: one `Collective` row per kind and set
+of mesh axes, with the bytes each device sends by the ring algorithm; the
+FLOPs of every dot, convolution and matmul library call; how often each
+computation runs (a loop's trip count, the costlier branch of a
+conditional); and, for the CPU compiler's program, where it differs from an
+accelerator's (reductions it writes as an all-reduce that each device
+slices; values it widens from bf16 to f32).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from types import ModuleType
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -75,37 +83,84 @@ class Collective(NamedTuple):
         return (g - 1) * self.bytes // g
 
 
-class Instr(NamedTuple):
-    """One HLO instruction: ``%name = type op(operands), attrs``."""
+@dataclasses.dataclass(frozen=True)
+class Reading:
+    """What a compiled step's HLO says, per device per step.
+
+    Attributes:
+        collectives: one `Collective` per kind and set of mesh axes.
+        flags: sentences on what the figures do not cover, or read differently
+            from the HLO as written.
+        flops: 2 x result elements x contracted size of every dot,
+            convolution and matmul library call, times how often it runs.
+        held_bytes: whole sizes of the all-reduces read as reduce-scatters
+            that are live at once (CPU only; 0 elsewhere).
+    """
+
+    collectives: tuple[Collective, ...] = ()
+    flags: tuple[str, ...] = ()
+    flops: int = 0
+    held_bytes: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        """The reading as plain JSON values (what crosses a process boundary)."""
+        return {
+            "collectives": [list(row) for row in self.collectives],
+            "flags": list(self.flags),
+            "flops": self.flops,
+            "held_bytes": self.held_bytes,
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Reading:
+        """The reading `to_json` gave."""
+        return cls(
+            collectives=tuple(
+                Collective(kind, n, size, tuple(axes), group)
+                for kind, n, size, axes, group in data["collectives"]
+            ),
+            flags=tuple(data["flags"]),
+            flops=int(data["flops"]),
+            held_bytes=int(data["held_bytes"]),
+        )
+
+
+def hlo_api() -> ModuleType:
+    """jaxlib's HLO module API (`jaxlib._hlo` from jax 0.10 to 0.12 at least): the
+    module, computation and instruction classes, the opcode enum, the text parser."""
+    import jaxlib._hlo as api  # type: ignore[import-not-found,unused-ignore]
+
+    return api
+
+
+def parse_module(text: str) -> Any:
+    """The HLO module that `text` prints (``HloModule ...``), through jaxlib's parser."""
+    return hlo_api().hlo_module_from_text(text)
+
+
+@dataclasses.dataclass(frozen=True)
+class Instr:
+    """One HLO instruction: its name, opcode (jaxlib's enum name, ``kDot``), result
+    type, operands by name, the text of its operands and of its attributes, whether
+    it is its computation's root, and the computations it calls with their roles."""
 
     name: str
-    type: str
     op: str
+    type: str
     operands: tuple[str, ...]
-    args: str  # the text between the parentheses
-    attrs: str  # the text after them
+    args: str
+    attrs: str
     root: bool
+    callees: tuple[tuple[str, str], ...]
 
 
-class Reading(NamedTuple):
-    """What a compiled step's HLO says, per device per step."""
-
-    collectives: list[tuple[str, int, int, tuple[str, ...], int]]
-    flags: list[str]
-    flops: int
-    #: whole sizes of the all-reduces counted as reduce-scatters that are live at once
-    held_bytes: int
-
-
-_HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
-_LHS = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*")
-_OPCODE = re.compile(r"([\w\-]+)\(")
-_NAME = re.compile(r"%([\w.\-]+)")
+_TYPE_OP = re.compile(r"([\w\-]+)\(")
 _CALLEE = re.compile(
-    r"\b(body|condition|to_apply|calls|true_computation|false_computation)=%?([\w.\-]+)"
+    r"\b(body|condition|to_apply|calls|select|scatter|comparator|true_computation|false_computation)"
+    r"=%?([\w.\-]+)"
 )
 _CALLEES = re.compile(r"\b(?:branch_computations|called_computations)=\{([^}]*)\}")
-_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+_TRIPS = re.compile(r'"known_trip_count":\s*\{\s*"n":\s*"(\d+)"')
 _ARRAY = re.compile(r"\b(pred|[a-z]+\d+[a-z0-9]*)\[([\d,]*)\]")
 _INDEX = re.compile(r"\bindex=(\d+)")
 _IOTA = r"\[([\d,]+)\](?:<=\[([\d,]+)\])?(?:T\(([\d,]+)\))?"
@@ -119,52 +174,6 @@ _GROUPS_MESH = re.compile(
 _PAIRS = re.compile(r"\bsource_target_pairs=\{((?:\{\d+,\d+\}[,\s]*)*)\}")
 _AXIS = re.compile(r"'([^']*)'=(\d+)")
 _REF = re.compile(r"'([^']*)'(?::\((\d+)\)(\d+))?")
-#: Ops a value passes through unchanged in content (what is followed to its uses).
-_PASS = frozenset({"bitcast", "copy", "reshape", "transpose"})
-#: Elementwise ops: a slice of their result needs only the same slice of their
-#: operands, so a reduction's result that flows through them to slices is needed
-#: only as slices (``convert`` among them: the CPU pipeline reduces bf16 in f32).
-_ELEMENTWISE = frozenset(
-    [
-        "abs",
-        "add",
-        "and",
-        "atan2",
-        "cbrt",
-        "ceil",
-        "clamp",
-        "compare",
-        "convert",
-        "cosine",
-        "divide",
-        "exponential",
-        "exponential-minus-one",
-        "floor",
-        "is-finite",
-        "log",
-        "log-plus-one",
-        "logistic",
-        "maximum",
-        "minimum",
-        "multiply",
-        "negate",
-        "not",
-        "or",
-        "power",
-        "remainder",
-        "round-nearest-afz",
-        "round-nearest-even",
-        "rsqrt",
-        "select",
-        "sign",
-        "sine",
-        "sqrt",
-        "subtract",
-        "tan",
-        "tanh",
-        "xor",
-    ]
-)
 
 
 def _closing(text: str, start: int) -> int:
@@ -177,44 +186,69 @@ def _closing(text: str, start: int) -> int:
     return len(text)
 
 
-def _instr(line: str) -> Instr | None:
-    """The instruction on one line of a computation, or None for anything else."""
-    lhs = _LHS.match(line)
-    if lhs is None:
-        return None
-    rest = line[lhs.end() :]
+def _split(text: str) -> tuple[str, str, str]:
+    """An instruction's text ``%n = TYPE op(ARGS), ATTRS`` as (TYPE, ARGS, ATTRS)."""
+    rest = text[text.index(" = ") + 3 :]
     if rest.startswith("("):  # a tuple type
         end = _closing(rest, 0)
         type_, rest = rest[:end], rest[end:].lstrip()
     else:
         type_, _, rest = rest.partition(" ")
-    op = _OPCODE.match(rest)
+    op = _TYPE_OP.match(rest)
     if op is None:
-        return None
+        return type_, "", rest
     end = _closing(rest, op.end() - 1)
-    args = rest[op.end() : end - 1]
-    names = tuple(_NAME.findall(args))
-    return Instr(lhs.group(2), type_, op.group(1), names, args, rest[end:], bool(lhs.group(1)))
+    return type_, rest[op.end() : end - 1], rest[end:].lstrip(", ")
+
+
+def _callees(attrs: str) -> list[tuple[str, str]]:
+    """The computations an instruction's attributes name, each with its role (``body``,
+    ``condition``, ``to_apply``, ``calls``, ``branch``, ...)."""
+    found = _CALLEE.findall(attrs)
+    for group in _CALLEES.findall(attrs):
+        found += [("branch", c.strip().lstrip("%")) for c in group.split(",") if c.strip()]
+    return found
+
+
+def _post_order(instructions: Sequence[Any]) -> list[Any]:
+    """Instructions with each after its operands (the API lists them in no such order)."""
+    done: dict[str, Any] = {}
+    for first in instructions:
+        todo = [(first, False)]
+        while todo:
+            ins, ready = todo.pop()
+            if ins.name in done:
+                continue
+            if ready:
+                done[ins.name] = ins
+                continue
+            todo.append((ins, True))
+            todo += [(o, False) for o in reversed(ins.operands()) if o.name not in done]
+    return list(done.values())
+
+
+def _root(order: list[Any]) -> str | None:
+    """The name of a computation's root: the API has no field for it, and a compiled
+    computation has no dead code, so it is the instruction nobody uses (a
+    non-parameter first; the last scheduled where several are)."""
+    unused = [i for i in order if not i.users()]
+    chosen = [i for i in unused if i.opcode.name != "kParameter"] or unused
+    return chosen[-1].name if chosen else None
 
 
 class Module:
-    """A compiled module's computations, their instructions, who calls whom."""
+    """A compiled module's computations (each in its scheduled order), their
+    instructions, who uses each value, and who calls each computation."""
 
-    def __init__(self, hlo: str) -> None:
+    def __init__(self, module: Any) -> None:
+        schedule = module.schedule()
         self.comps: dict[str, list[Instr]] = {}
-        self.order: list[str] = []  # callees before their callers, as printed
-        self.entry: str | None = None
-        current: list[Instr] | None = None
-        for line in hlo.splitlines():
-            if line[:1] not in (" ", "\t", ""):
-                header = _HEADER.match(line)
-                current = None
-                if header:
-                    self.order.append(header.group(1))
-                    current = self.comps.setdefault(header.group(1), [])
-                    self.entry = header.group(1) if line.startswith("ENTRY") else self.entry
-            elif current is not None and (ins := _instr(line)) is not None:
-                current.append(ins)
+        home: dict[str, str] = {}
+        for comp in module.computations():
+            for ins in comp.instructions():
+                home[ins.name] = comp.name
+        for comp in module.computations():
+            self.comps[comp.name] = self._read(comp, schedule, home)
         self.by_name = {c: {i.name: i for i in body} for c, body in self.comps.items()}
         self.users: dict[str, dict[str, list[tuple[Instr, int]]]] = {c: {} for c in self.comps}
         self.callers: dict[str, list[tuple[str, Instr, str]]] = {c: [] for c in self.comps}
@@ -222,35 +256,60 @@ class Module:
             for ins in body:
                 for j, operand in enumerate(ins.operands):
                     self.users[comp].setdefault(operand, []).append((ins, j))
-                for role, callee in _callees(ins.attrs):
+                for role, callee in ins.callees:
                     self.callers.setdefault(callee, []).append((comp, ins, role))
+        uncalled = [c for c in self.comps if not self.callers.get(c)]
+        self.entry: str | None = max(uncalled, key=self._reach, default=None)
         self._depends: dict[tuple[str, str, int | None], bool] = {}
+
+    @staticmethod
+    def _read(comp: Any, schedule: Any, home: dict[str, str]) -> list[Instr]:
+        try:
+            order = list(schedule.sequence(comp))
+        except (AttributeError, IndexError):  # no schedule, or a fused computation
+            order = _post_order(comp.instructions())
+        root = _root(order)
+        body = []
+        for ins in order:
+            type_, args, attrs = _split(ins.to_string())
+            callees = _callees(attrs)
+            if ins.opcode.name == "kAsyncStart":
+                wrapped = home.get(ins.async_wrapped_root().name)
+                callees += [("async", wrapped)] if wrapped else []
+            body.append(
+                Instr(
+                    ins.name,
+                    ins.opcode.name,
+                    type_,
+                    tuple(o.name for o in ins.operands()),
+                    args,
+                    attrs,
+                    ins.name == root,
+                    tuple(callees),
+                )
+            )
+        return body
+
+    def _reach(self, comp: str) -> int:
+        """How many computations `comp` calls, directly or not (the entry calls most)."""
+        seen, todo = {comp}, [comp]
+        while todo:
+            for ins in self.comps.get(todo.pop(), []):
+                fresh = {c for _, c in ins.callees} - seen
+                seen |= fresh
+                todo += fresh
+        return len(seen)
 
     def param(self, comp: str, number: int) -> str | None:
         """The name of parameter `number` of computation `comp`."""
         for ins in self.comps.get(comp, []):
-            if ins.op == "parameter" and ins.args.strip() == str(number):
+            if ins.op == "kParameter" and ins.args.strip() == str(number):
                 return ins.name
         return None
 
-    def runs(self) -> tuple[dict[str, int], set[str]]:
-        """How often each computation runs per step, and those inside a loop of
-        unknown trip count (which count once per step)."""
-        runs = dict.fromkeys(self.order, 0)
-        if self.entry is not None:
-            runs[self.entry] = 1
-        unknown: set[str] = set()
-        for name in reversed(self.order):  # callers come after their callees in the text
-            for ins in self.comps[name]:
-                trips = _TRIPS.search(ins.attrs)
-                for role, callee in _callees(ins.attrs):
-                    loop = role == "body"
-                    if (loop and not trips) or name in unknown:
-                        unknown.add(callee)
-                    if callee in runs:
-                        times = int(trips.group(1)) if loop and trips else 1
-                        runs[callee] += runs[name] * times
-        return runs, unknown
+    def root(self, comp: str) -> Instr | None:
+        """Computation `comp`'s root instruction."""
+        return next((i for i in self.comps.get(comp, []) if i.root), None)
 
     def depends(self, comp: str, name: str, index: int | None = None) -> bool:
         """Whether value `name` (its tuple element `index`) depends on the partition id."""
@@ -262,30 +321,31 @@ class Module:
 
     def _depends_on(self, comp: str, name: str, index: int | None) -> bool:
         ins = self.by_name[comp].get(name)
-        if ins is None or ins.op == "constant":
+        if ins is None or ins.op == "kConstant":
             return False
-        if ins.op in ("partition-id", "replica-id"):
+        if ins.op in ("kPartitionId", "kReplicaId"):
             return True
-        if ins.op == "parameter":
+        if ins.op == "kParameter":
             number = int(ins.args.strip() or 0)
             return any(
                 self.depends(caller, call.operands[0 if role != "calls" else number], index)
                 for caller, call, role in self.callers.get(comp, [])
                 if role in ("calls", "body", "condition") and len(call.operands) > number
             )
-        if ins.op == "get-tuple-element":
+        if ins.op == "kGetTupleElement":
             return self.depends(comp, ins.operands[0], _element(ins))
-        if ins.op == "tuple" and index is not None and index < len(ins.operands):
+        if ins.op == "kTuple" and index is not None and index < len(ins.operands):
             return self.depends(comp, ins.operands[index])
-        if ins.op == "while":
+        if ins.op == "kWhile":
             return self.depends(comp, ins.operands[0], index)
         return any(self.depends(comp, operand) for operand in ins.operands)
 
     def slices(
         self, comp: str, name: str, index: int | None, seen: set[tuple[str, str, int | None]]
-    ) -> list[int] | None:
-        """The result bytes of the partition-offset ``dynamic-slice``s that every use of
-        value `name` (its tuple element `index`) ends in, or None if some use does not.
+    ) -> list[str] | None:
+        """The result types of the partition-offset ``dynamic-slice``s that every use
+        of value `name` (its tuple element `index`) ends in, or None if some use
+        does not.
 
         Uses are followed through fusion parameters, ``bitcast``, ``copy``,
         ``reshape``, ``transpose``, elementwise ops, ``get-tuple-element``, tuples
@@ -294,7 +354,7 @@ class Module:
         if (comp, name, index) in seen:
             return []
         seen.add((comp, name, index))
-        found: list[int] = []
+        found: list[str] = []
         for user, j in self.users[comp].get(name, []):
             got = self._use(comp, user, j, index, seen)
             if got is None:
@@ -310,39 +370,39 @@ class Module:
 
     def _use(
         self, comp: str, user: Instr, j: int, index: int | None, seen: set[Any]
-    ) -> list[int] | None:
+    ) -> list[str] | None:
         """`slices` of one use: `user` takes the value as its operand `j`."""
         if user.op in _PASS or (user.op in _ELEMENTWISE and index is None):
             return self.slices(comp, user.name, index, seen)
-        if user.op == "get-tuple-element":
+        if user.op == "kGetTupleElement":
             picked = _element(user)
             if index is not None and picked != index:
                 return []  # another element of the tuple
             return self.slices(comp, user.name, None, seen)
-        if user.op == "tuple" and index is None:
+        if user.op == "kTuple" and index is None:
             return self.slices(comp, user.name, j, seen)
-        callees = dict(_callees(user.attrs))
-        if user.op == "while":  # into the body and condition, and out as the loop's result
+        callees = dict(user.callees)
+        if user.op == "kWhile":  # into the body and condition, and out as the loop's result
             inside = [
                 (c, self.param(c, 0)) for r, c in callees.items() if r in ("body", "condition")
             ]
             parts = [self.slices(c, p, index, seen) for c, p in inside if p is not None]
             parts.append(self.slices(comp, user.name, index, seen))
             return None if any(p is None for p in parts) else [b for p in parts for b in p or []]
-        if user.op in ("fusion", "call"):
+        if user.op in ("kFusion", "kCall"):
             callee = callees.get("calls") or callees.get("to_apply")
             param = self.param(callee, j) if callee else None
             return (
                 None if callee is None or param is None else self.slices(callee, param, index, seen)
             )
-        sliced = user.op == "dynamic-slice" and j == 0 and index is None
+        sliced = user.op == "kDynamicSlice" and j == 0 and index is None
         if sliced and any(self.depends(comp, o) for o in user.operands[1:]):
-            return [_type_bytes(user.type)]
+            return [user.type]
         return None
 
-    def _escape(self, comp: str, index: int | None, seen: set[Any]) -> list[int] | None:
+    def _escape(self, comp: str, index: int | None, seen: set[Any]) -> list[str] | None:
         """`slices` of a value that is `comp`'s result: where its callers take it."""
-        found: list[int] = []
+        found: list[str] = []
         for caller, call, role in self.callers.get(comp, []):
             if role == "calls":
                 got = self.slices(caller, call.name, index, seen)
@@ -359,10 +419,73 @@ class Module:
         return found if self.callers.get(comp) else None  # the entry's result: an output
 
 
+#: Ops a value passes through unchanged in content (what is followed to its uses).
+_PASS = frozenset({"kBitcast", "kCopy", "kReshape", "kTranspose"})
+#: Elementwise ops: a slice of their result needs only the same slice of their
+#: operands, so a reduction's result that flows through them to slices is needed
+#: only as slices (``convert`` among them: the CPU pipeline reduces bf16 in f32).
+_ELEMENTWISE = frozenset(
+    [
+        "kAbs",
+        "kAdd",
+        "kAnd",
+        "kAtan2",
+        "kCbrt",
+        "kCeil",
+        "kClamp",
+        "kCompare",
+        "kConvert",
+        "kCos",
+        "kDivide",
+        "kExp",
+        "kExpm1",
+        "kFloor",
+        "kIsFinite",
+        "kLog",
+        "kLog1p",
+        "kLogistic",
+        "kMaximum",
+        "kMinimum",
+        "kMultiply",
+        "kNegate",
+        "kNot",
+        "kOr",
+        "kPower",
+        "kRemainder",
+        "kRoundNearestAfz",
+        "kRoundNearestEven",
+        "kRsqrt",
+        "kSelect",
+        "kSign",
+        "kSin",
+        "kSqrt",
+        "kSubtract",
+        "kTan",
+        "kTanh",
+        "kXor",
+    ]
+)
+#: The collectives, by opcode: the op itself (inside an async wrapper too), or the
+#: ``-done`` half of an async pair, whose result is the collective's.
+_KIND = {
+    "kAllGather": "all-gather",
+    "kAllReduce": "all-reduce",
+    "kReduceScatter": "reduce-scatter",
+    "kAllToAll": "all-to-all",
+    "kCollectivePermute": "collective-permute",
+    "kAllGatherDone": "all-gather",
+    "kAllReduceDone": "all-reduce",
+    "kCollectivePermuteDone": "collective-permute",
+}
+
+
 def _element(ins: Instr) -> int:
     """The tuple index a ``get-tuple-element`` picks."""
     found = _INDEX.search(ins.attrs)
     return int(found.group(1)) if found else 0
+
+
+# --- replica groups and mesh axes ----------------------------------------------------
 
 
 def _iota(dims: str, reshape: str | None, perm: str | None) -> np.ndarray:
@@ -418,7 +541,22 @@ def _mesh_groups(axes: str, ids: str | None, refs: str) -> list[list[int]]:
 
 def replica_groups(attrs: str, devices: int) -> list[list[int]]:
     """The device groups (partition ids) of a collective, from any of the four forms
-    its replica groups print in; no groups (or ``{}``) is one group of all devices."""
+    its replica groups print in; no groups (or ``{}``) is one group of all devices.
+
+    Example:
+        The same groups (along the first axis of a (2, 4) mesh) in each form:
+
+        >>> replica_groups("replica_groups={{0,4},{1,5},{2,6},{3,7}}", 8)
+        [[0, 4], [1, 5], [2, 6], [3, 7]]
+        >>> replica_groups("replica_groups=[4,2]<=[2,4]T(1,0)", 8)
+        [[0, 4], [1, 5], [2, 6], [3, 7]]
+        >>> replica_groups("replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0'}", 8)
+        [[0, 4], [1, 5], [2, 6], [3, 7]]
+        >>> replica_groups("replica_groups=mesh['a'=2,'b'=2], device_ids=(3,1,2,0) {'a'}", 4)
+        [[3, 2], [1, 0]]
+        >>> replica_groups("replica_groups=mesh['x'=8] {'x':(1)2}", 8)  # a sub-axis
+        [[0, 4], [1, 5], [2, 6], [3, 7]]
+    """
     mesh = _GROUPS_MESH.search(attrs)
     if mesh:
         return _mesh_groups(*mesh.groups())
@@ -467,170 +605,286 @@ def permute_axes(attrs: str, shape: Sequence[tuple[str, int]]) -> tuple[str, ...
     return tuple(shape[d][0] for d in sorted(varying))
 
 
-def _dims(type_: str) -> list[int]:
-    """The dimensions of an array type, ``f32[8,256]{1,0}`` -> [8, 256]."""
-    found = _ARRAY.search(type_)
-    return [int(d) for d in found.group(2).split(",") if d] if found else []
-
-
-#: A GPU compile's matmuls are library calls, which say their contracting dims.
-_GEMM = re.compile(r'custom_call_target="[^"]*(?:gemm|matmul)', re.IGNORECASE)
-_GEMM_DIMS = re.compile(r'"lhs_contracting_dimensions":\[([^\]]*)\]')
-
-
-def _instr_flops(comp: dict[str, Instr], ins: Instr) -> int:
-    """2 x result elements x contracted size, for a ``dot``, a matmul library call
-    (``custom-call``; a tuple's first element is its result) or a ``convolution``."""
-    result = math.prod(_dims(ins.type))
-    if ins.op in ("dot", "custom-call"):
-        lhs = comp.get(ins.operands[0]) if ins.operands else None
-        found = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.attrs)
-        if ins.op == "custom-call":
-            found = _GEMM_DIMS.search(ins.attrs) if _GEMM.search(ins.attrs) else None
-        if lhs is None or found is None:
-            return 0
-        shape = _dims(lhs.type)
-        dims = [int(d.strip('" ')) for d in found.group(1).split(",") if d.strip('" ')]
-        return 2 * result * math.prod(shape[d] for d in dims)
-    kernel = comp.get(ins.operands[1]) if len(ins.operands) > 1 else None
-    labels = re.search(r"dim_labels=\w+_(\w+)->", ins.attrs)
-    if kernel is None or labels is None or "o" not in labels.group(1):
-        return 0
-    shape = _dims(kernel.type)
-    return 2 * result * math.prod(shape) // max(shape[labels.group(1).index("o")], 1)
-
-
-def _held(mod: Module, scattered: dict[tuple[str, str], int], comp: str) -> int:
-    """The most bytes of `scattered` all-reduce results live at once in `comp`, in its
-    scheduled order (a loop body by its own largest set, once)."""
-    body = mod.comps.get(comp, [])
-    position = {ins.name: i for i, ins in enumerate(body)}
-    spans = []
-    for i, ins in enumerate(body):
-        if (comp, ins.name) not in scattered:
-            continue
-        last, todo, done = i, [ins.name], set()
-        while todo:  # the last use of it, or of what passes it on
-            name = todo.pop()
-            done.add(name)
-            if mod.by_name[comp][name].root:
-                last = len(body) - 1
-            for user, _ in mod.users[comp].get(name, []):
-                last = max(last, position[user.name])
-                if user.op in _PASS | {"get-tuple-element", "tuple"} and user.name not in done:
-                    todo.append(user.name)
-        spans.append((i, last, scattered[(comp, ins.name)]))
-    most = 0
-    for p, ins in enumerate(body):
-        live = sum(size for start, end, size in spans if start <= p <= end)
-        inner = [_held(mod, scattered, c) for r, c in _callees(ins.attrs) if r in ("body", "calls")]
-        most = max(most, live + max(inner, default=0))
-    return most
-
-
-def read_step(hlo: str, shape: Sequence[tuple[str, int]] = (), *, cpu: bool = False) -> Reading:
-    """Collectives, flops and the whole gradients held, per executed step, from a
-    compiled module's HLO text.
-
-    A computation runs as often as its callers run it: a ``while`` body once
-    per iteration where the compiler recorded the trip count, else once (and
-    flagged). Async pairs count once, by their ``-done`` half, whose result
-    is the collective's. `shape` is the mesh's ``(axis, size)`` pairs (the
-    partition ids are positions in its row-major device order). With `cpu`,
-    an all-reduce whose every use takes one device's slice of it (by its
-    partition id) is counted as the reduce-scatter an accelerator runs.
-    """
-    mod = Module(hlo)
-    runs, unknown = mod.runs()
-    devices = math.prod(size for _, size in shape) if shape else 0
-    rows: dict[tuple[str, tuple[str, ...], int], list[int]] = {}
-    flagged: set[str] = set()
-    partial: set[tuple[str, tuple[str, ...], int]] = set()
-    scattered: dict[tuple[str, str], int] = {}
-    flops = widened = 0
-    for name in mod.order:
-        for ins in mod.comps[name] if runs[name] else []:
-            if ins.op in ("dot", "convolution", "custom-call"):
-                flops += runs[name] * _instr_flops(mod.by_name[name], ins)
-            kind, size, start = _collective(mod, name, ins)
-            if kind is None:
-                continue
-            parts = [(kind, size)]
-            if kind == "all-reduce" and cpu:  # the CPU compiler's form of a reduce-scatter
-                cut, held, kept, wide = _scatter(mod, name, ins)
-                if cut:
-                    scattered[(name, ins.name)] = held
-                widened += 1 if wide else 0
-                parts = [(k, b) for k, b in (("reduce-scatter", cut), (kind, kept)) if b]
-            axes, group, whole = _axes(kind, start, shape, devices)
-            for kind, size in parts:
-                row = rows.setdefault((kind, axes, group), [0, 0])
-                row[0] += runs[name]
-                row[1] += runs[name] * size
-                flagged |= {kind} if name in unknown else set()
-                partial |= set() if whole else {(kind, axes, group)}
-    held = _held(mod, scattered, mod.entry) if scattered and mod.entry else 0
-    order = sorted(rows, key=lambda k: KINDS.index(k[0]))
-    found = [
-        (kind, n, size, axes, group)
-        for (kind, axes, group), (n, size) in ((k, rows[k]) for k in order)
-    ]
-    return Reading(found, _flags(flagged, partial, len(scattered), widened), flops, held)
-
-
-def overstated_bytes(held_bytes: int, temp_bytes: int) -> int:
-    """How much a CPU compile's peak may overstate an accelerator's: the whole
-    reductions held at once, plus 64 bytes for the partition-id scalars their
-    slices are offset by, at most the temporaries; 0 where none are held."""
-    return min(held_bytes + 64, temp_bytes) if held_bytes else 0
-
-
 def _axes(
-    kind: str, ins: Instr, shape: Sequence[tuple[str, int]], devices: int
+    kind: str, ins: Instr, shape: Sequence[tuple[str, int]]
 ) -> tuple[tuple[str, ...], int, bool]:
     """A collective's mesh axes, group size, and whether its groups are whole axes."""
     if kind == "collective-permute":
         return permute_axes(ins.attrs, shape), 2, True
-    groups = replica_groups(ins.attrs, devices or 1)
+    devices = math.prod(size for _, size in shape) if shape else 1
+    groups = replica_groups(ins.attrs, devices)
     return group_axes(groups, shape) if shape else ((), len(groups[0]), True)
 
 
-def _collective(mod: Module, comp: str, ins: Instr) -> tuple[str | None, int, Instr]:
-    """The kind of collective `ins` is (None if none), its result bytes, and the
-    instruction that carries its groups (an async ``-done``'s ``-start``)."""
-    if ins.op in KINDS:
-        return ins.op, _type_bytes(ins.type), ins
-    if ins.op.endswith("-done") and ins.op[: -len("-done")] in KINDS and ins.operands:
-        start = mod.by_name[comp].get(ins.operands[0], ins)
-        return ins.op[: -len("-done")], _type_bytes(ins.type), start
-    return None, 0, ins
+# --- types -----------------------------------------------------------------------------
 
 
-def _scatter(mod: Module, comp: str, ins: Instr) -> tuple[int, int, int, int]:
-    """Of all-reduce `ins`'s result (each element of a tuple): the slice bytes of the
-    elements whose every use takes one device's slice, their whole bytes, the bytes
-    of the other elements (used whole: a real all-reduce), and how many elements
-    are reduced wider than their values (bf16 reduced in f32: counted at bf16)."""
-    arrays = _ARRAY.findall(ins.type)
-    cut = held = kept = widened = 0
-    for index in range(len(arrays)) if ins.type.startswith("(") else [None]:
-        got = mod.slices(comp, ins.name, index, set())
-        size = _type_bytes(ins.type if index is None else "{}[{}]".format(*arrays[index]))
-        operand = ins.operands[index or 0] if len(ins.operands) > (index or 0) else ""
-        narrow = _widened_bits(mod, comp, operand)
-        if got:
-            cut, held = cut + max(got), held + size
-        else:
-            wide = _bits(arrays[index or 0][0]) if arrays else 0
-            kept += size * narrow // wide if narrow and wide else size
-            widened += 1 if narrow else 0
-    return cut, held, kept, widened
+def _arrays(type_: str) -> list[tuple[str, list[int]]]:
+    """The arrays of a type (a tuple's elements in order): ``(f32[8,2], s8[4])``."""
+    return [
+        (dtype, [int(d) for d in dims.split(",") if d]) for dtype, dims in _ARRAY.findall(type_)
+    ]
+
+
+def _dims(type_: str) -> list[int]:
+    """The dimensions of an array type (a tuple's first element): ``f32[8,256]{1,0}``."""
+    found = _arrays(type_)
+    return found[0][1] if found else []
 
 
 def _bits(dtype: str) -> int:
     """The bits of an HLO element type: ``bf16`` 16, ``pred`` 8."""
     found = re.search(r"\d+", dtype)
     return 8 if dtype == "pred" or found is None else int(found.group())
+
+
+def _type_bytes(text: str) -> int:
+    """The bytes of an HLO result type (a tuple's elements summed): ``f32[8,256]{1,0}``."""
+    return sum(math.prod(dims) * max(_bits(dtype) // 8, 1) for dtype, dims in _arrays(text))
+
+
+# --- flops -----------------------------------------------------------------------------
+
+_LABELS = re.compile(r"\bdim_labels=(\w+)_(\w+)->(\w+)")
+_WINDOW = re.compile(r"\bwindow=\{([^}]*)\}")
+_TARGET = re.compile(r'custom_call_target="([^"]*)"')
+_GEMM_DIMS = re.compile(r'"lhs_contracting_dimensions":\s*\[([^\]]*)\]')
+_FMHA_SHAPE = re.compile(r'"intermediate_tensor_shape":\s*\{[^}]*?"dimensions":\s*\[([^\]]*)\]')
+
+
+def _numbers(text: str) -> list[int]:
+    """The integers in `text`: ``["1","2"]`` -> [1, 2]."""
+    return [int(d) for d in re.findall(r"\d+", text)]
+
+
+def _window(attrs: str, rank: int) -> dict[str, list[int]]:
+    """A convolution's window: size, stride, pad (low, high), dilations per spatial
+    dimension (defaults where absent)."""
+    fields = dict.fromkeys(("size", "stride", "lhs_dilate", "rhs_dilate"), [1] * rank)
+    fields["pad_lo"] = fields["pad_hi"] = [0] * rank
+    found = _WINDOW.search(attrs)
+    for part in found.group(1).split() if found else []:
+        key, _, value = part.partition("=")
+        if key == "pad":
+            pads = [p.split("_") for p in value.split("x")]
+            fields["pad_lo"] = [int(lo) for lo, _ in pads]
+            fields["pad_hi"] = [int(hi) for _, hi in pads]
+        elif key in fields:
+            fields[key] = [int(v) for v in value.split("x")]
+    return fields
+
+
+def _taps(out: int, size: int, stride: int, pad: int, lhs: int, rhs: int, n: int) -> int:
+    """Over the `out` output positions of one spatial dimension, how many kernel taps
+    land on a real input element (not padding, not a hole of the input's dilation):
+    a batch dimension a TPU writes as a window (``size=4 stride=3 lhs_dilate=4``)
+    has one per position.
+
+    Example:
+        >>> _taps(out=4, size=4, stride=3, pad=0, lhs=4, rhs=1, n=4)  # 4 heads
+        4
+        >>> _taps(out=3, size=3, stride=1, pad=1, lhs=1, rhs=1, n=3)  # "SAME", 3 wide
+        7
+    """
+    start = np.arange(out)[:, None] * stride - pad + np.arange(size)[None, :] * rhs
+    real = (start >= 0) & (start <= (n - 1) * lhs) & (start % lhs == 0)
+    return int(real.sum())
+
+
+def _conv_flops(out_type: str, lhs_type: str, rhs_type: str, attrs: str) -> int:
+    """2 x output batch x output features x input features per group x the taps
+    that touch real input, summed over the output's positions."""
+    labels = _LABELS.search(attrs)
+    if labels is None:
+        return 0
+    lhs_l, rhs_l, out_l = labels.groups()
+    out, lhs, rhs = _dims(out_type), _dims(lhs_type), _dims(rhs_type)
+    if not (len(out) == len(out_l) and len(lhs) == len(lhs_l) and len(rhs) == len(rhs_l)):
+        return 0
+    spatial = sorted(c for c in out_l if c.isdigit())
+    win = _window(attrs, len(spatial))
+    taps = 1
+    for s, c in enumerate(spatial):
+        taps *= _taps(
+            out[out_l.index(c)],
+            win["size"][s],
+            win["stride"][s],
+            win["pad_lo"][s],
+            win["lhs_dilate"][s],
+            win["rhs_dilate"][s],
+            lhs[lhs_l.index(c)],
+        )
+    return 2 * out[out_l.index("b")] * out[out_l.index("f")] * rhs[rhs_l.index("i")] * taps
+
+
+def _dot_flops(result: str, lhs: str, contracting: Sequence[int]) -> int:
+    shape = _dims(lhs)
+    if any(d >= len(shape) for d in contracting):
+        return 0
+    return 2 * math.prod(_dims(result)) * math.prod(shape[d] for d in contracting)
+
+
+def _custom_flops(mod: Module, comp: str, ins: Instr) -> int:
+    """The FLOPs of a library call: a cuBLAS matmul (its dims in its backend config),
+    a cuDNN convolution (its window; the backward ones laid out by which operand is
+    the forward's output) or cuDNN fused attention."""
+    target = _TARGET.search(ins.attrs)
+    name = target.group(1) if target else ""
+    types = [mod.by_name[comp][o].type if o in mod.by_name[comp] else "" for o in ins.operands]
+    result = "{}[{}]".format(*_ARRAY.findall(ins.type)[0]) if _ARRAY.search(ins.type) else ""
+    if "gemm" in name.lower() or "matmul" in name.lower():
+        dims = _GEMM_DIMS.search(ins.attrs)
+        return _dot_flops(result, types[0], _numbers(dims.group(1))) if dims and types else 0
+    if name.startswith("__cudnn$conv") and len(types) >= 2:
+        if "BackwardInput" in name:
+            return _conv_flops(types[0], result, types[1], ins.attrs)
+        if "BackwardFilter" in name:
+            return _conv_flops(types[1], types[0], result, ins.attrs)
+        return _conv_flops(result, types[0], types[1], ins.attrs)
+    if name.startswith("__cudnn$fmha") and len(types) >= 3:
+        return _attention_flops(name, ins.attrs, types[0], types[2])
+    return 0
+
+
+def _attention_flops(name: str, attrs: str, query: str, value: str) -> int:
+    """cuDNN fused attention: scores (heads x queries x keys, each a dot of the head
+    width) and their product with the values; its backward recomputes the scores and
+    takes the four gradients' dots.
+
+    Example:
+        >>> shape = '"intermediate_tensor_shape":{"dimensions":["1","4","512","512"]}'
+        >>> q = "bf16[1,512,4,64]"
+        >>> _attention_flops("__cudnn$fmhaSoftmax", shape, q, q) == 2 * 2 * 4 * 512 * 512 * 64
+        True
+        >>> _attention_flops("__cudnn$fmhaSoftmaxBackward", shape, q, q) // (4 * 512 * 512 * 64)
+        10
+    """
+    scores = _FMHA_SHAPE.search(attrs)
+    if scores is None or not _dims(query) or not _dims(value):
+        return 0
+    size = math.prod(_numbers(scores.group(1)))
+    qk, v = _dims(query)[-1], _dims(value)[-1]
+    if "Backward" in name:
+        return 2 * size * (3 * qk + 2 * v)
+    return 2 * size * (qk + v)
+
+
+def _flops(mod: Module, comp: str, ins: Instr) -> int:
+    """2 x result elements x contracted size of a dot, a convolution or a library call."""
+    types = {o: mod.by_name[comp][o].type for o in ins.operands if o in mod.by_name[comp]}
+    if ins.op == "kDot" and ins.operands:
+        found = re.search(r"\blhs_contracting_dims=\{([\d,]*)\}", ins.attrs)
+        contracting = _numbers(found.group(1)) if found else []
+        return _dot_flops(ins.type, types.get(ins.operands[0], ""), contracting)
+    if ins.op == "kConvolution" and len(ins.operands) >= 2:
+        lhs, rhs = (types.get(o, "") for o in ins.operands[:2])
+        return _conv_flops(ins.type, lhs, rhs, ins.attrs)
+    if ins.op == "kCustomCall":
+        return _custom_flops(mod, comp, ins)
+    return 0
+
+
+# --- loop trip counts ----------------------------------------------------------------
+
+_DIRECTION = re.compile(r"\bdirection=(\w+)")
+_FLIPPED = {"LT": "GT", "LE": "GE", "GT": "LT", "GE": "LE", "NE": "NE", "EQ": "EQ"}
+#: A loop value resolved: ("const", n), ("index", k) (element k of the loop state),
+#: ("step", k, n) (element k plus n).
+Value = tuple[Any, ...]
+
+
+def _value(mod: Module, comp: str, name: str, outer: tuple[tuple[str, Instr], ...]) -> Value | None:
+    """What a scalar in a loop's condition or body is, in terms of the loop state:
+    through copies, converts and fusions (whose parameters are their operands)."""
+    ins = mod.by_name.get(comp, {}).get(name)
+    if ins is None:
+        return None
+    if ins.op == "kConstant":
+        found = re.fullmatch(r"\s*(-?\d+)\s*", ins.args)
+        return ("const", int(found.group(1))) if found else None
+    if ins.op in ("kCopy", "kBitcast", "kConvert", "kReshape") and ins.operands:
+        return _value(mod, comp, ins.operands[0], outer)
+    if ins.op == "kFusion":
+        inner = mod.root(dict(ins.callees).get("calls", ""))
+        callee = dict(ins.callees).get("calls", "")
+        return _value(mod, callee, inner.name, (*outer, (comp, ins))) if inner else None
+    if ins.op == "kParameter" and outer:
+        (caller, call), number = outer[-1], int(ins.args.strip() or 0)
+        if number < len(call.operands):
+            return _value(mod, caller, call.operands[number], outer[:-1])
+        return None
+    if ins.op == "kGetTupleElement" and not outer:
+        source = mod.by_name[comp].get(ins.operands[0])
+        return ("index", _element(ins)) if source and source.op == "kParameter" else None
+    if ins.op in ("kAdd", "kSubtract") and len(ins.operands) == 2:
+        a, b = (_value(mod, comp, o, outer) for o in ins.operands)
+        sign = 1 if ins.op == "kAdd" else -1
+        if a and b and a[0] == "index" and b[0] == "const":
+            return ("step", a[1], sign * b[1])
+        if a and b and b[0] == "index" and a[0] == "const" and sign == 1:
+            return ("step", b[1], a[1])
+    return None
+
+
+def _condition(mod: Module, cond: str) -> tuple[int, str, int] | None:
+    """A loop condition ``state[k] < n`` (or <=, >, >=, !=) as (k, direction, n)."""
+    root, comp = mod.root(cond), cond
+    outer: tuple[tuple[str, Instr], ...] = ()
+    while root is not None and root.op == "kFusion":
+        callee = dict(root.callees).get("calls", "")
+        outer, comp, root = (*outer, (comp, root)), callee, mod.root(callee)
+    direction = _DIRECTION.search(root.attrs) if root and root.op == "kCompare" else None
+    if root is None or direction is None or len(root.operands) != 2:
+        return None
+    a, b = (_value(mod, comp, o, outer) for o in root.operands)
+    if a and b and a[0] == "index" and b[0] == "const":
+        return a[1], direction.group(1), b[1]
+    if a and b and b[0] == "index" and a[0] == "const":
+        return b[1], _FLIPPED[direction.group(1)], a[1]
+    return None
+
+
+def _trips(start: int, step: int, direction: str, limit: int) -> int | None:
+    """How many times ``i = start; while i <direction> limit: i += step`` runs."""
+    if step == 0:
+        return None
+    if direction in ("LT", "LE", "NE") and step > 0:
+        end = limit + (1 if direction == "LE" else 0)
+    elif direction in ("GT", "GE", "NE") and step < 0:
+        end = limit - (1 if direction == "GE" else 0)
+    else:
+        return None
+    count = -(-(end - start) // step)
+    if direction == "NE" and (limit - start) % step:
+        return None
+    return max(count, 0)
+
+
+def trip_count(mod: Module, comp: str, ins: Instr) -> int | None:
+    """A ``while``'s trip count: the compiler's own (``known_trip_count``, as XLA CPU
+    and GPU write it), else read from the loop as the TPU compiler leaves it: a
+    condition comparing one element of the state with a constant, that element's
+    start a constant in the loop's initial tuple, and the body adding a constant."""
+    known = _TRIPS.search(ins.attrs)
+    if known:
+        return int(known.group(1))
+    callees = dict(ins.callees)
+    test = _condition(mod, callees.get("condition", ""))
+    init = mod.by_name[comp].get(ins.operands[0]) if ins.operands else None
+    body = mod.root(callees.get("body", ""))
+    if test is None or init is None or init.op != "kTuple" or body is None:
+        return None
+    index, direction, limit = test
+    if body.op != "kTuple" or index >= len(body.operands) or index >= len(init.operands):
+        return None
+    start = _value(mod, comp, init.operands[index], ())
+    step = _value(mod, callees["body"], body.operands[index], ())
+    if start is None or step is None or start[0] != "const" or step[:2] != ("step", index):
+        return None
+    return _trips(start[1], step[2], direction, limit)
+
+
+# --- the CPU compiler's forms ---------------------------------------------------------
 
 
 def _widened_bits(mod: Module, comp: str, name: str) -> int | None:
@@ -640,65 +894,290 @@ def _widened_bits(mod: Module, comp: str, name: str) -> int | None:
     while ins is not None:
         if ins.op in _PASS and ins.operands:
             ins = mod.by_name[comp].get(ins.operands[0])
-        elif ins.op == "fusion":
-            comp = dict(_callees(ins.attrs)).get("calls", "")
-            ins = next((i for i in mod.comps.get(comp, []) if i.root), None)
-        elif ins.op == "convert" and ins.operands:
+        elif ins.op == "kFusion":
+            comp = dict(ins.callees).get("calls", "")
+            ins = mod.root(comp)
+        elif ins.op == "kConvert" and ins.operands:
             source = mod.by_name[comp].get(ins.operands[0])
-            found = _ARRAY.search(source.type) if source else None
-            wide = _ARRAY.search(ins.type)
-            if found and wide and found.group(1).startswith(("f", "bf")):
-                narrow = _bits(found.group(1))
-                return narrow if narrow < _bits(wide.group(1)) else None
+            narrow, wide = _arrays(source.type) if source else [], _arrays(ins.type)
+            if narrow and wide and narrow[0][0].startswith(("f", "bf")):
+                bits = _bits(narrow[0][0])
+                return bits if bits < _bits(wide[0][0]) else None
             return None
         else:
             return None
     return None
 
 
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """One element of a collective's result, as counted: its kind (an all-reduce read
+    as a reduce-scatter), its bytes, and what the CPU form changed."""
+
+    kind: str
+    bytes: int
+    held: int = 0  # the whole size of an all-reduce read as a reduce-scatter
+    widened: bool = False
+
+
+def _parts(mod: Module, comp: str, ins: Instr, kind: str, group: int, cpu: bool) -> list[Part]:
+    """The elements of collective `ins`'s result (a tuple's each; the whole for an
+    async ``-done``), at the program's width on CPU, an all-reduce's elements whose
+    every use takes one device's slice read as a reduce-scatter."""
+    arrays = _arrays(ins.type)
+    if not cpu or not arrays or ins.op.endswith("Done"):
+        return [Part(kind, _type_bytes(ins.type))]
+    tuple_ = ins.type.startswith("(")
+    parts = []
+    for index, (dtype, dims) in enumerate(arrays if tuple_ else arrays[:1]):
+        size = math.prod(dims) * max(_bits(dtype) // 8, 1)
+        operand = ins.operands[index] if index < len(ins.operands) else ""
+        narrow = _widened_bits(mod, comp, operand)
+        if kind == "all-reduce":
+            got = mod.slices(comp, ins.name, index if tuple_ else None, set())
+            cut = max(got, key=lambda t: math.prod(_dims(t)), default="") if got else ""
+            if cut and math.prod(_dims(cut)) * group == math.prod(dims):
+                parts.append(Part("reduce-scatter", _type_bytes(cut), held=size))
+                continue
+        width = _bits(dtype)
+        parts.append(Part(kind, size * narrow // width if narrow else size, widened=bool(narrow)))
+    return parts
+
+
+# --- the reading -----------------------------------------------------------------------
+
+Key = tuple[str, tuple[str, ...], int]
+
+
+@dataclasses.dataclass(frozen=True)
+class Tally:
+    """What one run of a computation does, its callees included: flops, collective
+    rows ``(kind, axes, group) -> (count, bytes)``, the kinds inside loops of unknown
+    trip count, rows over groups that are not whole axes, the all-reduces read as
+    reduce-scatters (by computation and name, with their whole size) and the
+    collectives counted at a narrower width."""
+
+    flops: int = 0
+    rows: Mapping[Key, tuple[int, int]] = dataclasses.field(default_factory=dict)
+    unknown: frozenset[str] = frozenset()
+    partial: frozenset[Key] = frozenset()
+    scattered: Mapping[tuple[str, str], int] = dataclasses.field(default_factory=dict)
+    widened: frozenset[tuple[str, str]] = frozenset()
+
+    def __add__(self, other: Tally) -> Tally:
+        rows = dict(self.rows)
+        for key, (n, size) in other.rows.items():
+            was = rows.get(key, (0, 0))
+            rows[key] = (was[0] + n, was[1] + size)
+        return Tally(
+            self.flops + other.flops,
+            rows,
+            self.unknown | other.unknown,
+            self.partial | other.partial,
+            {**self.scattered, **other.scattered},
+            self.widened | other.widened,
+        )
+
+    def times(self, n: int) -> Tally:
+        rows = {key: (count * n, size * n) for key, (count, size) in self.rows.items()}
+        return dataclasses.replace(self, flops=self.flops * n, rows=rows)
+
+    def __bool__(self) -> bool:
+        return bool(self.flops or self.rows or self.unknown or self.scattered)
+
+    @property
+    def cost(self) -> tuple[int, int]:
+        """What a branch costs, to choose the costlier: its flops, then its bytes."""
+        return self.flops, sum(size for _, size in self.rows.values())
+
+
+class Reader:
+    """Tallies a module's computations, each once, from its entry down."""
+
+    def __init__(self, mod: Module, shape: Sequence[tuple[str, int]], cpu: bool) -> None:
+        self.mod, self.shape, self.cpu = mod, tuple(shape), cpu
+        self.tally = functools.cache(self._tally)
+
+    def _tally(self, comp: str) -> Tally:
+        total = Tally()
+        for ins in self.mod.comps.get(comp, []):
+            for part in (self._own(comp, ins), self._calls(comp, ins)):
+                total = total + part if part else total
+        return total
+
+    def _own(self, comp: str, ins: Instr) -> Tally:
+        """The flops and collectives of `ins` itself."""
+        flops = _flops(self.mod, comp, ins)
+        kind = _KIND.get(ins.op)
+        if kind is None:
+            return Tally(flops=flops) if flops else Tally()
+        start = self.mod.by_name[comp].get(ins.operands[0], ins) if ins.op.endswith("Done") else ins
+        axes, group, whole = _axes(kind, start, self.shape)
+        rows: dict[Key, tuple[int, int]] = {}
+        scattered: dict[tuple[str, str], int] = {}
+        widened: set[tuple[str, str]] = set()
+        for part in _parts(self.mod, comp, ins, kind, group, self.cpu):
+            was = rows.get((part.kind, axes, group), (0, 0))
+            rows[(part.kind, axes, group)] = (was[0] + 1, was[1] + part.bytes)
+            if part.held:
+                scattered[(comp, ins.name)] = scattered.get((comp, ins.name), 0) + part.held
+            if part.widened:
+                widened.add((comp, ins.name))
+        partial = frozenset() if whole else frozenset(rows)
+        # a tuple-shaped collective is one op per kind it is read as
+        rows = {key: (1, size) for key, (_, size) in rows.items()}
+        return Tally(flops, rows, frozenset(), partial, scattered, frozenset(widened))
+
+    def _calls(self, comp: str, ins: Instr) -> Tally:
+        """What the computations `ins` calls do, as often as it runs them."""
+        if ins.op == "kConditional":
+            branches = [self.tally(c) for _, c in ins.callees]
+            return max(branches, key=lambda t: t.cost, default=Tally())
+        total = Tally()
+        loop = ins.op == "kWhile"
+        trips = trip_count(self.mod, comp, ins) if loop else 1
+        for role, callee in ins.callees:
+            if role == "condition":
+                continue
+            inner = self.tally(callee)
+            if trips is None:  # a loop of unknown trip count: once, flagged
+                kinds = frozenset(kind for kind, _, _ in inner.rows)
+                inner = dataclasses.replace(inner, unknown=inner.unknown | kinds)
+            total = total + inner.times(trips or 1)
+        return total
+
+
+def read_step(module: Any, shape: Sequence[tuple[str, int]] = (), *, platform: str) -> Reading:
+    """Collectives, flops and the whole gradients held, per executed step, from a
+    compiled module (jaxlib's ``HloModule``, or its HLO text).
+
+    A computation runs as often as its callers run it: a ``while`` body once
+    per iteration where the trip count is known or read from the loop, else
+    once (and flagged); a conditional's costlier branch once. An async pair
+    counts once, as its result. `shape` is the mesh's ``(axis, size)`` pairs
+    (the partition ids are positions in its row-major device order).
+    `platform` is the compiler's (``"cpu"``, ``"cuda"``/``"gpu"``, ``"tpu"``);
+    on ``"cpu"``, an all-reduce whose every use takes one device's slice of
+    it (by its partition id), and whose slice times its group is the whole,
+    is counted as the reduce-scatter an accelerator runs, and a collective of
+    values the CPU widened (bf16 in f32) at their own width.
+
+    Example:
+        A loop as libtpu leaves it (no ``known_trip_count``): six iterations of a
+        (16, 16) matmul and an all-reduce over groups of 4 (the mesh's fsdp axis).
+
+        >>> text = '''HloModule m
+        ... %add (p: f32[], q: f32[]) -> f32[] {
+        ...   %p = f32[] parameter(0)
+        ...   %q = f32[] parameter(1)
+        ...   ROOT %r = f32[] add(%p, %q)
+        ... }
+        ... %body (s: (s32[], f32[16,16])) -> (s32[], f32[16,16]) {
+        ...   %s = (s32[], f32[16,16]) parameter(0)
+        ...   %i = s32[] get-tuple-element(%s), index=0
+        ...   %x = f32[16,16] get-tuple-element(%s), index=1
+        ...   %one = s32[] constant(1)
+        ...   %next = s32[] add(%i, %one)
+        ...   %y = f32[16,16] dot(%x, %x), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+        ...   %sum = f32[16,16] all-reduce(%y), replica_groups=[2,4]<=[8], to_apply=%add
+        ...   ROOT %t = (s32[], f32[16,16]) tuple(%next, %sum)
+        ... }
+        ... %cond (c: (s32[], f32[16,16])) -> pred[] {
+        ...   %c = (s32[], f32[16,16]) parameter(0)
+        ...   %j = s32[] get-tuple-element(%c), index=0
+        ...   %six = s32[] constant(6)
+        ...   ROOT %lt = pred[] compare(%j, %six), direction=LT
+        ... }
+        ... ENTRY %main (a: f32[16,16]) -> f32[16,16] {
+        ...   %a = f32[16,16] parameter(0)
+        ...   %zero = s32[] constant(0)
+        ...   %init = (s32[], f32[16,16]) tuple(%zero, %a)
+        ...   %loop = (s32[], f32[16,16]) while(%init), condition=%cond, body=%body
+        ...   ROOT %out = f32[16,16] get-tuple-element(%loop), index=1
+        ... }'''
+        >>> read = read_step(text, (("data", 2), ("fsdp", 4)), platform="tpu")
+        >>> read.flops == 6 * 2 * 16 * 16 * 16
+        True
+        >>> read.collectives
+        (Collective(kind='all-reduce', count=6, bytes=6144, axes=('fsdp',), group=4),)
+        >>> Reading.from_json(read.to_json()) == read
+        True
+    """
+    mod = Module(parse_module(module) if isinstance(module, str) else module)
+    if mod.entry is None:
+        return Reading()
+    total = Reader(mod, shape, platform == "cpu").tally(mod.entry)
+    held = _held(mod, dict(total.scattered), mod.entry) if total.scattered else 0
+    order = sorted(total.rows, key=lambda k: (KINDS.index(k[0]), k[1], k[2]))
+    found = tuple(Collective(kind, *total.rows[(kind, a, g)], a, g) for kind, a, g in order)
+    flags = _flags(total.unknown, total.partial, len(total.scattered), len(total.widened))
+    return Reading(found, tuple(flags), total.flops, held)
+
+
+def overstated_bytes(held_bytes: int, temp_bytes: int) -> int:
+    """How much a CPU compile's peak may overstate an accelerator's: the whole
+    reductions held at once, plus 64 bytes for the partition-id scalars their
+    slices are offset by, at most the temporaries; 0 where none are held."""
+    return min(held_bytes + 64, temp_bytes) if held_bytes else 0
+
+
+def _held(mod: Module, scattered: dict[tuple[str, str], int], comp: str) -> int:
+    """The most bytes of `scattered` all-reduce results live at once in `comp`, in its
+    scheduled order (a loop body by its own largest set, once)."""
+    body = mod.comps.get(comp, [])
+    position = {ins.name: i for i, ins in enumerate(body)}
+    spans = []
+    for i, ins in enumerate(body):
+        if (comp, ins.name) in scattered:
+            spans.append((i, _last_use(mod, comp, ins, position), scattered[(comp, ins.name)]))
+    most = 0
+    for p, ins in enumerate(body):
+        live = sum(size for start, end, size in spans if start <= p <= end)
+        inner = [_held(mod, scattered, c) for r, c in ins.callees if r in ("body", "calls")]
+        most = max(most, live + max(inner, default=0))
+    return most
+
+
+def _last_use(mod: Module, comp: str, ins: Instr, position: dict[str, int]) -> int:
+    """The position of the last use of `ins`'s value, or of what passes it on."""
+    last, todo, done = position[ins.name], [ins.name], set()
+    while todo:
+        name = todo.pop()
+        done.add(name)
+        if mod.by_name[comp][name].root:
+            last = len(position) - 1
+        for user, _ in mod.users[comp].get(name, []):
+            last = max(last, position.get(user.name, last))
+            if user.op in _PASS | {"kGetTupleElement", "kTuple"} and user.name not in done:
+                todo.append(user.name)
+    return last
+
+
 def _flags(
-    unknown: set[str],
-    partial: set[tuple[str, tuple[str, ...], int]],
-    scattered: int,
-    widened: int,
-) -> list[str]:
-    flags = [
-        f"{kind} inside a loop whose trip count the compiler does not know: counted once per step"
-        for kind in KINDS
-        if kind in unknown
-    ]
+    unknown: frozenset[str], partial: frozenset[Key], scattered: int, widened: int
+) -> Iterator[str]:
+    """The sentences a reading's figures need: loops of unknown trip count, groups
+    that are not whole axes, and the CPU forms read as an accelerator runs them."""
+    for kind in KINDS:
+        if kind in unknown:
+            yield (
+                f"{kind} inside a loop whose trip count the compiler does not know: "
+                "counted once per step"
+            )
     for kind, axes, group in sorted(partial):
-        flags.append(
+        yield (
             f"{kind} over groups of {group} devices that are not whole mesh axes "
             f"(part of {', '.join(axes) or 'no axis'})"
         )
     if scattered:
-        flags.append(
+        yield (
             f"{scattered} all-reduce{'s' if scattered > 1 else ''} whose every use takes one "
             "device's slice (the CPU compiler's form of a reduce-scatter) counted as the "
             "reduce-scatter an accelerator runs"
         )
     if widened:
-        flags.append(
-            f"{widened} all-reduce{'s' if widened > 1 else ''} of values the CPU compiler "
-            "reduces in a wider float than they hold (bf16 in f32) counted at their own width"
+        yield (
+            f"{widened} collective{'s' if widened > 1 else ''} of values the CPU compiler "
+            "widens to a wider float than the program's (bf16 in f32) counted at the "
+            "program's width"
         )
-    return flags
-
-
-def _callees(line: str) -> list[tuple[str, str]]:
-    """The computations an HLO instruction calls, each with its role (``body``,
-    ``condition``, ``to_apply``, ``calls``, ``branch``, ...)."""
-    found = _CALLEE.findall(line)
-    for group in _CALLEES.findall(line):
-        found += [("branch", c.strip().lstrip("%")) for c in group.split(",")]
-    return found
-
-
-def _type_bytes(text: str) -> int:
-    """The bytes of an HLO result type (a tuple's elements summed): ``f32[8,256]{1,0}``."""
-    total = 0
-    for dtype, dims in _ARRAY.findall(text):
-        bits = 8 if dtype == "pred" else int(re.search(r"\d+", dtype).group())  # type: ignore[union-attr]
-        total += math.prod(int(d) for d in dims.split(",") if d) * max(bits // 8, 1)
-    return total
