@@ -336,8 +336,7 @@ def step_table(step: Any) -> str:
     """The table of a `StepPlan`: memory per device, compute, collectives, the inputs."""
     axes = ", ".join(f"{name} {size}" for name, size in step.mesh.shape.items())
     devices = math.prod(step.mesh.shape.values())
-    estimate = " (an estimate of an accelerator's)" if step.backend == "cpu" else ""
-    compiled = step.target or f"{step.backend}{estimate}"
+    compiled = step.target or step.backend
     memory = [
         ("arguments", step.argument_bytes, ""),
         ("outputs", step.output_bytes, ""),
@@ -355,8 +354,8 @@ def step_table(step: Any) -> str:
         text = size_text(abs(amount))
         text = f"-{text}" if amount < 0 else text
         lines.append(f"  {label:<12}{text:>11}" + (f"  {note}" if note else ""))
-    if step.overstated_bytes:
-        lines.append(f"{'':<25}peak may be overstated by up to {size_text(step.overstated_bytes)}")
+    if step.backend == "cpu":
+        lines.append(f"{'':<25}an estimate: compile for the target for the accelerator's own")
     lines.append(f"compute  {flops_text(step.flops)} per device (dots and convolutions)")
     lines.append("collectives per step" + ("" if step.collectives else ": none"))
     for row in step.collectives:
@@ -398,7 +397,7 @@ def _budget_text(advice: Any) -> str:
 
 
 #: Whose figures a row shows, by the platform that compiled its step.
-COMPILERS = {"cpu": "cpu est.", "cuda": "XLA GPU", "tpu": "libtpu"}
+COMPILERS = {"cpu": "cpu est.", "gpu": "XLA GPU", "tpu": "libtpu"}
 
 
 def advice_table(advice: Any, *, width: int = 100) -> str:

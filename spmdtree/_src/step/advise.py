@@ -403,7 +403,10 @@ def _verdict(step: StepPlan, budget: int) -> tuple[str, str]:
         return "tight", f"peak {peak} of {said} budget, within {TIGHT_MARGIN:.0%} of it"
     if step.peak_bytes - step.overstated_bytes <= budget:
         over = size_text(step.overstated_bytes)
-        return "may fit", f"peak {peak} > {said} budget, overstated by up to {over}"
+        return "may fit", (
+            f"peak {peak} > {said} budget on the CPU estimate, {over} of it whole reductions "
+            "an accelerator holds as shards: confirm it on the target (confirm=)"
+        )
     return "over budget", f"peak {peak} > {said} budget"
 
 

@@ -60,9 +60,9 @@ class StepPlan:
             step runs, as an accelerator runs it (on CPU, an all-reduce of which
             each device only takes its slice is the reduce-scatter it stands for).
         inputs: the `Plan` of the arguments.
-        backend: the platform whose compiler compiled it: ``"cpu"`` for fake
-            devices, ``"cuda"`` or ``"tpu"`` for a target, else the platform of the
-            mesh's devices.
+        backend: the platform whose compiler compiled it, as `jax.devices()`
+            names it: ``"cpu"`` for fake devices, ``"gpu"`` (XLA GPU) or
+            ``"tpu"`` (libtpu) for a target or a `Mesh` of those devices.
         mesh: the mesh planned for, as given.
         compile_seconds: how long lowering and compiling took.
         flags: sentences: the inputs' plan flags first (a dimension left
@@ -72,9 +72,12 @@ class StepPlan:
         flops: floating-point operations per device per step: every dot and
             convolution, times its loops' trip counts; elementwise work left
             out (new in 0.3).
-        overstated_bytes: a bound on how much of the peak a CPU compile
-            overstates by holding whole reductions an accelerator holds as
-            shards (new in 0.3; 0 where there are none, and on accelerators).
+        overstated_bytes: on a CPU compile, how much of its peak is whole
+            reductions an accelerator holds as reduce-scattered shards (new in
+            0.3; 0 where there are none, and on accelerators). Part of why the
+            estimate differs from an accelerator's peak, not a bound on the
+            difference (0.4: measured, an accelerator's peak can lie lower
+            still; compile for the target).
         target: what it was compiled for, in words: ``"64 x h100, 8 nodes of
             8, XLA GPU compiler"``, ``"8 CPU devices (the XLA CPU compiler's
             estimate)"`` (new in 0.4).
