@@ -167,7 +167,7 @@ def test_the_fsdp_gradient_is_a_reduce_scatter_of_the_shard():
     assert any("reduce-scatter" in flag for flag in step.flags)
     assert step.overstated_bytes == (4 << 20) + 64
     # said as what it is, with no range the estimate cannot keep (0.4)
-    assert "4.0 MiB of the peak is whole reductions an accelerator holds" in str(step)
+    assert "4.0 MiB of it whole reductions an accelerator holds as shards" in str(step)
     assert "an estimate" in str(step) and "overstated by up to" not in str(step)
 
 

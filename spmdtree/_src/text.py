@@ -354,8 +354,13 @@ def step_table(step: Any) -> str:
         text = size_text(abs(amount))
         text = f"-{text}" if amount < 0 else text
         lines.append(f"  {label:<12}{text:>11}" + (f"  {note}" if note else ""))
-    if step.backend == "cpu":
-        lines.append(f"{'':<25}an estimate: compile for the target for the accelerator's own")
+    if step.backend == "cpu":  # no range claimed: measured, neither side bounds it
+        lines.append(f"{'':<25}an estimate: pass target= for an accelerator's own")
+    if step.overstated_bytes:
+        lines.append(
+            f"{'':<25}{size_text(step.overstated_bytes)} of it whole reductions an "
+            "accelerator holds as shards"
+        )
     lines.append(f"compute  {flops_text(step.flops)} per device (dots and convolutions)")
     lines.append("collectives per step" + ("" if step.collectives else ": none"))
     for row in step.collectives:
@@ -400,6 +405,16 @@ def _budget_text(advice: Any) -> str:
 COMPILERS = {"cpu": "cpu est.", "gpu": "XLA GPU", "tpu": "libtpu"}
 
 
+def _estimates_text(advice: Any) -> str:
+    """What the rows marked ``cpu est.`` are, where there are any."""
+    if not any(row.step is not None and row.step.backend == "cpu" for row in advice.rows):
+        return ""
+    return (
+        "cpu est.: the CPU compiler's estimate of the accelerator's figures; confirm=k "
+        "compiles the best k with the accelerator's own compiler"
+    )
+
+
 def advice_table(advice: Any, *, width: int = 100) -> str:
     """The ranked table of an `Advice`: what the budget is, then per candidate its
     layout, batch, peak, the roofline's compute, collectives and bound, tokens
@@ -441,6 +456,7 @@ def advice_table(advice: Any, *, width: int = 100) -> str:
         f"{advice.compiles} compile{'' if advice.compiles == 1 else 's'}",
         *textwrap.wrap(_budget_text(advice), width, subsequent_indent="  "),
         *textwrap.wrap(advice.note, width, subsequent_indent="  "),
+        *textwrap.wrap(_estimates_text(advice), width, subsequent_indent="  "),
         line(header),
     ]
     for items, row in zip(cells, rows, strict=True):

@@ -33,7 +33,6 @@ from jax.sharding import Mesh
 from spmdtree._src.errors import Mistake
 from spmdtree._src.step.hlo import Collective, overstated_bytes, read_step
 from spmdtree._src.step.trace import Traced
-from spmdtree._src.text import size_text
 
 #: How long a compile subprocess may take before it is stopped.
 CHILD_SECONDS = 3600
@@ -303,8 +302,6 @@ def analyse(compiled: jax.stages.Compiled, mesh: Mesh, platform: str) -> Analysi
     temp = int(memory.temp_size_in_bytes)
     overstated = overstated_bytes(read.held_bytes, temp) if platform == "cpu" else 0
     flags = list(read.flags)
-    if platform == "cpu":
-        flags.append(estimate_flag(overstated))
     return Analysis(
         argument_bytes=int(memory.argument_size_in_bytes),
         output_bytes=int(memory.output_size_in_bytes),
@@ -317,23 +314,6 @@ def analyse(compiled: jax.stages.Compiled, mesh: Mesh, platform: str) -> Analysi
         overstated_bytes=overstated,
         backend="gpu" if platform == "cuda" else platform,  # as jax.devices() names it
     )
-
-
-def estimate_flag(held: int) -> str:
-    """What a CPU compile's figures are: an estimate, with no range it cannot keep
-    (measured: the CPU's peak above XLA GPU's by more than the whole reductions it
-    holds, docs/planning.md)."""
-    said = (
-        "an estimate from the CPU compiler's program, not an accelerator's: for the "
-        "accelerator's own figures, compile for the target (preflight(..., target='h100'), "
-        "'tpu-v5p', ...)"
-    )
-    if held:
-        said += (
-            f"; {size_text(held)} of the peak is whole reductions an accelerator holds as "
-            "reduce-scattered shards"
-        )
-    return said
 
 
 def compile_options(platform: str) -> dict[str, Any]:
