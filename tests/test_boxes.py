@@ -2,6 +2,7 @@
 
 import copy
 import pickle
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -194,6 +195,80 @@ def test_get_sharding_method_resolves_logical_names():
     with st.logical_axis_rules([("embed", "model")]):
         plain = st.LogicallyPartitioned(jnp.zeros((4, 6)), ("embed", "mlp"))
         assert plain.get_sharding(mesh).spec == P("model", None)
+
+
+_MESH = jax.make_mesh((2, 4), ("data", "model"))
+_RULES = [("embed", "data"), ("mlp", "model")]
+_LP, _P = st.LogicallyPartitioned, st.Partitioned
+
+#: Boxes whose own get_sharding is compared with st.to_sharding of the box.
+BOXES = {
+    "logical-context-rules": _LP(jnp.zeros((8, 16)), ("embed", "mlp")),
+    "logical-own-rules": _LP(jnp.zeros((8, 6)), ("embed", "mlp"), rules=[("mlp", "data")]),
+    "mesh-axes": _P(jnp.zeros((8, 16)), ("data", "model")),
+    "subtree": _P({"a": jnp.zeros((4, 8)), "b": jnp.zeros((2, 4))}, ("data", "model")),
+    "subtree-with-a-box-inside": _P(
+        {"a": jnp.zeros((4, 8)), "b": _LP(jnp.zeros(8), ("mlp",))}, ("data", "model")
+    ),
+    "holding-no-array": _P({"note": None}, ()),
+    "warns-indivisible": _P(jnp.zeros((5, 8)), ("data", "model")),
+    "warns-logical-indivisible": _LP(jnp.zeros((4, 1001)), ("embed", "mlp")),
+    "typo": _LP(jnp.zeros((4, 8)), ("embedd", "mlp")),
+    "typo-inside-a-subtree": _P({"w": _LP(jnp.zeros(4), ("embedd",))}, ("data",)),
+    "unmentioned-mesh-axis": _LP(jnp.zeros((4, 8)), ("embed", "model")),
+    "axis-not-in-mesh": _P(jnp.zeros((4, 8)), ("dta", None)),
+    "rank-inside-a-subtree": _P({"a": jnp.zeros((4, 8, 2))}, ("data", "model")),
+    "own-mesh-differs": _P(jnp.zeros(4), ("data",), mesh=jax.make_mesh((8,), ("data",))),
+}
+
+
+def _outcome(fn):
+    """A call's result or error, and its warnings (with where they point), with
+    the function's name and the root's name ("tree", or none for a box on its
+    own) taken out of the messages."""
+
+    def said(text):
+        text = text.replace("the box at tree ", "the box ").replace(
+            "tree dimension", "the box dimension"
+        )
+        return text.replace("tree.value", ".value")
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            result = ("ok", fn())
+        except (TypeError, ValueError) as e:
+            result = (type(e).__name__, said(str(e).split(": ", 1)[1]))
+    return result, [(w.category, said(str(w.message)), w.filename) for w in caught]
+
+
+@pytest.mark.parametrize("box", list(BOXES.values()), ids=list(BOXES))
+def test_get_sharding_of_a_box_is_to_sharding_of_the_box(box):
+    with st.logical_axis_rules(_RULES):
+        got = _outcome(lambda: box.get_sharding(_MESH))
+        want = _outcome(lambda: st.to_sharding(box, _MESH))
+    assert got == want
+
+
+def test_the_compared_boxes_give_results_warnings_and_each_kind_of_error():
+    with st.logical_axis_rules(_RULES):
+        outcomes = {
+            name: _outcome(lambda box=box: box.get_sharding(_MESH)) for name, box in BOXES.items()
+        }
+    results = {name: result[0] for name, (result, _) in outcomes.items()}
+    assert results["subtree"] == "ok" and isinstance(outcomes["subtree"][0][1], st.Partitioned)
+    assert outcomes["holding-no-array"][0][1] is BOXES["holding-no-array"]
+    for name in ("warns-indivisible", "warns-logical-indivisible"):
+        ((category, message, filename),) = outcomes[name][1]
+        assert category is st.UnshardedWarning and filename == __file__
+        assert message.startswith("1 dimension") and "the box dimension" in message
+    said = {name: result[1] for name, (result, _) in outcomes.items() if result[0] != "ok"}
+    assert said["typo"].startswith("the box uses logical name 'embedd'")
+    assert "the box at .value['w'] uses logical name 'embedd'" in said["typo-inside-a-subtree"]
+    assert said["unmentioned-mesh-axis"].startswith("the box has logical names")
+    assert "Did you mean 'data'?" in said["axis-not-in-mesh"]
+    assert said["rank-inside-a-subtree"].startswith("the box has 2 names")
+    assert said["own-mesh-differs"].startswith("the box has its own mesh")
 
 
 def test_pickle_and_deepcopy_keep_metadata():

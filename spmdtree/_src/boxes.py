@@ -4,24 +4,38 @@ A box is a pytree node with exactly one child, its ``value``; the metadata
 (`Meta`: names, mesh, rules) is static aux data. ``jax.jit``, ``jax.grad``,
 ``jax.tree.map`` and optax therefore carry boxes through untouched, and equal
 metadata never causes a retrace.
+
+What a box resolves to is said here too (`BoxResolver`: the one dispatch over
+boxes and the subtrees they hold, through `resolve.resolve_leaf`), so that a
+box's own `get_sharding` is ``to_sharding`` of the box with nothing above it;
+the tree pass in `specs` extends the same dispatch.
 """
 
 from __future__ import annotations
 
 import abc
+import dataclasses
 import functools
 import inspect
 import sys
 from collections.abc import Callable, Mapping
-from typing import Any, ClassVar, NamedTuple, NoReturn, TypeVar
+from typing import Any, ClassVar, NamedTuple, NoReturn, TypeAlias, TypeVar, cast
 
 import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
 from spmdtree._src import registry
-from spmdtree._src.errors import Mistake, fmt, public
-from spmdtree._src.resolve import check_mesh
+from spmdtree._src.errors import Mistake, at, fmt, public
+from spmdtree._src.resolve import (
+    REPLICATED,
+    Resolution,
+    check_call,
+    check_mesh,
+    mesh_shape_of,
+    named_sharding,
+    resolve_leaf,
+)
 from spmdtree._src.rules import (
     AnyMesh,
     AxisName,
@@ -34,6 +48,7 @@ from spmdtree._src.rules import (
     normalize_kept,
     normalize_names,
     normalize_rules,
+    rules_or_context,
 )
 from spmdtree._src.text import short_value
 
@@ -495,18 +510,14 @@ class Partitioned(AxisMetadata):
             >>> st.Partitioned(jnp.zeros((6, 8)), ("data", "model")).get_sharding(mesh).spec
             P('data', 'model')
         """
-        return TREE_PASS.box_sharding(self, mesh)
-
-
-class _TreePass:
-    """The tree pass a box's own `get_sharding` calls (`to_sharding` of the box),
-    set when `specs` is imported: a box resolves through the one tree pass,
-    and `specs`, which sits above the boxes, fills this in."""
-
-    box_sharding: Callable[[Any, Any], PyTree]
-
-
-TREE_PASS = _TreePass()
+        check_mesh(mesh)
+        rules = rules_or_context(None)
+        try:
+            found = BoxResolver(rules, mesh).one(self, None, (0, None))
+        except Mistake as mistake:
+            raise the_box(mistake) from None
+        check_leaves((self, [self], [found]), rules, "", warn=True)
+        return finished(lambda value, res: named_sharding(mesh, res.spec), False, self, found)
 
 
 registry.register(Partitioned)
@@ -568,6 +579,185 @@ def check_box_mesh(meta: Meta, mesh: AnyMesh | None) -> None:
             f"has its own mesh {meta.mesh}, which is not the mesh of this call, {mesh}. "
             "Pass the box's mesh, or drop it from the box with box.replace(mesh=None).",
         )
+
+
+# --- what a box resolves to ----------------------------------------------------
+
+
+class _Pass:
+    """What a box holding no array resolves to: it passes through unchanged."""
+
+
+PASS = _Pass()
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Nested:
+    """The resolutions inside a box that holds a subtree (SM3's per-dimension vectors)."""
+
+    leaves: list[Any]
+    treedef: jax.tree_util.PyTreeDef
+    resolutions: list[Found]
+
+
+#: What one leaf of a tree resolves to: a `Resolution` for an array, `Nested`
+#: for a box holding a subtree, `PASS` for a box holding no array, None for
+#: anything else.
+Found: TypeAlias = Resolution | Nested | _Pass | None
+
+#: A leaf's position: its index among the tree's leaves, and its index in a
+#: per-dimension sequence (SM3's accumulators), if it is in one.
+At: TypeAlias = tuple[int, int | None]
+
+
+def holds_array(value: PyTree) -> bool:
+    """Whether any leaf of `value` is an array (so it has a sharding)."""
+    return any(is_array(leaf) for leaf in jax.tree.leaves(value))
+
+
+class BoxResolver:
+    """What each leaf resolves to, box by box: the one dispatch over boxes, the
+    arrays and subtrees they hold, and the other leaves. A box's own
+    `get_sharding` uses it as is; the tree pass (`specs.Resolver`) extends it
+    with a memo, ``params=``, `strict`, `lenient` and placed arrays."""
+
+    def __init__(self, rules: RuleTuple, mesh: AnyMesh | None) -> None:
+        self.rules, self.mesh = rules, mesh
+        self.mesh_shape = None if mesh is None else mesh_shape_of(mesh)
+
+    def one(self, leaf: Any, named: tuple[type[Partitioned], Meta] | None, at: At) -> Found:
+        """What a leaf resolves to (see `Found`); `named` is the box around it, if any."""
+        if isinstance(leaf, Partitioned):
+            (value,), meta = leaf._tree
+            if meta.mesh is not None:
+                check_box_mesh(meta, self.mesh)
+            shape = shape_of(value)
+            if shape is None:
+                return self.nested(value, (type(leaf), meta), at[0])
+            return self.of_box(type(leaf), meta, shape, at)
+        if isinstance(leaf, AxisMetadata):
+            value = leaf.unbox()
+            return REPLICATED if is_array(value) else self.nested(value, named, at[0])
+        if foreign_kind(leaf) is not None:
+            refuse_foreign(leaf)
+        shape = shape_of(leaf)
+        if shape is None:
+            return None
+        if named is not None:
+            return self.of_box(*named, shape, at)
+        return self.unboxed(leaf)
+
+    def nested(
+        self, value: PyTree, named: tuple[type[Partitioned], Meta] | None, i: int
+    ) -> Nested | _Pass:
+        """A box holding a subtree: PASS if it holds no array, else `Nested`."""
+        if not holds_array(value):
+            return PASS
+        inner, inner_def = jax.tree.flatten(value, is_leaf=leaf_test())
+        # One 1-D array per dimension of the param (SM3): each knows its dimension.
+        per_dimension = named is not None and isinstance(value, (list, tuple))
+        per_dimension = per_dimension and len(inner) == len(named[1].names)  # type: ignore[index]
+        return Nested(
+            inner,
+            inner_def,
+            [self.one(x, named, (i, j if per_dimension else None)) for j, x in enumerate(inner)],
+        )
+
+    def of_box(
+        self, kind: type[Partitioned], meta: Meta, shape: tuple[int, ...], at: At
+    ) -> Resolution:
+        """The resolution of an array of `shape` in a box of `kind` and `meta`; its
+        problem raised."""
+        found = self.resolved(kind, meta, shape)
+        if found.problem is not None:
+            raise Mistake(ValueError, found.problem)
+        return found
+
+    def resolved(self, kind: type[Partitioned], meta: Meta, shape: tuple[int, ...]) -> Resolution:
+        """`resolve_leaf` of an array of `shape` in a box of `kind` and `meta`."""
+        return resolve_leaf(
+            meta.names,
+            shape,
+            logical=kind.logical,
+            rules=self.rules,
+            own=meta.rules,
+            mesh_shape=self.mesh_shape,
+        )
+
+    def unboxed(self, leaf: Any) -> Resolution:
+        """The resolution of an array in no box: replicated."""
+        return REPLICATED
+
+
+def finished(
+    finish: Callable[[Any, Resolution], Any], keep_boxes: bool, leaf: Any, res: Found
+) -> Any:
+    """`leaf` with every array replaced by ``finish(value, resolution)``.
+
+    A box holding an array becomes the result (`keep_boxes` False: specs,
+    shardings) or holds it (`keep_boxes` True). A box holding a subtree is
+    kept around its results; one holding no array comes back unchanged.
+    Leaves that are not arrays become None, or stay with `keep_boxes`.
+    """
+    if type(res) is Resolution:
+        if not isinstance(leaf, AxisMetadata):
+            return finish(leaf, res)
+        out = finish(leaf._tree[0][0] if isinstance(leaf, Partitioned) else leaf.unbox(), res)
+        return leaf.replace_boxed(out) if keep_boxes else out
+    if res is None:
+        return leaf if keep_boxes else None
+    if res is PASS:
+        return leaf
+    nested = cast(Nested, res)
+    inner = [
+        finished(finish, keep_boxes, x, r)
+        for x, r in zip(nested.leaves, nested.resolutions, strict=True)
+    ]
+    return leaf.replace_boxed(nested.treedef.unflatten(inner))
+
+
+def check_leaves(
+    walk: tuple[PyTree, list[Any], list[Found]], rules: RuleTuple, argument: str, *, warn: bool
+) -> None:
+    """`check_call` over the resolutions of a tree's leaves (`walk`: the tree, its
+    leaves and their resolutions), those inside boxes holding a subtree
+    included; the tree's key paths are read only for a leaf to name.
+
+    Raises:
+        Mistake: as `check_call`.
+    """
+    tree, leaves, resolutions = walk
+    flat: list[object] = list(resolutions)
+    inner: dict[int, tuple[int, str]] = {}  # flat position -> (leaf, path inside it)
+    nests = any(type(res) is Nested for res in set(resolutions))
+    for i, res in enumerate(resolutions if nests else ()):
+        if type(res) is Nested:
+            for suffix, found in _inside(leaves[i], res):
+                inner[len(flat)] = (i, suffix)
+                flat.append(found)
+    paths: list[str] = []
+
+    def where(k: int) -> str:
+        if not paths:
+            found = jax.tree_util.tree_flatten_with_path(tree, is_leaf=leaf_test())[0]
+            paths.extend(at(argument, path) for path, _ in found)
+        leaf, suffix = inner.get(k, (k, ""))
+        return paths[leaf] + suffix
+
+    check_call(flat, rules, where, noun="box", warn=warn)
+
+
+def _inside(box: Any, nested: Nested) -> list[tuple[str, object]]:
+    """The resolutions inside a box holding a subtree, each with its path there."""
+    found = jax.tree_util.tree_flatten_with_path(box.unbox(), is_leaf=leaf_test())[0]
+    out: list[tuple[str, object]] = []
+    for (path, leaf), res in zip(found, nested.resolutions, strict=True):
+        suffix = ".value" + jax.tree_util.keystr(tuple(path))
+        if type(res) is Nested:
+            out += [(suffix + more, r) for more, r in _inside(leaf, res)]
+        else:
+            out.append((suffix, res))
+    return out
 
 
 def partition_name(params: Mapping[str, AxisName] | AxisName) -> AxisName:

@@ -10,27 +10,33 @@ there, uses an axis twice, or shards a dimension the axes do not divide.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from collections.abc import Callable, Sequence
-from typing import Any, TypeAlias, cast
+from typing import Any, cast
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from spmdtree._src.boxes import (
-    TREE_PASS,
+    PASS,
+    At,
     AxisMetadata,
+    BoxResolver,
     Meta,
     Partitioned,
-    check_box_mesh,
+    check_leaves,
     dtype_of,
-    foreign_kind,
+    finished,
+    holds_array,
     is_array,
     leaf_test,
     refuse_foreign,
     shape_of,
 )
-from spmdtree._src.errors import Mistake, at, public
+from spmdtree._src.boxes import Found as Found  # what a Walk holds, read by plan
+from spmdtree._src.boxes import Nested as Nested
+from spmdtree._src.errors import Mistake, public
 from spmdtree._src.resolve import (
     AMBIGUOUS,
     FEWER_DIMENSIONS,
@@ -39,11 +45,9 @@ from spmdtree._src.resolve import (
     Kept,
     Resolution,
     axes_of,
-    check_call,
     check_mesh,
     mesh_shape_of,
     named_sharding,
-    resolve_leaf,
 )
 from spmdtree._src.rules import (
     AnyMesh,
@@ -57,35 +61,10 @@ from spmdtree._src.rules import (
 from spmdtree._src.trees import KeyPath, each_leaf, is_boxed, map_leaves
 
 
-class _Pass:
-    """What a box holding no array resolves to: it passes through unchanged."""
-
-
-PASS = _Pass()
-
-
-def holds_array(value: PyTree) -> bool:
-    """Whether any leaf of `value` is an array (so it has a sharding)."""
-    return any(is_array(leaf) for leaf in jax.tree.leaves(value))
-
-
 def context_mesh() -> AnyMesh | None:
     """The mesh set with `jax.set_mesh` (abstract inside jit), or None."""
     mesh = jax.sharding.get_abstract_mesh()
     return None if mesh.empty else mesh
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class Nested:
-    """The resolutions inside a box that holds a subtree (SM3's per-dimension vectors)."""
-
-    leaves: list[Any]
-    treedef: jax.tree_util.PyTreeDef
-    resolutions: list[Found]
-
-
-#: What one leaf of a tree resolves to (see `Walk`).
-Found: TypeAlias = Resolution | Nested | _Pass | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,31 +80,12 @@ class Walk:
     mesh: AnyMesh | None
 
     def map(self, finish: Callable[[Any, Resolution], Any], *, keep_boxes: bool) -> PyTree:
-        """The tree with every array replaced by ``finish(value, resolution)``.
-
-        A box holding an array becomes the result (`keep_boxes` False: specs,
-        shardings) or holds it (`keep_boxes` True). A box holding a subtree is
-        kept around its results; one holding no array comes back unchanged.
-        Leaves that are not arrays become None, or stay with `keep_boxes`.
-        Mistakes `finish` raises are collected with their key paths.
+        """The tree with every array replaced by ``finish(value, resolution)``,
+        leaf by leaf as `boxes.finished` says (`keep_boxes`: boxes kept around
+        their results). Mistakes `finish` raises are collected with their key
+        paths.
         """
-
-        def one(leaf: Any, res: Found) -> Any:
-            if type(res) is Resolution:
-                if not isinstance(leaf, AxisMetadata):
-                    return finish(leaf, res)
-                out = finish(
-                    leaf._tree[0][0] if isinstance(leaf, Partitioned) else leaf.unbox(), res
-                )
-                return leaf.replace_boxed(out) if keep_boxes else out
-            if res is None:
-                return leaf if keep_boxes else None
-            if res is PASS:
-                return leaf
-            nested = cast(Nested, res)
-            inner = [one(x, r) for x, r in zip(nested.leaves, nested.resolutions, strict=True)]
-            return leaf.replace_boxed(nested.treedef.unflatten(inner))
-
+        one = functools.partial(finished, finish, keep_boxes)
         return self.treedef.unflatten(each_leaf(one, self.tree, self.leaves, self.resolutions))
 
     def replace(self, fn: Callable[[Resolution], Any]) -> PyTree:
@@ -289,18 +249,16 @@ def resolve_tree(
     index = params if params is None or isinstance(params, ParamIndex) else ParamIndex(params)
     resolver = Resolver(tree, normal, mesh, index, strict=strict, lenient=lenient, placed=placed)
     resolutions = each_leaf(resolver.fast(), tree, leaves, range(len(leaves)), argument=argument)
-    _check_call((tree, leaves, resolutions), normal, argument, warn=warn and not lenient)
+    check_leaves((tree, leaves, resolutions), normal, argument, warn=warn and not lenient)
     return Walk(tree, leaves, treedef, resolutions, mesh)
 
 
-#: A leaf's position: its index among the tree's leaves, and its index in a
-#: per-dimension sequence (SM3's accumulators), if it is in one.
-At: TypeAlias = tuple[int, int | None]
-
-
-class Resolver:
+class Resolver(BoxResolver):
     """The state of one resolution pass: the call's rules, mesh and params, and a
-    memo of resolutions by (box kind, metadata, shape)."""
+    memo of resolutions by (box kind, metadata, shape). What each leaf
+    resolves to is `BoxResolver`'s dispatch, the one a box's own
+    `get_sharding` takes; this adds the memo, `params`, `strict`, `lenient`
+    and `placed`."""
 
     def __init__(
         self,
@@ -313,8 +271,8 @@ class Resolver:
         lenient: bool,
         placed: bool,
     ) -> None:
-        self.tree, self.rules, self.mesh, self.index = tree, rules, mesh, index
-        self.mesh_shape = None if mesh is None else mesh_shape_of(mesh)
+        super().__init__(rules, mesh)
+        self.tree, self.index = tree, index
         self.strict, self.lenient, self.placed = strict, lenient, placed
         self.memo: dict[Any, Resolution] = {}
         self.paths: list[tuple[Any, ...]] = []
@@ -335,43 +293,9 @@ class Resolver:
 
         return leaf_resolution
 
-    def one(self, leaf: Any, named: tuple[type[Partitioned], Meta] | None, at: At) -> Found:
-        """What a leaf resolves to (see `Walk`); `named` is the box around it, if any."""
-        if isinstance(leaf, Partitioned):
-            (value,), meta = leaf._tree
-            if meta.mesh is not None:
-                check_box_mesh(meta, self.mesh)
-            shape = shape_of(value)
-            if shape is None:
-                return self.nested(value, (type(leaf), meta), at[0])
-            return self.of_box(type(leaf), meta, shape, at)
-        if isinstance(leaf, AxisMetadata):
-            value = leaf.unbox()
-            return REPLICATED if is_array(value) else self.nested(value, named, at[0])
-        if foreign_kind(leaf) is not None:
-            refuse_foreign(leaf)
-        shape = shape_of(leaf)
-        if shape is None:
-            return None
-        if named is not None:
-            return self.of_box(*named, shape, at)
+    def unboxed(self, leaf: Any) -> Resolution:
+        """An array in no box: replicated, or with `placed` its own layout."""
         return placed_resolution(leaf, self.mesh_shape) if self.placed else REPLICATED
-
-    def nested(
-        self, value: PyTree, named: tuple[type[Partitioned], Meta] | None, i: int
-    ) -> Nested | _Pass:
-        """A box holding a subtree: PASS if it holds no array, else `Nested`."""
-        if not holds_array(value):
-            return PASS
-        inner, inner_def = jax.tree.flatten(value, is_leaf=leaf_test())
-        # One 1-D array per dimension of the param (SM3): each knows its dimension.
-        per_dimension = named is not None and isinstance(value, (list, tuple))
-        per_dimension = per_dimension and len(inner) == len(named[1].names)  # type: ignore[index]
-        return Nested(
-            inner,
-            inner_def,
-            [self.one(x, named, (i, j if per_dimension else None)) for j, x in enumerate(inner)],
-        )
 
     def of_box(
         self, kind: type[Partitioned], meta: Meta, shape: tuple[int, ...], at: At
@@ -390,14 +314,7 @@ class Resolver:
         key = (kind, meta, shape)
         found = self.memo.get(key)
         if found is None:
-            found = self.memo[key] = resolve_leaf(
-                meta.names,
-                shape,
-                logical=kind.logical,
-                rules=self.rules,
-                own=meta.rules,
-                mesh_shape=self.mesh_shape,
-            )
+            found = self.memo[key] = super().resolved(kind, meta, shape)
         return found
 
     def through_params(
@@ -441,46 +358,6 @@ class Resolver:
             return Resolution(PartitionSpec(), meta.names, kind.logical, (), AMBIGUOUS, kept=kept)
         found = self.resolved(kind, meta._replace(names=tuple(meta.names[d] for d in dims)), shape)
         return dataclasses.replace(found, kept=kept)
-
-
-def _check_call(
-    walk: tuple[PyTree, list[Any], list[Found]], rules: RuleTuple, argument: str, *, warn: bool
-) -> None:
-    """`check_call` over the resolutions of a tree's leaves (`walk`: the tree, its
-    leaves and their resolutions), those inside boxes holding a subtree
-    included; the tree's key paths are read only for a leaf to name."""
-    tree, leaves, resolutions = walk
-    flat: list[object] = list(resolutions)
-    inner: dict[int, tuple[int, str]] = {}  # flat position -> (leaf, path inside it)
-    nests = any(type(res) is Nested for res in set(resolutions))
-    for i, res in enumerate(resolutions if nests else ()):
-        if type(res) is Nested:
-            for suffix, found in _inside(leaves[i], res):
-                inner[len(flat)] = (i, suffix)
-                flat.append(found)
-    paths: list[str] = []
-
-    def where(k: int) -> str:
-        if not paths:
-            found = jax.tree_util.tree_flatten_with_path(tree, is_leaf=leaf_test())[0]
-            paths.extend(at(argument, path) for path, _ in found)
-        leaf, suffix = inner.get(k, (k, ""))
-        return paths[leaf] + suffix
-
-    check_call(flat, rules, where, noun="box", warn=warn)
-
-
-def _inside(box: Any, nested: Nested) -> list[tuple[str, object]]:
-    """The resolutions inside a box holding a subtree, each with its path there."""
-    found = jax.tree_util.tree_flatten_with_path(box.unbox(), is_leaf=leaf_test())[0]
-    out: list[tuple[str, object]] = []
-    for (path, leaf), res in zip(found, nested.resolutions, strict=True):
-        suffix = ".value" + jax.tree_util.keystr(tuple(path))
-        if type(res) is Nested:
-            out += [(suffix + more, r) for more, r in _inside(leaf, res)]
-        else:
-            out.append((suffix, res))
-    return out
 
 
 def placed_resolution(leaf: object, mesh_shape: MeshShape | None) -> Resolution:
@@ -648,16 +525,6 @@ def to_sharding(
     """
     check_mesh(mesh)
     return shardings(resolve_tree(tree, rules, mesh=mesh, params=params, strict=strict), mesh)
-
-
-def _box_sharding(box: AxisMetadata, mesh: AnyMesh) -> PyTree:
-    """``to_sharding(box, mesh)`` for the box's own `get_sharding`: the same
-    pass, the same checks, with the box named as itself in messages."""
-    check_mesh(mesh)
-    return shardings(resolve_tree(box, None, mesh=mesh, argument=""), mesh)
-
-
-TREE_PASS.box_sharding = _box_sharding
 
 
 @public
