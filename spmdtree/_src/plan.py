@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from spmdtree._src.boxes import AxisMetadata, dtype_of, leaf_test, shape_of
+from spmdtree._src.boxes import AxisMetadata, Found, Nested, dtype_of, leaf_test, shape_of
 from spmdtree._src.errors import Mistake, public
 from spmdtree._src.resolve import (
     AMBIGUOUS,
@@ -34,7 +34,7 @@ from spmdtree._src.rules import (
     PyTree,
     Rules,
 )
-from spmdtree._src.specs import Found, Nested, Walk, resolve_tree
+from spmdtree._src.specs import Walk, resolve_tree
 from spmdtree._src.text import (
     Ambiguous,
     Fallback,

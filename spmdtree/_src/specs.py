@@ -23,7 +23,9 @@ from spmdtree._src.boxes import (
     At,
     AxisMetadata,
     BoxResolver,
+    Found,
     Meta,
+    Nested,
     Partitioned,
     check_leaves,
     dtype_of,
@@ -34,8 +36,6 @@ from spmdtree._src.boxes import (
     refuse_foreign,
     shape_of,
 )
-from spmdtree._src.boxes import Found as Found  # what a Walk holds, read by plan
-from spmdtree._src.boxes import Nested as Nested
 from spmdtree._src.errors import Mistake, public
 from spmdtree._src.resolve import (
     AMBIGUOUS,
