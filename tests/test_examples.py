@@ -19,6 +19,7 @@ SMALL = {
     "train.py": ["--steps", "20", "--log-every", "10", "--width", "32", "--mlp", "64"],
     "checkpoint.py": ["--steps", "4", "--save-every", "2"],
     "advise.py": ["--quick"],
+    "targets.py": ["--quick"],
 }
 
 
@@ -84,6 +85,11 @@ def test_example_runs(script):
         assert "peak" in done.stdout and "collectives per step" in done.stdout
     if script == "plan_llama.py":
         assert "arrays fit" in done.stdout and "st.preflight" in done.stdout
+    if script == "targets.py":  # the estimate, then each target or how to install it
+        assert "8 CPU devices (the XLA CPU compiler's estimate):" in done.stdout, done.stdout
+        for target, extra in (("h100", "cuda"), ("tpu-v5p", "tpu")):
+            said = (f"8 x {target}", f"pip install 'spmdtree[{extra}]'")
+            assert any(s in done.stdout for s in said), done.stdout
     if script == "advise.py":  # the ranked table of every candidate, the best, why the rest lost
         table = done.stdout.split("4 candidates on 16 x h100")[1].split("times: a roofline")[0]
         ranked = [line for line in table.splitlines() if line[:1].isdigit()]

@@ -199,7 +199,7 @@ def check_literal(entries, shape, sizes, strict):
     out = []
     for dim, entry in zip(shape, entries, strict=True):
         if dim % axis_sizes(sizes, axes_of(entry)):
-            if strict:
+            if strict and dim != 1:  # strict refuses what UnshardedWarning warns of (0.4)
                 raise Wrong(ValueError)
             entry = None
         out.append(entry)
@@ -246,7 +246,8 @@ def reference(names, shape, logical, rules, sizes, strict):
         if set(wanted) & taken:
             continue
         if dim % axis_sizes(sizes, wanted):
-            passed.add(logical_name)
+            if dim != 1:  # a size-1 dimension is not warned of, nor refused (0.4)
+                passed.add(logical_name)
             continue
         chosen[logical_name] = target
         taken |= set(wanted)

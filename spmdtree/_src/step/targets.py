@@ -115,14 +115,16 @@ class Target:
 
 GB = 10**9
 
-#: The targets, by preset name. H100 SXM5 80 GB, H200 SXM 141 GB and B200: SMs, memory
-#: (CUDA's device query: 81,559 MiB, 143,771 MiB, 183,359 MiB), bandwidth and boost clock
-#: from NVIDIA's data sheets; TPU generations as libtpu names them.
+#: The targets, by preset name. H100 SXM5 80 GB, H200 SXM 141 GB and B200: SMs,
+#: bandwidth and boost clock from NVIDIA's data sheets; memory in bytes as CUDA's
+#: device query reports it (H100: 81,106 MiB) or nvidia-smi's total (H200 143,771 MiB,
+#: B200 183,359 MiB); docs/planning.md lists each source. TPU generations as libtpu
+#: names them.
 TARGETS = {
     "h100": Target(
         "h100",
         "cuda",
-        Chip("NVIDIA H100 80GB HBM3", (9, 0), 132, 85_520_809_984, 3_350 * GB, 1.98, 50 * 2**20),
+        Chip("NVIDIA H100 80GB HBM3", (9, 0), 132, 85_045_477_376, 3_350 * GB, 1.98, 50 * 2**20),
     ),
     "h200": Target(
         "h200",
