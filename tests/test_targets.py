@@ -313,8 +313,8 @@ def test_placements_are_checked_before_anything_compiles(target, shape, per_node
 
 @pytest.mark.parametrize(
     ("target", "error"),
-    [("mine", ValueError), (3, TypeError)],
-    ids=["unknown-name", "not-a-target"],
+    [("mine", ValueError), (3, TypeError), (["h100"], TypeError)],
+    ids=["unknown-name", "not-a-target", "unhashable"],
 )
 def test_a_target_spmdtree_does_not_know(target, error):
     with pytest.raises(error, match=r"^preflight: target is"):
@@ -353,7 +353,10 @@ def test_advise_confirms_its_best_rows_with_the_target_compiler(preset):
     )
     backends = [row.step.backend for row in advice.rows]
     assert backends[:2] == ["gpu", "gpu"] and set(backends[2:]) == {"cpu"}
-    assert "confirmed by the XLA GPU compiler" in advice.note
+    assert (
+        advice.note
+        == "2 of the best 2 confirmed: compiled for 8 x h100, 1 node of 8, XLA GPU compiler"
+    )
     shown = str(advice)
     assert advice.note in shown and shown.count("XLA GPU") >= 3  # the note, and two rows
     # ranked on the target's figures: the two confirmed rows by their own bounds
@@ -402,3 +405,45 @@ def test_the_cpu_estimate_counts_what_the_program_computes(remat):
         jaxpr = jax.make_jaxpr(make_step(remat))(params(), tokens(64))
     assert step.backend == "cpu"
     assert step.flops == pytest.approx(jaxpr_flops(jaxpr.jaxpr) / 8, rel=0.01)
+
+
+@pytest.mark.parametrize(
+    ("target", "per_node", "said"),
+    [
+        (None, 4, r"devices_per_node is 4, but no target= was given"),
+        ("h100", 0, r"devices_per_node is 0; expected an int >= 1"),
+        ("h100", 2.0, r"devices_per_node is 2.0; expected an int >= 1"),
+    ],
+    ids=["without-target", "zero", "float"],
+)
+def test_devices_per_node_is_checked_at_the_call(target, per_node, said):
+    x = jax.ShapeDtypeStruct((8,), jnp.float32)
+    with pytest.raises(ValueError, match=r"^preflight: " + said):
+        st.preflight(jnp.sin, x, mesh=abstract((4, 2)), target=target, devices_per_node=per_node)
+
+
+@pytest.mark.parametrize("preset", [needs("tpu-v5e")])
+def test_a_step_too_big_for_the_chip_is_said_so(preset):
+    # 6 GiB replicated twice, and the result: more than a v5e's 16 GiB of HBM
+    big = jax.ShapeDtypeStruct((3 * 2**29,), jnp.float32)
+    with pytest.raises(ValueError, match=r"^preflight: the step does not fit in the memory of one"):
+        st.preflight(lambda a, b: a * 2 + b, big, big, mesh=abstract((4, 1)), target=preset)
+
+
+@pytest.mark.parametrize("preset", [needs("tpu-v5p")])
+def test_a_multi_slice_step_is_timed_as_it_was_compiled(preset):
+    step = st.preflight(
+        make_step(False),
+        params(),
+        tokens(64),
+        mesh=abstract((4, 4)),
+        rules=RULES,
+        target=preset,
+        devices_per_node=4,
+    )
+    assert step.devices_per_node == 4
+    # the gradients' reduction across the slices (the megascale runtime's transfers)
+    assert any(c.axes == ("data",) and c.group == 4 for c in step.collectives)
+    hardware = st.hardware(preset)  # one slice, unless told otherwise
+    assert step.time(hardware) == step.time(hardware, devices_per_node=4)
+    assert step.time(hardware) != step.time(hardware, devices_per_node=16)

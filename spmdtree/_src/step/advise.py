@@ -28,8 +28,14 @@ from spmdtree._src.errors import Mistake, public
 from spmdtree._src.plan import Plan
 from spmdtree._src.rules import AnyMesh, Rules
 from spmdtree._src.step.hardware import Hardware, StepTime
-from spmdtree._src.step.preflight import StepPlan, Where, step_plan, target_of, where
-from spmdtree._src.step.targets import Analysis, check_compiler, compile_child, compile_here, place
+from spmdtree._src.step.preflight import StepPlan, Where, placed, step_plan, where
+from spmdtree._src.step.targets import (
+    Analysis,
+    CompilerMissing,
+    DoesNotFit,
+    compile_child,
+    compile_here,
+)
 from spmdtree._src.step.trace import Arguments, Traced, arguments, trace
 from spmdtree._src.text import LeftUnsharded, advice_table, entries_text, size_text
 
@@ -326,6 +332,7 @@ class _Pending:
     index: int
     traced: Traced
     where: Where
+    confirming: bool = False
 
 
 @dataclasses.dataclass
@@ -365,6 +372,10 @@ class _Search:
         self.rows[index] = AdviceRow(candidate, verdict, reason, step, timed, tokens, flags)
         if self.progress:
             print(_progress_line(self, self.rows[index]), file=sys.stderr, flush=True)
+
+    def flag(self, index: int, flag: str) -> None:
+        """Adds a flag to a row as it stands."""
+        self.rows[index] = self.rows[index]._replace(flags=(*self.rows[index].flags, flag))
 
     def reject(self, index: int, planned: Plan) -> bool:
         """Rejects a candidate by the plan of its arguments, before any compile: its
@@ -479,13 +490,14 @@ def _duration(seconds: float) -> str:
     return f"{whole // 3600} h {whole % 3600 // 60} min"
 
 
-def _start_line(candidates: list[Candidate], jobs: int) -> str:
+def _start_line(candidates: list[Candidate], jobs: int, confirm: int) -> str:
     """The first progress line: what the search will do."""
-    n = len(candidates)
+    n, most = len(candidates), len(candidates) + confirm
     devices = math.prod(candidates[0].mesh.shape.values())
+    again = f", then the best {confirm} for the target" if confirm else ""
     return (
-        f"advise: {n} candidate{'' if n == 1 else 's'} on {devices} devices, at most {n} "
-        f"compile{'' if n == 1 else 's'} (each distinct step once), {jobs} "
+        f"advise: {n} candidate{'' if n == 1 else 's'} on {devices} devices, at most {most} "
+        f"compile{'' if most == 1 else 's'} (each distinct step once{again}), {jobs} "
         f"job{'' if jobs == 1 else 's'} at once"
     )
 
@@ -499,11 +511,13 @@ def _bound_by(timed: StepTime) -> str:
 
 
 def _message(error: BaseException) -> str:
-    return (
-        str(error)
-        if isinstance(error, (ValueError, TypeError))
-        else f"{type(error).__name__}: {error}"
-    )
+    """What a row says of an error: spmdtree's message as preflight would raise it,
+    else the error's own."""
+    if isinstance(error, Mistake):
+        return str(error.error("preflight"))
+    if isinstance(error, (ValueError, TypeError)):
+        return str(error)
+    return f"{type(error).__name__}: {error}"
 
 
 #: What make_step's kwargs may hold: preflight's own, but the mesh and rules.
@@ -585,13 +599,21 @@ def _abstract(candidate: Candidate) -> AnyMesh:
 
 
 def _second_pass(search: _Search, pending: _Pending, child: _Child) -> None:
-    """The StepPlan of a pending candidate from its subprocess's analysis."""
+    """The StepPlan of a pending candidate from its subprocess's analysis; a
+    confirming compile that fails keeps the screened row, flagged."""
+    index = pending.index
     try:
         step = step_plan(pending.traced, child.result(), pending.where)
-    except Mistake as mistake:
-        search.row(pending.index, "does not compile", str(mistake.error("preflight")))
+    except DoesNotFit as mistake:  # the target's compiler: too big for one chip
+        search.row(index, "over budget", str(mistake.error("preflight")))
         return
-    search.judge(pending.index, step)
+    except Exception as e:
+        if pending.confirming:
+            search.flag(index, f"not confirmed by {pending.where}: {_message(e)}")
+        else:
+            search.row(index, "does not compile", _message(e))
+        return
+    search.judge(index, step)
 
 
 def _run(
@@ -626,7 +648,8 @@ def _run(
 
 
 def _confirmed(search: _Search, index: int, target: Where) -> _Pending | None:
-    """The candidate's step traced again, exported for the target's compiler."""
+    """The candidate's step traced again, exported for the target's compiler (None,
+    the screened row flagged, where it does not trace so)."""
     candidate, step = search.candidates[index], search.steps[index]
     try:
         traced = trace(
@@ -639,39 +662,43 @@ def _confirmed(search: _Search, index: int, target: Where) -> _Pending | None:
             platform=target.platform,
         )
     except Exception as e:
-        search.row(index, "does not compile", f"for {target}: {_message(e)}")
+        search.flag(index, f"not confirmed by {target}: {_message(e)}")
         return None
-    return _Pending(index, traced, target)
+    return _Pending(index, traced, target, confirming=True)
 
 
-def _confirm(search: _Search, confirm: int, pool: concurrent.futures.ThreadPoolExecutor) -> str:
+def _confirm(
+    search: _Search, target: Where | str, confirm: int, pool: concurrent.futures.ThreadPoolExecutor
+) -> str:
     """Compiles the best `confirm` screened rows for the hardware's target and judges
-    them again on its figures; what the header says of it."""
-    if not confirm:
-        return ""
-    try:
-        chosen, per_node = target_of(search.hardware)
-        check_compiler(chosen)
-    except Mistake as mistake:
-        return f"not confirmed: {mistake.error('advise')}"
-    per_node = per_node if search.devices_per_node is None else search.devices_per_node
+    them again on its figures; what the header says of it (`target` a sentence:
+    why none can be)."""
+    if not confirm or isinstance(target, str):
+        return target if isinstance(target, str) else ""
     best = [
         i
         for i in sorted(search.rows, key=lambda i: _rank(search.rows[i], i))
         if search.rows[i].step is not None
         and search.rows[i].verdict in ("fits", "tight", "may fit")
     ][:confirm]
-    pendings = []
-    for index in best:
-        try:
-            devices = math.prod(search.candidates[index].mesh.shape.values())
-            at = Where(place(chosen, devices, per_node))
-        except Mistake as mistake:
-            search.row(index, "does not compile", str(mistake.error("advise")))
-            continue
-        pendings.append(_confirmed(search, index, at))
-    _run(search, pendings, pool)
-    return f"the best {len(best)} confirmed by the {chosen.compiler} compiler for {chosen.name}"
+    _run(search, [_confirmed(search, index, target) for index in best], pool)
+    steps = [search.rows[i].step for i in best]
+    done = sum(1 for step in steps if step is not None and step.backend != "cpu")
+    return f"{done} of the best {len(best)} confirmed: compiled for {target}"
+
+
+def _confirm_target(
+    hardware: Hardware, candidates: list[Candidate], devices_per_node: int | None, confirm: int
+) -> Where | str:
+    """Where `confirm` compiles: the hardware's target for the candidates' devices,
+    checked at the call; a sentence instead where its compiler is not installed."""
+    if not confirm:
+        return ""
+    devices = math.prod(candidates[0].mesh.shape.values())
+    try:
+        return placed(hardware, devices, devices_per_node)
+    except CompilerMissing as missing:
+        return f"not confirmed: {missing.message}"
 
 
 @public
@@ -771,10 +798,11 @@ def advise(
     workers = jobs or default_jobs()
     search = _Search(hardware, devices_per_node, budget, progress, candidates)
     if progress:
-        print(_start_line(candidates, workers), file=sys.stderr, flush=True)
+        print(_start_line(candidates, workers, confirm), file=sys.stderr, flush=True)
+    target = _confirm_target(hardware, candidates, devices_per_node, confirm)
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
         _run(search, (_first_pass(search, i, make_step) for i in range(len(candidates))), pool)
-        note = _confirm(search, confirm, pool)
+        note = _confirm(search, target, confirm, pool)
     return Advice(search.ranked(), search.compiles, hardware, budget, note=note)
 
 

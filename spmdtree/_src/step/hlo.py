@@ -173,6 +173,15 @@ _GROUPS_MESH = re.compile(
 )
 _PAIRS = re.compile(r"\bsource_target_pairs=\{((?:\{\d+,\d+\}[,\s]*)*)\}")
 _AXIS = re.compile(r"'([^']*)'=(\d+)")
+#: A multi-slice TPU job's transfer across slices: a host-transfer ``send`` for the
+#: megascale runtime, which says what collective it is part of.
+_MEGASCALE = re.compile(r'_xla_megascale_transfer_type="(\w+)"')
+_MEGASCALE_KINDS = {
+    "ALL_REDUCE": "all-reduce",
+    "ALL_GATHER": "all-gather",
+    "REDUCE_SCATTER": "reduce-scatter",
+    "ALL_TO_ALL": "all-to-all",
+}
 _REF = re.compile(r"'([^']*)'(?::\((\d+)\)(\d+))?")
 
 
@@ -994,8 +1003,10 @@ class Tally:
 class Reader:
     """Tallies a module's computations, each once, from its entry down."""
 
-    def __init__(self, mod: Module, shape: Sequence[tuple[str, int]], cpu: bool) -> None:
-        self.mod, self.shape, self.cpu = mod, tuple(shape), cpu
+    def __init__(
+        self, mod: Module, shape: Sequence[tuple[str, int]], cpu: bool, slice_size: int | None
+    ) -> None:
+        self.mod, self.shape, self.cpu, self.slice_size = mod, tuple(shape), cpu, slice_size
         self.tally = functools.cache(self._tally)
 
     def _tally(self, comp: str) -> Tally:
@@ -1009,6 +1020,8 @@ class Reader:
         """The flops and collectives of `ins` itself."""
         flops = _flops(self.mod, comp, ins)
         kind = _KIND.get(ins.op)
+        if ins.op == "kSend" and _MEGASCALE.search(ins.attrs):
+            return self._across_slices(ins)
         if kind is None:
             return Tally(flops=flops) if flops else Tally()
         start = self.mod.by_name[comp].get(ins.operands[0], ins) if ins.op.endswith("Done") else ins
@@ -1027,6 +1040,25 @@ class Reader:
         # a tuple-shaped collective is one op per kind it is read as
         rows = {key: (1, size) for key, (_, size) in rows.items()}
         return Tally(flops, rows, frozenset(), partial, scattered, frozenset(widened))
+
+    def _across_slices(self, ins: Instr) -> Tally:
+        """A transfer across TPU slices (a megascale ``send``): the collective it is
+        part of, over the devices at the same place in each slice, its bytes the
+        array sent."""
+        found = _MEGASCALE.search(ins.attrs)
+        kind = _MEGASCALE_KINDS.get(found.group(1) if found else "", "collective-permute")
+        devices = math.prod(size for _, size in self.shape) if self.shape else 1
+        per = self.slice_size or devices
+        groups = [list(range(p, devices, per)) for p in range(per)]
+        axes, group, whole = group_axes(groups, self.shape) if self.shape else ((), 1, True)
+        arrays = _arrays(ins.type)
+        size = (
+            _type_bytes("{}[{}]".format(arrays[0][0], ",".join(map(str, arrays[0][1]))))
+            if arrays
+            else 0
+        )
+        key = (kind, axes, group)
+        return Tally(rows={key: (1, size)}, partial=frozenset() if whole else frozenset([key]))
 
     def _calls(self, comp: str, ins: Instr) -> Tally:
         """What the computations `ins` calls do, as often as it runs them."""
@@ -1047,7 +1079,13 @@ class Reader:
         return total
 
 
-def read_step(module: Any, shape: Sequence[tuple[str, int]] = (), *, platform: str) -> Reading:
+def read_step(
+    module: Any,
+    shape: Sequence[tuple[str, int]] = (),
+    *,
+    platform: str,
+    slice_size: int | None = None,
+) -> Reading:
     """Collectives, flops and the whole gradients held, per executed step, from a
     compiled module (jaxlib's ``HloModule``, or its HLO text).
 
@@ -1060,7 +1098,10 @@ def read_step(module: Any, shape: Sequence[tuple[str, int]] = (), *, platform: s
     on ``"cpu"``, an all-reduce whose every use takes one device's slice of
     it (by its partition id), and whose slice times its group is the whole,
     is counted as the reduce-scatter an accelerator runs, and a collective of
-    values the CPU widened (bf16 in f32) at their own width.
+    values the CPU widened (bf16 in f32) at their own width. On a multi-slice
+    TPU job (`slice_size` chips a slice), the transfers across slices (the
+    megascale runtime's ``send``s) count as the collectives they are part of,
+    over the devices at the same place in each slice.
 
     Example:
         A loop as libtpu leaves it (no ``known_trip_count``): six iterations of a
@@ -1106,7 +1147,7 @@ def read_step(module: Any, shape: Sequence[tuple[str, int]] = (), *, platform: s
     mod = Module(parse_module(module) if isinstance(module, str) else module)
     if mod.entry is None:
         return Reading()
-    total = Reader(mod, shape, platform == "cpu").tally(mod.entry)
+    total = Reader(mod, shape, platform == "cpu", slice_size).tally(mod.entry)
     held = _held(mod, dict(total.scattered), mod.entry) if total.scattered else 0
     order = sorted(total.rows, key=lambda k: (KINDS.index(k[0]), k[1], k[2]))
     found = tuple(Collective(kind, *total.rows[(kind, a, g)], a, g) for kind, a, g in order)

@@ -24,7 +24,7 @@ from spmdtree._src.errors import Mistake, public
 from spmdtree._src.plan import Plan
 from spmdtree._src.resolve import check_mesh
 from spmdtree._src.rules import AnyMesh, PyTree, Rules
-from spmdtree._src.step.hardware import PRESETS, Hardware, StepTime, step_time
+from spmdtree._src.step.hardware import PRESETS, Hardware, StepTime, _nodes_per_device, step_time
 from spmdtree._src.step.hlo import Collective
 from spmdtree._src.step.targets import (
     TARGETS,
@@ -81,6 +81,9 @@ class StepPlan:
         target: what it was compiled for, in words: ``"64 x h100, 8 nodes of
             8, XLA GPU compiler"``, ``"8 CPU devices (the XLA CPU compiler's
             estimate)"`` (new in 0.4).
+        devices_per_node: a target's devices per GPU node or TPU slice, as it
+            was compiled; `time` lays devices out so by default (new in 0.4;
+            None for no target).
 
     Example:
         >>> import jax, jax.numpy as jnp, spmdtree as st
@@ -109,6 +112,7 @@ class StepPlan:
     flops: int = 0
     overstated_bytes: int = 0
     target: str = ""
+    devices_per_node: int | None = None
 
     @property
     def peak_bytes(self) -> int:
@@ -143,7 +147,8 @@ class StepPlan:
         Args:
             hardware: a `Hardware` (e.g. ``st.hardware("h100")``).
             devices_per_node: overrides the hardware's (the slice size of a
-                multi-slice TPU job; 1 puts every device on its own node).
+                multi-slice TPU job; 1 puts every device on its own node); None:
+                as the step was compiled for a target, else the hardware's.
 
         Returns:
             The `StepTime`.
@@ -164,7 +169,8 @@ class StepPlan:
             >>> t.bound_seconds == max(t.compute_seconds, t.comm_seconds)
             True
         """
-        return step_time(self.collectives, self.flops, self.mesh.shape, hardware, devices_per_node)
+        per_node = self.devices_per_node if devices_per_node is None else devices_per_node
+        return step_time(self.collectives, self.flops, self.mesh.shape, hardware, per_node)
 
     def __str__(self) -> str:
         return step_table(self)
@@ -320,27 +326,41 @@ def where(
     """Where the step compiles, and the mesh of this process's devices it is
     lowered for (None: it is exported to a child)."""
     devices = math.prod(mesh.shape.values())
-    if target is None:
-        here = here_mesh(mesh)
-        if here is not None:
-            return Where(None, here), here
-        return Where(Placement(None, devices, devices)), None
+    if target is not None:
+        return placed(target, devices, devices_per_node), None
+    if devices_per_node is not None:
+        raise Mistake(
+            ValueError,
+            f"devices_per_node is {devices_per_node!r}, but no target= was given: it lays a "
+            "target's devices out as nodes or slices. Pass target=, or give devices_per_node "
+            "to StepPlan.time instead.",
+        )
+    here = here_mesh(mesh)
+    if here is not None:
+        return Where(None, here), here
+    return Where(Placement(None, devices, devices)), None
+
+
+def placed(target: Hardware | str, devices: int, devices_per_node: int | None) -> Where:
+    """`devices` of `target` as nodes or slices of `devices_per_node` (None: the
+    hardware's), its compiler checked to be installed: before anything compiles."""
+    if devices_per_node is not None:
+        _nodes_per_device(devices_per_node, "devices_per_node")
     chosen, per_node = target_of(target)
-    per_node = per_node if devices_per_node is None else devices_per_node
-    placement = place(chosen, devices, per_node)
+    placement = place(chosen, devices, per_node if devices_per_node is None else devices_per_node)
     check_compiler(chosen)
-    return Where(placement), None
+    return Where(placement)
 
 
 def target_of(target: Hardware | str) -> tuple[Target, int | None]:
     """The compiler target of a `Hardware` or a preset's name, and its devices per node."""
-    hardware = target if isinstance(target, Hardware) else PRESETS.get(target)
     if not isinstance(target, (Hardware, str)):
         raise Mistake(
             TypeError,
             f"target is {target!r}; expected a preset's name ({', '.join(map(repr, TARGETS))}) "
             "or a st.Hardware of one.",
         )
+    hardware = target if isinstance(target, Hardware) else PRESETS.get(target)
     found = TARGETS.get(hardware.name) if hardware is not None else None
     if found is None or hardware is None:
         raise Mistake(
@@ -381,4 +401,7 @@ def step_plan(traced: Traced, analysis: Analysis, where: Where) -> StepPlan:
         flops=analysis.flops,
         overstated_bytes=analysis.overstated_bytes,
         target=str(where),
+        devices_per_node=None
+        if where.placement is None or where.placement.target is None
+        else where.placement.per_node,
     )

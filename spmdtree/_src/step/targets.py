@@ -230,6 +230,10 @@ def _tpu_dims(chips: int, count: int) -> list[int]:
     return dims
 
 
+class CompilerMissing(Mistake):
+    """A target's compiler is not installed (advise says so once, and goes on)."""
+
+
 def check_compiler(target: Target) -> None:
     """Raises, naming the pip command, if `target`'s compiler is not installed."""
     module = "jax_plugins.xla_cuda12" if target.platform == "cuda" else "libtpu"
@@ -238,7 +242,7 @@ def check_compiler(target: Target) -> None:
     except ModuleNotFoundError:
         found = False
     if not found:
-        raise Mistake(
+        raise CompilerMissing(
             ValueError,
             f"compiling for {target.name} needs the {target.compiler} compiler, which is not "
             f"installed: pip install 'spmdtree[{target.extra}]' (it runs without the "
@@ -280,7 +284,9 @@ class Analysis:
         return cls(**{**fields, "collectives": rows, "flags": tuple(fields["flags"])})
 
 
-def analyse(compiled: jax.stages.Compiled, mesh: Mesh, platform: str) -> Analysis:
+def analyse(
+    compiled: jax.stages.Compiled, mesh: Mesh, platform: str, slice_size: int | None = None
+) -> Analysis:
     """A compiled step's memory per device, its collectives and FLOPs per step.
 
     On CPU devices, an all-reduce whose every use takes one device's slice is
@@ -300,7 +306,7 @@ def analyse(compiled: jax.stages.Compiled, mesh: Mesh, platform: str) -> Analysi
         )
     executable = compiled.runtime_executable()
     module = executable.hlo_modules()[0] if executable is not None else text
-    read = read_step(module, tuple(mesh.shape.items()), platform=platform)
+    read = read_step(module, tuple(mesh.shape.items()), platform=platform, slice_size=slice_size)
     temp = int(memory.temp_size_in_bytes)
     overstated = overstated_bytes(read.held_bytes, temp) if platform == "cpu" else 0
     flags = list(read.flags)
@@ -335,7 +341,7 @@ def compile_options(platform: str) -> dict[str, Any]:
             # recomputes as an accelerator's does (FLOPs equal the jaxpr's).
             "xla_disable_hlo_passes": "cse_barrier_expander",
         }
-    if platform in ("cuda", "gpu"):
+    if platform == "cuda":  # a GPU target, compiled without a device
         return {"xla_gpu_enable_triton_gemm": False}
     return {}
 
@@ -346,7 +352,8 @@ def compile_here(traced: Traced) -> Analysis:
         raise Mistake(ValueError, "the step was exported for a subprocess, not lowered here.")
     start = time.perf_counter()
     platform = traced.here.devices.flat[0].platform
-    compiled = traced.lowered.compile(compile_options(platform))
+    # a Mesh of real accelerators compiles as the job will, with no option of ours
+    compiled = traced.lowered.compile(compile_options(platform) if platform == "cpu" else {})
     found = analyse(compiled, traced.here, platform)
     return dataclasses.replace(found, seconds=traced.seconds + time.perf_counter() - start)
 
@@ -391,15 +398,36 @@ def compile_child(payload: bytes, placement: Placement) -> Analysis:
             ) from None
         if done.returncode == 0 and os.path.exists(answer):
             with open(answer) as f:
-                found = Analysis.from_json(f.read())
+                said = json.load(f)
+            if "error" in said:
+                raise _refused(said, placement)
+            found = Analysis.from_json(json.dumps(said))
             return dataclasses.replace(found, seconds=time.perf_counter() - start)
     raise _child_failed(done, placement)
+
+
+class DoesNotFit(Mistake):
+    """The target's compiler refused the step for want of device memory: the step
+    does not fit (advise: over budget)."""
+
+
+def _refused(said: dict[str, str], placement: Placement) -> Mistake:
+    """The mistake a compiler's refusal is said as, its message whole."""
+    message = said["message"].strip()
+    if said["error"] == "host memory":
+        return _host_memory(placement, "")
+    if said["error"] == "device memory":
+        return DoesNotFit(
+            ValueError,
+            f"the step does not fit in the memory of one device: compiling for {placement}, "
+            f"the compiler ran out of device memory ({message})",
+        )
+    return Mistake(ValueError, f"compiling for {placement} failed: {message}")
 
 
 #: What a child's stderr says when it ran out of memory.
 _MEMORY_WORDS = (
     b"MemoryError",
-    b"RESOURCE_EXHAUSTED",
     b"bad_alloc",
     b"Cannot allocate memory",
     b"failed to map segment",  # no address space left to load a library
@@ -411,18 +439,24 @@ def _child_failed(done: subprocess.CompletedProcess[bytes], placement: Placement
     said = [
         line
         for line in done.stderr.decode(errors="replace").strip().splitlines()
-        if line.strip() and not line.startswith(("W0", "I0", "E0", "WARNING: All log"))
+        if line.strip() and not line.startswith(("W0", "I0", "WARNING: All log"))
     ]
-    if done.returncode < 0 or any(word in done.stderr for word in _MEMORY_WORDS):
-        return Mistake(
-            ValueError,
-            f"compiling for {placement} in a subprocess ran out of memory (exit "
-            f"{done.returncode}); this machine cannot host a mesh of that size. Plan on a "
-            "smaller mesh, or on a machine with more memory.",
-        )
+    if any(word in done.stderr for word in _MEMORY_WORDS):
+        return _host_memory(placement, f" (exit {done.returncode})")
+    if done.returncode < 0:  # a signal: the OOM killer's, or an abort when allocation fails
+        return _host_memory(placement, f" or was killed (signal {-done.returncode})")
     return Mistake(
         ValueError,
         f"compiling for {placement} in a subprocess failed: " + " / ".join(said[-3:]),
+    )
+
+
+def _host_memory(placement: Placement, how: str) -> Mistake:
+    return Mistake(
+        ValueError,
+        f"compiling for {placement} in a subprocess ran out of memory{how}; this machine "
+        "cannot host a mesh of that size. Plan on a smaller mesh, or on a machine with "
+        "more memory.",
     )
 
 
@@ -447,11 +481,26 @@ def child(answer: str) -> None:
     ]
     jitted = jax.jit(exported.call, in_shardings=shardings, donate_argnums=step["donated"])
     platform = "cpu" if placement.target is None else placement.target.platform
-    with jax.set_mesh(mesh):
-        compiled = jitted.lower(*args).compile(compile_options(platform))
-    found = analyse(compiled, mesh, platform)
+    try:
+        with jax.set_mesh(mesh):
+            compiled = jitted.lower(*args).compile(compile_options(platform))
+    except Exception as e:  # the compiler's own refusal: said to the parent, whole
+        with open(answer, "w") as f:
+            json.dump({"error": _failure(e, placement), "message": f"{type(e).__name__}: {e}"}, f)
+        return
+    found = analyse(compiled, mesh, platform, placement.per_node)
     with open(answer, "w") as f:
         f.write(found.to_json())
+
+
+def _failure(error: Exception, placement: Placement) -> str:
+    """What a compile's exception means: ``"host memory"`` (this machine's),
+    ``"device memory"`` (a target's compiler found the step too big for a chip)
+    or ``"compile"``."""
+    exhausted = isinstance(error, MemoryError) or "RESOURCE_EXHAUSTED" in str(error)
+    if exhausted and placement.target is not None and not isinstance(error, MemoryError):
+        return "device memory"
+    return "host memory" if exhausted else "compile"
 
 
 def target_mesh(
