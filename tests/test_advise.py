@@ -421,3 +421,18 @@ def test_advice_pickles_and_compares_equal():
     again = pickle.loads(pickle.dumps(advice))
     assert again == advice and again.rows[0].time == advice.rows[0].time
     assert str(again) == str(advice)
+
+
+@pytest.mark.parametrize(
+    ("candidate", "error"),
+    [("data 8", TypeError), (None, TypeError), ("batch 0", ValueError)],
+    ids=["a-string", "none", "batch-0"],
+)
+def test_advise_names_a_candidate_that_is_not_one(candidate, error):
+    mesh = st.layouts(8, ("data", "tensor"))[0]
+    if candidate == "batch 0":
+        candidate = st.Candidate(mesh, RULES, batch=0)
+    called = []
+    with pytest.raises(error, match=r"^advise: candidates holds"):
+        st.advise(called.append, [candidate], hardware=HW, progress=False)
+    assert called == []

@@ -447,3 +447,19 @@ def test_a_multi_slice_step_is_timed_as_it_was_compiled(preset):
     hardware = st.hardware(preset)  # one slice, unless told otherwise
     assert step.time(hardware) == step.time(hardware, devices_per_node=4)
     assert step.time(hardware) != step.time(hardware, devices_per_node=16)
+
+
+def test_a_compiler_at_another_version_names_the_pip_command(monkeypatch):
+    from importlib import metadata
+
+    if not has_compiler("tpu"):
+        pytest.skip("needs pip install 'spmdtree[tpu]'")
+    version = metadata.version
+    monkeypatch.setattr(
+        metadata, "version", lambda name: "0.0.1" if name == "libtpu" else version(name)
+    )
+    x = jax.ShapeDtypeStruct((8,), jnp.float32)
+    with pytest.raises(
+        ValueError, match=r"^preflight: .* 0\.0\.1 is installed: pip install 'spmdtree\[tpu\]'"
+    ):
+        st.preflight(jnp.sin, x, mesh=abstract((8, 1)), target="tpu-v5p")

@@ -726,7 +726,9 @@ def advise(
     mesh axes directly is caught alike. The others are traced here, one after the other, and compiled in
     parallel subprocesses (at most `jobs` at once; each distinct step once),
     then timed with `StepPlan.time`. A candidate whose `make_step` or step
-    fails is a row with the message, never an exception. A first line on
+    fails is a row with the message, never an exception; a `make_step` that
+    does not return ``(fn, args, kwargs)`` at all is the caller's mistake,
+    raised. A first line on
     stderr says what the search will do, then one line per candidate as it
     finishes, with the time left.
 
@@ -824,7 +826,7 @@ def _checked(candidates: Iterable[Candidate]) -> list[Candidate]:
             or c.batch < 1
         ):
             raise Mistake(
-                ValueError,
+                TypeError if not isinstance(c, Candidate) else ValueError,
                 f"candidates holds {c!r}; expected st.Candidate(mesh, rules, batch) with a "
                 "jax.sharding.AbstractMesh (or Mesh) and a batch >= 1.",
             )

@@ -63,7 +63,8 @@ class StepPlan:
         backend: the platform whose compiler compiled it, as `jax.devices()`
             names it: ``"cpu"`` for fake devices, ``"gpu"`` (XLA GPU) or
             ``"tpu"`` (libtpu) for a target or a `Mesh` of those devices.
-        mesh: the mesh planned for, as given.
+        mesh: the mesh planned for, as given (a plan of a `Mesh` holds its
+            devices, which do not pickle; one of an `AbstractMesh` pickles).
         compile_seconds: how long lowering and compiling took.
         flags: sentences: the inputs' plan flags first (a dimension left
             unsharded), then what the figures do not cover (a loop whose trip

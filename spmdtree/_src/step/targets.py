@@ -19,6 +19,7 @@ import json
 import math
 import os
 import pickle
+import re
 import subprocess
 import sys
 import tempfile
@@ -235,19 +236,44 @@ class CompilerMissing(Mistake):
 
 
 def check_compiler(target: Target) -> None:
-    """Raises, naming the pip command, if `target`'s compiler is not installed."""
+    """Raises, naming the pip command, if `target`'s compiler is not installed, or is
+    not at the version this jax needs."""
     module = "jax_plugins.xla_cuda12" if target.platform == "cuda" else "libtpu"
     try:
         found = importlib.util.find_spec(module) is not None
     except ModuleNotFoundError:
         found = False
+    fix = f"pip install 'spmdtree[{target.extra}]' (it runs without the accelerator)"
     if not found:
         raise CompilerMissing(
             ValueError,
             f"compiling for {target.name} needs the {target.compiler} compiler, which is not "
-            f"installed: pip install 'spmdtree[{target.extra}]' (it runs without the "
-            "accelerator). Without target=, preflight gives the CPU estimate.",
+            f"installed: {fix}. Without target=, preflight gives the CPU estimate.",
         )
+    have, wanted = _versions(target)
+    if have is not None and wanted is not None and not have.startswith(wanted):
+        raise CompilerMissing(
+            ValueError,
+            f"compiling for {target.name} needs the {target.compiler} compiler at version "
+            f"{wanted}* for jax {jax.__version__}, and {have} is installed: {fix}.",
+        )
+
+
+def _versions(target: Target) -> tuple[str | None, str | None]:
+    """The installed compiler's version, and the one this jax needs (None: unknown):
+    jax-cuda12-plugin at jax's own version, libtpu at the version jax's tpu extra pins."""
+    from importlib import metadata
+
+    name = "jax-cuda12-plugin" if target.platform == "cuda" else "libtpu"
+    try:
+        have = metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None, None
+    if target.platform == "cuda":
+        return have, jax.__version__
+    pins = [r for r in metadata.requires("jax") or [] if r.startswith("libtpu") and "tpu" in r]
+    found = re.search(r"==\s*([\d.]+?)(?:\.\*)?\s*(?:;|$)", pins[0]) if pins else None
+    return have, found.group(1) if found else None
 
 
 @dataclasses.dataclass(frozen=True)
