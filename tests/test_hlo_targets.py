@@ -7,7 +7,6 @@ bytes; a conditional counts its costlier branch. Skipped where the compiler is
 not installed (`jax-cuda12-plugin` / `libtpu`).
 """
 
-import math
 import os
 
 import jax
@@ -17,6 +16,7 @@ import pytest
 from jax.experimental import topologies
 from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
+from jaxprs import jaxpr_flops
 
 import spmdtree as st
 
@@ -66,37 +66,6 @@ def mesh_of(devices, shape, names):
 
 def rows(step):
     return {(c.kind, c.axes): (c.count, c.bytes, c.group) for c in step.collectives}
-
-
-def jaxpr_flops(jaxpr):
-    """2 x result elements x contracted size of every dot_general in a jaxpr, its
-    sub-jaxprs included (a scan's body times its length, a cond's costlier branch)."""
-    total = 0
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "dot_general":
-            (contracting, _), _ = eqn.params["dimension_numbers"]
-            lhs = eqn.invars[0].aval.shape
-            total += (
-                2 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs[d] for d in contracting)
-            )
-            continue
-        inner = [_jaxpr(v) for v in _flat(eqn.params.values())]
-        counts = [jaxpr_flops(j) for j in inner if j is not None]
-        if eqn.primitive.name == "cond":
-            total += max(counts, default=0)
-        else:
-            total += eqn.params.get("length", 1) * sum(counts)
-    return total
-
-
-def _flat(values):
-    for v in values:
-        yield from (_flat(v) if isinstance(v, (tuple, list)) else [v])
-
-
-def _jaxpr(value):
-    inner = getattr(value, "jaxpr", value)
-    return inner if hasattr(inner, "eqns") else None
 
 
 def _decoder(remat, vocab=512, d=128, layers=2, length=128, batch=8, heads=4):

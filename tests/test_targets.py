@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from jax.sharding import AbstractMesh, AxisType
+from jaxprs import jaxpr_flops
 
 import spmdtree as st
 
@@ -223,29 +224,6 @@ def test_a_target_compile_is_the_raw_compile_of_the_same_program(preset):
     assert not any("CPU compiler" in flag or "estimate" in flag for flag in ours.flags)
     assert f"64 x {preset}" in ours.target and "compiler" in ours.target
     assert ours.target in str(ours)
-
-
-def jaxpr_flops(jaxpr):
-    """2 x result elements x contracted size for every dot_general, a scan's body times
-    its length, a cond's costlier branch once: what the program asks for."""
-    total = 0
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "dot_general":
-            (contracting, _), _ = eqn.params["dimension_numbers"]
-            lhs = eqn.invars[0].aval.shape
-            total += (
-                2 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs[d] for d in contracting)
-            )
-            continue
-        inner = [v for v in eqn.params.values() if hasattr(v, "eqns") or hasattr(v, "jaxpr")]
-        branches = eqn.params.get("branches", ())
-        if eqn.primitive.name == "cond":
-            total += max(jaxpr_flops(b.jaxpr) for b in branches)
-        elif eqn.primitive.name == "scan":
-            total += eqn.params["length"] * jaxpr_flops(eqn.params["jaxpr"].jaxpr)
-        else:
-            total += sum(jaxpr_flops(getattr(j, "jaxpr", j)) for j in inner)
-    return total
 
 
 @pytest.mark.parametrize("preset", [needs("h100"), needs("tpu-v5p")])
