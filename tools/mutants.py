@@ -26,9 +26,6 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 #: name -> [(file under spmdtree/, old text, new text), ...]
 MUTANTS: dict[str, list[tuple[str, str, str]]] = {
-    "own-rules-ignored": [
-        ("_src/boxes.py", "own = rules if meta.rules is None else meta.rules", "own = rules"),
-    ],
     "scan-drops-kwargs": [
         ("_src/transforms.py", "length=length, **kwargs)", "length=length)"),
     ],
@@ -82,9 +79,6 @@ MUTANTS: dict[str, list[tuple[str, str, str]]] = {
     "explicit-axes-not-resharded": [
         ("_src/constraints.py", "x = jax.sharding.reshard(", "x = (lambda x, spec: x)("),
     ],
-    "unconstrained-kept-in-shardings": [
-        ("_src/resolve.py", "if any(entry is UNCONSTRAINED for entry in spec):", "if False:"),
-    ],
     "used-axis-not-checked": [
         ("_src/resolve.py", "        if clash:\n", "        if False:\n"),
     ],
@@ -126,13 +120,6 @@ MUTANTS: dict[str, list[tuple[str, str, str]]] = {
             "_src/specs.py",
             "if found.fallback == FEWER_DIMENSIONS and self.index is not None:",
             "if False:",
-        ),
-    ],
-    "to-abstract-ignores-params": [
-        (
-            "_src/specs.py",
-            "resolve_tree(tree, rules, mesh=mesh, params=params).map(",
-            "resolve_tree(tree, rules, mesh=mesh).map(",
         ),
     ],
     "flax-boxes-read-as-containers": [
@@ -213,16 +200,6 @@ MUTANTS: dict[str, list[tuple[str, str, str]]] = {
     "unsharded-warning-never": [
         ("_src/resolve.py", "    if not lines:\n        return\n", "    return\n"),
     ],
-    "unsharded-warning-for-size-1": [
-        ("_src/resolve.py", "if res.dims[i].size != 1)", "if True)"),
-    ],
-    "unsharded-warning-for-reduced-states": [
-        (
-            "_src/resolve.py",
-            "    if res.kept is not None or res.problem is not None:\n        return ()",
-            "    if res.problem is not None:\n        return ()",
-        ),
-    ],
     "unsharded-warning-from-plan": [
         (
             "_src/plan.py",
@@ -250,13 +227,6 @@ MUTANTS: dict[str, list[tuple[str, str, str]]] = {
             "placeholder = any(size == 1 for size in shape)",
         ),
     ],
-    "get-sharding-skips-the-call-checks": [
-        (
-            "_src/specs.py",
-            '    return shardings(resolve_tree(box, None, mesh=mesh, argument=""), mesh)',
-            '    return shardings(resolve_tree(box, None, mesh=mesh, argument="", lenient=True), mesh)',
-        ),
-    ],
     "sharded-init-negative-argnums-wrap": [
         (
             "_src/transforms.py",
@@ -280,16 +250,6 @@ MUTANTS: dict[str, list[tuple[str, str, str]]] = {
     "never-reached-not-reported": [
         ("_src/specs.py", "problems += _never_reached(tree, normal, mesh)", "problems += []"),
     ],
-    "constraint-without-rules-unchecked": [
-        (
-            "_src/constraints.py",
-            "if self.in_effect is not None:  # without a mesh, single-device code runs as is",
-            "if False:",
-        ),
-    ],
-    "loop-trip-count-ignored": [
-        ("_src/step/hlo.py", "times = int(trips.group(1)) if loop and trips else 1", "times = 1"),
-    ],
     "peak-ignores-aliasing": [
         (
             "_src/step/preflight.py",
@@ -297,25 +257,12 @@ MUTANTS: dict[str, list[tuple[str, str, str]]] = {
             "+ self.output_bytes +",
         ),
     ],
-    "preflight-drops-donation": [
-        ("_src/step/preflight.py", "jax.jit(step, donate_argnums=flat_donated,", "jax.jit(step,"),
-    ],
     "placed-leaf-replicated": [
         (
             "_src/specs.py",
             "return placed_resolution(leaf, self.mesh_shape) if self.placed else REPLICATED",
             "return REPLICATED",
         ),
-    ],
-    "tuple-result-first-element-only": [
-        (
-            "_src/step/hlo.py",
-            "for dtype, dims in _ARRAY.findall(text):",
-            "for dtype, dims in _ARRAY.findall(text)[:1]:",
-        ),
-    ],
-    "argnums-negative-taken-as-positive": [
-        ("_src/step/preflight.py", "out.append(n % count)", "out.append(abs(n))"),
     ],
     # 0.3: reading the compiled step (hlo.py).
     "wire-bytes-all-reduce-one-way": [
@@ -331,16 +278,6 @@ MUTANTS: dict[str, list[tuple[str, str, str]]] = {
     "wire-bytes-gather-whole-result": [
         ("_src/step/hlo.py", "return (g - 1) * self.bytes // g\n", "return self.bytes\n"),
     ],
-    "reduce-scatter-not-recognised": [
-        ("_src/step/hlo.py", 'if kind == "all-reduce" and cpu:  # the CPU', "if False:  # the CPU"),
-    ],
-    "reduce-scatter-on-an-accelerator-too": [
-        (
-            "_src/step/hlo.py",
-            'if kind == "all-reduce" and cpu:  # the CPU',
-            'if kind == "all-reduce":  # the',
-        ),
-    ],
     "slice-offset-partition-unchecked": [
         (
             "_src/step/hlo.py",
@@ -350,20 +287,6 @@ MUTANTS: dict[str, list[tuple[str, str, str]]] = {
     ],
     "mesh-groups-along-the-other-axes": [
         ("_src/step/hlo.py", ".transpose(rest + grouped)", ".transpose(grouped + rest)"),
-    ],
-    "reduce-scatter-tuple-all-or-nothing": [
-        (
-            "_src/step/hlo.py",
-            'parts = [(k, b) for k, b in (("reduce-scatter", cut), (kind, kept)) if b]',
-            'parts = [("reduce-scatter", cut)] if cut else [(kind, kept)]',
-        ),
-    ],
-    "widened-reduction-counted-wide": [
-        (
-            "_src/step/hlo.py",
-            "kept += size * narrow // wide if narrow and wide else size",
-            "kept += size",
-        ),
     ],
     "elementwise-uses-not-followed": [
         (
@@ -378,23 +301,6 @@ MUTANTS: dict[str, list[tuple[str, str, str]]] = {
             'flags = [f"{row.path}: {flag}" for row in inputs.rows for flag in row.flags]',
             "flags = []",
         ),
-    ],
-    "step-drops-what-tracing-warned": [
-        (
-            "_src/step/preflight.py",
-            'flags += [*found["flags"], *warned]',
-            'flags += [*found["flags"]]',
-        ),
-    ],
-    "out-shardings-rank-unchecked": [
-        (
-            "_src/step/preflight.py",
-            "if spec is not None and len(spec) > len(leaf.shape):",
-            "if False:",
-        ),
-    ],
-    "flops-trip-count-ignored": [
-        ("_src/step/hlo.py", "flops += runs[name] * _instr_flops(", "flops += _instr_flops("),
     ],
     "overstated-uncapped": [
         (
@@ -535,35 +441,11 @@ MUTANTS: dict[str, list[tuple[str, str, str]]] = {
             "per_node = hw.devices_per_node",
         ),
     ],
-    "ranking-ignores-the-bound": [
-        (
-            "_src/step/advise.py",
-            "row.time.bound_seconds / per, row.time.serial_seconds / per, index)",
-            "0.0, 0.0, index)",
-        ),
-    ],
     "ranking-per-step-across-batches": [
         ("_src/step/advise.py", "per = row.candidate.batch", "per = 1"),
     ],
-    "over-budget-not-split-by-compiled": [
-        (
-            "_src/step/advise.py",
-            "rank += rank >= 3 or (rank == 2 and row.step is None)",
-            "rank += rank >= 3",
-        ),
-    ],
-    "may-fit-ignores-the-overstatement": [
-        (
-            "_src/step/advise.py",
-            "elif step.peak_bytes - step.overstated_bytes <= self.budget:",
-            "elif step.peak_bytes <= self.budget:",
-        ),
-    ],
     "ties-in-candidate-order": [
         ("_src/step/advise.py", "row.time.serial_seconds / per, index)", "0.0, index)"),
-    ],
-    "arrays-over-budget-compiled": [
-        ("_src/step/advise.py", "if arrays > search.budget:", "if False:")
     ],
     "repeated-steps-compiled-again": [
         ("_src/step/advise.py", "if key not in children:", "if True:")
@@ -626,6 +508,205 @@ def plant(into: pathlib.Path, edits: list[tuple[str, str, str]]) -> None:
         if count != 1:
             raise SystemExit(f"mutant does not apply: {file} has {old!r} {count} times")
         path.write_text(text.replace(old, new))
+
+
+#: 0.4: the mutants whose code moved (step/trace.py, step/targets.py, the HLO reader
+#: on jaxlib's module API), and the new ones.
+MUTANTS.update(
+    {
+        "own-rules-ignored": [("_src/boxes.py", "own=meta.rules,", "own=None,")],
+        "unconstrained-kept-in-shardings": [
+            (
+                "_src/resolve.py",
+                "if not constraint and any(entry is UNCONSTRAINED for entry in spec):",
+                "if False:",
+            )
+        ],
+        "to-abstract-ignores-params": [
+            (
+                "_src/specs.py",
+                "    walk = resolve_tree(tree, rules, mesh=mesh, params=params, strict=strict)\n    return walk.map(abstract, keep_boxes=True)",
+                "    walk = resolve_tree(tree, rules, mesh=mesh, strict=strict)\n    return walk.map(abstract, keep_boxes=True)",
+            )
+        ],
+        "unsharded-warning-for-size-1": [
+            (
+                "_src/resolve.py",
+                "return tuple(i for i in self.indivisible if self.dims[i].size != 1)",
+                "return tuple(self.indivisible)",
+            )
+        ],
+        "unsharded-warning-for-reduced-states": [
+            (
+                "_src/resolve.py",
+                "        if self.kept is not None or self.problem is not None:\n            return ()",
+                "        if self.problem is not None:\n            return ()",
+            )
+        ],
+        "get-sharding-skips-the-call-checks": [
+            (
+                "_src/boxes.py",
+                '        check_leaves((self, [self], [found]), rules, "", warn=True)',
+                "        pass",
+            )
+        ],
+        "constraint-without-rules-unchecked": [
+            (
+                "_src/constraints.py",
+                "checked=self.in_effect is not None,  # without a mesh",
+                "checked=False,  # without a mesh",
+            )
+        ],
+        "loop-trip-count-ignored": [
+            ("_src/step/hlo.py", "total = total + inner.times(trips or 1)", "total = total + inner")
+        ],
+        "preflight-drops-donation": [
+            ("_src/step/trace.py", "jax.jit(step, donate_argnums=flat_donated,", "jax.jit(step,")
+        ],
+        "tuple-result-first-element-only": [
+            (
+                "_src/step/hlo.py",
+                "for dtype, dims in _arrays(text))",
+                "for dtype, dims in _arrays(text)[:1])",
+            )
+        ],
+        "argnums-negative-taken-as-positive": [
+            ("_src/step/trace.py", "out.append(n % count)", "out.append(abs(n))")
+        ],
+        "reduce-scatter-not-recognised": [
+            (
+                "_src/step/hlo.py",
+                '        if kind == "all-reduce":\n            got = mod.slices(',
+                "        if False:\n            got = mod.slices(",
+            )
+        ],
+        "reduce-scatter-on-an-accelerator-too": [
+            (
+                "_src/step/hlo.py",
+                'if not cpu or not arrays or ins.op.endswith("Done"):',
+                'if not arrays or ins.op.endswith("Done"):',
+            )
+        ],
+        "reduce-scatter-tuple-all-or-nothing": [
+            (
+                "_src/step/hlo.py",
+                'parts.append(Part("reduce-scatter", _type_bytes(cut), held=size))\n                continue',
+                'return [Part("reduce-scatter", _type_bytes(cut), held=size)]',
+            )
+        ],
+        "widened-reduction-counted-wide": [
+            (
+                "_src/step/hlo.py",
+                "parts.append(Part(kind, size * narrow // width if narrow else size, widened=bool(narrow)))",
+                "parts.append(Part(kind, size, widened=bool(narrow)))",
+            )
+        ],
+        "step-drops-what-tracing-warned": [
+            (
+                "_src/step/preflight.py",
+                "flags += [*analysis.flags, *traced.warned]",
+                "flags += [*analysis.flags]",
+            )
+        ],
+        "out-shardings-rank-unchecked": [
+            (
+                "_src/step/trace.py",
+                "if spec is not None and len(spec) > len(leaf.shape):",
+                "if False:",
+            )
+        ],
+        "flops-trip-count-ignored": [
+            (
+                "_src/step/hlo.py",
+                "return dataclasses.replace(self, flops=self.flops * n, rows=rows)",
+                "return dataclasses.replace(self, rows=rows)",
+            )
+        ],
+        "ranking-ignores-the-bound": [
+            (
+                "_src/step/advise.py",
+                "return (order, estimate, bound, row.step.peak_bytes, row.time.serial_seconds / per, index)",
+                "return (order, estimate, 0.0, 0, 0.0, index)",
+            )
+        ],
+        "over-budget-not-split-by-compiled": [
+            (
+                "_src/step/advise.py",
+                'order = 2 * verdict + (row.verdict == "over budget" and row.step is None)',
+                "order = 2 * verdict",
+            )
+        ],
+        "may-fit-ignores-the-overstatement": [
+            (
+                "_src/step/advise.py",
+                "    if step.peak_bytes - step.overstated_bytes <= budget:",
+                "    if step.peak_bytes <= budget:",
+            )
+        ],
+        "arrays-over-budget-compiled": [
+            ("_src/step/advise.py", "    if planned.device_bytes > budget:", "    if False:")
+        ],
+        "slice-times-group-unchecked": [
+            (
+                "_src/step/hlo.py",
+                "if cut and math.prod(_dims(cut)) * group == math.prod(dims):",
+                "if cut:",
+            )
+        ],
+        "cond-both-branches": [
+            (
+                "_src/step/hlo.py",
+                "return max(branches, key=lambda t: t.cost, default=Tally())",
+                "return sum(branches, Tally())",
+            )
+        ],
+        "tpu-trip-count-unread": [
+            (
+                "_src/step/hlo.py",
+                "return _trips(start[1], step[2], direction, limit)",
+                "return None",
+            )
+        ],
+        "async-start-counted-too": [
+            (
+                "_src/step/hlo.py",
+                '"kAllGatherDone": "all-gather",',
+                '"kAllGatherDone": "all-gather",\n    "kAllGatherStart": "all-gather",',
+            )
+        ],
+        "batch-window-as-kernel": [
+            (
+                "_src/step/hlo.py",
+                "real = (start >= 0) & (start <= (n - 1) * lhs) & (start % lhs == 0)",
+                "real = start == start",
+            )
+        ],
+        "cross-slice-transfers-unread": [
+            (
+                "_src/step/hlo.py",
+                '        if ins.op == "kSend" and _MEGASCALE.search(ins.attrs):',
+                "        if False:",
+            )
+        ],
+        "cpu-remat-barriers-dropped": [
+            (
+                "_src/step/targets.py",
+                '            "xla_disable_hlo_passes": "cse_barrier_expander",\n',
+                "",
+            )
+        ],
+        "gpu-target-triton-gemms": [
+            (
+                "_src/step/targets.py",
+                '        return {"xla_gpu_enable_triton_gemm": False}',
+                "        return {}",
+            )
+        ],
+        "device-memory-said-as-a-compile-error": [
+            ("_src/step/targets.py", '    if said["error"] == "device memory":', "    if False:")
+        ],
+    }
+)
 
 
 def run(name: str, edits: list[tuple[str, str, str]], tests: list[str]) -> tuple[str, str, float]:
