@@ -539,7 +539,10 @@ def b11_targets(bench: Bench) -> None:
             print(f"B11 {target}: skipped ({str(e).split(': ', 1)[1][:80]}...)")
             continue
         name = f"B11 preflight(target={target!r}) / CPU preflight, {size} on {chips}"
-        bench.figure(name, seconds / base, "goal <= 2x (reported)")
+        if target == "h100":
+            bench.at_most(name, seconds / base, 2.0)
+        else:  # libtpu compiles several times slower than the CPU compiler
+            bench.figure(name, seconds / base, "reported")
         bench.figure(
             f"B11 preflight(target={target!r}), {size} on {chips}", seconds, "reported", unit="s"
         )
