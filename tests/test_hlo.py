@@ -413,3 +413,63 @@ def _decoder():
 def test_a_dense_decoder_is_about_6_n_tokens():
     flops, expected = _decoder()
     assert abs(flops / expected - 1) < 0.1
+
+
+# --- the CPU estimate's volumes against the closed forms, in f32 and bf16 -------------
+
+CF_D, CF_B, CF_L = 256, 64, 2  # width, batch, layers (two D x D weights a layer)
+CLOSED_FORM_RULES = {
+    "fsdp": [("batch", "d"), ("embed", "d"), ("mlp", None), ("layers", None)],
+    "megatron": [("batch", None), ("embed", None), ("mlp", "d"), ("layers", None)],
+    "data-parallel": [("batch", "d"), ("embed", None), ("mlp", None), ("layers", None)],
+}
+
+
+def closed_form_step(layout, dtype):
+    def box(names):
+        return st.LogicallyPartitioned(
+            jax.ShapeDtypeStruct((CF_L, CF_D, CF_D), dtype), ("layers", *names)
+        )
+
+    params = {"w1": box(("embed", "mlp")), "w2": box(("mlp", "embed"))}
+    x = st.LogicallyPartitioned(jax.ShapeDtypeStruct((CF_B, CF_D), dtype), ("batch", None))
+
+    def step(p, x):
+        def loss(p):
+            def layer(h, w):
+                return jnp.tanh(h @ w["w1"]) @ w["w2"], None
+
+            h, _ = jax.lax.scan(layer, x.value, st.unbox(p))
+            return jnp.mean(h.astype(jnp.float32) ** 2)
+
+        grads = jax.grad(loss)(p)
+        return jax.tree.map(lambda w, g: w - g, p, grads)
+
+    mesh = abstract_mesh((8,), ("d",))
+    rules = CLOSED_FORM_RULES[layout]
+    return st.preflight(step, params, x, mesh=mesh, rules=rules, donate_argnums=0)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("layout", list(CLOSED_FORM_RULES))
+def test_the_cpu_estimates_volumes_are_the_closed_forms(layout, dtype):
+    w = jnp.dtype(dtype).itemsize  # the program's width: bf16 counts at 2 bytes
+    weight, weights = CF_D * CF_D * w, 2 * CF_L  # one D x D weight; four in all
+    by_kind = {}
+    for c in closed_form_step(layout, dtype).collectives:
+        assert c.axes == ("d",) and c.group == 8
+        count, size = by_kind.get(c.kind, (0, 0))
+        by_kind[c.kind] = (count + c.count, size + c.bytes)
+    if layout == "fsdp":
+        # each weight gathered whole (forward, and again for the backward where the
+        # compiler does not keep it); each gradient reduce-scattered to its 1/8 shard
+        gathers, gathered = by_kind.pop("all-gather")
+        assert gathers in (weights, 2 * weights) and gathered == gathers * weight
+        assert by_kind.pop("reduce-scatter")[1] == weights * weight // 8
+    elif layout == "megatron":
+        # one all-reduce of the (batch, D) activations per layer forward, one backward
+        assert by_kind.pop("all-reduce") == (2 * CF_L, 2 * CF_L * CF_B * CF_D * w)
+    else:
+        # the whole gradient all-reduced, however the compiler combines it
+        assert by_kind.pop("all-reduce")[1] == weights * weight
+    assert by_kind == {}  # and nothing else moves

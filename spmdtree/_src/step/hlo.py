@@ -918,6 +918,35 @@ def _widened_bits(mod: Module, comp: str, name: str) -> int | None:
     return None
 
 
+def _narrowed_bits(mod: Module, comp: str, name: str, index: int | None = None) -> int | None:
+    """The bits of the narrower float that every use of value `name` (its tuple
+    element `index`) converts it to (behind bitcasts, copies, reshapes and
+    fusion parameters), or None if some use does not: the CPU pipeline computes a
+    bf16 dot's partial sums in f32 and reduces them before converting back."""
+    found: set[int] = set()
+    for user, j in mod.users.get(comp, {}).get(name, []):
+        if user.op == "kGetTupleElement":
+            if index is not None and _element(user) != index:
+                continue
+            bits = _narrowed_bits(mod, comp, user.name)
+        elif user.op in _PASS:
+            bits = _narrowed_bits(mod, comp, user.name, index)
+        elif user.op == "kFusion" and index is None:
+            callee = dict(user.callees).get("calls", "")
+            param = mod.param(callee, j)
+            bits = _narrowed_bits(mod, callee, param) if param else None
+        elif user.op == "kConvert" and index is None:
+            narrow, wide = _arrays(user.type), _arrays(mod.by_name[comp][name].type)
+            ok = narrow and wide and narrow[0][0].startswith(("f", "bf"))
+            bits = _bits(narrow[0][0]) if ok and _bits(narrow[0][0]) < _bits(wide[0][0]) else None
+        else:
+            return None
+        if bits is None:
+            return None
+        found.add(bits)
+    return found.pop() if len(found) == 1 else None
+
+
 @dataclasses.dataclass(frozen=True)
 class Part:
     """One element of a collective's result, as counted: its kind (an all-reduce read
@@ -942,13 +971,19 @@ def _parts(mod: Module, comp: str, ins: Instr, kind: str, group: int, cpu: bool)
         size = math.prod(dims) * max(_bits(dtype) // 8, 1)
         operand = ins.operands[index] if index < len(ins.operands) else ""
         narrow = _widened_bits(mod, comp, operand)
+        if narrow is None and kind == "all-reduce":
+            narrow = _narrowed_bits(mod, comp, ins.name, index if tuple_ else None)
+        width = _bits(dtype)
         if kind == "all-reduce":
             got = mod.slices(comp, ins.name, index if tuple_ else None, set())
             cut = max(got, key=lambda t: math.prod(_dims(t)), default="") if got else ""
             if cut and math.prod(_dims(cut)) * group == math.prod(dims):
-                parts.append(Part("reduce-scatter", _type_bytes(cut), held=size))
+                shard, cut_bits = _type_bytes(cut), _bits(_arrays(cut)[0][0])
+                # the slice at the program's width (newer CPU pipelines slice after
+                # converting back; older ones before)
+                shard = shard * narrow // cut_bits if narrow and narrow < cut_bits else shard
+                parts.append(Part("reduce-scatter", shard, held=size, widened=bool(narrow)))
                 continue
-        width = _bits(dtype)
         parts.append(Part(kind, size * narrow // width if narrow else size, widened=bool(narrow)))
     return parts
 
