@@ -520,13 +520,16 @@ def child(answer: str) -> None:
 
 
 def _failure(error: Exception, placement: Placement) -> str:
-    """What a compile's exception means: ``"host memory"`` (this machine's),
-    ``"device memory"`` (a target's compiler found the step too big for a chip)
-    or ``"compile"``."""
-    exhausted = isinstance(error, MemoryError) or "RESOURCE_EXHAUSTED" in str(error)
-    if exhausted and placement.target is not None and not isinstance(error, MemoryError):
-        return "device memory"
-    return "host memory" if exhausted else "compile"
+    """What a compile's exception means: ``"host memory"`` (this machine's: an
+    allocation, or a library that found no address space to load in), ``"device
+    memory"`` (a target's compiler found the step too big for a chip) or
+    ``"compile"``."""
+    said = str(error).encode(errors="replace")
+    if isinstance(error, MemoryError) or any(word in said for word in _MEMORY_WORDS):
+        return "host memory"
+    if "RESOURCE_EXHAUSTED" in str(error):
+        return "device memory" if placement.target is not None else "host memory"
+    return "compile"
 
 
 def target_mesh(
