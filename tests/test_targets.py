@@ -441,3 +441,33 @@ def test_a_compiler_at_another_version_names_the_pip_command(monkeypatch):
         ValueError, match=r"^preflight: .* 0\.0\.1 is installed: pip install 'spmdtree\[tpu\]'"
     ):
         st.preflight(jnp.sin, x, mesh=abstract((8, 1)), target="tpu-v5p")
+
+
+@pytest.mark.parametrize("preset", [needs("h100")])
+def test_advise_says_when_the_confirmed_rows_do_not_fit_on_the_target(preset):
+    # measured: the CPU estimate's peaks are 0.2-0.8 MB here, XLA GPU's about 4.3 MB
+    # (its cuBLAS workspace): a 2 MB budget fits every estimate and no target compile
+    advice = st.advise(
+        advise_step,
+        candidates(),
+        hardware=st.hardware(preset),
+        budget_bytes=2_000_000,
+        progress=False,
+        confirm=2,
+    )
+    confirmed = [row for row in advice.rows if row.step.backend == "gpu"]
+    assert len(confirmed) == 2 and all(row.verdict == "over budget" for row in confirmed)
+    assert "2 of them do not fit there (the CPU estimate was low)" in advice.note
+
+
+def test_advise_says_when_nothing_is_left_to_confirm():
+    advice = st.advise(
+        advise_step,
+        candidates(),
+        hardware=st.hardware("h100"),
+        budget_bytes=1,
+        progress=False,
+        confirm=2,
+    )
+    assert advice.best is None
+    assert advice.note.startswith(("nothing to confirm", "not confirmed"))

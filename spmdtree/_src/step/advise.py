@@ -681,10 +681,19 @@ def _confirm(
         if search.rows[i].step is not None
         and search.rows[i].verdict in ("fits", "tight", "may fit")
     ][:confirm]
+    if not best:
+        return f"nothing to confirm: no row fits on the CPU estimate (target: {target})"
     _run(search, [_confirmed(search, index, target) for index in best], pool)
-    steps = [search.rows[i].step for i in best]
-    done = sum(1 for step in steps if step is not None and step.backend != "cpu")
-    return f"{done} of the best {len(best)} confirmed: compiled for {target}"
+    rows = [search.rows[i] for i in best]
+    done = [row for row in rows if row.step is not None and row.step.backend != "cpu"]
+    fit = sum(1 for row in done if row.verdict in ("fits", "tight"))
+    said = f"{len(done)} of the best {len(best)} confirmed: compiled for {target}"
+    if len(done) > fit:  # the estimate was low for these: the user must see it first
+        said += (
+            f"; {len(done) - fit} of them do not fit there (the CPU estimate was low): "
+            "raise confirm= to compile more"
+        )
+    return said
 
 
 def _confirm_target(

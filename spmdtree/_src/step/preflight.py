@@ -24,7 +24,7 @@ from spmdtree._src.errors import Mistake, public
 from spmdtree._src.plan import Plan
 from spmdtree._src.resolve import check_mesh
 from spmdtree._src.rules import AnyMesh, PyTree, Rules
-from spmdtree._src.step.hardware import PRESETS, Hardware, StepTime, _nodes_per_device, step_time
+from spmdtree._src.step.hardware import PRESETS, Hardware, StepTime, step_time
 from spmdtree._src.step.hlo import Collective
 from spmdtree._src.step.targets import (
     TARGETS,
@@ -345,8 +345,13 @@ def where(
 def placed(target: Hardware | str, devices: int, devices_per_node: int | None) -> Where:
     """`devices` of `target` as nodes or slices of `devices_per_node` (None: the
     hardware's), its compiler checked to be installed: before anything compiles."""
-    if devices_per_node is not None:
-        _nodes_per_device(devices_per_node, "devices_per_node")
+    ok = isinstance(devices_per_node, int) and not isinstance(devices_per_node, bool)
+    if devices_per_node is not None and not (ok and devices_per_node >= 1):
+        raise Mistake(
+            ValueError,
+            f"devices_per_node is {devices_per_node!r}; expected an int >= 1: GPUs per node "
+            "or chips per TPU slice (or None: the hardware's, 8 GPUs a node or one slice).",
+        )
     chosen, per_node = target_of(target)
     placement = place(chosen, devices, per_node if devices_per_node is None else devices_per_node)
     check_compiler(chosen)

@@ -446,7 +446,8 @@ def _refused(said: dict[str, str], placement: Placement) -> Mistake:
         return DoesNotFit(
             ValueError,
             f"the step does not fit in the memory of one device: compiling for {placement}, "
-            f"the compiler ran out of device memory ({message})",
+            f"the compiler ran out of device memory ({message}). Shard it over more "
+            "devices (FSDP, tensor), rematerialise its layers, or take a smaller batch.",
         )
     return Mistake(ValueError, f"compiling for {placement} failed: {message}")
 
