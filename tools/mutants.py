@@ -590,8 +590,8 @@ MUTANTS.update(
         "reduce-scatter-tuple-all-or-nothing": [
             (
                 "_src/step/hlo.py",
-                'parts.append(Part("reduce-scatter", _type_bytes(cut), held=size))\n                continue',
-                'return [Part("reduce-scatter", _type_bytes(cut), held=size)]',
+                'parts.append(Part("reduce-scatter", shard, held=size, widened=bool(narrow)))\n                continue',
+                'return [Part("reduce-scatter", shard, held=size, widened=bool(narrow))]',
             )
         ],
         "widened-reduction-counted-wide": [
@@ -604,8 +604,8 @@ MUTANTS.update(
         "step-drops-what-tracing-warned": [
             (
                 "_src/step/preflight.py",
-                "flags += [*analysis.flags, *traced.warned]",
-                "flags += [*analysis.flags]",
+                "flags += [*analysis.reading.flags, *traced.warned]",
+                "flags += [*analysis.reading.flags]",
             )
         ],
         "out-shardings-rank-unchecked": [

@@ -24,7 +24,7 @@ from spmdtree._src.errors import Mistake, public
 from spmdtree._src.plan import Plan
 from spmdtree._src.resolve import check_mesh
 from spmdtree._src.rules import AnyMesh, PyTree, Rules
-from spmdtree._src.step.hardware import PRESETS, Hardware, StepTime, step_time
+from spmdtree._src.step.hardware import PRESETS, Hardware, StepTime, _nodes_per_device, step_time
 from spmdtree._src.step.hlo import Collective
 from spmdtree._src.step.targets import (
     TARGETS,
@@ -345,12 +345,9 @@ def where(
 def placed(target: Hardware | str, devices: int, devices_per_node: int | None) -> Where:
     """`devices` of `target` as nodes or slices of `devices_per_node` (None: the
     hardware's), its compiler checked to be installed: before anything compiles."""
-    ok = isinstance(devices_per_node, int) and not isinstance(devices_per_node, bool)
-    if devices_per_node is not None and not (ok and devices_per_node >= 1):
-        raise Mistake(
-            ValueError,
-            f"devices_per_node is {devices_per_node!r}; expected an int >= 1: GPUs per node "
-            "or chips per TPU slice (or None: the hardware's, 8 GPUs a node or one slice).",
+    if devices_per_node is not None:  # GPUs per node, or chips per TPU slice
+        _nodes_per_device(
+            devices_per_node, "devices_per_node", "the hardware's: 8 GPUs a node, one TPU slice"
         )
     chosen, per_node = target_of(target)
     placement = place(chosen, devices, per_node if devices_per_node is None else devices_per_node)
@@ -391,20 +388,20 @@ def step_plan(traced: Traced, analysis: Analysis, where: Where) -> StepPlan:
     then the step's, then the warnings tracing raised."""
     inputs = traced.arguments.plan
     flags = [f"{row.path}: {flag}" for row in inputs.rows for flag in row.flags]
-    flags += [*analysis.flags, *traced.warned]
+    flags += [*analysis.reading.flags, *traced.warned]
     return StepPlan(
         argument_bytes=analysis.argument_bytes,
         output_bytes=analysis.output_bytes,
         alias_bytes=analysis.alias_bytes,
         temp_bytes=analysis.temp_bytes,
         code_bytes=analysis.code_bytes,
-        collectives=analysis.collectives,
+        collectives=analysis.reading.collectives,
         inputs=inputs,
         backend=analysis.backend,
         mesh=traced.mesh,
         compile_seconds=traced.seconds + analysis.seconds,
         flags=tuple(dict.fromkeys(flags)),
-        flops=analysis.flops,
+        flops=analysis.reading.flops,
         overstated_bytes=analysis.overstated_bytes,
         target=str(where),
         devices_per_node=None

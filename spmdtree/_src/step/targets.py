@@ -32,7 +32,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from spmdtree._src.errors import Mistake
-from spmdtree._src.step.hlo import Collective, overstated_bytes, read_step
+from spmdtree._src.step.hlo import Reading, overstated_bytes, read_step
 from spmdtree._src.step.trace import Traced
 
 #: How long a compile subprocess may take before it is stopped.
@@ -170,8 +170,12 @@ class Placement:
             return f"{self.devices} cpu"
         if self.target.platform == "cuda":
             return f"1x{self.nodes}x{self.per_node}"
-        dims = _tpu_dims(self.per_node, self.target.dimensions)
-        return f"{self.target.chip}:{'x'.join(map(str, dims))}"
+        return f"{self.target.chip}:{'x'.join(map(str, self.dims))}"
+
+    @property
+    def dims(self) -> list[int]:
+        """A TPU slice's topology dimensions."""
+        return _tpu_dims(self.per_node, self.target.dimensions if self.target else 1)
 
     def __str__(self) -> str:
         if self.target is None:
@@ -179,7 +183,7 @@ class Placement:
         kind = "node" if self.target.platform == "cuda" else "slice"
         parts = f"{self.nodes} {kind}{'' if self.nodes == 1 else 's'} of {self.per_node}"
         if self.target.platform == "tpu" and self.nodes == 1:
-            parts = f"one slice, {self.topology.split(':')[1]}"
+            parts = f"one slice, {'x'.join(map(str, self.dims))}"
         return f"{self.devices} x {self.target.name}, {parts}, {self.target.compiler} compiler"
 
 
@@ -278,36 +282,27 @@ def _versions(target: Target) -> tuple[str | None, str | None]:
 
 @dataclasses.dataclass(frozen=True)
 class Analysis:
-    """What a compile says of a step, per device: the fourth stage's input.
-
-    Crosses a process boundary as JSON (`to_json`, `from_json`).
-    """
+    """What a compile says of a step, per device: its memory, and what its HLO
+    says (`reading`). Crosses a process boundary as JSON (`to_json`, `from_json`)."""
 
     argument_bytes: int
     output_bytes: int
     alias_bytes: int
     temp_bytes: int
     code_bytes: int
-    collectives: tuple[Collective, ...]
-    flags: tuple[str, ...]
-    flops: int
+    reading: Reading
     overstated_bytes: int
     backend: str
     seconds: float = 0.0
 
-    def to_json(self) -> str:
-        """The analysis as a JSON object."""
-        return json.dumps(dataclasses.asdict(self))
+    def to_json(self) -> dict[str, Any]:
+        """The analysis as plain JSON values."""
+        return {**dataclasses.asdict(self), "reading": self.reading.to_json()}
 
     @classmethod
-    def from_json(cls, text: str) -> Analysis:
-        """The analysis `to_json` wrote."""
-        fields = json.loads(text)
-        rows = tuple(
-            Collective(kind, n, size, tuple(axes), group)
-            for kind, n, size, axes, group in fields.pop("collectives")
-        )
-        return cls(**{**fields, "collectives": rows, "flags": tuple(fields["flags"])})
+    def from_json(cls, data: dict[str, Any]) -> Analysis:
+        """The analysis `to_json` gave."""
+        return cls(**{**data, "reading": Reading.from_json(data["reading"])})
 
 
 def analyse(
@@ -317,35 +312,32 @@ def analyse(
 
     On CPU devices, an all-reduce whose every use takes one device's slice is
     counted as the reduce-scatter an accelerator runs, and the whole results
-    such all-reduces keep live bound how much the peak may overstate.
+    such all-reduces keep live are what `overstated_bytes` counts.
 
     Raises:
         Mistake: if the backend reports no memory analysis or no HLO.
     """
-    memory, text = compiled.memory_analysis(), compiled.as_text()
-    if memory is None or text is None:
+    executable = compiled.runtime_executable()
+    # the module itself where jaxlib gives it; its text (printed at some cost) only if not
+    module = executable.hlo_modules()[0] if executable is not None else compiled.as_text()
+    memory = compiled.memory_analysis()
+    if memory is None or module is None:
         raise Mistake(
             ValueError,
-            "the backend this step compiled for reports no memory analysis (or no HLO "
-            "text) for it, which preflight reads. Preflight on an AbstractMesh, which "
+            "the backend this step compiled for reports no memory analysis (or no HLO) "
+            "for it, which preflight reads. Preflight on an AbstractMesh, which "
             "compiles for CPU devices, or pass target=.",
         )
-    executable = compiled.runtime_executable()
-    module = executable.hlo_modules()[0] if executable is not None else text
     read = read_step(module, tuple(mesh.shape.items()), platform=platform, slice_size=slice_size)
     temp = int(memory.temp_size_in_bytes)
-    overstated = overstated_bytes(read.held_bytes, temp) if platform == "cpu" else 0
-    flags = list(read.flags)
     return Analysis(
         argument_bytes=int(memory.argument_size_in_bytes),
         output_bytes=int(memory.output_size_in_bytes),
         alias_bytes=int(memory.alias_size_in_bytes),
         temp_bytes=temp,
         code_bytes=int(memory.generated_code_size_in_bytes),
-        collectives=tuple(read.collectives),
-        flags=tuple(flags),
-        flops=int(read.flops),
-        overstated_bytes=overstated,
+        reading=read,
+        overstated_bytes=overstated_bytes(read.held_bytes, temp) if platform == "cpu" else 0,
         backend="gpu" if platform == "cuda" else platform,  # as jax.devices() names it
     )
 
@@ -369,7 +361,7 @@ def compile_options(platform: str) -> dict[str, Any]:
         }
     if platform == "cuda":  # a GPU target, compiled without a device
         return {"xla_gpu_enable_triton_gemm": False}
-    return {}
+    return {}  # a Mesh of real devices ("gpu", "tpu") compiles as the job will
 
 
 def compile_here(traced: Traced) -> Analysis:
@@ -378,8 +370,7 @@ def compile_here(traced: Traced) -> Analysis:
         raise Mistake(ValueError, "the step was exported for a subprocess, not lowered here.")
     start = time.perf_counter()
     platform = traced.here.devices.flat[0].platform
-    # a Mesh of real accelerators compiles as the job will, with no option of ours
-    compiled = traced.lowered.compile(compile_options(platform) if platform == "cpu" else {})
+    compiled = traced.lowered.compile(compile_options(platform))
     found = analyse(compiled, traced.here, platform)
     return dataclasses.replace(found, seconds=traced.seconds + time.perf_counter() - start)
 
@@ -427,7 +418,7 @@ def compile_child(payload: bytes, placement: Placement) -> Analysis:
                 said = json.load(f)
             if "error" in said:
                 raise _refused(said, placement)
-            found = Analysis.from_json(json.dumps(said))
+            found = Analysis.from_json(said)
             return dataclasses.replace(found, seconds=time.perf_counter() - start)
     raise _child_failed(done, placement)
 
@@ -517,7 +508,7 @@ def child(answer: str) -> None:
         return
     found = analyse(compiled, mesh, platform, placement.per_node)
     with open(answer, "w") as f:
-        f.write(found.to_json())
+        json.dump(found.to_json(), f)
 
 
 def _failure(error: Exception, placement: Placement) -> str:
@@ -550,7 +541,7 @@ def target_mesh(
             platform="cuda", target_config=chip.target_config(), topology=placement.topology
         )
         return _one_slice(topology.devices, sizes, names, types)
-    dims = _tpu_dims(placement.per_node, target.dimensions)
+    dims = placement.dims
     options: dict[str, Any] = {}
     if placement.per_node < 4:
         options["chips_per_host_bounds"] = [*dims, 1][:3]
