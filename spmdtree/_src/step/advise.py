@@ -27,7 +27,7 @@ from jax.sharding import AbstractMesh, AxisType, Mesh
 from spmdtree._src.errors import Mistake, public
 from spmdtree._src.plan import Plan
 from spmdtree._src.rules import AnyMesh, Rules
-from spmdtree._src.step.hardware import Hardware, StepTime
+from spmdtree._src.step.hardware import Hardware, StepTime, _nodes_per_device
 from spmdtree._src.step.preflight import StepPlan, Where, placed, step_plan, where
 from spmdtree._src.step.targets import (
     Analysis,
@@ -795,10 +795,8 @@ def advise(
         raise Mistake(TypeError, f"hardware is {hardware!r}; expected a st.Hardware.")
     if not _count_or_none(jobs):
         raise Mistake(ValueError, f"jobs is {jobs!r}; expected an int >= 1 (or None).")
-    if not _count_or_none(devices_per_node):
-        raise Mistake(
-            ValueError, f"devices_per_node is {devices_per_node!r}; expected an int >= 1 (or None)."
-        )
+    if devices_per_node is not None:
+        _nodes_per_device(devices_per_node, "devices_per_node", "the hardware's")
     if not isinstance(confirm, int) or isinstance(confirm, bool) or confirm < 0:
         raise Mistake(
             ValueError,

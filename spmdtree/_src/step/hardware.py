@@ -82,7 +82,10 @@ def _positive(value: object, what: str) -> None:
         raise Mistake(ValueError, f"{what} is {value!r}; expected a number > 0.")
 
 
-def _nodes_per_device(devices_per_node: object, what: str) -> None:
+def _nodes_per_device(
+    devices_per_node: object, what: str, none: str = "every device on one node"
+) -> None:
+    """Refuses a `devices_per_node` that is no int >= 1; `none` is what None means."""
     if (
         not isinstance(devices_per_node, (int, np.integer))
         or isinstance(devices_per_node, bool)
@@ -90,8 +93,7 @@ def _nodes_per_device(devices_per_node: object, what: str) -> None:
     ):
         raise Mistake(
             ValueError,
-            f"{what} is {devices_per_node!r}; expected an int >= 1 (or None: every "
-            "device on one node).",
+            f"{what} is {devices_per_node!r}; expected an int >= 1 (or None: {none}).",
         )
 
 
