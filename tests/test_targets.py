@@ -240,9 +240,10 @@ def test_target_flops_are_the_programs(preset, remat):
     assert not any("trip count" in flag for flag in step.flags)
 
 
-@pytest.mark.parametrize("preset", [needs("tpu-v5p"), needs("h100")])
-def test_many_slices_or_nodes(preset):
-    step = st.preflight(
+@functools.cache
+def on_four_nodes(preset):
+    """The step on 16 devices as 4 GPU nodes or 4 TPU slices of 4 (target a Hardware)."""
+    return st.preflight(
         make_step(False),
         params(),
         tokens(64),
@@ -252,6 +253,11 @@ def test_many_slices_or_nodes(preset):
         target=st.hardware(preset),
         devices_per_node=4,
     )
+
+
+@pytest.mark.parametrize("preset", [needs("tpu-v5p"), needs("h100")])
+def test_many_slices_or_nodes(preset):
+    step = on_four_nodes(preset)
     kind = "slices" if preset.startswith("tpu") else "nodes"
     assert f"16 x {preset}, 4 {kind} of 4" in step.target
     assert step.peak_bytes > 0 and step.flops > 0
@@ -410,15 +416,7 @@ def test_a_step_too_big_for_the_chip_is_said_so(preset):
 
 @pytest.mark.parametrize("preset", [needs("tpu-v5p")])
 def test_a_multi_slice_step_is_timed_as_it_was_compiled(preset):
-    step = st.preflight(
-        make_step(False),
-        params(),
-        tokens(64),
-        mesh=abstract((4, 4)),
-        rules=RULES,
-        target=preset,
-        devices_per_node=4,
-    )
+    step = on_four_nodes(preset)
     assert step.devices_per_node == 4
     # the gradients' reduction across the slices (the megascale runtime's transfers)
     assert any(c.axes == ("data",) and c.group == 4 for c in step.collectives)
