@@ -337,14 +337,17 @@ def test_the_reason_of_a_row_that_fits_is_its_peak_and_its_flags_are_apart():
         row.reason,
     )
     replicated = [flag for flag in row.flags if "replicated on every device" in flag]
-    assert replicated == ["1: 1.0 MiB replicated on every device"]  # x: 512 x 512 f32, whole
-    assert f"! {replicated[0]}" in str(advice)
+    # x: 512 x 512 f32, whole; its path as the caller passed it (0.4 lost "args")
+    assert replicated == ["args[1]: 1.0 MiB replicated on every device"]
+    assert "! 1 array replicated on every device, 1.0 MiB: args[1]" in str(advice)
 
 
 def test_the_table_says_what_the_budget_is():
     default = small_batch_advice()
     assert "budget 1.0 GiB per device: the test's whole memory" in str(default)
-    assert "XLA_PYTHON_CLIENT_MEM_FRACTION" in str(default) and "within 5%" in str(default)
+    assert "within 5%" in str(default)
+    # hardware spmdtree knows no platform of: nothing said of GPU preallocation
+    assert "XLA_PYTHON_CLIENT_MEM_FRACTION" not in str(default)
     given = st.advise(
         mlp_step,
         [st.Candidate(_mesh(1, 8), RULES, 8)],
@@ -355,6 +358,25 @@ def test_the_table_says_what_the_budget_is():
     assert "budget 512.0 MiB per device, as given (the test has 1.0 GiB)" in str(given)
 
 
+@pytest.mark.parametrize(
+    ("preset", "said", "unsaid"),
+    [
+        ("h100", "XLA_PYTHON_CLIENT_MEM_FRACTION", "runtime"),
+        ("tpu-v5p", "on TPU, the runtime keeps some of it", "XLA_PYTHON_CLIENT_MEM_FRACTION"),
+    ],
+)
+def test_the_budget_line_fits_the_platform(preset, said, unsaid):
+    row = st.AdviceRow(
+        st.Candidate(_mesh(1, 8), RULES, 8), "does not compile", "x", None, None, None
+    )
+    hardware = st.hardware(preset)
+    advice = st.Advice((row,), 0, hardware, hardware.memory_bytes)
+    line = str(advice).splitlines()[1]
+    gib = f"{hardware.memory_bytes / 2**30:.1f} GiB"
+    assert line.startswith(f"budget {gib} per device: the {preset}'s whole memory")
+    assert said in str(advice) and unsaid not in str(advice)
+
+
 def test_progress_says_what_comes_then_each_candidate_whole(capsys):
     typo = st.Candidate(_mesh(2, 4), [("batch", "dtaa"), *RULES[1:]], 8, label="typo")
     candidates = [st.Candidate(_mesh(2, 4), RULES, 8), typo]
@@ -362,7 +384,7 @@ def test_progress_says_what_comes_then_each_candidate_whole(capsys):
     first, *lines = capsys.readouterr().err.splitlines()
     assert first == (
         "advise: 2 candidates on 8 devices, at most 2 compiles (each distinct step once), "
-        "1 job at once"
+        "1 job at once; screened on the CPU estimate"
     )
     assert len(lines) == 2
     assert re.search(r"; about \d+ s left$|; under 1 s left$", lines[0])
