@@ -849,6 +849,9 @@ def _where_asked(
     devices = math.prod(candidates[0].mesh.shape.values())
     if needed:
         return placed(hardware, devices, devices_per_node), ""
+    if hardware.name not in TARGETS:
+        presets = ", ".join(map(repr, TARGETS))
+        return None, f"spmdtree knows no compiler for the {hardware.name} (the presets': {presets})"
     try:
         return placed(hardware, devices, devices_per_node), ""
     except Mistake as mistake:
