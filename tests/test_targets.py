@@ -521,3 +521,75 @@ def test_advise_says_when_nothing_is_left_to_confirm(preset):
     )
     assert advice.best is None and advice.compiles == 0
     assert "nothing to confirm: no row fits on the CPU estimate" in advice.note
+
+
+def unrolled_bf16_step(candidate):
+    """Four unrolled bf16 layers at a large batch: the CPU compiler widens their saved
+    activations to f32 (measured: peak 27.8 MB on the CPU estimate, 4.2 MB on libtpu
+    for a v5e at data 2 x fsdp 2, batch 4096)."""
+    w = [boxed((512, 512), ("embed", "mlp")) for _ in range(4)]
+    x = st.LogicallyPartitioned(
+        jax.ShapeDtypeStruct((candidate.batch, 512), jnp.bfloat16), ("batch", None)
+    )
+
+    def step(w, x):
+        def loss(w):
+            h = x.value
+            for layer in w:
+                h = jnp.tanh(h @ layer.value.astype(jnp.bfloat16))
+            return jnp.mean(h.astype(jnp.float32) ** 2)
+
+        grads = jax.grad(loss)(w)
+        return [st.replace_boxed(a, a.value - 0.1 * g.value) for a, g in zip(w, grads, strict=True)]
+
+    return step, (w, x), {"donate_argnums": 0}
+
+
+UNROLLED = [st.Candidate(m, ADVISE_RULES, 4096) for m in st.layouts(4, ("data", "fsdp"))]
+
+
+@pytest.mark.parametrize("preset", [needs("tpu-v5e")])
+def test_a_row_over_budget_on_the_cpu_estimate_is_asked_of_libtpu(preset):
+    budget = 10_000_000  # between libtpu's peaks and the CPU estimate's
+    advice = st.advise(
+        unrolled_bf16_step,
+        UNROLLED,
+        hardware=st.hardware(preset),
+        budget_bytes=budget,
+        progress=False,
+    )
+    assert advice.note.startswith(
+        "screened on the CPU estimate (libtpu costs far more per compile); the rows over the "
+        "budget on it compiled for the target"
+    )
+    asked = [row for row in advice.rows if row.step.backend == "tpu"]
+    assert asked, "no row was over the budget on the CPU estimate"
+    for row in asked:  # its verdict is libtpu's, and equals preflight's on the target
+        fn, args, kwargs = unrolled_bf16_step(row.candidate)
+        direct = st.preflight(
+            fn, *args, mesh=row.candidate.mesh, rules=ADVISE_RULES, target=preset, **kwargs
+        )
+        assert row.step.peak_bytes == direct.peak_bytes
+        peak = direct.peak_bytes
+        expected = "fits" if peak <= 0.95 * budget else "tight" if peak <= budget else "over budget"
+        assert row.verdict == expected
+    assert any(row.verdict == "fits" for row in asked)  # the estimate alone said over
+
+
+def test_without_the_target_a_row_over_budget_on_the_estimate_says_so(monkeypatch):
+    found = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "libtpu" else found(name, *a)
+    )
+    advice = st.advise(
+        unrolled_bf16_step,
+        UNROLLED[:1],
+        hardware=st.hardware("tpu-v5e"),
+        budget_bytes=10_000_000,
+        progress=False,
+    )
+    (row,) = advice.rows
+    assert row.step.backend == "cpu" and row.verdict == "over budget"
+    assert "on the CPU estimate, which ran 1.5-4.5x an accelerator's" in row.reason
+    assert row.reason.endswith("install its compiler")
+    assert "pip install 'spmdtree[tpu]'" in advice.note
