@@ -35,20 +35,20 @@ NVLINK, HOP = 450e9, 2e-6  # the h100 preset's ici link
 SHAPE = (("data", 8),)
 
 
-def kernel(flops, size, batch=1, m=0, n=0):
+def kernel(flops, size, batch=1, m=0, n=0, peak=PEAK):
     """A kernel's time by the documented model, its launch included."""
     memory = size / HBM
     compute = 0.0
     if flops:
         tiles = batch * math.ceil(m / TILE) * math.ceil(n / TILE)
         waves = math.ceil(tiles / SMS)
-        compute = flops / (PEAK * MAMF * batch * m * n / (waves * SMS * TILE * TILE))
+        compute = flops / (peak * MAMF * batch * m * n / (waves * SMS * TILE * TILE))
     return max(compute, memory) + 0.05 * min(compute, memory) + LAUNCH
 
 
-def gemm(m, n, k, width=2):
+def gemm(m, n, k, width=2, peak=PEAK):
     """An (m, k) x (k, n) matmul of `width`-byte elements."""
-    return kernel(2 * m * n * k, width * (m * k + k * n + m * n), 1, m, n)
+    return kernel(2 * m * n * k, width * (m * k + k * n + m * n), 1, m, n, peak)
 
 
 def ring(kind, size, group=8):
@@ -162,6 +162,24 @@ def test_a_small_gemm_runs_below_peak_and_a_large_one_near_its_mamf(m, n):
         assert share < 0.05
     else:  # 32 full waves of tiles
         assert share == pytest.approx(MAMF, rel=0.02)
+
+
+@needs_cuda
+@pytest.mark.parametrize(
+    "precision, peak",
+    [(None, 494.7e12), (jax.lax.Precision.HIGHEST, 67e12)],
+    ids=["tf32", "fp32"],
+)
+def test_an_f32_matmul_runs_at_its_precisions_rate(precision, peak):
+    # the H100 data sheet: TF32 494.7 TFLOPS dense (XLA GPU's default for f32), FP32 67
+    def step(a, b):
+        return jnp.matmul(a, b, precision=precision)
+
+    m, n, k = 128 * 132, 4096, 4096
+    text = compiled(step, ((m, k), jnp.float32, P()), ((k, n), jnp.float32, P()))
+    _, timed = predicted(text)
+    expected = gemm(m, n, k, width=4, peak=peak * PEAK / 989.4e12) - LAUNCH
+    assert timed.predicted_by_class["matmul"] == pytest.approx(expected, rel=1e-3)
 
 
 # --- small scheduled texts, where a compile cannot show the case -----------------------

@@ -54,7 +54,8 @@ CLASSES = ("matmul", "attention", "memory", "collectives", "launch")
 class Kernel(NamedTuple):
     """One device kernel: its class (``matmul``, ``attention`` or ``memory``), the
     FLOPs of its dots, the bytes it reads and writes, and its largest matmul's
-    shape (batch, m, n, k; zeros where it has none)."""
+    shape (batch, m, n, k; zeros where it has none) and operands' element type
+    (``bf16``, ``f32``; ``f32/highest`` at the highest precision)."""
 
     kind: str
     flops: int
@@ -63,6 +64,7 @@ class Kernel(NamedTuple):
     m: int = 0
     n: int = 0
     k: int = 0
+    dtype: str = ""
 
 
 class Start(NamedTuple):
@@ -172,6 +174,11 @@ class Costs:
         launch_seconds: the overhead each kernel adds (0 on a TPU: one program).
         collective_latency_seconds: the latency each collective adds beyond
             the links' per-hop latency.
+        f32_speed: an f32 matmul's peak over the bf16 one at the default
+            precision (a GPU runs it as TF32, half the rate; a TPU in one bf16
+            pass); 8-bit matmuls run at twice the bf16 rate.
+        f32_highest_speed: likewise at the highest precision (a GPU's FP32
+            units; a TPU's six bf16 passes).
     """
 
     hbm_bytes_per_second: float
@@ -181,6 +188,17 @@ class Costs:
     tile: tuple[int, int]
     launch_seconds: float
     collective_latency_seconds: float
+    f32_speed: float = 1.0
+    f32_highest_speed: float = 1 / 6
+
+    def speed(self, dtype: str) -> float:
+        """A matmul's peak over the bf16 one for operands of `dtype`."""
+        bits = hlo._bits(dtype.partition("/")[0]) if dtype else 16
+        if bits <= 8:
+            return 2.0
+        if bits >= 32:
+            return self.f32_highest_speed if dtype.endswith("/highest") else self.f32_speed
+        return 1.0
 
 
 def _gpu(chip: Chip | str, matmul_efficiency: float) -> Costs:
@@ -193,6 +211,8 @@ def _gpu(chip: Chip | str, matmul_efficiency: float) -> Costs:
         tile=(128, 128),
         launch_seconds=1e-6,
         collective_latency_seconds=5e-6,
+        f32_speed=0.5,
+        f32_highest_speed=67 / 989,
     )
 
 
@@ -210,6 +230,7 @@ def _tpu(hbm: float, mxu: int) -> Costs:
 #: Google Cloud's system-architecture pages (v5e 819 GB/s, v5p 2,765 GB/s, v6e
 #: 1,640 GB/s), the MXU's tile (128; 256 on v6e); no public achievable-share figure
 #: (1.0). Memory efficiency 0.9 is an assumption (XLA's model takes the full bandwidth).
+#: f32 matmuls: the H100 data sheet's TF32 (494.7 of 989.4 TFLOPS) and FP32 (67).
 COSTS = {
     "h100": _gpu(TARGETS["h100"].chip, 794.5 / 989),
     "h200": _gpu(TARGETS["h200"].chip, 794.5 / 989),
@@ -258,7 +279,7 @@ def kernel_seconds(kernel: Kernel, costs: Costs, peak: float) -> float:
     memory = kernel.bytes / (costs.hbm_bytes_per_second * costs.memory_efficiency)
     compute = 0.0
     if kernel.flops:
-        share = costs.matmul_efficiency
+        share = costs.matmul_efficiency * costs.speed(kernel.dtype)
         if kernel.m and kernel.n:
             share *= wave_efficiency(kernel.batch or 1, kernel.m, kernel.n, costs)
         compute = kernel.flops / (peak * share)
@@ -463,6 +484,7 @@ _SYNC = {
     "kCollectivePermute": "collective-permute",
 }
 _IS_SYNC = re.compile(r'"is_sync":\s*true')
+_HIGHEST = re.compile(r"operand_precision[^}\]]*highest", re.IGNORECASE)
 _TARGET = re.compile(r'custom_call_target="([^"]*)"')
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _ATTENTION = re.compile(r"attention|attn", re.IGNORECASE)
@@ -541,12 +563,13 @@ class _Reader:
 
     def _kernel(self, comp: str, ins: Instr) -> Kernel:
         """A kernel: its class, FLOPs, bytes and largest matmul's shape."""
-        flops, shape, named = 0, (0, 0, 0, 0), False
+        flops, largest, shape, dtype, named = 0, 0, (0, 0, 0, 0), "", False
         for where, dot in self._dots(comp, ins):
             f = hlo._flops(self.mod, where, dot)
-            if f > flops:
-                shape = _gemm_shape(self.mod, where, dot, f)
-            flops = flops + f
+            if f > largest:
+                largest, shape = f, _gemm_shape(self.mod, where, dot, f)
+                dtype = _operand_dtype(self.mod, where, dot)
+            flops += f
             named |= bool(_ATTENTION.search(_op_name(dot)))
         target = _TARGET.search(ins.attrs)
         if target and target.group(1).startswith("__cudnn$fmha"):
@@ -555,7 +578,7 @@ class _Reader:
             kind = "attention" if named or _ATTENTION.search(_op_name(ins)) else "matmul"
         else:
             kind = "memory"
-        return Kernel(kind, flops, self._bytes(comp, ins), *shape)
+        return Kernel(kind, flops, self._bytes(comp, ins), *shape, dtype if flops else "")
 
     def _dots(self, comp: str, ins: Instr) -> list[tuple[str, Instr]]:
         """The instructions with FLOPs an instruction runs: itself, or inside the
@@ -589,6 +612,15 @@ class _Reader:
             result = result[:1]  # a cuBLAS call's second element is its workspace
         written = sum(math.prod(d) * max(hlo._bits(t) // 8, 1) for t, d in result)
         return sum(hlo._type_bytes(t) for t in types) + written
+
+
+def _operand_dtype(mod: Module, comp: str, ins: Instr) -> str:
+    """A matmul's first operand's element type, ``/highest`` added at the highest
+    precision."""
+    given = mod.by_name[comp].get(ins.operands[0]) if ins.operands else None
+    arrays = hlo._arrays(given.type) if given is not None else []
+    dtype = arrays[0][0] if arrays else ""
+    return dtype + "/highest" if _HIGHEST.search(ins.attrs) else dtype
 
 
 def _op_name(ins: Instr) -> str:
@@ -731,7 +763,7 @@ def read_schedule(module: Any, shape: Sequence[tuple[str, int]] = (), *, platfor
         >>> schedule.events[0].row
         Collective(kind='all-gather', count=1, bytes=2097152, axes=('data',), group=8)
         >>> schedule.events[1]
-        Kernel(kind='matmul', flops=2147483648, bytes=6291456, batch=1, m=1024, n=1024, k=1024)
+        Kernel(kind='matmul', flops=2147483648, bytes=6291456, batch=1, m=1024, n=1024, k=1024, dtype='bf16')
         >>> Schedule.from_json(schedule.to_json()) == schedule
         True
     """
