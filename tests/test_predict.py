@@ -341,6 +341,12 @@ def test_step_time_refuses_a_prediction_that_is_no_time():
         st.StepTime(1.0, {}, predicted_seconds=1.0, predicted_by_class=3)
 
 
+@pytest.mark.parametrize("preset", ["h100", "h200", "b200"])
+def test_a_gpu_cost_model_has_its_chips_bandwidth_and_sms(preset):
+    chip, costs = TARGETS[preset].chip, predict.COSTS[preset]
+    assert (costs.hbm_bytes_per_second, costs.cores) == (chip.bandwidth, chip.sms)
+
+
 def test_the_examples_in_the_module_run():
     failures, tried = doctest.testmod(predict, optionflags=doctest.ELLIPSIS)
     assert tried > 0 and failures == 0

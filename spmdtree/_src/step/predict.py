@@ -45,7 +45,6 @@ from typing import Any, NamedTuple
 
 from spmdtree._src.step import hlo
 from spmdtree._src.step.hlo import Collective, Instr, Module
-from spmdtree._src.step.targets import TARGETS, Chip
 
 #: The classes a step's time is split into; `Prediction` has one field each.
 CLASSES = ("matmul", "attention", "memory", "collectives", "launch")
@@ -201,13 +200,12 @@ class Costs:
         return 1.0
 
 
-def _gpu(chip: Chip | str, matmul_efficiency: float) -> Costs:
-    assert isinstance(chip, Chip)
+def _gpu(hbm: float, sms: int, matmul_efficiency: float) -> Costs:
     return Costs(
-        hbm_bytes_per_second=float(chip.bandwidth),
+        hbm_bytes_per_second=hbm,
         memory_efficiency=0.9,
         matmul_efficiency=matmul_efficiency,
-        cores=chip.sms,
+        cores=sms,
         tile=(128, 128),
         launch_seconds=1e-6,
         collective_latency_seconds=5e-6,
@@ -221,7 +219,7 @@ def _tpu(hbm: float, mxu: int) -> Costs:
 
 
 #: The model's figures per preset (docs/planning.md, "Predicted step time", lists each
-#: source). GPUs: bandwidth and SMs from the chips' data sheets (`targets.TARGETS`);
+#: source). GPUs: bandwidth and SMs from the chips' data sheets (as `targets.TARGETS`);
 #: the largest achievable matmul share from Stas Bekman's MAMF table (ml-engineering,
 #: compute/accelerator: H100 SXM 794.5 of 989 TFLOPS bf16, "H200 is the same", B200
 #: 1,745 of 2,250); 1 us a kernel and 5 us a collective, XLA GPU's own
@@ -232,9 +230,9 @@ def _tpu(hbm: float, mxu: int) -> Costs:
 #: (1.0). Memory efficiency 0.9 is an assumption (XLA's model takes the full bandwidth).
 #: f32 matmuls: the H100 data sheet's TF32 (494.7 of 989.4 TFLOPS) and FP32 (67).
 COSTS = {
-    "h100": _gpu(TARGETS["h100"].chip, 794.5 / 989),
-    "h200": _gpu(TARGETS["h200"].chip, 794.5 / 989),
-    "b200": _gpu(TARGETS["b200"].chip, 1745 / 2250),
+    "h100": _gpu(3.35e12, 132, 794.5 / 989),
+    "h200": _gpu(4.8e12, 132, 794.5 / 989),
+    "b200": _gpu(8e12, 148, 1745 / 2250),
     "tpu-v5e": _tpu(819e9, 128),
     "tpu-v5p": _tpu(2765e9, 128),
     "tpu-v6e": _tpu(1640e9, 256),
