@@ -182,6 +182,19 @@ def test_an_f32_matmul_runs_at_its_precisions_rate(precision, peak):
     assert timed.predicted_by_class["matmul"] == pytest.approx(expected, rel=1e-3)
 
 
+@needs_cuda
+def test_the_kernels_of_an_attention_scope_are_attention():
+    def step(q, k):
+        with jax.named_scope("attention"):
+            return jax.nn.softmax(jnp.einsum("bqd,bkd->bqk", q, k), axis=-1)
+
+    spec = ((8 * 4, 1024, 128), jnp.bfloat16, P("data"))
+    schedule, timed = predicted(compiled(step, spec, spec))
+    assert {e.kind for e in schedule.events if isinstance(e, predict.Kernel)} == {"attention"}
+    assert timed.predicted_by_class["matmul"] == timed.predicted_by_class["memory"] == 0
+    assert timed.predicted_by_class["attention"] > 0
+
+
 # --- small scheduled texts, where a compile cannot show the case -----------------------
 
 ROW = "replica_groups=[1,8]<=[8], dimensions={0}"

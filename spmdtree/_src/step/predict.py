@@ -293,8 +293,9 @@ class Prediction:
 
     Attributes:
         matmul_seconds: matmul and convolution kernels.
-        attention_seconds: fused attention kernels (cuDNN's), and matmuls under
-            a name scope naming attention.
+        attention_seconds: fused attention kernels (cuDNN's), and the kernels
+            of a name scope naming attention (``jax.named_scope("attention")``:
+            a blocked attention's matmuls and softmax).
         memory_seconds: every other kernel (memory-bound fusions, copies,
             reductions).
         exposed_comm_seconds: the compute stream waiting for collectives
@@ -570,13 +571,19 @@ class _Reader:
             flops += f
             named |= bool(_ATTENTION.search(_op_name(dot)))
         target = _TARGET.search(ins.attrs)
-        if target and target.group(1).startswith("__cudnn$fmha"):
+        fused = bool(target and target.group(1).startswith("__cudnn$fmha"))
+        if fused or named or self._attention(ins):
             kind = "attention"
-        elif flops:
-            kind = "attention" if named or _ATTENTION.search(_op_name(ins)) else "matmul"
         else:
-            kind = "memory"
+            kind = "matmul" if flops else "memory"
         return Kernel(kind, flops, self._bytes(comp, ins), *shape, dtype if flops else "")
+
+    def _attention(self, ins: Instr) -> bool:
+        """Whether an instruction, or one it fuses, is named in an attention scope."""
+        if _ATTENTION.search(_op_name(ins)):
+            return True
+        inner = self.mod.comps.get(dict(ins.callees).get("calls", ""), [])
+        return ins.op == "kFusion" and any(_ATTENTION.search(_op_name(i)) for i in inner)
 
     def _dots(self, comp: str, ins: Instr) -> list[tuple[str, Instr]]:
         """The instructions with FLOPs an instruction runs: itself, or inside the
