@@ -496,7 +496,8 @@ def advice_table(advice: Any, *, width: int = 100) -> str:
     arrays are one line)."""
     rows = advice.rows
     devices = math.prod(rows[0].candidate.mesh.shape.values()) if rows else 0
-    header = ["#", "layout", "batch", "peak", "compute", "comm", "bound", "tokens/s", "from"]
+    header = ["#", "layout", "batch", "peak", "compute", "comm", "bound", "predicted"]
+    header += ["tokens/s", "from"]
     header.append("verdict")
     cells = []
     for rank, row in enumerate(rows, 1):
@@ -511,13 +512,14 @@ def advice_table(advice: Any, *, width: int = 100) -> str:
                 _seconds_text(None if t is None else t.compute_seconds),
                 _seconds_text(None if t is None else t.comm_seconds),
                 _seconds_text(None if t is None else t.bound_seconds),
+                _seconds_text(None if t is None else t.predicted_seconds),
                 "-" if row.tokens_per_second is None else f"{row.tokens_per_second:,.0f}",
                 "-" if step is None else COMPILERS.get(step.backend, step.backend),
                 row.verdict,
             ]
         )
     widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(header)]
-    right = {0, 2, 3, 4, 5, 6, 7}
+    right = {0, 2, 3, 4, 5, 6, 7, 8}
 
     def line(items: list[str]) -> str:
         return "  ".join(
@@ -543,7 +545,8 @@ def advice_table(advice: Any, *, width: int = 100) -> str:
                 flag, width, initial_indent="     ! ", subsequent_indent="       "
             )
     lines.append(
-        "times: a roofline bound (peak FLOPs, collectives at full link bandwidth, perfect "
-        "overlap), not a prediction"
+        "times: bound, a roofline (peak FLOPs, collectives at full link bandwidth, perfect "
+        "overlap); predicted, the compiled schedule walked with each kernel timed by a model "
+        "(from the CPU program on cpu est. rows), what rows rank by"
     )
     return "\n".join(lines)

@@ -503,7 +503,8 @@ def _verdict(step: StepPlan, budget: int, asks: Where | None) -> tuple[Verdict, 
 def rank(row: AdviceRow, index: int) -> tuple[int, float, int, float, str, int, int]:
     """A row's place, the one key for every row, whichever compiler's figures it
     has: its verdict (`Verdict`'s order; compiled over budget before rejected),
-    then, for those that fit, may fit or are tight, the bound per sequence (6
+    then, for those that fit, may fit or are tight, the predicted time per
+    sequence (`StepTime.predicted_seconds`; the bound where there is none) (6
     significant figures: equal throughput is equal), the smaller peak, the serial
     time, and last its position in the input (new in 0.5: 0.4 put the target's
     figures first, so a confirmed row that was slowest stayed first). Exact ties
@@ -518,9 +519,15 @@ def rank(row: AdviceRow, index: int) -> tuple[int, float, int, float, str, int, 
     # per sequence: at one batch, the bound's order; across batches, the step
     # time alone would always favour the smaller batch
     per = row.candidate.batch
-    bound = float(f"{row.time.bound_seconds / per:.6g}")
+    bound = float(f"{_seconds(row.time) / per:.6g}")
     serial = row.time.serial_seconds / per
     return (order, bound, row.step.peak_bytes, serial, *_tie(row, index))
+
+
+def _seconds(timed: StepTime) -> float:
+    """What a row ranks by: the predicted step time where there is one (a preset's
+    hardware: the compiled schedule walked), else the bound."""
+    return timed.bound_seconds if timed.predicted_seconds is None else timed.predicted_seconds
 
 
 def _tie(row: AdviceRow, index: int) -> tuple[str, int, int]:

@@ -26,6 +26,7 @@ from spmdtree._src.resolve import check_mesh
 from spmdtree._src.rules import AnyMesh, PyTree, Rules
 from spmdtree._src.step.hardware import PRESETS, Hardware, StepTime, _nodes_per_device, step_time
 from spmdtree._src.step.hlo import Collective
+from spmdtree._src.step.predict import Schedule
 from spmdtree._src.step.targets import (
     TARGETS,
     Analysis,
@@ -114,6 +115,7 @@ class StepPlan:
     overstated_bytes: int = 0
     target: str = ""
     devices_per_node: int | None = None
+    schedule: Schedule | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def peak_bytes(self) -> int:
@@ -171,7 +173,9 @@ class StepPlan:
             True
         """
         per_node = self.devices_per_node if devices_per_node is None else devices_per_node
-        return step_time(self.collectives, self.flops, self.mesh.shape, hardware, per_node)
+        return step_time(
+            self.collectives, self.flops, self.mesh.shape, hardware, per_node, self.schedule
+        )
 
     def __str__(self) -> str:
         return step_table(self)
@@ -409,4 +413,5 @@ def step_plan(traced: Traced, analysis: Analysis, where: Where) -> StepPlan:
         devices_per_node=None
         if where.placement is None or where.placement.target is None
         else where.placement.per_node,
+        schedule=analysis.schedule,
     )

@@ -33,6 +33,7 @@ from jax.sharding import Mesh
 
 from spmdtree._src.errors import Mistake
 from spmdtree._src.step.hlo import Reading, overstated_bytes, read_step
+from spmdtree._src.step.predict import Schedule, read_schedule
 from spmdtree._src.step.trace import Traced
 
 #: How long a compile subprocess may take before it is stopped.
@@ -294,15 +295,18 @@ class Analysis:
     overstated_bytes: int
     backend: str
     seconds: float = 0.0
+    schedule: Schedule | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The analysis as plain JSON values."""
-        return {**dataclasses.asdict(self), "reading": self.reading.to_json()}
+        schedule = self.schedule.to_json() if self.schedule else None
+        return {**dataclasses.asdict(self), "reading": self.reading.to_json(), "schedule": schedule}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Analysis:
         """The analysis `to_json` gave."""
-        return cls(**{**data, "reading": Reading.from_json(data["reading"])})
+        schedule = Schedule.from_json(data["schedule"]) if data.get("schedule") else None
+        return cls(**{**data, "reading": Reading.from_json(data["reading"]), "schedule": schedule})
 
 
 def analyse(
@@ -339,6 +343,7 @@ def analyse(
         reading=read,
         overstated_bytes=overstated_bytes(read.held_bytes, temp) if platform == "cpu" else 0,
         backend="gpu" if platform == "cuda" else platform,  # as jax.devices() names it
+        schedule=read_schedule(module, tuple(mesh.shape.items()), platform=platform),
     )
 
 
