@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
 import re
 from collections.abc import Iterator, Mapping, Sequence
@@ -160,7 +161,6 @@ _CALLEE = re.compile(
     r"=%?([\w.\-]+)"
 )
 _CALLEES = re.compile(r"\b(?:branch_computations|called_computations)=\{([^}]*)\}")
-_TRIPS = re.compile(r'"known_trip_count":\s*\{\s*"n":\s*"(\d+)"')
 _ARRAY = re.compile(r"\b(pred|[a-z]+\d+[a-z0-9]*)\[([\d,]*)\]")
 _INDEX = re.compile(r"\bindex=(\d+)")
 _IOTA = r"\[([\d,]+)\](?:<=\[([\d,]+)\])?(?:T\(([\d,]+)\))?"
@@ -217,6 +217,51 @@ def _callees(attrs: str) -> list[tuple[str, str]]:
     for group in _CALLEES.findall(attrs):
         found += [("branch", c.strip().lstrip("%")) for c in group.split(",") if c.strip()]
     return found
+
+
+#: Where an instruction's backend config begins in its text (its opening brace last).
+_CONFIG = "backend_config={"
+
+
+def backend_config(attrs: str) -> dict[str, Any]:
+    """An instruction's ``backend_config={...}``, the JSON object its attributes end
+    in, as a dict: {} where it has none or it is not JSON (jaxlib's instruction
+    gives it only in its text).
+
+    Example:
+        >>> backend_config('to_apply=%add, backend_config={"known_trip_count":{"n":"6"}}')
+        {'known_trip_count': {'n': '6'}}
+        >>> backend_config("to_apply=%add")
+        {}
+    """
+    start = attrs.find(_CONFIG)
+    if start < 0:
+        return {}
+    try:
+        found, _ = json.JSONDecoder().raw_decode(attrs, start + len(_CONFIG) - 1)
+    except json.JSONDecodeError:
+        return {}
+    return found if isinstance(found, dict) else {}
+
+
+def config_field(config: Any, key: str) -> Any:
+    """The first value under `key` in a backend config, nested objects and lists
+    searched depth first in the order they print; None where no object has it.
+
+    Example:
+        >>> config_field({"gemm": {"dims": {"lhs": ["1"]}}}, "lhs")
+        ['1']
+    """
+    if isinstance(config, dict):
+        if key in config:
+            return config[key]
+        config = list(config.values())
+    if isinstance(config, list):
+        for value in config:
+            found = config_field(value, key)
+            if found is not None:
+                return found
+    return None
 
 
 def _post_order(instructions: Sequence[Any]) -> list[Any]:
@@ -657,8 +702,14 @@ def _type_bytes(text: str) -> int:
 _LABELS = re.compile(r"\bdim_labels=(\w+)_(\w+)->(\w+)")
 _WINDOW = re.compile(r"\bwindow=\{([^}]*)\}")
 _TARGET = re.compile(r'custom_call_target="([^"]*)"')
-_GEMM_DIMS = re.compile(r'"lhs_contracting_dimensions":\s*\[([^\]]*)\]')
-_FMHA_SHAPE = re.compile(r'"intermediate_tensor_shape":\s*\{[^}]*?"dimensions":\s*\[([^\]]*)\]')
+
+
+def _integers(values: Any) -> list[int] | None:
+    """A backend config's list of integers (printed as strings: ``["1","2"]``) as
+    ints, or None where it is not one."""
+    if not isinstance(values, list) or not all(str(v).isdigit() for v in values):
+        return None
+    return [int(v) for v in values]
 
 
 def _numbers(text: str) -> list[int]:
@@ -741,9 +792,10 @@ def _custom_flops(mod: Module, comp: str, ins: Instr) -> int:
     name = target.group(1) if target else ""
     types = [mod.by_name[comp][o].type if o in mod.by_name[comp] else "" for o in ins.operands]
     result = "{}[{}]".format(*_ARRAY.findall(ins.type)[0]) if _ARRAY.search(ins.type) else ""
+    config = backend_config(ins.attrs)
     if "gemm" in name.lower() or "matmul" in name.lower():
-        dims = _GEMM_DIMS.search(ins.attrs)
-        return _dot_flops(result, types[0], _numbers(dims.group(1))) if dims and types else 0
+        dims = _integers(config_field(config, "lhs_contracting_dimensions"))
+        return _dot_flops(result, types[0], dims) if dims is not None and types else 0
     if name.startswith("__cudnn$conv") and len(types) >= 2:
         if "BackwardInput" in name:
             return _conv_flops(types[0], result, types[1], ins.attrs)
@@ -751,27 +803,27 @@ def _custom_flops(mod: Module, comp: str, ins: Instr) -> int:
             return _conv_flops(types[1], types[0], result, ins.attrs)
         return _conv_flops(result, types[0], types[1], ins.attrs)
     if name.startswith("__cudnn$fmha") and len(types) >= 3:
-        return _attention_flops(name, ins.attrs, types[0], types[2])
+        shape = config_field(config, "intermediate_tensor_shape")
+        scores = _integers(shape.get("dimensions") if isinstance(shape, dict) else None)
+        return _attention_flops(name, scores, types[0], types[2]) if scores is not None else 0
     return 0
 
 
-def _attention_flops(name: str, attrs: str, query: str, value: str) -> int:
+def _attention_flops(name: str, scores: Sequence[int], query: str, value: str) -> int:
     """cuDNN fused attention: scores (heads x queries x keys, each a dot of the head
     width) and their product with the values; its backward recomputes the scores and
     takes the four gradients' dots.
 
     Example:
-        >>> shape = '"intermediate_tensor_shape":{"dimensions":["1","4","512","512"]}'
-        >>> q = "bf16[1,512,4,64]"
-        >>> _attention_flops("__cudnn$fmhaSoftmax", shape, q, q) == 2 * 2 * 4 * 512 * 512 * 64
+        >>> scores, q = [1, 4, 512, 512], "bf16[1,512,4,64]"  # its intermediate tensor's
+        >>> _attention_flops("__cudnn$fmhaSoftmax", scores, q, q) == 2 * 2 * 4 * 512 * 512 * 64
         True
-        >>> _attention_flops("__cudnn$fmhaSoftmaxBackward", shape, q, q) // (4 * 512 * 512 * 64)
+        >>> _attention_flops("__cudnn$fmhaSoftmaxBackward", scores, q, q) // (4 * 512 * 512 * 64)
         10
     """
-    scores = _FMHA_SHAPE.search(attrs)
-    if scores is None or not _dims(query) or not _dims(value):
+    if not _dims(query) or not _dims(value):
         return 0
-    size = math.prod(_numbers(scores.group(1)))
+    size = math.prod(scores)
     qk, v = _dims(query)[-1], _dims(value)[-1]
     if "Backward" in name:
         return 2 * size * (3 * qk + 2 * v)
@@ -874,9 +926,10 @@ def trip_count(mod: Module, comp: str, ins: Instr) -> int | None:
     and GPU write it), else read from the loop as the TPU compiler leaves it: a
     condition comparing one element of the state with a constant, that element's
     start a constant in the loop's initial tuple, and the body adding a constant."""
-    known = _TRIPS.search(ins.attrs)
-    if known:
-        return int(known.group(1))
+    known = config_field(backend_config(ins.attrs), "known_trip_count")
+    trips = known.get("n") if isinstance(known, dict) else None
+    if isinstance(trips, str) and trips.isdigit():
+        return int(trips)
     callees = dict(ins.callees)
     test = _condition(mod, callees.get("condition", ""))
     init = mod.by_name[comp].get(ins.operands[0]) if ins.operands else None
