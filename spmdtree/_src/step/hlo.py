@@ -190,26 +190,41 @@ class Instr:
     callees: tuple[tuple[str, str], ...]
 
 
+# jaxlib's HloInstruction gives name, opcode, operands, users and to_string only (see
+# `hlo_api`): every field below is read from that text, each pattern saying which.
+# no result shape and no attribute list: where the opcode's operand list begins
 _TYPE_OP = re.compile(r"([\w\-]+)\(")
+# no called_computations: the computations an instruction names, with their roles
 _CALLEE = re.compile(
     r"\b(body|condition|to_apply|calls|select|scatter|comparator|true_computation|false_computation)"
     r"=%?([\w.\-]+)"
 )
+# no branch_computations: a conditional's (and a custom call's) lists of callees
 _CALLEES = re.compile(r"\b(?:branch_computations|called_computations)=\{([^}]*)\}")
+# no shape: the element types and dimensions of a result type's arrays
 _ARRAY = re.compile(r"\b(pred|[a-z]+\d+[a-z0-9]*)\[([\d,]*)\]")
+# no tuple_index: the element a get-tuple-element picks
 _INDEX = re.compile(r"\bindex=(\d+)")
+# no replica_groups (nor device_groups, nor their tile assignment), so each printed
+# form is read: an iota tile assignment ``[2,4]<=[8]T(1,0)`` (in the groups, in device_ids)
 _IOTA = r"\[([\d,]+)\](?:<=\[([\d,]+)\])?(?:T\(([\d,]+)\))?"
+# no replica_groups: the iota form
 _GROUPS_IOTA = re.compile(r"\b(?:replica_groups|device_groups)=" + _IOTA)
+# no replica_groups: the listed form ``{{0,1},{2,3}}``
 _GROUPS_LIST = re.compile(r"\b(?:replica_groups|device_groups)=\{((?:\{[\d,\s]*\}[,\s]*)*)\}")
+# no replica_groups: the mesh form ``mesh['a'=2,'b'=4], device_ids=(...) {'b'}``
 _GROUPS_MESH = re.compile(
     r"\b(?:replica_groups|device_groups)=mesh\[([^\]]*)\]"
     r"(?:,\s*device_ids=\((\[[\d,]+\](?:<=\[[\d,]+\])?(?:T\([\d,]+\))?|[\d,\s]*)\))?"
     r"\s*\{([^}]*)\}"
 )
+# no source_target_pairs: a collective-permute's pairs
 _PAIRS = re.compile(r"\bsource_target_pairs=\{((?:\{\d+,\d+\}[,\s]*)*)\}")
+# no replica_groups: the mesh form's axes and sizes ``'a'=2``
 _AXIS = re.compile(r"'([^']*)'=(\d+)")
 #: A multi-slice TPU job's transfer across slices: a host-transfer ``send`` for the
-#: megascale runtime, which says what collective it is part of.
+#: megascale runtime, which says what collective it is part of (jaxlib's instruction
+#: has no frontend_attributes: read from its text).
 _MEGASCALE = re.compile(r'_xla_megascale_transfer_type="(\w+)"')
 _MEGASCALE_KINDS = {
     "ALL_REDUCE": "all-reduce",
@@ -217,6 +232,7 @@ _MEGASCALE_KINDS = {
     "REDUCE_SCATTER": "reduce-scatter",
     "ALL_TO_ALL": "all-to-all",
 }
+# no replica_groups: the mesh form's axes grouped, sub-axes ``'x':(1)2`` too
 _REF = re.compile(r"'([^']*)'(?::\((\d+)\)(\d+))?")
 
 
@@ -595,7 +611,7 @@ def _mesh_groups(axes: str, ids: str | None, refs: str) -> list[list[int]]:
     names = [name for name, _ in _AXIS.findall(axes)]
     sizes = [int(size) for _, size in _AXIS.findall(axes)]
     if ids and "[" in ids:
-        iota = re.fullmatch(_IOTA, ids.strip())
+        iota = re.fullmatch(_IOTA, ids.strip())  # the device ids' iota form (no accessor)
         flat = _iota(*iota.groups()).reshape(-1) if iota else np.arange(math.prod(sizes))
     elif ids and ids.strip():
         flat = np.array([int(i) for i in ids.split(",")])
@@ -659,7 +675,7 @@ def replica_groups(attrs: str, devices: int) -> list[list[int]]:
     if listed and listed.group(1).strip():
         return [
             [int(i) for i in g.split(",") if i.strip()]
-            for g in re.findall(r"\{([^}]*)\}", listed.group(1))
+            for g in re.findall(r"\{([^}]*)\}", listed.group(1))  # each listed group
         ]
     return [list(range(devices))]
 
@@ -686,7 +702,7 @@ def permute_axes(attrs: str, shape: Sequence[tuple[str, int]]) -> tuple[str, ...
     """The mesh axes along which a collective-permute's sources and targets differ."""
     sizes = [size for _, size in shape]
     listed = _PAIRS.search(attrs)
-    pairs = re.findall(r"\{(\d+),(\d+)\}", listed.group(0)) if listed else []
+    pairs = re.findall(r"\{(\d+),(\d+)\}", listed.group(0)) if listed else []  # each pair
     varying: set[int] = set()
     for source, target in pairs:
         if max(int(source), int(target)) >= math.prod(sizes):
@@ -726,7 +742,7 @@ def _dims(type_: str) -> list[int]:
 
 def _bits(dtype: str) -> int:
     """The bits of an HLO element type: ``bf16`` 16, ``pred`` 8."""
-    found = re.search(r"\d+", dtype)
+    found = re.search(r"\d+", dtype)  # the type's name: no shape, so no element type, here
     return 8 if dtype == "pred" or found is None else int(found.group())
 
 
@@ -742,8 +758,11 @@ def _array_bytes(dtype: str, dims: Sequence[int]) -> int:
 
 # --- flops -----------------------------------------------------------------------------
 
+# no convolution_dimension_numbers: a convolution's dimension labels
 _LABELS = re.compile(r"\bdim_labels=(\w+)_(\w+)->(\w+)")
+# no window: a convolution's window
 _WINDOW = re.compile(r"\bwindow=\{([^}]*)\}")
+# no custom_call_target: the library function a custom call calls
 _TARGET = re.compile(r'custom_call_target="([^"]*)"')
 
 
@@ -757,7 +776,7 @@ def _integers(values: Any) -> list[int] | None:
 
 def _numbers(text: str) -> list[int]:
     """The integers in `text`: ``["1","2"]`` -> [1, 2]."""
-    return [int(d) for d in re.findall(r"\d+", text)]
+    return [int(d) for d in re.findall(r"\d+", text)]  # a printed list (no accessor gives it)
 
 
 def _window(attrs: str, rank: int) -> dict[str, list[int]]:
@@ -877,6 +896,7 @@ def _flops(mod: Module, comp: str, ins: Instr) -> int:
     """2 x result elements x contracted size of a dot, a convolution or a library call."""
     types = {o: mod.by_name[comp][o].type for o in ins.operands if o in mod.by_name[comp]}
     if ins.op == "kDot" and ins.operands:
+        # no dot_dimension_numbers: the contracting dimensions from the text
         found = re.search(r"\blhs_contracting_dims=\{([\d,]*)\}", ins.attrs)
         contracting = _numbers(found.group(1)) if found else []
         return _dot_flops(ins.type, types.get(ins.operands[0], ""), contracting)
@@ -890,6 +910,7 @@ def _flops(mod: Module, comp: str, ins: Instr) -> int:
 
 # --- loop trip counts ----------------------------------------------------------------
 
+# no comparison_direction: a compare's direction
 _DIRECTION = re.compile(r"\bdirection=(\w+)")
 _FLIPPED = {"LT": "GT", "LE": "GE", "GT": "LT", "GE": "LE", "NE": "NE", "EQ": "EQ"}
 #: A loop value resolved: ("const", n), ("index", k) (element k of the loop state),
@@ -904,7 +925,7 @@ def _value(mod: Module, comp: str, name: str, outer: tuple[tuple[str, Instr], ..
     if ins is None:
         return None
     if ins.op == "kConstant":
-        found = re.fullmatch(r"\s*(-?\d+)\s*", ins.args)
+        found = re.fullmatch(r"\s*(-?\d+)\s*", ins.args)  # no literal: the printed value
         return ("const", int(found.group(1))) if found else None
     if ins.op in ("kCopy", "kBitcast", "kConvert", "kReshape") and ins.operands:
         return _value(mod, comp, ins.operands[0], outer)
