@@ -74,6 +74,7 @@ from spmdtree._src.specs import validate_rules as validate_rules
 from spmdtree._src.step.advise import Advice as Advice
 from spmdtree._src.step.advise import AdviceRow as AdviceRow
 from spmdtree._src.step.advise import Candidate as Candidate
+from spmdtree._src.step.advise import Verdict as Verdict
 from spmdtree._src.step.advise import advise as advise
 from spmdtree._src.step.advise import layouts as layouts
 from spmdtree._src.step.hardware import Hardware as Hardware
@@ -122,6 +123,7 @@ __all__ = [
     "StepPlan",
     "StepTime",
     "UnshardedWarning",
+    "Verdict",
     "add_axis",
     "advise",
     "box",

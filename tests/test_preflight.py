@@ -435,7 +435,7 @@ def test_an_unsharded_input_or_constraint_is_a_flag_never_a_warning():
     assert [w for w in emitted if issubclass(w.category, st.UnshardedWarning)] == []
     assert (
         plan.flags[0]
-        == "0: dimension 0 (batch, size 12) left unsharded: its mesh axes do not divide it"
+        == "args[0]: dimension 0 (batch, size 12) left unsharded: its mesh axes do not divide it"
     )
     traced = [f for f in plan.flags if f.startswith("UnshardedWarning while tracing: ")]
     assert len(traced) == 1 and "x dimension 0 ('batch', size 12) over 'data' (size 8)" in traced[0]

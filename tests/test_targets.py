@@ -11,6 +11,7 @@ still run.
 
 import functools
 import importlib.util
+import itertools
 import math
 import re
 
@@ -334,38 +335,91 @@ def candidates():
     ]
 
 
-@pytest.mark.parametrize("preset", [needs("h100")])
-def test_advise_confirms_its_best_rows_with_the_target_compiler(preset):
-    advice = st.advise(
-        advise_step, candidates(), hardware=st.hardware(preset), progress=False, confirm=2
+@functools.cache
+def confirmed_advice(preset, budget=None):
+    """advise on the CPU estimate, then `confirm=2` on the target: one search shared."""
+    return st.advise(
+        advise_step,
+        candidates(),
+        hardware=st.hardware(preset),
+        budget_bytes=budget,
+        progress=False,
+        confirm=2,
+        screen="cpu",
     )
+
+
+def _ranked_by_one_key(advice):
+    """Every hopeful row in order of its bound per sequence, then its peak,
+    whichever compiler's figures it has (the test's own ordering of the rows)."""
+    hopeful = [r for r in advice.rows if r.verdict in ("fits", "tight", "may fit")]
+    keys = [
+        (r.verdict != "fits", r.verdict == "may fit", r.time.bound_seconds / r.candidate.batch)
+        for r in hopeful
+    ]
+    return all(
+        a[:2] < b[:2] or (a[:2] == b[:2] and a[2] <= b[2] * (1 + 1e-6))
+        for a, b in itertools.pairwise(keys)
+    )
+
+
+@pytest.mark.parametrize("preset", [needs("h100")])
+def test_advise_confirms_screened_rows_with_the_target_compiler(preset):
+    advice = confirmed_advice(preset)
     backends = [row.step.backend for row in advice.rows]
-    assert backends[:2] == ["gpu", "gpu"] and set(backends[2:]) == {"cpu"}
+    assert backends.count("gpu") == 2 and backends.count("cpu") == len(backends) - 2
+    assert advice.note.startswith(
+        "screened on the CPU estimate as asked (screen='cpu'); the rows over the budget on it "
+        "compiled for the target; 2 of 2 confirmed"
+    )
+    assert "2 of 2 confirmed: compiled for 8 x h100, 1 node of 8, XLA GPU compiler" in advice.note
+    shown = str(advice)
+    assert shown.count("XLA GPU") >= 3  # the note, and two rows
+    # one key for every row: a confirmed row is never first for being confirmed
+    assert _ranked_by_one_key(advice)
+
+
+@pytest.mark.parametrize("preset", [needs("h100")])
+def test_advise_screens_on_xla_gpu_where_it_is_installed(preset):
+    advice = st.advise(advise_step, candidates(), hardware=st.hardware(preset), progress=False)
+    assert {row.step.backend for row in advice.rows} == {"gpu"}
     assert (
         advice.note
-        == "2 of the best 2 confirmed: compiled for 8 x h100, 1 node of 8, XLA GPU compiler"
+        == "screened on the target: compiled for 8 x h100, 1 node of 8, XLA GPU compiler"
     )
-    shown = str(advice)
-    assert advice.note in shown and shown.count("XLA GPU") >= 3  # the note, and two rows
-    # ranked on the target's figures: the two confirmed rows by their own bounds
-    first, second = advice.rows[:2]
-    assert first.time.bound_seconds / first.candidate.batch <= (
-        second.time.bound_seconds / second.candidate.batch
+    # the same figures as preflight on the target gives for the best row
+    best = advice.best
+    fn, args, kwargs = advise_step(best.candidate)
+    direct = st.preflight(
+        fn, *args, mesh=best.candidate.mesh, rules=best.candidate.rules, target=preset, **kwargs
     )
+    assert best.step.peak_bytes == direct.peak_bytes and best.step.flops == direct.flops
+    assert _ranked_by_one_key(advice)
 
 
-def test_advise_says_a_missing_compiler_once_and_keeps_the_estimates(monkeypatch):
+def test_advise_with_confirm_and_no_compiler_is_an_error_at_the_call(monkeypatch):
     found = importlib.util.find_spec
     monkeypatch.setattr(
         importlib.util,
         "find_spec",
         lambda name, *a: None if name == "jax_plugins.xla_cuda12" else found(name, *a),
     )
-    advice = st.advise(
-        advise_step, candidates(), hardware=st.hardware("h100"), progress=False, confirm=2
-    )
-    assert "pip install 'spmdtree[cuda]'" in advice.note
+    called = []
+
+    def make_step(candidate):
+        called.append(candidate)
+        return advise_step(candidate)
+
+    for kwargs in ({"confirm": 2}, {"screen": "target"}):
+        with pytest.raises(ValueError, match=r"^advise: .*pip install 'spmdtree\[cuda\]'"):
+            st.advise(
+                make_step, candidates(), hardware=st.hardware("h100"), progress=False, **kwargs
+            )
+    assert called == []  # before any work
+    # without confirm: the CPU estimate, and the note says how to screen on the target, once
+    advice = st.advise(advise_step, candidates(), hardware=st.hardware("h100"), progress=False)
     assert {row.step.backend for row in advice.rows} == {"cpu"}
+    assert "pip install 'spmdtree[cuda]'" in advice.note
     assert str(advice).count("spmdtree[cuda]") == 1
 
 
@@ -449,27 +503,97 @@ def test_a_compiler_at_another_version_names_the_pip_command(monkeypatch):
 def test_advise_says_when_the_confirmed_rows_do_not_fit_on_the_target(preset):
     # measured: the CPU estimate's peaks are 0.2-0.8 MB here, XLA GPU's about 4.3 MB
     # (its cuBLAS workspace): a 2 MB budget fits every estimate and no target compile
+    advice = confirmed_advice(preset, 2_000_000)
+    confirmed = [row for row in advice.rows if row.step.backend == "gpu"]
+    assert len(confirmed) == 2 and all(row.verdict == "over budget" for row in confirmed)
+    assert "2 of them do not fit there (the CPU estimate was low)" in advice.note
+    # nothing confirmed fits, so every screened row that fits could still win: said
+    first = next(i for i, row in enumerate(advice.rows, 1) if row.step.backend == "cpu")
+    assert f"from row {first} on, the order is the CPU estimate's, unconfirmed" in advice.note
+
+
+@pytest.mark.parametrize("preset", [needs("h100")])
+def test_advise_says_when_nothing_is_left_to_confirm(preset):
     advice = st.advise(
         advise_step,
         candidates(),
         hardware=st.hardware(preset),
-        budget_bytes=2_000_000,
-        progress=False,
-        confirm=2,
-    )
-    confirmed = [row for row in advice.rows if row.step.backend == "gpu"]
-    assert len(confirmed) == 2 and all(row.verdict == "over budget" for row in confirmed)
-    assert "2 of them do not fit there (the CPU estimate was low)" in advice.note
-
-
-def test_advise_says_when_nothing_is_left_to_confirm():
-    advice = st.advise(
-        advise_step,
-        candidates(),
-        hardware=st.hardware("h100"),
         budget_bytes=1,
         progress=False,
         confirm=2,
+        screen="cpu",
     )
-    assert advice.best is None
-    assert advice.note.startswith(("nothing to confirm", "not confirmed"))
+    assert advice.best is None and advice.compiles == 0
+    assert "nothing to confirm: no row fits on the CPU estimate" in advice.note
+
+
+def unrolled_bf16_step(candidate):
+    """Four unrolled bf16 layers at a large batch: the CPU compiler widens their saved
+    activations to f32 (measured: peak 27.8 MB on the CPU estimate, 4.2 MB on libtpu
+    for a v5e at data 2 x fsdp 2, batch 4096)."""
+    w = [boxed((512, 512), ("embed", "mlp")) for _ in range(4)]
+    x = st.LogicallyPartitioned(
+        jax.ShapeDtypeStruct((candidate.batch, 512), jnp.bfloat16), ("batch", None)
+    )
+
+    def step(w, x):
+        def loss(w):
+            h = x.value
+            for layer in w:
+                h = jnp.tanh(h @ layer.value.astype(jnp.bfloat16))
+            return jnp.mean(h.astype(jnp.float32) ** 2)
+
+        grads = jax.grad(loss)(w)
+        return [st.replace_boxed(a, a.value - 0.1 * g.value) for a, g in zip(w, grads, strict=True)]
+
+    return step, (w, x), {"donate_argnums": 0}
+
+
+UNROLLED = [st.Candidate(m, ADVISE_RULES, 4096) for m in st.layouts(4, ("data", "fsdp"))]
+
+
+@pytest.mark.parametrize("preset", [needs("tpu-v5e")])
+def test_a_row_over_budget_on_the_cpu_estimate_is_asked_of_libtpu(preset):
+    budget = 10_000_000  # between libtpu's peaks and the CPU estimate's
+    advice = st.advise(
+        unrolled_bf16_step,
+        UNROLLED,
+        hardware=st.hardware(preset),
+        budget_bytes=budget,
+        progress=False,
+    )
+    assert advice.note.startswith(
+        "screened on the CPU estimate (libtpu costs far more per compile); the rows over the "
+        "budget on it compiled for the target"
+    )
+    asked = [row for row in advice.rows if row.step.backend == "tpu"]
+    assert asked, "no row was over the budget on the CPU estimate"
+    for row in asked:  # its verdict is libtpu's, and equals preflight's on the target
+        fn, args, kwargs = unrolled_bf16_step(row.candidate)
+        direct = st.preflight(
+            fn, *args, mesh=row.candidate.mesh, rules=ADVISE_RULES, target=preset, **kwargs
+        )
+        assert row.step.peak_bytes == direct.peak_bytes
+        peak = direct.peak_bytes
+        expected = "fits" if peak <= 0.95 * budget else "tight" if peak <= budget else "over budget"
+        assert row.verdict == expected
+    assert any(row.verdict == "fits" for row in asked)  # the estimate alone said over
+
+
+def test_without_the_target_a_row_over_budget_on_the_estimate_says_so(monkeypatch):
+    found = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "libtpu" else found(name, *a)
+    )
+    advice = st.advise(
+        unrolled_bf16_step,
+        UNROLLED[:1],
+        hardware=st.hardware("tpu-v5e"),
+        budget_bytes=10_000_000,
+        progress=False,
+    )
+    (row,) = advice.rows
+    assert row.step.backend == "cpu" and row.verdict == "over budget"
+    assert "on the CPU estimate, which ran 1.5-4.5x an accelerator's" in row.reason
+    assert row.reason.endswith("install its compiler")
+    assert "pip install 'spmdtree[tpu]'" in advice.note

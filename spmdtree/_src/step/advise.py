@@ -11,14 +11,17 @@ is a row with its message.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
+import enum
 import hashlib
 import math
 import os
 import sys
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, NamedTuple
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Literal, NamedTuple
 
 import jax
 import numpy as np
@@ -30,20 +33,54 @@ from spmdtree._src.rules import AnyMesh, Rules
 from spmdtree._src.step.hardware import Hardware, StepTime, _nodes_per_device
 from spmdtree._src.step.preflight import StepPlan, Where, placed, step_plan, where
 from spmdtree._src.step.targets import (
+    TARGETS,
     Analysis,
-    CompilerMissing,
     DoesNotFit,
     compile_child,
     compile_here,
 )
 from spmdtree._src.step.trace import Arguments, Traced, arguments, trace
-from spmdtree._src.text import LeftUnsharded, advice_table, entries_text, size_text
+from spmdtree._src.text import (
+    LeftUnsharded,
+    Located,
+    advice_table,
+    argument_path,
+    entries_text,
+    size_text,
+)
 
 #: A compile subprocess's analysis, to come.
 _Child = concurrent.futures.Future[Analysis]
 
-#: The verdicts, best first.
-VERDICTS = ("fits", "tight", "may fit", "over budget", "batch unsharded", "does not compile")
+
+class Verdict(enum.StrEnum):
+    """An `AdviceRow`'s verdict, best first: rows rank in this order (new in 0.5;
+    each compares equal to its string, as 0.4's verdicts were).
+
+    Example:
+        >>> import spmdtree as st
+        >>> st.Verdict.FITS == "fits", list(st.Verdict).index(st.Verdict.TIGHT)
+        (True, 1)
+    """
+
+    FITS = "fits"
+    TIGHT = "tight"
+    MAY_FIT = "may fit"
+    OVER_BUDGET = "over budget"
+    BATCH_UNSHARDED = "batch unsharded"
+    DOES_NOT_COMPILE = "does not compile"
+
+
+#: The verdicts' strings, best first (0.4's name for `Verdict`'s order).
+VERDICTS = tuple(v.value for v in Verdict)
+
+#: The verdicts of a row that fits, or may: the ones a confirmation can change.
+_HOPEFUL = (Verdict.FITS, Verdict.TIGHT, Verdict.MAY_FIT)
+
+#: How many times the CPU estimate's peak was measured above the accelerator's
+#: on models that unroll their layers (0.4, flax's lm1b and an equinox GPT):
+#: why its "over budget" is never final where the target can be asked.
+CPU_OVER = "1.5-4.5x"
 
 #: A step whose peak is within this share of the budget is "tight", not "fits":
 #: the budget is a device's whole memory by default, and an allocator loses
@@ -202,7 +239,14 @@ class Advice:
     @property
     def best(self) -> AdviceRow | None:
         """The first row that fits (a tight row is not one), else None."""
-        return next((row for row in self.rows if row.verdict == "fits"), None)
+        return next((row for row in self.rows if row.verdict == Verdict.FITS), None)
+
+    @property
+    def platform(self) -> str:
+        """The hardware's platform as `jax.devices()` names it (``"gpu"``,
+        ``"tpu"``), or ``""`` for hardware spmdtree knows no compiler of (new in 0.5)."""
+        target = TARGETS.get(self.hardware.name)
+        return "" if target is None else "gpu" if target.platform == "cuda" else target.platform
 
     def __str__(self) -> str:
         return advice_table(self)
@@ -337,13 +381,16 @@ class _Pending:
 
 @dataclasses.dataclass
 class _Search:
-    """What the rows are judged by, and the progress lines."""
+    """What the rows are judged by, and the progress lines. `asks` is where the
+    target's compiler can be asked (None: it cannot: no compiler installed, or
+    the hardware has none spmdtree knows)."""
 
     hardware: Hardware
     devices_per_node: int | None
     budget: int
     progress: bool
     candidates: list[Candidate]
+    asks: Where | None = None
     rows: dict[int, AdviceRow] = dataclasses.field(default_factory=dict)
     steps: dict[int, _Step] = dataclasses.field(default_factory=dict)
     compiles: int = 0
@@ -352,7 +399,7 @@ class _Search:
     def row(
         self,
         index: int,
-        verdict: str,
+        verdict: Verdict,
         reason: str,
         step: StepPlan | None = None,
         flags: tuple[str, ...] = (),
@@ -364,11 +411,12 @@ class _Search:
                 timed = step.time(self.hardware, devices_per_node=self.devices_per_node)
             except ValueError as e:  # the hardware lacks a link kind: said, not lost
                 reason = f"{reason}; not timed: {e}"
-        if timed is not None and verdict in ("fits", "tight"):
+        if timed is not None and verdict in (Verdict.FITS, Verdict.TIGHT):
             reason += "; " + _bound_by(timed)
         tokens = None
         if timed is not None and candidate.length is not None and timed.bound_seconds > 0:
             tokens = candidate.batch * candidate.length / timed.bound_seconds
+        flags = _batch_first(candidate, flags)
         self.rows[index] = AdviceRow(candidate, verdict, reason, step, timed, tokens, flags)
         if self.progress:
             print(_progress_line(self, self.rows[index]), file=sys.stderr, flush=True)
@@ -382,62 +430,101 @@ class _Search:
         batch axes do not divide its batch, or its arrays alone exceed the budget."""
         rejected = _rejected(self.candidates[index], planned, self.budget)
         if rejected is not None:
-            flags = tuple(f"{row.path}: {flag}" for row in planned.rows for flag in row.flags)
+            flags = tuple(
+                Located(argument_path(row.path), flag) for row in planned.rows for flag in row.flags
+            )
             self.row(index, *rejected, flags=flags)
         return rejected is not None
 
     def judge(self, index: int, step: StepPlan) -> None:
         """The verdict on a compiled step, from its peak against the budget."""
-        self.row(index, *_verdict(step, self.budget), step, step.flags)
+        self.row(index, *_verdict(step, self.budget, self.asks), step, step.flags)
+
+    def order(self) -> list[int]:
+        """The candidates' indices, best row first."""
+        return sorted(self.rows, key=lambda i: rank(self.rows[i], i))
 
     def ranked(self) -> tuple[AdviceRow, ...]:
-        return tuple(self.rows[i] for i in sorted(self.rows, key=lambda i: _rank(self.rows[i], i)))
+        return tuple(self.rows[i] for i in self.order())
+
+    def screened(self, index: int) -> bool:
+        """Whether a row's figures are the CPU estimate's."""
+        step = self.rows[index].step
+        return step is not None and step.backend == "cpu"
 
 
-def _rejected(candidate: Candidate, planned: Plan, budget: int) -> tuple[str, str] | None:
+def _batch_first(candidate: Candidate, flags: tuple[str, ...]) -> tuple[str, ...]:
+    """The flags with the batch's own (a dimension of the batch's size left
+    unsharded) first: the one that makes a layout no layout."""
+
+    def is_batch(flag: str) -> bool:
+        inner = flag.flag if isinstance(flag, Located) else flag
+        return isinstance(inner, LeftUnsharded) and inner.size == candidate.batch
+
+    return tuple(sorted(flags, key=lambda flag: not is_batch(flag)))
+
+
+def _rejected(candidate: Candidate, planned: Plan, budget: int) -> tuple[Verdict, str] | None:
     """The verdict and reason of a candidate its plan rules out, or None."""
     unsharded = _unsharded_batch(candidate, planned)
     if unsharded is not None:
-        return "batch unsharded", f"{unsharded}; not compiled"
+        return Verdict.BATCH_UNSHARDED, f"{unsharded}; not compiled"
     if planned.device_bytes > budget:
         arrays, said = size_text(planned.device_bytes), size_text(budget)
-        return "over budget", f"arrays alone {arrays} > {said}, not compiled"
+        return Verdict.OVER_BUDGET, f"arrays alone {arrays} > {said}, not compiled"
     return None
 
 
-def _verdict(step: StepPlan, budget: int) -> tuple[str, str]:
-    """A compiled step's verdict and its reason: its peak against the budget."""
+def _verdict(step: StepPlan, budget: int, asks: Where | None) -> tuple[Verdict, str]:
+    """A compiled step's verdict and its reason: its peak against the budget. Over
+    it on the CPU estimate, where the target cannot be asked, the row says the
+    estimate runs high."""
     peak, said = size_text(step.peak_bytes), size_text(budget)
     if step.peak_bytes <= budget * (1 - TIGHT_MARGIN):
-        return "fits", f"peak {peak} of {said} budget"
+        return Verdict.FITS, f"peak {peak} of {said} budget"
     if step.peak_bytes <= budget:
-        return "tight", f"peak {peak} of {said} budget, within {TIGHT_MARGIN:.0%} of it"
+        return Verdict.TIGHT, f"peak {peak} of {said} budget, within {TIGHT_MARGIN:.0%} of it"
+    if step.backend != "cpu":
+        return Verdict.OVER_BUDGET, f"peak {peak} > {said} budget"
+    high = (
+        f"the CPU estimate, which ran {CPU_OVER} an accelerator's on models that unroll their "
+        "layers (docs/planning.md)"
+    )
+    ask = "asked of the target's compiler next" if asks is not None else "install its compiler"
     if step.peak_bytes - step.overstated_bytes <= budget:
         over = size_text(step.overstated_bytes)
-        return "may fit", (
-            f"peak {peak} > {said} budget on the CPU estimate, {over} of it whole reductions "
-            "an accelerator holds as shards: confirm it on the target (confirm=)"
+        return Verdict.MAY_FIT, (
+            f"peak {peak} > {said} budget on {high}, {over} of it whole reductions an "
+            f"accelerator holds as shards: {ask}"
         )
-    return "over budget", f"peak {peak} > {said} budget"
+    return Verdict.OVER_BUDGET, f"peak {peak} > {said} budget on {high}: {ask}"
 
 
-def _rank(row: AdviceRow, index: int) -> tuple[int, int, float, int, float, int]:
-    """A row's place: its verdict (compiled over budget before rejected), then, for
-    those that fit, may fit or are tight, the target compiler's figures before
-    the CPU estimate's, the bound per sequence (6 significant figures: equal
-    throughput is equal), the smaller peak, the serial time."""
-    verdict = VERDICTS.index(row.verdict)
-    order = 2 * verdict + (row.verdict == "over budget" and row.step is None)
-    if verdict > VERDICTS.index("may fit") or row.step is None:
-        return (order, 0, 0.0, 0, 0.0, index)
-    estimate = int(row.step.backend == "cpu")
+def rank(row: AdviceRow, index: int) -> tuple[int, float, int, float, str, int, int]:
+    """A row's place, the one key for every row, whichever compiler's figures it
+    has: its verdict (`Verdict`'s order; compiled over budget before rejected),
+    then, for those that fit, may fit or are tight, the bound per sequence (6
+    significant figures: equal throughput is equal), the smaller peak, the serial
+    time, and last its position in the input (new in 0.5: 0.4 put the target's
+    figures first, so a confirmed row that was slowest stayed first). Exact ties
+    go by the layout's label and batch, so no order of the candidates changes
+    which rows win; only rows equal in all of it keep the input's order."""
+    verdict = list(Verdict).index(Verdict(row.verdict))
+    order = 2 * verdict + (row.verdict == Verdict.OVER_BUDGET and row.step is None)
+    if row.verdict not in _HOPEFUL or row.step is None:
+        return (order, 0.0, 0, 0.0, *_tie(row, index))
     if row.time is None:  # compiled but not timed: after the timed ones
-        return (order, estimate, math.inf, row.step.peak_bytes, math.inf, index)
+        return (order, math.inf, row.step.peak_bytes, math.inf, *_tie(row, index))
     # per sequence: at one batch, the bound's order; across batches, the step
     # time alone would always favour the smaller batch
     per = row.candidate.batch
     bound = float(f"{row.time.bound_seconds / per:.6g}")
-    return (order, estimate, bound, row.step.peak_bytes, row.time.serial_seconds / per, index)
+    serial = row.time.serial_seconds / per
+    return (order, bound, row.step.peak_bytes, serial, *_tie(row, index))
+
+
+def _tie(row: AdviceRow, index: int) -> tuple[str, int, int]:
+    return (label_of(row.candidate), row.candidate.batch, index)
 
 
 def _unsharded_batch(candidate: Candidate, planned: Plan) -> str | None:
@@ -456,7 +543,7 @@ def _unsharded_batch(candidate: Candidate, planned: Plan) -> str | None:
                 )
                 return (
                     f"batch {candidate.batch} is not divided by its batch axes {tried}: every "
-                    f"device would compute the whole batch (the array at {row.path}, dimension "
+                    f"device would compute the whole batch (the array at {argument_path(row.path)}, dimension "
                     f"{flag.dimension})"
                 )
     return None
@@ -490,15 +577,21 @@ def _duration(seconds: float) -> str:
     return f"{whole // 3600} h {whole % 3600 // 60} min"
 
 
-def _start_line(candidates: list[Candidate], jobs: int, confirm: int) -> str:
+def _start_line(
+    candidates: list[Candidate], jobs: int, confirm: int, first: Where | None, asks: bool
+) -> str:
     """The first progress line: what the search will do."""
     n, most = len(candidates), len(candidates) + confirm
     devices = math.prod(candidates[0].mesh.shape.values())
-    again = f", then the best {confirm} for the target" if confirm else ""
+    again = f", then up to {confirm} for the target" if confirm else ""
+    on = "the CPU estimate" if first is None else str(first)
+    over = (
+        ", the target's compiler for rows over the budget on it" if first is None and asks else ""
+    )
     return (
         f"advise: {n} candidate{'' if n == 1 else 's'} on {devices} devices, at most {most} "
         f"compile{'' if most == 1 else 's'} (each distinct step once{again}), {jobs} "
-        f"job{'' if jobs == 1 else 's'} at once"
+        f"job{'' if jobs == 1 else 's'} at once; screened on {on}{over}"
     )
 
 
@@ -525,15 +618,16 @@ _KWARGS = ("params", "donate_argnums", "static_argnums", "out_shardings")
 
 
 def _first_pass(
-    search: _Search, index: int, make_step: Callable[[Candidate], Any]
+    search: _Search, index: int, make_step: Callable[[Candidate], Any], screen: Where | None
 ) -> _Pending | None:
-    """Plans the candidate, and traces and exports its step (or compiles it here, on a
-    mesh this process has the devices for): a pending compile, or None (a row)."""
+    """Plans the candidate, and traces and exports its step for `screen` (None: the
+    CPU estimate; or compiles it here, on a mesh this process has the devices
+    for): a pending compile, or None (a row)."""
     candidate = search.candidates[index]
     try:
         returned = make_step(candidate)
     except Exception as e:
-        search.row(index, "does not compile", f"make_step raised {_message(e)}")
+        search.row(index, Verdict.DOES_NOT_COMPILE, f"make_step raised {_message(e)}")
         return None
     fn, args, kwargs = _step_call(returned)
     mesh = _abstract(candidate)
@@ -549,15 +643,21 @@ def _first_pass(
         if search.reject(index, planned.plan):
             return None
         search.steps[index] = _Step(fn, planned, kwargs.get("out_shardings"))
-        at, here = where(mesh, None, None)
+        at, here = (screen, None) if screen is not None else where(mesh, None, None)
         traced = trace(
-            fn, planned, mesh, candidate.rules, out_shardings=kwargs.get("out_shardings"), here=here
+            fn,
+            planned,
+            mesh,
+            candidate.rules,
+            out_shardings=kwargs.get("out_shardings"),
+            here=here,
+            platform=at.platform,
         )
         if here is None:
             return _Pending(index, traced, at)
         step = step_plan(traced, compile_here(traced), at)
     except Exception as e:
-        search.row(index, "does not compile", _message(e))
+        search.row(index, Verdict.DOES_NOT_COMPILE, _message(e))
         return None
     search.compiles += 1
     search.judge(index, step)
@@ -605,13 +705,13 @@ def _second_pass(search: _Search, pending: _Pending, child: _Child) -> None:
     try:
         step = step_plan(pending.traced, child.result(), pending.where)
     except DoesNotFit as mistake:  # the target's compiler: too big for one chip
-        search.row(index, "over budget", str(mistake.error("preflight")))
+        search.row(index, Verdict.OVER_BUDGET, str(mistake.error("preflight")))
         return
     except Exception as e:
         if pending.confirming:
             search.flag(index, f"not confirmed by {pending.where}: {_message(e)}")
         else:
-            search.row(index, "does not compile", _message(e))
+            search.row(index, Verdict.DOES_NOT_COMPILE, _message(e))
         return
     search.judge(index, step)
 
@@ -667,47 +767,146 @@ def _confirmed(search: _Search, index: int, target: Where) -> _Pending | None:
     return _Pending(index, traced, target, confirming=True)
 
 
-def _confirm(
-    search: _Search, target: Where | str, confirm: int, pool: concurrent.futures.ThreadPoolExecutor
-) -> str:
-    """Compiles the best `confirm` screened rows for the hardware's target and judges
-    them again on its figures; what the header says of it (`target` a sentence:
-    why none can be)."""
-    if not confirm or isinstance(target, str):
-        return target if isinstance(target, str) else ""
-    best = [
+def _ask(
+    search: _Search, indices: Sequence[int], pool: concurrent.futures.ThreadPoolExecutor
+) -> None:
+    """Compiles the rows at `indices` again for the target and judges them on its
+    figures (a row that does not trace or compile so keeps its screened figures,
+    flagged)."""
+    if search.asks is not None and indices:
+        _run(search, [_confirmed(search, i, search.asks) for i in indices], pool)
+
+
+def _over_on_the_estimate(search: _Search) -> list[int]:
+    """The screened rows over the budget on the CPU estimate alone: the target's
+    compiler decides them where it can be asked."""
+    if search.asks is None:
+        return []
+    over = (Verdict.MAY_FIT, Verdict.OVER_BUDGET)
+    return [i for i in search.order() if search.screened(i) and search.rows[i].verdict in over]
+
+
+def _contenders(search: _Search, tried: set[int]) -> list[int]:
+    """The screened rows that fit (or may) on the CPU estimate and rank above the
+    best row the target's figures fit: the ones that could still beat it."""
+    order = search.order()
+    confirmed = [
         i
-        for i in sorted(search.rows, key=lambda i: _rank(search.rows[i], i))
-        if search.rows[i].step is not None
-        and search.rows[i].verdict in ("fits", "tight", "may fit")
-    ][:confirm]
-    if not best:
-        return f"nothing to confirm: no row fits on the CPU estimate (target: {target})"
-    _run(search, [_confirmed(search, index, target) for index in best], pool)
-    rows = [search.rows[i] for i in best]
-    done = [row for row in rows if row.step is not None and row.step.backend != "cpu"]
-    fit = sum(1 for row in done if row.verdict in ("fits", "tight"))
-    said = f"{len(done)} of the best {len(best)} confirmed: compiled for {target}"
+        for i in order
+        if not search.screened(i)
+        and search.rows[i].step is not None
+        and search.rows[i].verdict in (Verdict.FITS, Verdict.TIGHT)
+    ]
+    above = order.index(confirmed[0]) if confirmed else len(order)
+    return [
+        i
+        for i in order[:above]
+        if search.screened(i) and search.rows[i].verdict in _HOPEFUL and i not in tried
+    ]
+
+
+def _confirm(
+    search: _Search, confirm: int, pool: concurrent.futures.ThreadPoolExecutor, jobs: int
+) -> str:
+    """Compiles screened rows for the target, best first, while one could still beat
+    the best the target fits, up to `confirm` of them; what the note says of it."""
+    if not confirm or search.asks is None:
+        return ""
+    tried: set[int] = set()
+    while len(tried) < confirm:
+        batch = _contenders(search, tried)[: min(confirm - len(tried), jobs)]
+        if not batch:
+            break
+        tried.update(batch)
+        _ask(search, batch, pool)
+    if not tried:
+        return f"nothing to confirm: no row fits on the CPU estimate (target: {search.asks})"
+    done = [i for i in tried if not search.screened(i)]
+    fit = sum(1 for i in done if search.rows[i].verdict in (Verdict.FITS, Verdict.TIGHT))
+    said = f"{len(done)} of {len(tried)} confirmed: compiled for {search.asks}"
     if len(done) > fit:  # the estimate was low for these: the user must see it first
+        said += f"; {len(done) - fit} of them do not fit there (the CPU estimate was low)"
+    left = _contenders(search, tried)
+    if left:
+        first = search.order().index(left[0]) + 1
         said += (
-            f"; {len(done) - fit} of them do not fit there (the CPU estimate was low): "
-            "raise confirm= to compile more"
+            f"; from row {first} on, the order is the CPU estimate's, unconfirmed: "
+            f"{len(left)} row{'' if len(left) == 1 else 's'} there could still beat the "
+            "best confirmed one (raise confirm= to compile more)"
         )
+    else:
+        said += "; no row on the CPU estimate could beat the best confirmed one"
     return said
 
 
-def _confirm_target(
-    hardware: Hardware, candidates: list[Candidate], devices_per_node: int | None, confirm: int
-) -> Where | str:
-    """Where `confirm` compiles: the hardware's target for the candidates' devices,
-    checked at the call; a sentence instead where its compiler is not installed."""
-    if not confirm:
-        return ""
+def _where_asked(
+    hardware: Hardware, candidates: list[Candidate], devices_per_node: int | None, needed: bool
+) -> tuple[Where | None, str]:
+    """Where the hardware's target compiles the candidates' devices, or None and why
+    not (its compiler is not installed, or spmdtree knows none for the hardware);
+    where it is `needed` (``confirm`` > 0, ``screen="target"``), it raises instead,
+    naming the pip command, before any work."""
     devices = math.prod(candidates[0].mesh.shape.values())
+    if needed:
+        return placed(hardware, devices, devices_per_node), ""
+    if hardware.name not in TARGETS:
+        presets = ", ".join(map(repr, TARGETS))
+        return None, f"spmdtree knows no compiler for the {hardware.name} (the presets': {presets})"
     try:
-        return placed(hardware, devices, devices_per_node)
-    except CompilerMissing as missing:
-        return f"not confirmed: {missing.message}"
+        return placed(hardware, devices, devices_per_node), ""
+    except Mistake as mistake:
+        return None, mistake.message
+
+
+#: Where each screen compiles: the target's compiler where it costs about what the
+#: CPU's does (XLA GPU: measured 1.1-1.3x a CPU compile), the CPU estimate where
+#: the target's costs far more (libtpu: 7-10x).
+Screen = Literal["auto", "cpu", "target"]
+
+
+def _screen(asks: Where | None, screen: Screen) -> Where | None:
+    """Where the first pass compiles (None: the CPU estimate)."""
+    if screen == "cpu" or asks is None:
+        return None
+    if screen == "target" or asks.platform == "cuda":
+        return asks
+    return None
+
+
+def _screen_note(asks: Where | None, screened: Where | None, why: str, screen: Screen) -> str:
+    """What the note says of the first pass: where it compiled, and why there."""
+    if screened is not None:
+        return f"screened on the target: compiled for {screened}"
+    if asks is None:
+        return f"screened on the CPU estimate, the target's compiler not asked: {why}"
+    target = asks.placement.target if asks.placement is not None else None
+    compiler = "the target's compiler" if target is None else target.compiler
+    why = (
+        "as asked (screen='cpu')" if screen == "cpu" else f"({compiler} costs far more per compile)"
+    )
+    return (
+        f"screened on the CPU estimate {why}; the rows over the budget on it compiled for "
+        "the target"
+    )
+
+
+@contextlib.contextmanager
+def _warned_once() -> Iterator[None]:
+    """Each warning of the call once: those raised per candidate (the same line of
+    the user's make_step, or of spmdtree, for each layout) are shown once, with
+    how many candidates raised them."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield
+    seen: dict[tuple[Any, str, int], list[warnings.WarningMessage]] = {}
+    for w in caught:
+        seen.setdefault((w.category, w.filename, w.lineno), []).append(w)
+    for same in seen.values():
+        first = same[0]
+        more = f" (and {len(same) - 1} more like it in this advise call)" if len(same) > 1 else ""
+        warnings.warn_explicit(
+            f"{first.message}{more}", first.category, first.filename, first.lineno
+        )
 
 
 @public
@@ -721,6 +920,7 @@ def advise(
     jobs: int | None = None,
     progress: bool = True,
     confirm: int = 0,
+    screen: Screen = "auto",
 ) -> Advice:
     """Preflights every candidate layout and ranks them by a roofline of each step.
 
@@ -732,9 +932,19 @@ def advise(
     batch's names: a dimension of the arguments of the candidate's batch
     size that its mesh axes (a rule's, or a box's own) do not divide, left
     unsharded; a name such as "batch" need not be resolved, and a batch on
-    mesh axes directly is caught alike. The others are traced here, one after the other, and compiled in
-    parallel subprocesses (at most `jobs` at once; each distinct step once),
-    then timed with `StepPlan.time`. A candidate whose `make_step` or step
+    mesh axes directly is caught alike. The others are traced here, one after
+    the other, and compiled in parallel subprocesses (at most `jobs` at once;
+    each distinct step once), then timed with `StepPlan.time`.
+
+    Where they compile (new in 0.5): on GPU hardware with XLA GPU installed,
+    on the target's own compiler (it costs about what a CPU compile does);
+    else on the CPU estimate, which runs high on models that unroll their
+    layers (1.5-4.5x an accelerator's peak, measured), so where the target's
+    compiler is installed (libtpu, far dearer per compile) a row over the
+    budget on the estimate is compiled for the target before it is called
+    over. Every row ranks by one key, whichever compiler its figures are
+    from (`rank`). A warning raised for each candidate (the same line of
+    `make_step` each time) is shown once. A candidate whose `make_step` or step
     fails is a row with the message, never an exception; a `make_step` that
     does not return ``(fn, args, kwargs)`` at all is the caller's mistake,
     raised. A first line on
@@ -762,10 +972,16 @@ def advise(
         jobs: how many compiles run at once; None: the CPU count, fewer where
             memory is short (a compile takes ~0.7 GB).
         progress: print the progress lines to stderr.
-        confirm: compile the best `confirm` rows that fit (or may) again with the
-            hardware's own compiler (`preflight`'s ``target=``) and rank them on
-            its figures, ahead of the CPU estimates (new in 0.4). A missing
-            compiler is said once, in `Advice.note`.
+        confirm: compile up to `confirm` rows screened on the CPU estimate
+            again with the hardware's own compiler (`preflight`'s
+            ``target=``), best first, while one of them could still beat the
+            best row the target fits (new in 0.4; 0.5: one ranking for all
+            rows, and `Advice.note` says from which row the order is the
+            estimate's). Needs the target's compiler: missing, it is an error
+            at the call.
+        screen: where every candidate compiles first (new in 0.5): ``"auto"``
+            (the target's compiler on GPU hardware where it is installed, else
+            the CPU estimate), ``"cpu"`` or ``"target"``.
 
     Returns:
         The `Advice`, ranked.
@@ -774,9 +990,10 @@ def advise(
         TypeError: for a `budget_bytes` that is not an int (such as 1.5e9), or
             a `make_step` that does not return ``(fn, args, kwargs)``.
         ValueError: for no candidates, candidates over different device
-            counts, a `budget_bytes` <= 0, bad `jobs` or `devices_per_node`
-            (all before any `make_step` runs), or kwargs that name the mesh
-            or rules.
+            counts, a `budget_bytes` <= 0, bad `jobs`, `devices_per_node` or
+            `screen`, ``confirm`` > 0 or ``screen="target"`` where the target's
+            compiler is not installed (naming the pip command) (all before any
+            `make_step` runs), or kwargs that name the mesh or rules.
 
     Example:
         >>> import jax, jax.numpy as jnp, spmdtree as st
@@ -803,15 +1020,30 @@ def advise(
             f"confirm is {confirm!r}; expected an int >= 0: how many of the best rows to "
             "compile again for the hardware's target (0: none).",
         )
+    if screen not in ("auto", "cpu", "target"):
+        raise Mistake(
+            ValueError,
+            f"screen is {screen!r}; expected 'auto' (the target's compiler where it is about "
+            "as cheap as the CPU's: XLA GPU), 'cpu' (the CPU estimate) or 'target'.",
+        )
     budget = _budget(budget_bytes, hardware)
     workers = jobs or default_jobs()
-    search = _Search(hardware, devices_per_node, budget, progress, candidates)
+    needed = confirm > 0 or screen == "target"
+    asks, why = _where_asked(hardware, candidates, devices_per_node, needed)
+    first = _screen(asks, screen)
+    search = _Search(hardware, devices_per_node, budget, progress, candidates, asks)
     if progress:
-        print(_start_line(candidates, workers, confirm), file=sys.stderr, flush=True)
-    target = _confirm_target(hardware, candidates, devices_per_node, confirm)
-    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-        _run(search, (_first_pass(search, i, make_step) for i in range(len(candidates))), pool)
-        note = _confirm(search, target, confirm, pool)
+        print(
+            _start_line(candidates, workers, confirm, first, asks is not None),
+            file=sys.stderr,
+            flush=True,
+        )
+    with _warned_once(), concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        pendings = (_first_pass(search, i, make_step, first) for i in range(len(candidates)))
+        _run(search, pendings, pool)
+        _ask(search, _over_on_the_estimate(search), pool)
+        said = [_screen_note(asks, first, why, screen), _confirm(search, confirm, pool, workers)]
+    note = "; ".join(part for part in said if part)
     return Advice(search.ranked(), search.compiles, hardware, budget, note=note)
 
 

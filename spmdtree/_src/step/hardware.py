@@ -19,6 +19,7 @@ from typing import Any, Protocol, TypeVar
 import numpy as np
 
 from spmdtree._src.errors import Mistake, public
+from spmdtree._src.step.predict import COSTS, Schedule, predict
 
 #: The link kinds, fastest first: within a node or slice, then across.
 LINKS = ("ici", "dcn")
@@ -220,10 +221,14 @@ def hardware(name: str) -> Hardware:
 
 @dataclasses.dataclass(frozen=True)
 class StepTime:
-    """A roofline bound on one step: its compute and its collectives, in seconds.
+    """A roofline bound on one step, its compute and its collectives, in seconds;
+    and, where the compiled schedule was walked, a predicted time (new in 0.5).
 
-    Not a prediction: `bound_seconds` assumes peak FLOPs and collectives that
-    overlap compute perfectly, each at its links' full bandwidth.
+    `bound_seconds` is not a prediction: it assumes peak FLOPs and collectives
+    that overlap compute perfectly, each at its links' full bandwidth.
+    `predicted_seconds` walks the compiled module's schedule, each kernel timed
+    by a model and an async collective overlapping only the compute scheduled
+    between its start and its done (docs/planning.md, "Predicted step time").
 
     Attributes:
         compute_seconds: the step's FLOPs per device at the peak.
@@ -231,16 +236,25 @@ class StepTime:
         flops_per_second: the peak the FLOPs were timed at (the hardware's;
             `StepPlan.time` sets it), which `mfu` needs for model FLOPs; None
             if unknown (new in 0.4).
+        predicted_seconds: the predicted step time; None where no schedule was
+            walked (new in 0.5).
+        exposed_comm_seconds: the part of it spent waiting for collectives;
+            None likewise (new in 0.5).
+        predicted_by_class: the predicted time split by class: ``matmul``,
+            ``attention``, ``memory`` (memory-bound kernels), ``collectives``
+            (exposed) and ``launch`` (kernel launches), summing to
+            `predicted_seconds`; a read-only dict, or None likewise (new in 0.5).
 
     Raises:
-        ValueError: for a `flops_per_second` <= 0.
-        TypeError: for a `comm_by_axes` that is not a mapping.
+        ValueError: for a `flops_per_second` <= 0, or a prediction < 0.
+        TypeError: for a `comm_by_axes` or `predicted_by_class` that is not a
+            mapping.
 
     Example:
         >>> import spmdtree as st
         >>> t = st.StepTime(compute_seconds=0.5, comm_by_axes={("fsdp",): 0.25, ("tensor",): 0.5})
-        >>> t.comm_seconds, t.bound_seconds, t.serial_seconds
-        (0.75, 0.75, 1.25)
+        >>> t.comm_seconds, t.bound_seconds, t.serial_seconds, t.predicted_seconds
+        (0.75, 0.75, 1.25, None)
         >>> t.mfu(1.0)  # a real step of 1 s used half the peak
         0.5
     """
@@ -248,6 +262,9 @@ class StepTime:
     compute_seconds: float
     comm_by_axes: Mapping[tuple[str, ...], float] = dataclasses.field(hash=False)
     flops_per_second: float | None = None
+    predicted_seconds: float | None = None
+    exposed_comm_seconds: float | None = None
+    predicted_by_class: Mapping[str, float] | None = dataclasses.field(default=None, hash=False)
 
     @functools.partial(public, name="StepTime")
     def __post_init__(self) -> None:
@@ -260,6 +277,18 @@ class StepTime:
         if self.flops_per_second is not None:
             _positive(self.flops_per_second, "flops_per_second")
         object.__setattr__(self, "comm_by_axes", Frozen(self.comm_by_axes))
+        for what in ("predicted_seconds", "exposed_comm_seconds"):
+            value = getattr(self, what)
+            if value is not None and value != 0:
+                _positive(value, what)
+        if self.predicted_by_class is not None:
+            if not isinstance(self.predicted_by_class, Mapping):
+                raise Mistake(
+                    TypeError,
+                    f"predicted_by_class is {self.predicted_by_class!r}; expected a mapping "
+                    "of class names to seconds, e.g. {'matmul': 0.5, 'memory': 0.1}.",
+                )
+            object.__setattr__(self, "predicted_by_class", Frozen(self.predicted_by_class))
 
     @property
     def comm_seconds(self) -> float:
@@ -400,9 +429,12 @@ def step_time(
     shape: Mapping[str, int],
     hw: Hardware,
     devices_per_node: int | None = None,
+    schedule: Schedule | None = None,
 ) -> StepTime:
     """The `StepTime` of a step with these FLOPs per device and collectives on a
-    mesh of this shape (axis name -> size), on `hw`."""
+    mesh of this shape (axis name -> size), on `hw`; with the compiled module's
+    `schedule` (`predict.read_schedule`) and a preset's cost model
+    (`predict.COSTS`, by `hw.name`), its predicted time too (new in 0.5)."""
     if not isinstance(hw, Hardware):
         raise Mistake(
             TypeError, f"hardware is {hw!r}; expected a st.Hardware (st.hardware('h100'))."
@@ -414,4 +446,16 @@ def step_time(
     for row in collectives:
         seconds = collective_seconds(row, shape, hw, per_node)
         by_axes[tuple(row.axes)] = by_axes.get(tuple(row.axes), 0.0) + seconds
-    return StepTime(flops / hw.flops_per_second, by_axes, hw.flops_per_second)
+    costs = COSTS.get(hw.name)
+    if schedule is None or costs is None:
+        return StepTime(flops / hw.flops_per_second, by_axes, hw.flops_per_second)
+    timed = functools.cache(lambda row: collective_seconds(row, shape, hw, per_node))
+    said = predict(schedule, costs, hw.flops_per_second, timed)
+    return StepTime(
+        flops / hw.flops_per_second,
+        by_axes,
+        hw.flops_per_second,
+        predicted_seconds=said.seconds,
+        exposed_comm_seconds=said.exposed_comm_seconds,
+        predicted_by_class=said.by_class,
+    )

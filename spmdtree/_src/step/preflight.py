@@ -37,7 +37,7 @@ from spmdtree._src.step.targets import (
     place,
 )
 from spmdtree._src.step.trace import Traced, arguments, here_mesh, trace
-from spmdtree._src.text import step_table
+from spmdtree._src.text import Located, argument_path, step_table
 
 
 @dataclasses.dataclass(frozen=True)
@@ -387,7 +387,9 @@ def step_plan(traced: Traced, analysis: Analysis, where: Where) -> StepPlan:
     """The last stage: the `StepPlan` of an analysis; its flags: the inputs' first,
     then the step's, then the warnings tracing raised."""
     inputs = traced.arguments.plan
-    flags = [f"{row.path}: {flag}" for row in inputs.rows for flag in row.flags]
+    flags: list[str] = [
+        Located(argument_path(row.path), flag) for row in inputs.rows for flag in row.flags
+    ]
     flags += [*analysis.reading.flags, *traced.warned]
     return StepPlan(
         argument_bytes=analysis.argument_bytes,

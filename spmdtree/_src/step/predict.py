@@ -1,0 +1,788 @@
+"""A predicted step time: the compiled module's schedule, each instruction timed by a model.
+
+A roofline bound (`StepTime.bound_seconds`) assumes peak FLOPs and perfect
+overlap, and most layouts tie at it. The compiled module says more: XLA GPU
+and libtpu print it in the order the device runs it (``is_scheduled=true``),
+and an async collective's start and done sit where the scheduler put them.
+`read_schedule` turns that order into a `Schedule`, hardware-free and small
+(it crosses a process boundary as JSON): one `Kernel` per device kernel, with
+its FLOPs, bytes and matmul shape; a `Start` and a `Done` per collective; a
+`Loop` per ``while`` with its trip count; a `Branches` per conditional.
+`predict` walks it on two clocks: the compute stream runs kernels in order;
+the collective stream runs collectives one at a time (XLA GPU's default); a
+done waits for its collective, so only the part of a collective that the
+compute between its start and done does not cover is exposed.
+
+The per-kernel model (`Costs`; every figure's source is listed with it):
+
+- a matmul (dot, convolution, cuBLAS/cuDNN call) at its FLOPs over the peak
+  times the chip's largest achievable share (published "maximum achievable
+  matmul FLOPS" measurements) times its tile and wave quantization: an
+  output of ``m x n`` (per batch) cut into 128 x 128 tiles runs in
+  ``ceil(tiles / SMs)`` waves, and a small or skinny GEMM leaves most of
+  the last wave idle (NVIDIA, "Matrix Multiplication Background User's
+  Guide", tile and wave quantization); on a TPU the tile is the MXU's;
+- every kernel's bytes (operands read + result written, a slice of an
+  operand counted as the slice, an in-place update as the update) over the
+  HBM bandwidth times an efficiency; a kernel takes the larger of its
+  compute and memory times plus 5% of the smaller (XLA GPU's own
+  performance model overlaps them so: ``kMemoryComputeParallelism = 0.95``);
+- a launch overhead per GPU kernel (XLA GPU's ``kKernelLaunchOverhead``,
+  1 us) and a latency per collective (its ``kNcclKernelLaunchOverhead``,
+  5 us) on top of the alpha-beta time the caller gives (`hardware`'s
+  `collective_seconds`: per link level, the slowest level's bytes over its
+  bandwidth plus its per-hop latency).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+from spmdtree._src.step import hlo
+from spmdtree._src.step.hlo import Collective, Instr, Module
+
+#: The classes a step's time is split into; `Prediction` has one field each.
+CLASSES = ("matmul", "attention", "memory", "collectives", "launch")
+
+
+class Kernel(NamedTuple):
+    """One device kernel: its class (``matmul``, ``attention`` or ``memory``), the
+    FLOPs of its dots, the bytes it reads and writes, and its largest matmul's
+    shape (batch, m, n, k; zeros where it has none) and operands' element type
+    (``bf16``, ``f32``; ``f32/highest`` at the highest precision)."""
+
+    kind: str
+    flops: int
+    bytes: int
+    batch: int = 0
+    m: int = 0
+    n: int = 0
+    k: int = 0
+    dtype: str = ""
+
+
+class Start(NamedTuple):
+    """A collective begins: `ident` pairs it with its `Done`; `sync` where it runs
+    on the compute stream (a synchronous collective, or one XLA marked
+    ``is_sync``)."""
+
+    ident: int
+    row: Collective
+    sync: bool
+
+
+class Done(NamedTuple):
+    """The compute stream waits here for collective `ident` to finish."""
+
+    ident: int
+
+
+class Loop(NamedTuple):
+    """A ``while``: its body (condition included) runs `trips` times."""
+
+    trips: int
+    body: tuple[Event, ...]
+
+
+class Branches(NamedTuple):
+    """A conditional: one of its branches runs (timed as the slowest)."""
+
+    options: tuple[tuple[Event, ...], ...]
+
+
+Event = Kernel | Start | Done | Loop | Branches
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """A compiled step's events in the order its device runs them (`read_schedule`).
+
+    Attributes:
+        events: the entry computation's `Kernel`, `Start`, `Done`, `Loop` and
+            `Branches` records, in schedule order.
+        platform: the compiler's platform (``"cuda"``, ``"tpu"``, ``"cpu"``).
+        flags: what the schedule does not cover (a loop of unknown trip count,
+            timed once).
+    """
+
+    events: tuple[Event, ...]
+    platform: str
+    flags: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        """The schedule as plain JSON values (each event a tagged list)."""
+        return {
+            "events": [_event_json(e) for e in self.events],
+            "platform": self.platform,
+            "flags": list(self.flags),
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Schedule:
+        """The schedule `to_json` gave."""
+        events = tuple(_event_from(e) for e in data["events"])
+        return cls(events, data["platform"], tuple(data["flags"]))
+
+
+def _event_json(event: Event) -> list[Any]:
+    if isinstance(event, Kernel):
+        return ["kernel", *event]
+    if isinstance(event, Start):
+        return ["start", event.ident, list(event.row), event.sync]
+    if isinstance(event, Done):
+        return ["done", event.ident]
+    if isinstance(event, Loop):
+        return ["loop", event.trips, [_event_json(e) for e in event.body]]
+    return ["branches", [[_event_json(e) for e in option] for option in event.options]]
+
+
+def _event_from(data: Sequence[Any]) -> Event:
+    tag, rest = data[0], data[1:]
+    if tag == "kernel":
+        return Kernel(*rest)
+    if tag == "start":
+        kind, count, size, axes, group = rest[1]
+        return Start(rest[0], Collective(kind, count, size, tuple(axes), group), rest[2])
+    if tag == "done":
+        return Done(rest[0])
+    if tag == "loop":
+        return Loop(rest[0], tuple(_event_from(e) for e in rest[1]))
+    return Branches(tuple(tuple(_event_from(e) for e in option) for option in rest[0]))
+
+
+# --- the per-kernel model ---------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Costs:
+    """What the per-kernel model needs of a chip beyond its peak and its links.
+
+    Attributes:
+        hbm_bytes_per_second: the memory bandwidth (data sheet).
+        memory_efficiency: the share of it a memory-bound kernel sustains.
+        matmul_efficiency: the largest share of the peak a matmul reaches (a
+            large, well-shaped one).
+        cores: the units a matmul's tiles are spread over (SMs; 1 on a TPU,
+            whose MXUs work on one tile stream).
+        tile: a matmul tile's (m, n) on that chip.
+        launch_seconds: the overhead each kernel adds (0 on a TPU: one program).
+        collective_latency_seconds: the latency each collective adds beyond
+            the links' per-hop latency.
+        f32_speed: an f32 matmul's peak over the bf16 one at the default
+            precision (a GPU runs it as TF32, half the rate; a TPU in one bf16
+            pass); 8-bit matmuls run at twice the bf16 rate.
+        f32_highest_speed: likewise at the highest precision (a GPU's FP32
+            units; a TPU's six bf16 passes).
+    """
+
+    hbm_bytes_per_second: float
+    memory_efficiency: float
+    matmul_efficiency: float
+    cores: int
+    tile: tuple[int, int]
+    launch_seconds: float
+    collective_latency_seconds: float
+    f32_speed: float = 1.0
+    f32_highest_speed: float = 1 / 6
+
+    def speed(self, dtype: str) -> float:
+        """A matmul's peak over the bf16 one for operands of `dtype`."""
+        bits = hlo._bits(dtype.partition("/")[0]) if dtype else 16
+        if bits <= 8:
+            return 2.0
+        if bits >= 32:
+            return self.f32_highest_speed if dtype.endswith("/highest") else self.f32_speed
+        return 1.0
+
+
+def _gpu(hbm: float, sms: int, matmul_efficiency: float) -> Costs:
+    return Costs(
+        hbm_bytes_per_second=hbm,
+        memory_efficiency=0.9,
+        matmul_efficiency=matmul_efficiency,
+        cores=sms,
+        tile=(128, 128),
+        launch_seconds=1e-6,
+        collective_latency_seconds=5e-6,
+        f32_speed=0.5,
+        f32_highest_speed=67 / 989,
+    )
+
+
+def _tpu(hbm: float, mxu: int) -> Costs:
+    return Costs(hbm, 0.9, 1.0, 1, (mxu, mxu), 0.0, 0.0)
+
+
+#: The model's figures per preset (docs/planning.md, "Predicted step time", lists each
+#: source). GPUs: bandwidth and SMs from the chips' data sheets (as `targets.TARGETS`);
+#: the largest achievable matmul share from Stas Bekman's MAMF table (ml-engineering,
+#: compute/accelerator: H100 SXM 794.5 of 989 TFLOPS bf16, "H200 is the same", B200
+#: 1,745 of 2,250); 1 us a kernel and 5 us a collective, XLA GPU's own
+#: kKernelLaunchOverhead and kNcclKernelLaunchOverhead
+#: (xla/service/gpu/model/gpu_performance_model_base.h). TPUs: HBM bandwidth from
+#: Google Cloud's system-architecture pages (v5e 819 GB/s, v5p 2,765 GB/s, v6e
+#: 1,640 GB/s), the MXU's tile (128; 256 on v6e); no public achievable-share figure
+#: (1.0). Memory efficiency 0.9 is an assumption (XLA's model takes the full bandwidth).
+#: f32 matmuls: the H100 data sheet's TF32 (494.7 of 989.4 TFLOPS) and FP32 (67).
+COSTS = {
+    "h100": _gpu(3.35e12, 132, 794.5 / 989),
+    "h200": _gpu(4.8e12, 132, 794.5 / 989),
+    "b200": _gpu(8e12, 148, 1745 / 2250),
+    "tpu-v5e": _tpu(819e9, 128),
+    "tpu-v5p": _tpu(2765e9, 128),
+    "tpu-v6e": _tpu(1640e9, 256),
+}
+
+#: How far memory and compute overlap within a kernel (XLA GPU's
+#: kMemoryComputeParallelism): time = compute + memory - 0.95 min(compute, memory).
+_PARALLELISM = 0.95
+
+
+def wave_efficiency(batch: int, m: int, n: int, costs: Costs) -> float:
+    """The share of the cores' tile slots a matmul's output fills: ``batch x m x n``
+    over ``ceil(tiles / cores) x cores`` tiles of `costs.tile` (tile and wave
+    quantization).
+
+    Example:
+        >>> h100 = COSTS["h100"]
+        >>> wave_efficiency(1, 128 * 132, 128, h100)  # one full wave of 132 tiles
+        1.0
+        >>> wave_efficiency(1, 128 * 133, 128, h100) == 133 / 264  # a second, nearly empty
+        True
+        >>> wave_efficiency(1, 64, 64, h100) == 64 * 64 / (132 * 128 * 128)
+        True
+    """
+    tm, tn = costs.tile
+    tiles = batch * -(-m // tm) * -(-n // tn)
+    waves = -(-tiles // costs.cores)
+    return batch * m * n / (waves * costs.cores * tm * tn)
+
+
+def kernel_seconds(kernel: Kernel, costs: Costs, peak: float) -> float:
+    """One kernel's time, its launch left out: the larger of its compute (FLOPs over
+    the peak x the matmul share x its wave efficiency) and its memory (bytes
+    over the sustained bandwidth), plus 5% of the smaller.
+
+    Example:
+        >>> h100 = COSTS["h100"]
+        >>> copy = Kernel("memory", 0, 2 * 2**30)
+        >>> kernel_seconds(copy, h100, 989e12) == 2 * 2**30 / (3.35e12 * 0.9)
+        True
+    """
+    memory = kernel.bytes / (costs.hbm_bytes_per_second * costs.memory_efficiency)
+    compute = 0.0
+    if kernel.flops:
+        share = costs.matmul_efficiency * costs.speed(kernel.dtype)
+        if kernel.m and kernel.n:
+            share *= wave_efficiency(kernel.batch or 1, kernel.m, kernel.n, costs)
+        compute = kernel.flops / (peak * share)
+    return max(compute, memory) + (1 - _PARALLELISM) * min(compute, memory)
+
+
+# --- the walk ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+    """A step's predicted time on one device, split by class.
+
+    Attributes:
+        matmul_seconds: matmul and convolution kernels.
+        attention_seconds: fused attention kernels (cuDNN's), and the kernels
+            of a name scope naming attention (``jax.named_scope("attention")``:
+            a blocked attention's matmuls and softmax).
+        memory_seconds: every other kernel (memory-bound fusions, copies,
+            reductions).
+        exposed_comm_seconds: the compute stream waiting for collectives
+            (synchronous ones whole; an async one where the compute between
+            its start and done does not cover it).
+        launch_seconds: the kernels' launch overheads.
+        comm_seconds: every collective's time, hidden or not.
+        kernels: how many kernels run per step.
+    """
+
+    matmul_seconds: float
+    attention_seconds: float
+    memory_seconds: float
+    exposed_comm_seconds: float
+    launch_seconds: float
+    comm_seconds: float
+    kernels: int
+
+    @property
+    def seconds(self) -> float:
+        """The step: the sum of its classes."""
+        return sum(self.by_class.values())
+
+    @property
+    def by_class(self) -> dict[str, float]:
+        """The seconds per class (`CLASSES`)."""
+        return {
+            "matmul": self.matmul_seconds,
+            "attention": self.attention_seconds,
+            "memory": self.memory_seconds,
+            "collectives": self.exposed_comm_seconds,
+            "launch": self.launch_seconds,
+        }
+
+
+@dataclasses.dataclass
+class _Clock:
+    """Where the two streams stand, and what each class took so far."""
+
+    compute: float = 0.0  # the compute stream's time
+    links: float = 0.0  # when the collective stream is next free
+    spent: dict[str, float] = dataclasses.field(default_factory=lambda: dict.fromkeys(CLASSES, 0.0))
+    comm: float = 0.0
+    kernels: int = 0
+    pending: dict[int, float] = dataclasses.field(default_factory=dict)
+
+    def copy(self) -> _Clock:
+        return dataclasses.replace(self, spent=dict(self.spent), pending=dict(self.pending))
+
+    def wait(self, until: float) -> None:
+        """The compute stream waits for a collective finishing at `until`."""
+        if until > self.compute:
+            self.spent["collectives"] += until - self.compute
+            self.compute = until
+
+    def advance(self, before: _Clock, times: int) -> None:
+        """Repeats `times` more the change since `before` (a loop's steady iteration)."""
+        self.compute += times * (self.compute - before.compute)
+        self.links += times * (self.links - before.links)
+        for kind in CLASSES:
+            self.spent[kind] += times * (self.spent[kind] - before.spent[kind])
+        self.comm += times * (self.comm - before.comm)
+        self.kernels += times * (self.kernels - before.kernels)
+
+
+class _Walk:
+    """Walks a schedule's events on a `_Clock`."""
+
+    #: Iterations of a loop walked one by one; the rest repeat the last one's change.
+    WALKED = 3
+
+    def __init__(self, costs: Costs, peak: float, comm: Callable[[Collective], float]) -> None:
+        self.costs, self.peak, self.comm = costs, peak, comm
+
+    def run(self, events: Sequence[Event], clock: _Clock) -> _Clock:
+        for event in events:
+            clock = self.step(event, clock)
+        return clock
+
+    def step(self, event: Event, clock: _Clock) -> _Clock:
+        if isinstance(event, Kernel):
+            seconds = kernel_seconds(event, self.costs, self.peak)
+            clock.spent[event.kind] += seconds
+            clock.spent["launch"] += self.costs.launch_seconds
+            clock.compute += seconds + self.costs.launch_seconds
+            clock.kernels += 1
+        elif isinstance(event, Start):
+            seconds = self.comm(event.row) + self.costs.collective_latency_seconds
+            clock.links = max(clock.compute, clock.links) + seconds
+            clock.comm += seconds
+            if event.sync:
+                clock.wait(clock.links)
+            else:
+                clock.pending[event.ident] = clock.links
+        elif isinstance(event, Done):
+            if event.ident in clock.pending:
+                clock.wait(clock.pending.pop(event.ident))
+        elif isinstance(event, Loop):
+            before = clock
+            for _ in range(min(event.trips, self.WALKED)):
+                before = clock.copy()
+                clock = self.run(event.body, clock)
+            if event.trips > self.WALKED:
+                clock.advance(before, event.trips - self.WALKED)
+        else:
+            ends = [self.run(option, clock.copy()) for option in event.options]
+            clock = max(ends, key=lambda c: c.compute, default=clock)
+        return clock
+
+
+def predict(
+    schedule: Schedule,
+    costs: Costs,
+    peak_flops: float,
+    collective_seconds: Callable[[Collective], float],
+) -> Prediction:
+    """The predicted time of one step of `schedule` on a chip of these `costs` and
+    peak, each collective row timed by `collective_seconds` (the links' alpha-beta
+    time; `Costs.collective_latency_seconds` is added to it).
+
+    Example:
+        A kernel of 1 ms, an async collective of 2 ms started before it and done
+        after it, then one of 2 ms with nothing between its start and done: the
+        first is hidden but for 1 ms, the second exposed whole.
+
+        >>> costs = Costs(1e12, 1.0, 1.0, 1, (1, 1), 0.0, 0.0)
+        >>> row = Collective("all-reduce", 1, 2**20, ("data",), 8)
+        >>> events = (Start(0, row, False), Kernel("memory", 0, 10**9), Done(0),
+        ...           Start(1, row, False), Done(1))
+        >>> p = predict(Schedule(events, "cuda"), costs, 1e15, lambda row: 2e-3)
+        >>> round(p.seconds * 1e3, 6), round(p.exposed_comm_seconds * 1e3, 6), p.comm_seconds
+        (4.0, 3.0, 0.004)
+    """
+    end = _Walk(costs, peak_flops, collective_seconds).run(schedule.events, _Clock())
+    return Prediction(
+        matmul_seconds=end.spent["matmul"],
+        attention_seconds=end.spent["attention"],
+        memory_seconds=end.spent["memory"],
+        exposed_comm_seconds=end.spent["collectives"],
+        launch_seconds=end.spent["launch"],
+        comm_seconds=end.comm,
+        kernels=end.kernels,
+    )
+
+
+# --- reading the schedule ---------------------------------------------------------------
+
+#: Ops that run no kernel: bookkeeping the runtime resolves (a bitcast is a view).
+_FREE = frozenset(
+    {
+        "kParameter",
+        "kConstant",
+        "kGetTupleElement",
+        "kTuple",
+        "kBitcast",
+        "kAfterAll",
+        "kAddDependency",
+        "kOptimizationBarrier",
+        "kPartitionId",
+        "kReplicaId",
+        "kDomain",
+        "kGetDimensionSize",
+        "kAsyncUpdate",
+        "kCopyStart",
+        "kCopyDone",
+        "kSend",
+        "kSendDone",
+        "kRecv",
+        "kRecvDone",
+    }
+)
+#: The async collectives' halves that start one, by opcode, with its kind.
+_STARTS = {
+    "kAllGatherStart": "all-gather",
+    "kAllReduceStart": "all-reduce",
+    "kCollectivePermuteStart": "collective-permute",
+}
+_DONES = frozenset({"kAllGatherDone", "kAllReduceDone", "kCollectivePermuteDone", "kAsyncDone"})
+#: The synchronous collectives, by opcode.
+_SYNC = {
+    "kAllGather": "all-gather",
+    "kAllReduce": "all-reduce",
+    "kReduceScatter": "reduce-scatter",
+    "kAllToAll": "all-to-all",
+    "kCollectivePermute": "collective-permute",
+}
+_IS_SYNC = re.compile(r'"is_sync":\s*true')
+_HIGHEST = re.compile(r"operand_precision[^}\]]*highest", re.IGNORECASE)
+_TARGET = re.compile(r'custom_call_target="([^"]*)"')
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_ATTENTION = re.compile(r"attention|attn", re.IGNORECASE)
+_DIMS = {
+    side: re.compile(rf"\b{side}_(batch|contracting)_dims=\{{([\d,]*)\}}")
+    for side in ("lhs", "rhs")
+}
+#: Ops that read only part of their first operand: a slice's bytes, not the whole.
+_SLICING = frozenset({"kDynamicSlice", "kSlice", "kGather"})
+
+
+class _Reader:
+    """Turns a module's scheduled computations into events, each computation once."""
+
+    def __init__(self, mod: Module, shape: Sequence[tuple[str, int]]) -> None:
+        self.mod, self.shape = mod, tuple(shape)
+        self.idents: dict[tuple[str, str], int] = {}
+        self.unknown = False
+        self.read: dict[str, tuple[Event, ...]] = {}
+
+    def events(self, comp: str) -> tuple[Event, ...]:
+        if comp not in self.read:
+            self.read[comp] = tuple(
+                e for ins in self.mod.comps.get(comp, []) for e in self.of(comp, ins)
+            )
+        return self.read[comp]
+
+    def of(self, comp: str, ins: Instr) -> list[Event]:
+        """The events of one scheduled instruction."""
+        callees = dict(ins.callees)
+        if ins.op in _FREE:
+            return []
+        if ins.op == "kWhile":
+            trips = hlo.trip_count(self.mod, comp, ins)
+            self.unknown |= trips is None
+            body = self.events(callees.get("condition", "")) + self.events(callees.get("body", ""))
+            return [Loop(1 if trips is None else trips, body)]
+        if ins.op == "kConditional":
+            return [Branches(tuple(self.events(c) for r, c in ins.callees if r == "branch"))]
+        if ins.op == "kCall":
+            return list(self.events(callees.get("to_apply", "")))
+        if ins.op in _DONES:
+            found = self.idents.get((comp, ins.operands[0])) if ins.operands else None
+            return [] if found is None else [Done(found)]
+        if ins.op in _STARTS or ins.op == "kAsyncStart" or ins.op in _SYNC:
+            return self._collective(comp, ins)
+        return [self._kernel(comp, ins)]
+
+    def _collective(self, comp: str, ins: Instr) -> list[Event]:
+        """A collective's `Start` (and, synchronous, its `Done`); an async wrapper of
+        anything else is the kernel it wraps."""
+        inner, kind = ins, _STARTS.get(ins.op) or _SYNC.get(ins.op)
+        if ins.op == "kAsyncStart":
+            wrapped = dict(ins.callees).get("async", "")
+            root = self.mod.root(wrapped)
+            kind = _SYNC.get(root.op) if root is not None else None
+            if root is None or kind is None:
+                return [self._kernel(comp, ins)] if root is None else [self._kernel(wrapped, root)]
+            inner = root
+        assert kind is not None
+        axes, group, _ = hlo._axes(kind, inner, self.shape)
+        size = hlo._type_bytes(self._result(comp, ins, inner))
+        ident = len(self.idents)
+        self.idents[(comp, ins.name)] = ident
+        sync = ins.op in _SYNC or bool(_IS_SYNC.search(ins.attrs))
+        start = Start(ident, Collective(kind, 1, size, axes, group), sync)
+        return [start, Done(ident)] if ins.op in _SYNC else [start]
+
+    def _result(self, comp: str, ins: Instr, inner: Instr) -> str:
+        """The type of a collective's result: its own (synchronous, or an async
+        wrapper's collective), or its done's."""
+        if ins.op in _SYNC or inner is not ins:
+            return inner.type
+        done = [u for u, _ in self.mod.users[comp].get(ins.name, []) if u.op in _DONES]
+        return done[0].type if done else ins.type
+
+    def _kernel(self, comp: str, ins: Instr) -> Kernel:
+        """A kernel: its class, FLOPs, bytes and largest matmul's shape."""
+        flops, largest, shape, dtype, named = 0, 0, (0, 0, 0, 0), "", False
+        for where, dot in self._dots(comp, ins):
+            f = hlo._flops(self.mod, where, dot)
+            if f > largest:
+                largest, shape = f, _gemm_shape(self.mod, where, dot, f)
+                dtype = _operand_dtype(self.mod, where, dot)
+            flops += f
+            named |= bool(_ATTENTION.search(_op_name(dot)))
+        target = _TARGET.search(ins.attrs)
+        fused = bool(target and target.group(1).startswith("__cudnn$fmha"))
+        if fused or named or self._attention(ins):
+            kind = "attention"
+        else:
+            kind = "matmul" if flops else "memory"
+        return Kernel(kind, flops, self._bytes(comp, ins), *shape, dtype if flops else "")
+
+    def _attention(self, ins: Instr) -> bool:
+        """Whether an instruction, or one it fuses, is named in an attention scope."""
+        if _ATTENTION.search(_op_name(ins)):
+            return True
+        inner = self.mod.comps.get(dict(ins.callees).get("calls", ""), [])
+        return ins.op == "kFusion" and any(_ATTENTION.search(_op_name(i)) for i in inner)
+
+    def _dots(self, comp: str, ins: Instr) -> list[tuple[str, Instr]]:
+        """The instructions with FLOPs an instruction runs: itself, or inside the
+        fusion it calls."""
+        if ins.op != "kFusion":
+            return [(comp, ins)]
+        found, todo = [], [dict(ins.callees).get("calls", "")]
+        while todo:
+            inner = todo.pop()
+            for each in self.mod.comps.get(inner, []):
+                if each.op in ("kDot", "kConvolution", "kCustomCall"):
+                    found.append((inner, each))
+                todo += [c for r, c in each.callees if r == "calls"]
+        return found
+
+    def _bytes(self, comp: str, ins: Instr) -> int:
+        """What a kernel reads and writes: its operands (a sliced one as its slice, an
+        updated one in place as nothing) and its result (an in-place update as the
+        update; a library call's workspace left out)."""
+        if ins.op == "kFusion":
+            return _fusion_bytes(self.mod, comp, ins)
+        types = [
+            self.mod.by_name[comp][o].type for o in ins.operands if o in self.mod.by_name[comp]
+        ]
+        if ins.op in _SLICING:
+            return 2 * hlo._type_bytes(ins.type)
+        if ins.op == "kDynamicUpdateSlice" and len(types) > 1:
+            return 2 * hlo._type_bytes(types[1])
+        result = hlo._arrays(ins.type)
+        if ins.op == "kCustomCall" and ins.type.startswith("(") and result:
+            result = result[:1]  # a cuBLAS call's second element is its workspace
+        written = sum(math.prod(d) * max(hlo._bits(t) // 8, 1) for t, d in result)
+        return sum(hlo._type_bytes(t) for t in types) + written
+
+
+def _operand_dtype(mod: Module, comp: str, ins: Instr) -> str:
+    """A matmul's first operand's element type, ``/highest`` added at the highest
+    precision."""
+    given = mod.by_name[comp].get(ins.operands[0]) if ins.operands else None
+    arrays = hlo._arrays(given.type) if given is not None else []
+    dtype = arrays[0][0] if arrays else ""
+    return dtype + "/highest" if _HIGHEST.search(ins.attrs) else dtype
+
+
+def _op_name(ins: Instr) -> str:
+    found = _OP_NAME.search(ins.attrs)
+    return found.group(1) if found else ""
+
+
+def _gemm_shape(mod: Module, comp: str, ins: Instr, flops: int) -> tuple[int, int, int, int]:
+    """A matmul's (batch, m, n, k): from a dot's dimension numbers or a cuBLAS call's
+    backend config; a convolution's as its output positions x features x the rest."""
+    types = [mod.by_name[comp][o].type for o in ins.operands[:2] if o in mod.by_name[comp]]
+    numbers = _dimension_numbers(ins)
+    if numbers is None or len(types) < 2:
+        out = hlo._dims(ins.type)
+        n = out[-1] if out else 1
+        m = max(math.prod(out) // max(n, 1), 1)
+        return 1, m, n, max(flops // (2 * m * n), 1)
+    lhs, rhs = hlo._dims(types[0]), hlo._dims(types[1])
+    (lb, lc), (rb, rc) = numbers
+    if any(d >= len(lhs) for d in lb + lc) or any(d >= len(rhs) for d in rb + rc):
+        return 0, 0, 0, 0
+    batch = math.prod(lhs[d] for d in lb)
+    k = math.prod(lhs[d] for d in lc)
+    m = math.prod(s for d, s in enumerate(lhs) if d not in lb + lc)
+    n = math.prod(s for d, s in enumerate(rhs) if d not in rb + rc)
+    return batch, m, n, k
+
+
+def _dimension_numbers(ins: Instr) -> tuple[tuple[list[int], list[int]], ...] | None:
+    """((lhs batch, lhs contracting), (rhs batch, rhs contracting)) of a dot or a
+    cuBLAS call; None for anything else."""
+    if ins.op == "kDot":
+        sides = []
+        for side in ("lhs", "rhs"):
+            found = dict(_DIMS[side].findall(ins.attrs))
+            sides.append(
+                (
+                    [int(d) for d in found.get("batch", "").split(",") if d],
+                    [int(d) for d in found.get("contracting", "").split(",") if d],
+                )
+            )
+        return tuple(sides)
+    config = _backend_config(ins.attrs).get("gemm_backend_config", {})
+    dims = config.get("dot_dimension_numbers")
+    if ins.op != "kCustomCall" or not dims:
+        return None
+    return tuple(
+        (
+            [int(d) for d in dims.get(f"{side}_batch_dimensions", [])],
+            [int(d) for d in dims.get(f"{side}_contracting_dimensions", [])],
+        )
+        for side in ("lhs", "rhs")
+    )
+
+
+def _backend_config(attrs: str) -> dict[str, Any]:
+    """An instruction's backend config, parsed (empty where it has none)."""
+    start = attrs.find("backend_config={")
+    if start < 0:
+        return {}
+    start += len("backend_config=")
+    depth = 0
+    for end in range(start, len(attrs)):
+        depth += {"{": 1, "}": -1}.get(attrs[end], 0)
+        if depth == 0:
+            try:
+                found = json.loads(attrs[start : end + 1])
+            except ValueError:
+                return {}
+            return found if isinstance(found, dict) else {}
+    return {}
+
+
+def _fusion_bytes(mod: Module, comp: str, ins: Instr) -> int:
+    """A fusion's bytes: each operand as its fused parameter is read (`_read`), and
+    its result as written (`_written`)."""
+    callee = dict(ins.callees).get("calls", "")
+    read = 0
+    for j, operand in enumerate(ins.operands):
+        given = mod.by_name[comp].get(operand)
+        whole = hlo._type_bytes(given.type) if given is not None else 0
+        param = mod.param(callee, j)
+        read += whole if param is None else _read(mod, callee, param, whole)
+    root = mod.root(callee)
+    return read + (_written(mod, callee, root) if root is not None else hlo._type_bytes(ins.type))
+
+
+def _read(mod: Module, comp: str, name: str, whole: int) -> int:
+    """The bytes of value `name` that its users read: the slices of it that slicing
+    users take, nothing where it is the buffer an in-place update writes into;
+    else the whole. Bitcasts are followed."""
+    total = 0
+    for user, j in mod.users[comp].get(name, []):
+        if user.op == "kBitcast":
+            total += _read(mod, comp, user.name, whole)
+        elif user.op in _SLICING and j == 0:
+            total += hlo._type_bytes(user.type)
+        elif user.op == "kDynamicUpdateSlice" and j == 0:
+            continue
+        else:
+            return whole
+    return min(total, whole)
+
+
+def _written(mod: Module, comp: str, root: Instr) -> int:
+    """The bytes a fusion's result writes: a tuple's elements each; an in-place
+    update as its update."""
+    if root.op == "kTuple":
+        parts = [mod.by_name[comp][o] for o in root.operands if o in mod.by_name[comp]]
+        return sum(_written(mod, comp, part) for part in parts)
+    if root.op == "kBitcast" and root.operands and root.operands[0] in mod.by_name[comp]:
+        return _written(mod, comp, mod.by_name[comp][root.operands[0]])
+    if root.op == "kDynamicUpdateSlice" and len(root.operands) > 1:
+        update = mod.by_name[comp].get(root.operands[1])
+        return hlo._type_bytes(update.type) if update is not None else 0
+    return hlo._type_bytes(root.type)
+
+
+def read_schedule(module: Any, shape: Sequence[tuple[str, int]] = (), *, platform: str) -> Schedule:
+    """The `Schedule` of a compiled module (jaxlib's ``HloModule``, its text, or an
+    `hlo.Module`): its entry computation's events in the order the device runs
+    them. `shape` is the mesh's ``(axis, size)`` pairs, which name each
+    collective's axes as `hlo.read_step` does.
+
+    Example:
+        An all-gather started before a matmul and done after it:
+
+        >>> text = '''HloModule m, is_scheduled=true
+        ... ENTRY %main (a: bf16[1024,1024], b: bf16[128,1024]) -> (bf16[1024,1024], bf16[1024,1024]) {
+        ...   %a = bf16[1024,1024] parameter(0)
+        ...   %b = bf16[128,1024] parameter(1)
+        ...   %ags = (bf16[128,1024], bf16[1024,1024]) all-gather-start(%b), replica_groups=[1,8]<=[8], dimensions={0}
+        ...   %d = bf16[1024,1024] dot(%a, %a), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+        ...   %agd = bf16[1024,1024] all-gather-done(%ags)
+        ...   ROOT %t = (bf16[1024,1024], bf16[1024,1024]) tuple(%d, %agd)
+        ... }'''
+        >>> schedule = read_schedule(text, (("data", 8),), platform="cuda")
+        >>> [type(e).__name__ for e in schedule.events]
+        ['Start', 'Kernel', 'Done']
+        >>> schedule.events[0].row
+        Collective(kind='all-gather', count=1, bytes=2097152, axes=('data',), group=8)
+        >>> schedule.events[1]
+        Kernel(kind='matmul', flops=2147483648, bytes=6291456, batch=1, m=1024, n=1024, k=1024, dtype='bf16')
+        >>> Schedule.from_json(schedule.to_json()) == schedule
+        True
+    """
+    if isinstance(module, Module):
+        mod = module
+    else:
+        mod = Module(hlo.parse_module(module) if isinstance(module, str) else module)
+    if mod.entry is None:
+        return Schedule((), platform)
+    reader = _Reader(mod, shape)
+    events = reader.events(mod.entry)
+    flags = (
+        ("a loop whose trip count the compiler does not know: timed once",)
+        if reader.unknown
+        else ()
+    )
+    return Schedule(events, platform, flags)
