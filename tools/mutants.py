@@ -597,8 +597,8 @@ MUTANTS.update(
         "widened-reduction-counted-wide": [
             (
                 "_src/step/hlo.py",
-                "parts.append(Part(kind, size * narrow // width if narrow else size, widened=bool(narrow)))",
-                "parts.append(Part(kind, size, widened=bool(narrow)))",
+                "bytes_ = size * narrow // width if narrow else size",
+                "bytes_ = size",
             )
         ],
         "step-drops-what-tracing-warned": [

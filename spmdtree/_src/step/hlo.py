@@ -16,16 +16,26 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from types import ModuleType
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple, cast
 
 import numpy as np
 
 #: The collectives counted, in the order rows are listed.
 KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+
+#: The forms a compiler writes a collective in, other than the op its kind names
+#: (``""``): see `Collective.written_as`.
+Written = Literal["", "all-reduce-scatter", "zero-filled all-reduce"]
+#: What a row's label says of each form.
+_WRITTEN: dict[str, str] = {
+    "all-reduce-scatter": "written as libtpu's all-reduce-scatter fusion",
+    "zero-filled all-reduce": "an all-gather written as an all-reduce of zero-filled buffers",
+}
 
 
 class Collective(NamedTuple):
@@ -42,6 +52,15 @@ class Collective(NamedTuple):
             and target differ.
         group: how many devices take part in each group (2 for a
             collective-permute).
+        written_as: the form the compiler wrote these in, where it is not the
+            op `kind` names (new in 0.5; rows differ by it): ``""``, the op
+            itself; ``"all-reduce-scatter"``, libtpu's fusion of an all-reduce
+            with each device's slice of its result (a ``kind=kCustom`` fusion
+            of a computation named ``all-reduce-scatter``), counted as the
+            reduce-scatter of its operand to that shard (not as the whole
+            all-reduce inside); ``"zero-filled all-reduce"``, an all-gather
+            written as an all-reduce of buffers of zeros each device has written
+            its shard into, counted as the all-reduce it runs.
 
     Example:
         >>> import spmdtree as st
@@ -50,6 +69,8 @@ class Collective(NamedTuple):
         3584
         >>> st.Collective("all-reduce", 2, 4096).bytes
         4096
+        >>> st.Collective("reduce-scatter", 1, 512, ("fsdp",), 8, "all-reduce-scatter").label
+        "reduce-scatter (written as libtpu's all-reduce-scatter fusion)"
     """
 
     kind: str
@@ -57,6 +78,21 @@ class Collective(NamedTuple):
     bytes: int
     axes: tuple[str, ...] = ()
     group: int = 1
+    written_as: Written = ""
+
+    @property
+    def label(self) -> str:
+        """The kind, with the form it was written in where that is not the op itself.
+
+        Example:
+            >>> import spmdtree as st
+            >>> st.Collective("all-reduce", 1, 4096, ("fsdp",), 8, "zero-filled all-reduce").label
+            'all-reduce (an all-gather written as an all-reduce of zero-filled buffers)'
+            >>> st.Collective("all-reduce", 1, 4096).label
+            'all-reduce'
+        """
+        form = _WRITTEN.get(self.written_as)
+        return f"{self.kind} ({form})" if form else self.kind
 
     @property
     def wire_bytes(self) -> int:
@@ -116,8 +152,8 @@ class Reading:
         """The reading `to_json` gave."""
         return cls(
             collectives=tuple(
-                Collective(kind, n, size, tuple(axes), group)
-                for kind, n, size, axes, group in data["collectives"]
+                Collective(kind, n, size, tuple(axes), group, cast(Written, written))
+                for kind, n, size, axes, group, written in data["collectives"]
             ),
             flags=tuple(data["flags"]),
             flops=int(data["flops"]),
@@ -154,27 +190,41 @@ class Instr:
     callees: tuple[tuple[str, str], ...]
 
 
+# jaxlib's HloInstruction gives name, opcode, operands, users and to_string only (see
+# `hlo_api`): every field below is read from that text, each pattern saying which.
+# no result shape and no attribute list: where the opcode's operand list begins
 _TYPE_OP = re.compile(r"([\w\-]+)\(")
+# no called_computations: the computations an instruction names, with their roles
 _CALLEE = re.compile(
     r"\b(body|condition|to_apply|calls|select|scatter|comparator|true_computation|false_computation)"
     r"=%?([\w.\-]+)"
 )
+# no branch_computations: a conditional's (and a custom call's) lists of callees
 _CALLEES = re.compile(r"\b(?:branch_computations|called_computations)=\{([^}]*)\}")
-_TRIPS = re.compile(r'"known_trip_count":\s*\{\s*"n":\s*"(\d+)"')
+# no shape: the element types and dimensions of a result type's arrays
 _ARRAY = re.compile(r"\b(pred|[a-z]+\d+[a-z0-9]*)\[([\d,]*)\]")
+# no tuple_index: the element a get-tuple-element picks
 _INDEX = re.compile(r"\bindex=(\d+)")
+# no replica_groups (nor device_groups, nor their tile assignment), so each printed
+# form is read: an iota tile assignment ``[2,4]<=[8]T(1,0)`` (in the groups, in device_ids)
 _IOTA = r"\[([\d,]+)\](?:<=\[([\d,]+)\])?(?:T\(([\d,]+)\))?"
+# no replica_groups: the iota form
 _GROUPS_IOTA = re.compile(r"\b(?:replica_groups|device_groups)=" + _IOTA)
+# no replica_groups: the listed form ``{{0,1},{2,3}}``
 _GROUPS_LIST = re.compile(r"\b(?:replica_groups|device_groups)=\{((?:\{[\d,\s]*\}[,\s]*)*)\}")
+# no replica_groups: the mesh form ``mesh['a'=2,'b'=4], device_ids=(...) {'b'}``
 _GROUPS_MESH = re.compile(
     r"\b(?:replica_groups|device_groups)=mesh\[([^\]]*)\]"
     r"(?:,\s*device_ids=\((\[[\d,]+\](?:<=\[[\d,]+\])?(?:T\([\d,]+\))?|[\d,\s]*)\))?"
     r"\s*\{([^}]*)\}"
 )
+# no source_target_pairs: a collective-permute's pairs
 _PAIRS = re.compile(r"\bsource_target_pairs=\{((?:\{\d+,\d+\}[,\s]*)*)\}")
+# no replica_groups: the mesh form's axes and sizes ``'a'=2``
 _AXIS = re.compile(r"'([^']*)'=(\d+)")
 #: A multi-slice TPU job's transfer across slices: a host-transfer ``send`` for the
-#: megascale runtime, which says what collective it is part of.
+#: megascale runtime, which says what collective it is part of (jaxlib's instruction
+#: has no frontend_attributes: read from its text).
 _MEGASCALE = re.compile(r'_xla_megascale_transfer_type="(\w+)"')
 _MEGASCALE_KINDS = {
     "ALL_REDUCE": "all-reduce",
@@ -182,6 +232,7 @@ _MEGASCALE_KINDS = {
     "REDUCE_SCATTER": "reduce-scatter",
     "ALL_TO_ALL": "all-to-all",
 }
+# no replica_groups: the mesh form's axes grouped, sub-axes ``'x':(1)2`` too
 _REF = re.compile(r"'([^']*)'(?::\((\d+)\)(\d+))?")
 
 
@@ -217,6 +268,51 @@ def _callees(attrs: str) -> list[tuple[str, str]]:
     for group in _CALLEES.findall(attrs):
         found += [("branch", c.strip().lstrip("%")) for c in group.split(",") if c.strip()]
     return found
+
+
+#: Where an instruction's backend config begins in its text (its opening brace last).
+_CONFIG = "backend_config={"
+
+
+def backend_config(attrs: str) -> dict[str, Any]:
+    """An instruction's ``backend_config={...}``, the JSON object its attributes end
+    in, as a dict: {} where it has none or it is not JSON (jaxlib's instruction
+    gives it only in its text).
+
+    Example:
+        >>> backend_config('to_apply=%add, backend_config={"known_trip_count":{"n":"6"}}')
+        {'known_trip_count': {'n': '6'}}
+        >>> backend_config("to_apply=%add")
+        {}
+    """
+    start = attrs.find(_CONFIG)
+    if start < 0:
+        return {}
+    try:
+        found, _ = json.JSONDecoder().raw_decode(attrs, start + len(_CONFIG) - 1)
+    except json.JSONDecodeError:
+        return {}
+    return found if isinstance(found, dict) else {}
+
+
+def config_field(config: Any, key: str) -> Any:
+    """The first value under `key` in a backend config, nested objects and lists
+    searched depth first in the order they print; None where no object has it.
+
+    Example:
+        >>> config_field({"gemm": {"dims": {"lhs": ["1"]}}}, "lhs")
+        ['1']
+    """
+    if isinstance(config, dict):
+        if key in config:
+            return config[key]
+        config = list(config.values())
+    if isinstance(config, list):
+        for value in config:
+            found = config_field(value, key)
+            if found is not None:
+                return found
+    return None
 
 
 def _post_order(instructions: Sequence[Any]) -> list[Any]:
@@ -430,6 +526,9 @@ class Module:
 
 #: Ops a value passes through unchanged in content (what is followed to its uses).
 _PASS = frozenset({"kBitcast", "kCopy", "kReshape", "kTranspose"})
+#: Ops whose result holds their operand's content: `_PASS`, and an async copy's two
+#: halves (libtpu moves values between memory spaces so).
+_MOVES = _PASS | {"kCopyStart", "kCopyDone"}
 #: Elementwise ops: a slice of their result needs only the same slice of their
 #: operands, so a reduction's result that flows through them to slices is needed
 #: only as slices (``convert`` among them: the CPU pipeline reduces bf16 in f32).
@@ -512,7 +611,7 @@ def _mesh_groups(axes: str, ids: str | None, refs: str) -> list[list[int]]:
     names = [name for name, _ in _AXIS.findall(axes)]
     sizes = [int(size) for _, size in _AXIS.findall(axes)]
     if ids and "[" in ids:
-        iota = re.fullmatch(_IOTA, ids.strip())
+        iota = re.fullmatch(_IOTA, ids.strip())  # the device ids' iota form (no accessor)
         flat = _iota(*iota.groups()).reshape(-1) if iota else np.arange(math.prod(sizes))
     elif ids and ids.strip():
         flat = np.array([int(i) for i in ids.split(",")])
@@ -576,7 +675,7 @@ def replica_groups(attrs: str, devices: int) -> list[list[int]]:
     if listed and listed.group(1).strip():
         return [
             [int(i) for i in g.split(",") if i.strip()]
-            for g in re.findall(r"\{([^}]*)\}", listed.group(1))
+            for g in re.findall(r"\{([^}]*)\}", listed.group(1))  # each listed group
         ]
     return [list(range(devices))]
 
@@ -603,7 +702,7 @@ def permute_axes(attrs: str, shape: Sequence[tuple[str, int]]) -> tuple[str, ...
     """The mesh axes along which a collective-permute's sources and targets differ."""
     sizes = [size for _, size in shape]
     listed = _PAIRS.search(attrs)
-    pairs = re.findall(r"\{(\d+),(\d+)\}", listed.group(0)) if listed else []
+    pairs = re.findall(r"\{(\d+),(\d+)\}", listed.group(0)) if listed else []  # each pair
     varying: set[int] = set()
     for source, target in pairs:
         if max(int(source), int(target)) >= math.prod(sizes):
@@ -643,7 +742,7 @@ def _dims(type_: str) -> list[int]:
 
 def _bits(dtype: str) -> int:
     """The bits of an HLO element type: ``bf16`` 16, ``pred`` 8."""
-    found = re.search(r"\d+", dtype)
+    found = re.search(r"\d+", dtype)  # the type's name: no shape, so no element type, here
     return 8 if dtype == "pred" or found is None else int(found.group())
 
 
@@ -652,18 +751,32 @@ def _type_bytes(text: str) -> int:
     return sum(math.prod(dims) * max(_bits(dtype) // 8, 1) for dtype, dims in _arrays(text))
 
 
+def _array_bytes(dtype: str, dims: Sequence[int]) -> int:
+    """The bytes of one array: ``bf16``, [8, 256] -> 4096."""
+    return math.prod(dims) * max(_bits(dtype) // 8, 1)
+
+
 # --- flops -----------------------------------------------------------------------------
 
+# no convolution_dimension_numbers: a convolution's dimension labels
 _LABELS = re.compile(r"\bdim_labels=(\w+)_(\w+)->(\w+)")
+# no window: a convolution's window
 _WINDOW = re.compile(r"\bwindow=\{([^}]*)\}")
+# no custom_call_target: the library function a custom call calls
 _TARGET = re.compile(r'custom_call_target="([^"]*)"')
-_GEMM_DIMS = re.compile(r'"lhs_contracting_dimensions":\s*\[([^\]]*)\]')
-_FMHA_SHAPE = re.compile(r'"intermediate_tensor_shape":\s*\{[^}]*?"dimensions":\s*\[([^\]]*)\]')
+
+
+def _integers(values: Any) -> list[int] | None:
+    """A backend config's list of integers (printed as strings: ``["1","2"]``) as
+    ints, or None where it is not one."""
+    if not isinstance(values, list) or not all(str(v).isdigit() for v in values):
+        return None
+    return [int(v) for v in values]
 
 
 def _numbers(text: str) -> list[int]:
     """The integers in `text`: ``["1","2"]`` -> [1, 2]."""
-    return [int(d) for d in re.findall(r"\d+", text)]
+    return [int(d) for d in re.findall(r"\d+", text)]  # a printed list (no accessor gives it)
 
 
 def _window(attrs: str, rank: int) -> dict[str, list[int]]:
@@ -741,9 +854,10 @@ def _custom_flops(mod: Module, comp: str, ins: Instr) -> int:
     name = target.group(1) if target else ""
     types = [mod.by_name[comp][o].type if o in mod.by_name[comp] else "" for o in ins.operands]
     result = "{}[{}]".format(*_ARRAY.findall(ins.type)[0]) if _ARRAY.search(ins.type) else ""
+    config = backend_config(ins.attrs)
     if "gemm" in name.lower() or "matmul" in name.lower():
-        dims = _GEMM_DIMS.search(ins.attrs)
-        return _dot_flops(result, types[0], _numbers(dims.group(1))) if dims and types else 0
+        dims = _integers(config_field(config, "lhs_contracting_dimensions"))
+        return _dot_flops(result, types[0], dims) if dims is not None and types else 0
     if name.startswith("__cudnn$conv") and len(types) >= 2:
         if "BackwardInput" in name:
             return _conv_flops(types[0], result, types[1], ins.attrs)
@@ -751,27 +865,27 @@ def _custom_flops(mod: Module, comp: str, ins: Instr) -> int:
             return _conv_flops(types[1], types[0], result, ins.attrs)
         return _conv_flops(result, types[0], types[1], ins.attrs)
     if name.startswith("__cudnn$fmha") and len(types) >= 3:
-        return _attention_flops(name, ins.attrs, types[0], types[2])
+        shape = config_field(config, "intermediate_tensor_shape")
+        scores = _integers(shape.get("dimensions") if isinstance(shape, dict) else None)
+        return _attention_flops(name, scores, types[0], types[2]) if scores is not None else 0
     return 0
 
 
-def _attention_flops(name: str, attrs: str, query: str, value: str) -> int:
+def _attention_flops(name: str, scores: Sequence[int], query: str, value: str) -> int:
     """cuDNN fused attention: scores (heads x queries x keys, each a dot of the head
     width) and their product with the values; its backward recomputes the scores and
     takes the four gradients' dots.
 
     Example:
-        >>> shape = '"intermediate_tensor_shape":{"dimensions":["1","4","512","512"]}'
-        >>> q = "bf16[1,512,4,64]"
-        >>> _attention_flops("__cudnn$fmhaSoftmax", shape, q, q) == 2 * 2 * 4 * 512 * 512 * 64
+        >>> scores, q = [1, 4, 512, 512], "bf16[1,512,4,64]"  # its intermediate tensor's
+        >>> _attention_flops("__cudnn$fmhaSoftmax", scores, q, q) == 2 * 2 * 4 * 512 * 512 * 64
         True
-        >>> _attention_flops("__cudnn$fmhaSoftmaxBackward", shape, q, q) // (4 * 512 * 512 * 64)
+        >>> _attention_flops("__cudnn$fmhaSoftmaxBackward", scores, q, q) // (4 * 512 * 512 * 64)
         10
     """
-    scores = _FMHA_SHAPE.search(attrs)
-    if scores is None or not _dims(query) or not _dims(value):
+    if not _dims(query) or not _dims(value):
         return 0
-    size = math.prod(_numbers(scores.group(1)))
+    size = math.prod(scores)
     qk, v = _dims(query)[-1], _dims(value)[-1]
     if "Backward" in name:
         return 2 * size * (3 * qk + 2 * v)
@@ -782,6 +896,7 @@ def _flops(mod: Module, comp: str, ins: Instr) -> int:
     """2 x result elements x contracted size of a dot, a convolution or a library call."""
     types = {o: mod.by_name[comp][o].type for o in ins.operands if o in mod.by_name[comp]}
     if ins.op == "kDot" and ins.operands:
+        # no dot_dimension_numbers: the contracting dimensions from the text
         found = re.search(r"\blhs_contracting_dims=\{([\d,]*)\}", ins.attrs)
         contracting = _numbers(found.group(1)) if found else []
         return _dot_flops(ins.type, types.get(ins.operands[0], ""), contracting)
@@ -795,6 +910,7 @@ def _flops(mod: Module, comp: str, ins: Instr) -> int:
 
 # --- loop trip counts ----------------------------------------------------------------
 
+# no comparison_direction: a compare's direction
 _DIRECTION = re.compile(r"\bdirection=(\w+)")
 _FLIPPED = {"LT": "GT", "LE": "GE", "GT": "LT", "GE": "LE", "NE": "NE", "EQ": "EQ"}
 #: A loop value resolved: ("const", n), ("index", k) (element k of the loop state),
@@ -809,7 +925,7 @@ def _value(mod: Module, comp: str, name: str, outer: tuple[tuple[str, Instr], ..
     if ins is None:
         return None
     if ins.op == "kConstant":
-        found = re.fullmatch(r"\s*(-?\d+)\s*", ins.args)
+        found = re.fullmatch(r"\s*(-?\d+)\s*", ins.args)  # no literal: the printed value
         return ("const", int(found.group(1))) if found else None
     if ins.op in ("kCopy", "kBitcast", "kConvert", "kReshape") and ins.operands:
         return _value(mod, comp, ins.operands[0], outer)
@@ -874,9 +990,10 @@ def trip_count(mod: Module, comp: str, ins: Instr) -> int | None:
     and GPU write it), else read from the loop as the TPU compiler leaves it: a
     condition comparing one element of the state with a constant, that element's
     start a constant in the loop's initial tuple, and the body adding a constant."""
-    known = _TRIPS.search(ins.attrs)
-    if known:
-        return int(known.group(1))
+    known = config_field(backend_config(ins.attrs), "known_trip_count")
+    trips = known.get("n") if isinstance(known, dict) else None
+    if isinstance(trips, str) and trips.isdigit():
+        return int(trips)
     callees = dict(ins.callees)
     test = _condition(mod, callees.get("condition", ""))
     init = mod.by_name[comp].get(ins.operands[0]) if ins.operands else None
@@ -950,25 +1067,36 @@ def _narrowed_bits(mod: Module, comp: str, name: str, index: int | None = None) 
 @dataclasses.dataclass(frozen=True)
 class Part:
     """One element of a collective's result, as counted: its kind (an all-reduce read
-    as a reduce-scatter), its bytes, and what the CPU form changed."""
+    as a reduce-scatter), its bytes, what the CPU form changed, and the form it was
+    written in (`Collective.written_as`)."""
 
     kind: str
     bytes: int
     held: int = 0  # the whole size of an all-reduce read as a reduce-scatter
     widened: bool = False
+    written_as: Written = ""
 
 
-def _parts(mod: Module, comp: str, ins: Instr, kind: str, group: int, cpu: bool) -> list[Part]:
+def _parts(
+    mod: Module, comp: str, ins: Instr, start: Instr, kind: str, group: int, cpu: bool
+) -> list[Part]:
     """The elements of collective `ins`'s result (a tuple's each; the whole for an
-    async ``-done``), at the program's width on CPU, an all-reduce's elements whose
-    every use takes one device's slice read as a reduce-scatter."""
+    async ``-done``, whose operands are its `start`'s), at the program's width on
+    CPU, an all-reduce's elements whose every use takes one device's slice read as
+    a reduce-scatter, and its elements that are gathers of zero-filled buffers
+    marked as written so."""
     arrays = _arrays(ins.type)
-    if not cpu or not arrays or ins.op.endswith("Done"):
-        return [Part(kind, _type_bytes(ins.type))]
     tuple_ = ins.type.startswith("(")
+    if not cpu or not arrays or ins.op.endswith("Done"):
+        if kind != "all-reduce" or not arrays:
+            return [Part(kind, _type_bytes(ins.type))]
+        return [
+            Part(kind, _array_bytes(dtype, dims), written_as=_written(mod, comp, start, i, group))
+            for i, (dtype, dims) in enumerate(arrays if tuple_ else arrays[:1])
+        ]
     parts = []
     for index, (dtype, dims) in enumerate(arrays if tuple_ else arrays[:1]):
-        size = math.prod(dims) * max(_bits(dtype) // 8, 1)
+        size = _array_bytes(dtype, dims)
         operand = ins.operands[index] if index < len(ins.operands) else ""
         narrow = _widened_bits(mod, comp, operand)
         if narrow is None and kind == "all-reduce":
@@ -984,19 +1112,119 @@ def _parts(mod: Module, comp: str, ins: Instr, kind: str, group: int, cpu: bool)
                 shard = shard * narrow // cut_bits if narrow and narrow < cut_bits else shard
                 parts.append(Part("reduce-scatter", shard, held=size, widened=bool(narrow)))
                 continue
-        parts.append(Part(kind, size * narrow // width if narrow else size, widened=bool(narrow)))
+        written = _written(mod, comp, start, index, group) if kind == "all-reduce" else ""
+        bytes_ = size * narrow // width if narrow else size
+        parts.append(Part(kind, bytes_, widened=bool(narrow), written_as=written))
     return parts
+
+
+def _written(mod: Module, comp: str, start: Instr, index: int, group: int) -> Written:
+    """The form element `index` of all-reduce `start` was written in: a gather of
+    zero-filled buffers, or the op itself."""
+    operand = start.operands[index] if index < len(start.operands) else ""
+    return "zero-filled all-reduce" if _zero_filled(mod, comp, operand, group) else ""
+
+
+def _origin(
+    mod: Module, comp: str, name: str, outer: tuple[tuple[str, Instr], ...] = ()
+) -> tuple[str, Instr, tuple[tuple[str, Instr], ...]] | None:
+    """Where value `name` comes from, behind bitcasts, copies (to another memory space
+    too), reshapes and transposes, into a fusion's root and out of a fusion's
+    parameter to the fusion's operand: its computation, its instruction and the
+    fusions entered on the way (innermost last)."""
+    while (ins := mod.by_name.get(comp, {}).get(name)) is not None:
+        callee = dict(ins.callees).get("calls", "")
+        inner = mod.root(callee) if ins.op == "kFusion" else None
+        if ins.op in _MOVES and ins.operands:
+            name = ins.operands[0]
+        elif inner is not None:
+            outer, comp, name = (*outer, (comp, ins)), callee, inner.name
+        elif ins.op == "kParameter" and outer:
+            (caller, call), number = outer[-1], int(ins.args.strip() or 0)
+            if number >= len(call.operands):
+                return None
+            outer, comp, name = outer[:-1], caller, call.operands[number]
+        else:
+            return comp, ins, outer
+    return None
+
+
+def _zero_filled(mod: Module, comp: str, name: str, group: int) -> bool:
+    """Whether value `name` is one device's shard written, at an offset that depends
+    on its partition id, into a buffer of zeros `group` times the shard's size: an
+    all-reduce of it over the group is an all-gather (as libtpu writes some)."""
+    found = _origin(mod, comp, name)
+    if found is None or found[1].op != "kDynamicUpdateSlice" or len(found[1].operands) < 3:
+        return False
+    where, update, outer = found
+    zeros = _origin(mod, where, update.operands[0], outer)
+    if zeros is None or zeros[1].op != "kBroadcast" or not zeros[1].operands:
+        return False
+    fill = _origin(mod, zeros[0], zeros[1].operands[0], zeros[2])
+    if fill is None or fill[1].op != "kConstant" or not _is_zero(fill[1].args):
+        return False
+    shard = mod.by_name[where].get(update.operands[1])
+    whole = math.prod(_dims(update.type))
+    return (
+        shard is not None
+        and math.prod(_dims(shard.type)) * group == whole
+        and any(mod.depends(where, o) for o in update.operands[2:])
+    )
+
+
+def _is_zero(literal: str) -> bool:
+    """Whether a scalar constant's literal (``0``, ``-0``, ``0.0``) is zero."""
+    try:
+        return float(literal) == 0
+    except ValueError:
+        return False
+
+
+def _fused_scatter(mod: Module, ins: Instr) -> tuple[Instr, list[tuple[str, str]]] | None:
+    """Where `ins` is libtpu's all-reduce-scatter (a ``kind=kCustom`` fusion whose
+    computation all-reduces its operands, a tuple of them or one, and keeps one
+    device's ``dynamic-slice`` of each result as its own), the all-reduce and each
+    element's (shard, whole) types; None where it is not one."""
+    # jaxlib's instruction has no fusion kind: its text says it
+    if ins.op != "kFusion" or "kind=kCustom" not in ins.attrs:
+        return None
+    callee = dict(ins.callees).get("calls", "")
+    reduces = [i for i in mod.comps.get(callee, []) if i.op == "kAllReduce"]
+    root = mod.root(callee)
+    if len(reduces) != 1 or root is None:
+        return None
+    outs = root.operands if root.op == "kTuple" else (root.name,)
+    pairs = [_slice_of(mod, callee, out, reduces[0]) for out in outs]
+    if not pairs or None in pairs:
+        return None
+    return reduces[0], cast(list[tuple[str, str]], pairs)
+
+
+def _slice_of(mod: Module, comp: str, name: str, reduce: Instr) -> tuple[str, str] | None:
+    """Where value `name` is a ``dynamic-slice`` of all-reduce `reduce`'s result (or of
+    an element of it), the slice's type and the type sliced."""
+    found = _origin(mod, comp, name)
+    if found is None or found[1].op != "kDynamicSlice" or not found[1].operands:
+        return None
+    sliced = _origin(mod, found[0], found[1].operands[0], found[2])
+    if sliced is None:
+        return None
+    element = sliced[1]
+    if element.op == "kGetTupleElement" and element.operands[:1] == (reduce.name,):
+        return found[1].type, element.type
+    return (found[1].type, reduce.type) if element is reduce else None
 
 
 # --- the reading -----------------------------------------------------------------------
 
-Key = tuple[str, tuple[str, ...], int]
+#: A row: its kind, mesh axes, group size and the form it was written in.
+Key = tuple[str, tuple[str, ...], int, Written]
 
 
 @dataclasses.dataclass(frozen=True)
 class Tally:
     """What one run of a computation does, its callees included: flops, collective
-    rows ``(kind, axes, group) -> (count, bytes)``, the kinds inside loops of unknown
+    rows ``(kind, axes, group, written_as) -> (count, bytes)``, the kinds inside loops of unknown
     trip count, rows over groups that are not whole axes, the all-reduces read as
     reduce-scatters (by computation and name, with their whole size) and the
     collectives counted at a narrower width."""
@@ -1047,9 +1275,25 @@ class Reader:
     def _tally(self, comp: str) -> Tally:
         total = Tally()
         for ins in self.mod.comps.get(comp, []):
-            for part in (self._own(comp, ins), self._calls(comp, ins)):
+            scatter = self._fused_scatter(ins)
+            for part in (scatter,) if scatter else (self._own(comp, ins), self._calls(comp, ins)):
                 total = total + part if part else total
         return total
+
+    def _fused_scatter(self, ins: Instr) -> Tally | None:
+        """libtpu's all-reduce-scatter fusion `ins` as the reduce-scatter it is (one op,
+        a tuple of them too), its bytes its result (the shards), or None if `ins` is not
+        one (or a shard times the group is not the whole reduced)."""
+        found = _fused_scatter(self.mod, ins)
+        if found is None:
+            return None
+        inner, pairs = found
+        axes, group, whole = _axes("all-reduce", inner, self.shape)
+        if any(math.prod(_dims(s)) * group != math.prod(_dims(w)) for s, w in pairs):
+            return None
+        key: Key = ("reduce-scatter", axes, group, "all-reduce-scatter")
+        rows = {key: (1, _type_bytes(ins.type))}
+        return Tally(rows=rows, partial=frozenset() if whole else frozenset([key]))
 
     def _own(self, comp: str, ins: Instr) -> Tally:
         """The flops and collectives of `ins` itself."""
@@ -1064,9 +1308,10 @@ class Reader:
         rows: dict[Key, tuple[int, int]] = {}
         scattered: dict[tuple[str, str], int] = {}
         widened: set[tuple[str, str]] = set()
-        for part in _parts(self.mod, comp, ins, kind, group, self.cpu):
-            was = rows.get((part.kind, axes, group), (0, 0))
-            rows[(part.kind, axes, group)] = (was[0] + 1, was[1] + part.bytes)
+        for part in _parts(self.mod, comp, ins, start, kind, group, self.cpu):
+            key: Key = (part.kind, axes, group, part.written_as)
+            was = rows.get(key, (0, 0))
+            rows[key] = (was[0] + 1, was[1] + part.bytes)
             if part.held:
                 scattered[(comp, ins.name)] = scattered.get((comp, ins.name), 0) + part.held
             if part.widened:
@@ -1092,7 +1337,7 @@ class Reader:
             if arrays
             else 0
         )
-        key = (kind, axes, group)
+        key: Key = (kind, axes, group, "")
         return Tally(rows={key: (1, size)}, partial=frozenset() if whole else frozenset([key]))
 
     def _calls(self, comp: str, ins: Instr) -> Tally:
@@ -1108,7 +1353,7 @@ class Reader:
                 continue
             inner = self.tally(callee)
             if trips is None:  # a loop of unknown trip count: once, flagged
-                kinds = frozenset(kind for kind, _, _ in inner.rows)
+                kinds = frozenset(kind for kind, *_ in inner.rows)
                 inner = dataclasses.replace(inner, unknown=inner.unknown | kinds)
             total = total + inner.times(trips or 1)
         return total
@@ -1136,7 +1381,11 @@ def read_step(
     values the CPU widened (bf16 in f32) at their own width. On a multi-slice
     TPU job (`slice_size` chips a slice), the transfers across slices (the
     megascale runtime's ``send``s) count as the collectives they are part of,
-    over the devices at the same place in each slice.
+    over the devices at the same place in each slice. libtpu's forms count as
+    what they move, each row saying the form (`Collective.written_as`): its
+    all-reduce-scatter fusion (an all-reduce of which each device keeps its
+    shard) as a reduce-scatter of its operand to that shard; an all-gather it
+    writes as an all-reduce of zero-filled buffers as the all-reduce it runs.
 
     Example:
         A loop as libtpu leaves it (no ``known_trip_count``): six iterations of a
@@ -1175,7 +1424,7 @@ def read_step(
         >>> read.flops == 6 * 2 * 16 * 16 * 16
         True
         >>> read.collectives
-        (Collective(kind='all-reduce', count=6, bytes=6144, axes=('fsdp',), group=4),)
+        (Collective(kind='all-reduce', count=6, bytes=6144, axes=('fsdp',), group=4, written_as=''),)
         >>> Reading.from_json(read.to_json()) == read
         True
     """
@@ -1184,8 +1433,8 @@ def read_step(
         return Reading()
     total = Reader(mod, shape, platform == "cpu", slice_size).tally(mod.entry)
     held = _held(mod, dict(total.scattered), mod.entry) if total.scattered else 0
-    order = sorted(total.rows, key=lambda k: (KINDS.index(k[0]), k[1], k[2]))
-    found = tuple(Collective(kind, *total.rows[(kind, a, g)], a, g) for kind, a, g in order)
+    order = sorted(total.rows, key=lambda k: (KINDS.index(k[0]), *k[1:]))
+    found = tuple(Collective(k, *total.rows[(k, a, g, w)], a, g, w) for k, a, g, w in order)
     flags = _flags(total.unknown, total.partial, len(total.scattered), len(total.widened))
     return Reading(found, tuple(flags), total.flops, held)
 
@@ -1240,7 +1489,7 @@ def _flags(
                 f"{kind} inside a loop whose trip count the compiler does not know: "
                 "counted once per step"
             )
-    for kind, axes, group in sorted(partial):
+    for kind, axes, group in sorted({key[:3] for key in partial}):
         yield (
             f"{kind} over groups of {group} devices that are not whole mesh axes "
             f"(part of {', '.join(axes) or 'no axis'})"

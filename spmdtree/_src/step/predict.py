@@ -146,8 +146,9 @@ def _event_from(data: Sequence[Any]) -> Event:
     if tag == "kernel":
         return Kernel(*rest)
     if tag == "start":
-        kind, count, size, axes, group = rest[1]
-        return Start(rest[0], Collective(kind, count, size, tuple(axes), group), rest[2])
+        kind, count, size, axes, group, written = rest[1]
+        row = Collective(kind, count, size, tuple(axes), group, written)
+        return Start(rest[0], row, rest[2])
     if tag == "done":
         return Done(rest[0])
     if tag == "loop":
@@ -766,7 +767,7 @@ def read_schedule(module: Any, shape: Sequence[tuple[str, int]] = (), *, platfor
         >>> [type(e).__name__ for e in schedule.events]
         ['Start', 'Kernel', 'Done']
         >>> schedule.events[0].row
-        Collective(kind='all-gather', count=1, bytes=2097152, axes=('data',), group=8)
+        Collective(kind='all-gather', count=1, bytes=2097152, axes=('data',), group=8, written_as='')
         >>> schedule.events[1]
         Kernel(kind='matmul', flops=2147483648, bytes=6291456, batch=1, m=1024, n=1024, k=1024, dtype='bf16')
         >>> Schedule.from_json(schedule.to_json()) == schedule
