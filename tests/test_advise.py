@@ -501,7 +501,7 @@ def test_many_flags_are_one_line_of_the_table_and_all_on_the_row():
             else "12 arrays replicated on every device, 12.0 MiB: args[1]/0, args[1]/1, args[1]/2, ..."
         )
         assert f"     ! {said}" in shown
-    body = shown[[i for i, line in enumerate(shown) if line.startswith("#  layout")][0] + 1 : -1]
+    body = shown[next(i for i, line in enumerate(shown) if line.startswith("#  layout")) + 1 : -1]
     assert len(body) <= 5 * len(advice.rows)  # a few lines a row, not one per flag
     assert sum(len(row.flags) for row in advice.rows) > 12 * len(advice.rows)
     batch = next(row for row in advice.rows if row.verdict == "batch unsharded")
