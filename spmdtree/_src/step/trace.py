@@ -305,7 +305,9 @@ def _out_shardings(prefix: PyTree, outputs: Any, mesh: AnyMesh) -> list[NamedSha
 
 
 def _traced(thunk: Callable[[], T], signature: str) -> T:
-    """``thunk()``, with a failure to trace said as preflight's, with JAX's message."""
+    """``thunk()``, with a failure to trace said as preflight's: the exception's type
+    and message in the sentence, and the exception itself chained as its cause,
+    so the traceback still shows the step's own line."""
     try:
         return thunk()
     except Mistake:
@@ -314,4 +316,4 @@ def _traced(thunk: Callable[[], T], signature: str) -> T:
         raise Mistake(
             TypeError if isinstance(e, TypeError) else ValueError,
             f"the step does not trace with its arguments ({signature}): {type(e).__name__}: {e}",
-        ) from None
+        ) from e
