@@ -2,6 +2,7 @@
 advise would otherwise leave unsaid (rules that match nothing, collectives the
 params' layout does not explain, nothing that fits)."""
 
+import time
 import traceback
 
 import jax
@@ -56,3 +57,19 @@ def test_a_mistake_of_spmdtree_own_is_still_raised_alone():
     with pytest.raises(ValueError) as info:
         st.preflight(jnp.sin, jnp.zeros(4), mesh=abstract_mesh((2,), ("data",)), static_argnums=3)
     assert info.value.__cause__ is None and info.value.__suppress_context__
+
+
+def test_compile_seconds_count_the_trace_once():
+    # The step sleeps while it is traced, so the trace takes at least that long: a
+    # trace counted twice would put compile_seconds above the whole call's wall time.
+    tracing = 0.3
+
+    def slow_to_trace(x):
+        time.sleep(tracing)
+        return jnp.sin(x) * 2
+
+    x = jax.ShapeDtypeStruct((64,), jnp.float32)
+    start = time.perf_counter()
+    step = st.preflight(slow_to_trace, x, mesh=abstract_mesh((2,), ("data",)))
+    wall = time.perf_counter() - start
+    assert tracing <= step.compile_seconds <= wall

@@ -65,7 +65,8 @@ class StepPlan:
             ``"tpu"`` (libtpu) for a target or a `Mesh` of those devices.
         mesh: the mesh planned for, as given (a plan of a `Mesh` holds its
             devices, which do not pickle; one of an `AbstractMesh` pickles).
-        compile_seconds: how long lowering and compiling took.
+        compile_seconds: how long tracing, lowering and compiling took, each counted
+            once (0.4 counted the trace twice on a compile in this process).
         flags: sentences: the inputs' plan flags first (a dimension left
             unsharded), then what the figures do not cover (a loop whose trip
             count the compiler does not know counts once; reductions read as
