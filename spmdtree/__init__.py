@@ -82,6 +82,7 @@ from spmdtree._src.step.hardware import hardware as hardware
 from spmdtree._src.step.hlo import Collective as Collective
 from spmdtree._src.step.preflight import StepPlan as StepPlan
 from spmdtree._src.step.preflight import preflight as preflight
+from spmdtree._src.tactics import UnmatchedWarning as UnmatchedWarning
 from spmdtree._src.tactics import fsdp as fsdp
 from spmdtree._src.tactics import match as match
 from spmdtree._src.transforms import scan as scan
@@ -121,6 +122,7 @@ __all__ = [
     "RulesFallback",
     "StepPlan",
     "StepTime",
+    "UnmatchedWarning",
     "UnshardedWarning",
     "add_axis",
     "advise",

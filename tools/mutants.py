@@ -146,7 +146,7 @@ MUTANTS: dict[str, list[tuple[str, str, str]]] = {
     "match-default-ignored": [
         (
             "_src/tactics.py",
-            "        if default is not None:\n            return default(path, leaf)\n",
+            "        if self.default is not None:\n            return self.default(path, leaf)\n",
             "",
         ),
     ],
