@@ -64,6 +64,7 @@ from spmdtree._src.rules import Rules as Rules
 from spmdtree._src.rules import get_logical_axis_rules as get_logical_axis_rules
 from spmdtree._src.rules import logical_axis_rules as logical_axis_rules
 from spmdtree._src.rules import set_logical_axis_rules as set_logical_axis_rules
+from spmdtree._src.specs import RuleProblem as RuleProblem
 from spmdtree._src.specs import get_partition_spec as get_partition_spec
 from spmdtree._src.specs import get_sharding as get_sharding
 from spmdtree._src.specs import kept_dimensions as kept_dimensions
@@ -118,6 +119,7 @@ __all__ = [
     "Plan",
     "PlanDiff",
     "PlanRow",
+    "RuleProblem",
     "Rules",
     "RulesFallback",
     "StepPlan",

@@ -248,7 +248,11 @@ MUTANTS: dict[str, list[tuple[str, str, str]]] = {
         ("_src/interop.py", "if shape is not None and len(shape) > len(names):", "if False:"),
     ],
     "never-reached-not-reported": [
-        ("_src/specs.py", "problems += _never_reached(tree, normal, mesh)", "problems += []"),
+        (
+            "_src/specs.py",
+            "problems += [problem.sentence for problem in _never_reached(tree, normal, mesh)]",
+            "problems += []",
+        ),
     ],
     "peak-ignores-aliasing": [
         (

@@ -24,6 +24,7 @@ from spmdtree._src.errors import Mistake, public
 from spmdtree._src.plan import Plan
 from spmdtree._src.resolve import check_mesh
 from spmdtree._src.rules import AnyMesh, PyTree, Rules
+from spmdtree._src.specs import RuleProblem
 from spmdtree._src.step.hardware import PRESETS, Hardware, StepTime, _nodes_per_device, step_time
 from spmdtree._src.step.hlo import Collective
 from spmdtree._src.step.targets import (
@@ -86,6 +87,15 @@ class StepPlan:
         devices_per_node: a target's devices per GPU node or TPU slice, as it
             was compiled; `time` lays devices out so by default (new in 0.4;
             None for no target).
+        rule_problems: what is wrong with single rules of those the step was
+            traced under, as `validate_rules` says it over the arguments on
+            `mesh`, one `RuleProblem` each: a rule naming an axis the mesh
+            lacks, one never reached, and one that matches nothing: no box of
+            the arguments has its logical name and no `with_logical_constraint`
+            in the step names it (a name only activations have counts as used;
+            the constraints of a function JAX had already traced in this
+            process with the same shapes, and so did not trace again, are not
+            seen). New in 0.5.
 
     Example:
         >>> import jax, jax.numpy as jnp, spmdtree as st
@@ -115,6 +125,7 @@ class StepPlan:
     overstated_bytes: int = 0
     target: str = ""
     devices_per_node: int | None = None
+    rule_problems: tuple[RuleProblem, ...] = ()
 
     @property
     def peak_bytes(self) -> int:
@@ -408,4 +419,5 @@ def step_plan(traced: Traced, analysis: Analysis, where: Where) -> StepPlan:
         devices_per_node=None
         if where.placement is None or where.placement.target is None
         else where.placement.per_node,
+        rule_problems=traced.rule_problems,
     )
