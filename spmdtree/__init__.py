@@ -77,6 +77,7 @@ from spmdtree._src.step.advise import AdviceRow as AdviceRow
 from spmdtree._src.step.advise import Candidate as Candidate
 from spmdtree._src.step.advise import advise as advise
 from spmdtree._src.step.advise import layouts as layouts
+from spmdtree._src.step.diagnose import Traffic as Traffic
 from spmdtree._src.step.hardware import Hardware as Hardware
 from spmdtree._src.step.hardware import StepTime as StepTime
 from spmdtree._src.step.hardware import hardware as hardware
@@ -124,6 +125,7 @@ __all__ = [
     "RulesFallback",
     "StepPlan",
     "StepTime",
+    "Traffic",
     "UnmatchedWarning",
     "UnshardedWarning",
     "add_axis",

@@ -2,6 +2,8 @@
 advise would otherwise leave unsaid (rules that match nothing, collectives the
 params' layout does not explain, nothing that fits)."""
 
+import dataclasses
+import math
 import time
 import traceback
 
@@ -150,3 +152,176 @@ def test_rules_all_used_say_nothing():
     w, x = _lm_args()
     rules = [("batch", "data"), ("embed", None), ("kv", None)]
     assert st.preflight(_lm_step, w, x, mesh=mesh, rules=rules).rule_problems == ()
+
+
+# --- collectives the layout does not explain ---------------------------------
+
+FSDP_RULES = [("batch", ("data", "fsdp")), ("embed", "fsdp"), ("mlp", None), ("vocab", None)]
+V, D, M, B, S = 512, 256, 1024, 64, 128  # vocabulary, width, hidden, batch, length
+
+
+def _lm_params():
+    f32 = jnp.float32
+    return {
+        "embed": st.LogicallyPartitioned(jax.ShapeDtypeStruct((V, D), f32), ("vocab", "embed")),
+        "w1": st.LogicallyPartitioned(jax.ShapeDtypeStruct((D, M), f32), ("embed", "mlp")),
+        "w2": st.LogicallyPartitioned(jax.ShapeDtypeStruct((M, D), f32), ("mlp", "embed")),
+    }
+
+
+def _train_step(constrain):
+    """A one-layer LM's SGD step; its activations constrained, or left to XLA."""
+
+    def c(x, names):
+        return st.with_logical_constraint(x, names) if constrain else x
+
+    def loss(p, tokens):
+        p = st.unbox(p)
+        x = c(p["embed"][tokens.value], ("batch", None, "embed"))
+        h = c(jax.nn.relu(x @ p["w1"]), ("batch", None, "mlp"))
+        y = c(h @ p["w2"] + x, ("batch", None, "embed"))
+        return jnp.mean(jax.nn.logsumexp(y @ p["embed"].T, -1))
+
+    def step(p, tokens):
+        grads = jax.grad(loss)(p, tokens)
+        return jax.tree.map(lambda w, g: w - 0.1 * g, p, grads)
+
+    return step
+
+
+_FSDP_STEPS = {}
+
+
+def _fsdp_step(constrain):
+    """The step preflighted on data 2 x fsdp 4 (Auto axes), compiled once per module."""
+    if constrain not in _FSDP_STEPS:
+        tokens = st.LogicallyPartitioned(jax.ShapeDtypeStruct((B, S), jnp.int32), ("batch", None))
+        mesh = abstract_mesh((2, 4), ("data", "fsdp"))
+        _FSDP_STEPS[constrain] = st.preflight(
+            _train_step(constrain), _lm_params(), tokens, mesh=mesh, rules=FSDP_RULES
+        )
+    return _FSDP_STEPS[constrain]
+
+
+def _explained_by_hand():
+    """The oracle, from the shapes: each weight (sharded over fsdp, 4 ways, and
+    replicated over data) gathered whole twice, its gradient reduce-scattered to
+    its shard and that shard all-reduced over data; the tokens, sharded over
+    both axes (8 ways), count as if they were a weight too, gathered twice and
+    reduce-scattered."""
+    weights, tokens = 4 * (V * D + D * M + M * D), 4 * B * S
+    return 2 * weights + weights // 4 + weights // 4 + 2 * tokens + tokens // 8
+
+
+def test_activations_xla_split_over_the_fsdp_axis_are_said():
+    step = _fsdp_step(constrain=False)
+    found = step.unexplained_traffic
+    assert found is not None
+    assert found.explained_bytes == _explained_by_hand()
+    assert found.measured_bytes == sum(c.bytes for c in step.collectives)
+    assert found.measured_bytes > 4 * found.explained_bytes
+    assert found.largest == max(step.collectives, key=lambda c: c.bytes)
+    assert found.largest.kind == "all-reduce" and found.largest.axes == ("fsdp",)
+    assert found.activations
+    assert "constrain the activations with `st.with_logical_constraint`" in found.sentence
+    assert "over ('fsdp',)" in found.sentence
+
+
+def test_the_same_step_with_its_activations_constrained_says_nothing():
+    step = _fsdp_step(constrain=True)
+    assert step.unexplained_traffic is None
+    assert sum(c.bytes for c in step.collectives) <= 4 * _explained_by_hand()
+    # and the constraints are what changed it: far less moves
+    assert (
+        4 * sum(c.bytes for c in step.collectives)
+        < _fsdp_step(False).unexplained_traffic.measured_bytes
+    )
+
+
+def _moving(step, *collectives):
+    """What the step's record would say, had its compile run these collectives."""
+    return dataclasses.replace(step, collectives=collectives).unexplained_traffic
+
+
+def _all_reduce(n, axes=("fsdp",)):
+    return st.Collective("all-reduce", 1, n, axes=axes, group=4)
+
+
+def test_traffic_is_said_only_past_four_times_what_the_layout_explains():
+    step = _fsdp_step(constrain=True)
+    explained = _explained_by_hand()
+    assert _moving(step, _all_reduce(4 * explained)) is None
+    assert _moving(step, _all_reduce(4 * explained + 1)).measured_bytes == 4 * explained + 1
+    # with nothing explained, an excess of 1 MiB or less is not said: toy steps
+    bare = dataclasses.replace(step, inputs=st.plan({}, step.mesh))
+    assert _moving(bare, _all_reduce(1 << 20, ("data",))) is None
+    assert _moving(bare, _all_reduce((1 << 20) + 1, ("data",))).sentence.startswith(
+        "The collectives move 1.0 MiB per device per step, far more than the layout of the "
+        "arguments explains (0 B at most: "
+    )
+    # a gather moves the most: not activations reduced over the weights' axes
+    gathered = st.Collective("all-gather", 1, 8 * explained, axes=("data",), group=2)
+    other = _moving(step, _all_reduce(explained), gathered)
+    assert other.largest == gathered and not other.activations
+    assert "Something other than the arguments' layout moves them" in other.sentence
+
+
+# --- nothing fits --------------------------------------------------------------
+
+GiB = 2**30
+
+
+def _peaking(arrays, temps):
+    """A compiled step's record with these figures: arrays `arrays` bytes, temporaries `temps`."""
+    return dataclasses.replace(
+        _fsdp_step(constrain=True),
+        argument_bytes=arrays,
+        output_bytes=0,
+        alias_bytes=0,
+        temp_bytes=temps,
+    )
+
+
+def test_a_step_over_budget_says_by_how_much_and_what_would_bring_it_under():
+    step = _peaking(10 * GiB, 30 * GiB)
+    budget, batch = 32 * GiB, 256
+    said = step.what_would_fit(budget, batch=batch, remat=False)
+    largest = math.floor(batch * (budget - 10 * GiB) / (30 * GiB))  # temporaries scale with it
+    assert said == (
+        "The step's peak, 40.0 GiB, is 8.0 GiB (25%) over the budget of 32.0 GiB. "
+        "Its temporaries (activations among them) are 30.0 GiB, 75% of the peak: "
+        "rematerialising the layers (`jax.checkpoint`) could bring it under. "
+        "Spread over 2x the devices (16), with the arrays and the batch sharded over them, its "
+        f"peak would be about 1/2: under. A batch of at most {largest} (from 256) could bring "
+        "it under."
+    )
+    assert largest == 187
+
+
+@pytest.mark.parametrize(
+    "arrays, temps, remat, says, does_not_say",
+    [
+        (10, 30, True, [], ["rematerialising"]),  # it already does
+        (10, 30, None, ["(`jax.checkpoint`), if the step does not already, could"], []),
+        (30, 4, False, ["A batch of at most 32 (from 64)"], ["rematerialising"]),  # 12% temps
+        (40, 30, False, ["A smaller batch cannot bring it under", "(40.0 GiB)"], []),
+        (10, 200, False, ["Spread over 8x the devices (64)"], []),
+    ],
+    ids=["already-remat", "remat-unknown", "arrays-dominate", "arrays-over", "far-over"],
+)
+def test_what_would_fit_follows_the_figures(arrays, temps, remat, says, does_not_say):
+    said = _peaking(arrays * GiB, temps * GiB).what_would_fit(32 * GiB, batch=64, remat=remat)
+    for part in says:
+        assert part in said
+    for part in does_not_say:
+        assert part not in said
+
+
+def test_a_step_that_fits_needs_nothing_and_a_bad_batch_is_said():
+    step = _peaking(10 * GiB, 30 * GiB)
+    assert step.what_would_fit(40 * GiB) is None
+    assert "a batch of at most 73% of this one" in step.what_would_fit(32 * GiB).lower()
+    with pytest.raises(TypeError, match=r"^what_would_fit: batch is 2.5; expected an int"):
+        step.what_would_fit(32 * GiB, batch=2.5)
+    with pytest.raises(TypeError, match=r"^fits: budget_bytes is '32'"):
+        step.what_would_fit("32")
