@@ -64,6 +64,7 @@ from spmdtree._src.rules import Rules as Rules
 from spmdtree._src.rules import get_logical_axis_rules as get_logical_axis_rules
 from spmdtree._src.rules import logical_axis_rules as logical_axis_rules
 from spmdtree._src.rules import set_logical_axis_rules as set_logical_axis_rules
+from spmdtree._src.specs import RuleProblem as RuleProblem
 from spmdtree._src.specs import get_partition_spec as get_partition_spec
 from spmdtree._src.specs import get_sharding as get_sharding
 from spmdtree._src.specs import kept_dimensions as kept_dimensions
@@ -77,12 +78,14 @@ from spmdtree._src.step.advise import Candidate as Candidate
 from spmdtree._src.step.advise import Verdict as Verdict
 from spmdtree._src.step.advise import advise as advise
 from spmdtree._src.step.advise import layouts as layouts
+from spmdtree._src.step.diagnose import Traffic as Traffic
 from spmdtree._src.step.hardware import Hardware as Hardware
 from spmdtree._src.step.hardware import StepTime as StepTime
 from spmdtree._src.step.hardware import hardware as hardware
 from spmdtree._src.step.hlo import Collective as Collective
 from spmdtree._src.step.preflight import StepPlan as StepPlan
 from spmdtree._src.step.preflight import preflight as preflight
+from spmdtree._src.tactics import UnmatchedWarning as UnmatchedWarning
 from spmdtree._src.tactics import fsdp as fsdp
 from spmdtree._src.tactics import match as match
 from spmdtree._src.transforms import scan as scan
@@ -118,10 +121,13 @@ __all__ = [
     "Plan",
     "PlanDiff",
     "PlanRow",
+    "RuleProblem",
     "Rules",
     "RulesFallback",
     "StepPlan",
     "StepTime",
+    "Traffic",
+    "UnmatchedWarning",
     "UnshardedWarning",
     "Verdict",
     "add_axis",

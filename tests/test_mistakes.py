@@ -151,6 +151,14 @@ CASES = {
         ValueError,
         ["box:", "tree['dense']['bias']", "'dense/bias'", "strict=False"],
     ),
+    "match-strict-pattern-matching-nothing": (
+        lambda: st.box(
+            {"dense": {"kernel": jnp.zeros(2)}},
+            st.match([("kernel$", ("data",)), ("heads$", ("model",))], strict=True),
+        ),
+        ValueError,
+        ["box:", "pattern 1 ('heads$')", "matches none", "'dense/kernel'", "Fix the regex"],
+    ),
     "more-dims-than-names": (
         lambda: st.to_spec(jax.vmap(lambda _: w(("data", "model")))(jnp.arange(2)), mesh=MESH),
         ValueError,

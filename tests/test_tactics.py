@@ -1,5 +1,8 @@
 """Tactics for unannotated trees: fsdp, and match(..., default=)."""
 
+import re
+import warnings
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -96,3 +99,82 @@ def test_the_plan_shows_each_choice():
 def test_match_default_must_be_a_names_function():
     with pytest.raises(TypeError, match=r"match: default is 'fsdp'; expected a names function"):
         st.match([], default="fsdp")
+
+
+# A flax-like tree whose attention kernels are named ('embed', 'kv'), not 'heads'.
+GPT = {
+    "attn": {"query": {"kernel": sds(64, 64)}, "out": {"kernel": sds(64, 64)}},
+    "mlp": {"kernel": sds(64, 256), "bias": sds(256)},
+}
+GPT_PATHS = ["attn/out/kernel", "attn/query/kernel", "mlp/bias", "mlp/kernel"]  # as box walks
+PATTERNS = [(r"mlp/kernel$", ("embed", "mlp")), (r"heads/kernel$", ("embed", "heads"))]
+
+
+def _matched_by_none(patterns, paths):
+    """The oracle: the indices of the patterns `re.search` finds in none of the paths."""
+    return [
+        i for i, (regex, _) in enumerate(patterns) if not any(re.search(regex, p) for p in paths)
+    ]
+
+
+def test_a_pattern_that_matches_no_leaf_is_warned_of_at_the_users_line():
+    assert _matched_by_none(PATTERNS, GPT_PATHS) == [1]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        boxed = st.box(GPT, st.match(PATTERNS), logical=True)
+    [warning] = caught
+    assert warning.category is st.UnmatchedWarning and issubclass(warning.category, UserWarning)
+    assert warning.filename == __file__
+    shown = ", ".join(map(repr, GPT_PATHS[:3]))
+    assert str(warning.message) == (
+        f"st.match pattern 1 ('heads/kernel$') matches none of the key paths of the 4 arrays "
+        f"boxed ({shown}, ...), so it names nothing. Fix the regex against these paths (keys "
+        "joined with '/'), or drop the pattern."
+    )
+    assert boxed["mlp"]["kernel"].names == ("embed", "mlp")  # the rest is named as before
+
+
+def test_strict_makes_a_pattern_that_matches_no_leaf_an_error():
+    patterns = [*PATTERNS, (r"attn/", None), (r"bias$", None), (r"^lm_head", None)]
+    assert _matched_by_none(patterns, GPT_PATHS) == [1, 4]
+    with pytest.raises(ValueError) as info:
+        st.box(GPT, st.match(patterns, strict=True), logical=True)
+    message = str(info.value)
+    assert message.startswith(
+        "box: st.match patterns 1 ('heads/kernel$'), 4 ('^lm_head') match none of the "
+        "key paths of the 4 arrays boxed"
+    )
+    assert "so they name nothing" in message
+
+
+def test_many_patterns_that_match_nothing_are_counted_past_five():
+    patterns = [(f"^nothing{i}$", None) for i in range(7)]
+    with pytest.warns(st.UnmatchedWarning) as caught:
+        st.box(GPT, st.match(patterns))
+    assert str(caught[0].message).startswith(
+        "st.match patterns 0 ('^nothing0$'), 1 ('^nothing1$'), 2 ('^nothing2$'), "
+        "3 ('^nothing3$'), 4 ('^nothing4$') and 2 more match none of the key paths"
+    )
+
+
+@pytest.mark.parametrize(
+    "patterns",
+    [
+        [(r"kernel$", ("embed", "mlp")), (r"mlp/kernel$", None), (r".", None)],  # shadowed
+        [(r"kernel$", ("embed", "mlp"))],  # leaves matched by none are not patterns' fault
+    ],
+    ids=["shadowed-by-an-earlier-pattern", "unmatched-leaves"],
+)
+def test_a_pattern_that_matches_some_leaf_is_not_warned_of(patterns):
+    assert _matched_by_none(patterns, GPT_PATHS) == []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", st.UnmatchedWarning)
+        st.box(GPT, st.match(patterns), logical=True)
+
+
+def test_the_default_match_is_checked_on_the_leaves_it_was_left():
+    inner = st.match([(r"bias$", None), (r"query/kernel$", ("embed", "kv"))])
+    # the outer pattern takes every kernel, so the default's kernel pattern names nothing
+    outer = st.match([(r"kernel$", ("embed", "mlp"))], default=inner)
+    with pytest.warns(st.UnmatchedWarning, match=r"pattern 1 \('query/kernel\$'\).* 1 array "):
+        st.box(GPT, outer, logical=True)

@@ -103,7 +103,7 @@ MUTANTS: dict[str, list[tuple[str, str, str]]] = {
         ),
     ],
     "validate-rules-never-used-missing": [
-        ("_src/specs.py", "            if name not in used:", "            if False:"),
+        ("_src/specs.py", "        if name not in used\n", "        if False\n"),
     ],
     "captured-constant-placed": [
         (
@@ -146,7 +146,7 @@ MUTANTS: dict[str, list[tuple[str, str, str]]] = {
     "match-default-ignored": [
         (
             "_src/tactics.py",
-            "        if default is not None:\n            return default(path, leaf)\n",
+            "        if self.default is not None:\n            return self.default(path, leaf)\n",
             "",
         ),
     ],
@@ -248,7 +248,11 @@ MUTANTS: dict[str, list[tuple[str, str, str]]] = {
         ("_src/interop.py", "if shape is not None and len(shape) > len(names):", "if False:"),
     ],
     "never-reached-not-reported": [
-        ("_src/specs.py", "problems += _never_reached(tree, normal, mesh)", "problems += []"),
+        (
+            "_src/specs.py",
+            "problems += [problem.sentence for problem in _never_reached(tree, normal, mesh)]",
+            "problems += []",
+        ),
     ],
     "peak-ignores-aliasing": [
         (
@@ -468,6 +472,7 @@ FIRST = [
     "tests/test_oracles.py",
     "tests/test_trees.py",
     "tests/test_tactics.py",
+    "tests/test_said.py",
     "tests/test_hlo.py",
     "tests/test_preflight.py",
     "tests/test_hardware.py",
@@ -704,6 +709,52 @@ MUTANTS.update(
         ],
         "device-memory-said-as-a-compile-error": [
             ("_src/step/targets.py", '    if said["error"] == "device memory":', "    if False:")
+        ],
+    }
+)
+
+#: 0.5: said, not silent.
+MUTANTS.update(
+    {
+        "compile-seconds-count-the-trace-twice": [
+            (
+                "_src/step/targets.py",
+                "    found = analyse(compiled, traced.here, platform)\n"
+                "    return dataclasses.replace(found, seconds=time.perf_counter() - start)",
+                "    found = analyse(compiled, traced.here, platform)\n"
+                "    return dataclasses.replace(found, seconds=traced.seconds + time.perf_counter() - start)",
+            )
+        ],
+        "step-error-not-chained": [
+            (
+                "_src/errors.py",
+                "raise mistake.error(called) from mistake.__cause__",
+                "raise mistake.error(called) from None",
+            )
+        ],
+        "match-pattern-matching-nothing-unsaid": [
+            ("_src/tactics.py", "        if texts and missed:", "        if False:")
+        ],
+        "rules-only-activations-use-said-unused": [
+            (
+                "_src/specs.py",
+                "used = set(_logical_names_in(arguments)) | set(constrained)",
+                "used = set(_logical_names_in(arguments))",
+            )
+        ],
+        "traffic-said-at-any-ratio": [
+            (
+                "_src/step/diagnose.py",
+                "measured <= ratio * explained or",
+                "measured <= explained or",
+            )
+        ],
+        "what-would-fit-batch-ignores-the-arrays": [
+            (
+                "_src/step/diagnose.py",
+                "fraction = (budget_bytes - fixed) / closest.temp_bytes",
+                "fraction = budget_bytes / closest.peak_bytes",
+            )
         ],
     }
 )

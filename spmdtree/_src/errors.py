@@ -44,7 +44,9 @@ class Mistake(Exception):
 def public(fn: F, name: str | None = None) -> F:
     """Marks a public function: a `Mistake` below it becomes a ``TypeError`` or
     ``ValueError`` whose message starts with `name` (the function's own, or
-    its class's for ``__init__``)."""
+    its class's for ``__init__``). A mistake raised from another exception (a
+    user's step that raised, say) stays chained to it: that exception is the
+    error's ``__cause__``, with its own frames; any other is raised alone."""
 
     @functools.wraps(fn)
     def boundary(*args: Any, **kwargs: Any) -> Any:
@@ -52,7 +54,7 @@ def public(fn: F, name: str | None = None) -> F:
             return fn(*args, **kwargs)
         except Mistake as mistake:
             called = name or (type(args[0]).__name__ if fn.__name__ == "__init__" else fn.__name__)
-            raise mistake.error(called) from None
+            raise mistake.error(called) from mistake.__cause__
 
     return boundary  # type: ignore[return-value]
 

@@ -41,6 +41,7 @@ from spmdtree._src.rules import (
     fit_rank,
     normalize_names,
     rules_or_context,
+    saw,
 )
 
 # --- meshes ------------------------------------------------------------------
@@ -357,6 +358,8 @@ def resolve_leaf(
         Mistake: for names that cannot be right for this array on this mesh.
     """
     rules = rules if own is None else own
+    if logical:
+        saw(names)
     if logical and checked:
         check_mentioned(names, rules, mesh_shape, box=box)
     return resolve(names, shape, logical=logical, rules=rules, mesh_shape=mesh_shape)

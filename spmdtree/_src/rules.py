@@ -254,6 +254,38 @@ def get_logical_axis_rules() -> RuleTuple:
     return _RULES.get()
 
 
+# The logical names resolved while `names_seen` is open (preflight traces a step
+# so, to tell a rule only activations use from one nothing uses): a record for
+# the caller, which no resolution reads.
+_SEEN: contextvars.ContextVar[set[str] | None] = contextvars.ContextVar(
+    "spmdtree_names_seen", default=None
+)
+
+
+@contextlib.contextmanager
+def names_seen() -> Iterator[set[str]]:
+    """The logical names every resolution in the body meets (a step's
+    `with_logical_constraint` calls, as it is traced), filled as they come."""
+    seen: set[str] = set()
+    token = _SEEN.set(seen)
+    try:
+        yield seen
+    finally:
+        _SEEN.reset(token)
+
+
+def saw(names: NameTuple) -> None:
+    """Records `names` (one leaf's logical names) where `names_seen` is open."""
+    seen = _SEEN.get()
+    if seen is not None:
+        seen.update(
+            n
+            for entry in names
+            for n in (entry if isinstance(entry, tuple) else (entry,))
+            if isinstance(n, str)
+        )
+
+
 def rules_or_context(rules: Rules | None) -> RuleTuple:
     """`rules` normalised, or the context's rules when `rules` is None."""
     return _RULES.get() if rules is None else normalize_rules(rules)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any, cast
 
 import jax
@@ -644,18 +644,7 @@ def validate_rules(
     """
     normal = rules_or_context(rules)
     check_mesh(mesh, optional=True)
-    problems = []
-    if mesh is not None:
-        axes = tuple(mesh.axis_names)
-        for i, (name, mesh_axes) in enumerate(normal):
-            for axis in axes_of(mesh_axes):
-                if axis not in axes:
-                    problems.append(
-                        f"rule {i} {(name, mesh_axes)!r} names mesh axis {axis!r}, which is "
-                        f"not in the mesh (axes {', '.join(map(repr, axes))}); on this mesh "
-                        "it never applies."
-                    )
-                    break
+    problems = [problem.sentence for problem in _absent_axes(normal, mesh)]
     if tree is not None:
         used = _logical_names_in(tree)
         covered = {name for name, _ in normal}
@@ -665,17 +654,97 @@ def validate_rules(
                     f"logical name {name!r} (at {where}) is not covered by any rule; its "
                     "dimensions stay unsharded."
                 )
-        for i, (name, mesh_axes) in enumerate(normal):
-            if name not in used:
-                problems.append(
-                    f"rule {i} {(name, mesh_axes)!r} is never used: no box in the tree has "
-                    f"the logical name {name!r}."
-                )
-        problems += _never_reached(tree, normal, mesh)
+        problems += [problem.sentence for problem in _unused(normal, set(used))]
+        problems += [problem.sentence for problem in _never_reached(tree, normal, mesh)]
     return problems
 
 
-def _never_reached(tree: PyTree, rules: RuleTuple, mesh: AnyMesh | None) -> list[str]:
+@dataclasses.dataclass(frozen=True)
+class RuleProblem:
+    """What is wrong with one rule of a rule set, as `validate_rules` says it (new in 0.5).
+
+    `StepPlan.rule_problems` holds those of the rules a step was traced under:
+    a rule naming a mesh axis the mesh lacks, a rule whose logical name no box
+    of the step's arguments has and no `with_logical_constraint` in the step
+    names (a rule that matches nothing: what it was written to shard stays as
+    the other rules leave it), and a rule never reached because an earlier
+    one always takes the dimension or its mesh axes.
+
+    Attributes:
+        rule: the rule's position in the rules.
+        name: its logical name.
+        sentence: what is wrong, as a sentence.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, spmdtree as st
+        >>> mesh = jax.sharding.AbstractMesh((2,), ("data",))
+        >>> w = st.LogicallyPartitioned(jax.ShapeDtypeStruct((4, 8), jnp.float32), ("embed", "kv"))
+        >>> step = st.preflight(lambda w: 2 * w.value, w, mesh=mesh, rules=[("embed", "data"), ("heads", "data")])
+        >>> [(problem.rule, problem.name) for problem in step.rule_problems]
+        [(1, 'heads')]
+        >>> print(step.rule_problems[0].sentence)
+        rule 1 ('heads', 'data') is never used: no box in the step's arguments has the logical name 'heads', and no with_logical_constraint in the step names it. Check the name against the boxes' names (st.plan shows them), or drop the rule.
+    """
+
+    rule: int
+    name: str
+    sentence: str
+
+
+def rule_problems(
+    rules: RuleTuple, mesh: AnyMesh, arguments: PyTree, constrained: Collection[str]
+) -> tuple[RuleProblem, ...]:
+    """`validate_rules`' problems of single rules, for a step traced under `rules`
+    with `arguments`, whose constraints named `constrained`: a rule only the
+    step's activations use is used."""
+    used = set(_logical_names_in(arguments)) | set(constrained)
+    return (
+        *_absent_axes(rules, mesh),
+        *_unused(rules, used, step=True),
+        *_never_reached(arguments, rules, mesh),
+    )
+
+
+def _absent_axes(rules: RuleTuple, mesh: AnyMesh | None) -> list[RuleProblem]:
+    """Rules naming a mesh axis that `mesh` lacks: on it they never apply."""
+    if mesh is None:
+        return []
+    axes = tuple(mesh.axis_names)
+    return [
+        RuleProblem(
+            i,
+            name,
+            f"rule {i} {(name, mesh_axes)!r} names mesh axis {missing[0]!r}, which is "
+            f"not in the mesh (axes {', '.join(map(repr, axes))}); on this mesh "
+            "it never applies.",
+        )
+        for i, (name, mesh_axes) in enumerate(rules)
+        if (missing := [axis for axis in axes_of(mesh_axes) if axis not in axes])
+    ]
+
+
+def _unused(rules: RuleTuple, used: set[str], *, step: bool = False) -> list[RuleProblem]:
+    """Rules for logical names that nothing `used` has: they match nothing."""
+    where = "the step's arguments" if step else "the tree"
+    also = (
+        ", and no with_logical_constraint in the step names it. Check the name against "
+        "the boxes' names (st.plan shows them), or drop the rule"
+        if step
+        else ""
+    )
+    return [
+        RuleProblem(
+            i,
+            name,
+            f"rule {i} {(name, mesh_axes)!r} is never used: no box in {where} has "
+            f"the logical name {name!r}{also}.",
+        )
+        for i, (name, mesh_axes) in enumerate(rules)
+        if name not in used
+    ]
+
+
+def _never_reached(tree: PyTree, rules: RuleTuple, mesh: AnyMesh | None) -> list[RuleProblem]:
     """Rules for names the tree uses that never serve a dimension, because an
     earlier rule always takes the dimension or the mesh axes first."""
     try:
@@ -700,9 +769,13 @@ def _never_reached(tree: PyTree, rules: RuleTuple, mesh: AnyMesh | None) -> list
                 elif p.rule is not None:
                     served.add(p.rule)  # tried, and only the size stood in its way
     return [
-        f"rule {i} {rules[i]!r} is never reached: wherever {rules[i][0]!r} appears, "
-        + " or ".join(sorted(why[i]))
-        + ". Reorder the rules, or drop it."
+        RuleProblem(
+            i,
+            rules[i][0],
+            f"rule {i} {rules[i]!r} is never reached: wherever {rules[i][0]!r} appears, "
+            + " or ".join(sorted(why[i]))
+            + ". Reorder the rules, or drop it.",
+        )
         for i in sorted(why)
         if i not in served
     ]

@@ -291,14 +291,19 @@ def _box_one(
 def _names_from_function(
     fn: NamesFn, paths_leaves: Sequence[tuple[KeyPath, Any]]
 ) -> list[Names | None]:
-    chosen, problems = [], []
+    chosen, problems, asked = [], [], []
     for path, leaf in paths_leaves:
         try:
             refuse_foreign(leaf)
-            chosen.append(fn(path, leaf) if is_array(leaf) and not is_boxed(leaf) else None)
+            to_name = is_array(leaf) and not is_boxed(leaf)
+            chosen.append(fn(path, leaf) if to_name else None)
+            asked += [path] if to_name else []
         except Mistake as mistake:
             problems.append((subject(leaf, path), mistake))
     raise_collected(problems)
+    check_tree = getattr(fn, "check_tree", None)  # `match`'s: patterns that named no leaf
+    if check_tree is not None:
+        check_tree(asked)
     return chosen
 
 

@@ -24,6 +24,8 @@ from spmdtree._src.errors import Mistake, public
 from spmdtree._src.plan import Plan
 from spmdtree._src.resolve import check_mesh
 from spmdtree._src.rules import AnyMesh, PyTree, Rules
+from spmdtree._src.specs import RuleProblem
+from spmdtree._src.step.diagnose import Closest, Traffic, nothing_fits, unexplained_traffic
 from spmdtree._src.step.hardware import PRESETS, Hardware, StepTime, _nodes_per_device, step_time
 from spmdtree._src.step.hlo import Collective
 from spmdtree._src.step.predict import Schedule
@@ -66,7 +68,8 @@ class StepPlan:
             ``"tpu"`` (libtpu) for a target or a `Mesh` of those devices.
         mesh: the mesh planned for, as given (a plan of a `Mesh` holds its
             devices, which do not pickle; one of an `AbstractMesh` pickles).
-        compile_seconds: how long lowering and compiling took.
+        compile_seconds: how long tracing, lowering and compiling took, each counted
+            once (0.4 counted the trace twice on a compile in this process).
         flags: sentences: the inputs' plan flags first (a dimension left
             unsharded), then what the figures do not cover (a loop whose trip
             count the compiler does not know counts once; reductions read as
@@ -86,6 +89,15 @@ class StepPlan:
         devices_per_node: a target's devices per GPU node or TPU slice, as it
             was compiled; `time` lays devices out so by default (new in 0.4;
             None for no target).
+        rule_problems: what is wrong with single rules of those the step was
+            traced under, as `validate_rules` says it over the arguments on
+            `mesh`, one `RuleProblem` each: a rule naming an axis the mesh
+            lacks, one never reached, and one that matches nothing: no box of
+            the arguments has its logical name and no `with_logical_constraint`
+            in the step names it (a name only activations have counts as used;
+            the constraints of a function JAX had already traced in this
+            process with the same shapes, and so did not trace again, are not
+            seen). New in 0.5.
 
     Example:
         >>> import jax, jax.numpy as jnp, spmdtree as st
@@ -115,12 +127,73 @@ class StepPlan:
     overstated_bytes: int = 0
     target: str = ""
     devices_per_node: int | None = None
+    rule_problems: tuple[RuleProblem, ...] = ()
     schedule: Schedule | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def peak_bytes(self) -> int:
         """Arguments + outputs - aliased + temporaries: the step's peak on one device."""
         return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
+
+    @property
+    def unexplained_traffic(self) -> Traffic | None:
+        """The step's collectives, where they move far more than the layout of its
+        arguments explains: a `Traffic` saying so and what to do; else None (new
+        in 0.5).
+
+        The layout explains, at most, each sharded argument gathered whole twice
+        and its gradient reduce-scattered, and each replicated one's gradient
+        all-reduced; more than 4 times that (and 1 MiB beyond it) is said.
+
+        Example:
+            >>> import jax, jax.numpy as jnp, spmdtree as st
+            >>> mesh = jax.sharding.AbstractMesh((2,), ("data",))
+            >>> x = st.Partitioned(jax.ShapeDtypeStruct((8, 4), jnp.float32), ("data", None))
+            >>> st.preflight(lambda x: jnp.sum(x.value), x, mesh=mesh).unexplained_traffic is None
+            True
+        """
+        return unexplained_traffic(self.collectives, self.inputs)
+
+    @public
+    def what_would_fit(
+        self, budget_bytes: int, *, batch: int | None = None, remat: bool | None = None
+    ) -> str | None:
+        """What might bring the step under `budget_bytes`, in words; None where it
+        fits (new in 0.5).
+
+        How far over its peak is, then what might bring it under: rematerialising
+        its layers (said where `remat` is not True and the temporaries are most
+        of the peak), more devices with everything sharded over them, and the largest
+        batch whose temporaries (which scale with it; the rest does not) fit.
+
+        Args:
+            budget_bytes: the memory per device.
+            batch: the step's global batch, to say a smaller one; None: as a share.
+            remat: whether the step rematerialises its layers; None: not known.
+
+        Returns:
+            The sentences, or None if the peak fits.
+
+        Raises:
+            TypeError: for a budget that is not an int, or a batch that is not one.
+
+        Example:
+            >>> import jax, jax.numpy as jnp, spmdtree as st
+            >>> mesh = jax.sharding.AbstractMesh((2,), ("data",))
+            >>> x = st.Partitioned(jax.ShapeDtypeStruct((256, 1024), jnp.float32), ("data", None))
+            >>> step = st.preflight(lambda x: jnp.sum(jnp.tanh(x.value) ** 2), x, mesh=mesh)
+            >>> step.what_would_fit(step.peak_bytes) is None
+            True
+            >>> "A batch of at most" in step.what_would_fit(step.peak_bytes - 1, batch=256)
+            True
+        """
+        if not self.fits(budget_bytes):
+            if batch is not None and (not isinstance(batch, int) or isinstance(batch, bool)):
+                raise Mistake(TypeError, f"batch is {batch!r}; expected an int (or None).")
+            devices = math.prod(self.mesh.shape.values())
+            closest = Closest("", self.peak_bytes, self.temp_bytes, devices, batch, remat)
+            return nothing_fits([closest], budget_bytes)
+        return None
 
     @public
     def fits(self, budget_bytes: int) -> bool:
@@ -413,5 +486,6 @@ def step_plan(traced: Traced, analysis: Analysis, where: Where) -> StepPlan:
         devices_per_node=None
         if where.placement is None or where.placement.target is None
         else where.placement.per_node,
+        rule_problems=traced.rule_problems,
         schedule=analysis.schedule,
     )

@@ -370,14 +370,15 @@ def compile_options(platform: str) -> dict[str, Any]:
 
 
 def compile_here(traced: Traced) -> Analysis:
-    """Compiles a step lowered for this process's devices."""
+    """Compiles a step lowered for this process's devices; its `seconds` are the
+    compile's alone, as a child's are (the trace's are `traced.seconds`)."""
     if traced.lowered is None or traced.here is None:
         raise Mistake(ValueError, "the step was exported for a subprocess, not lowered here.")
     start = time.perf_counter()
     platform = traced.here.devices.flat[0].platform
     compiled = traced.lowered.compile(compile_options(platform))
     found = analyse(compiled, traced.here, platform)
-    return dataclasses.replace(found, seconds=traced.seconds + time.perf_counter() - start)
+    return dataclasses.replace(found, seconds=time.perf_counter() - start)
 
 
 def compile_child(payload: bytes, placement: Placement) -> Analysis:

@@ -28,7 +28,15 @@ from spmdtree._src.boxes import dtype_of, shape_of
 from spmdtree._src.errors import Mistake
 from spmdtree._src.plan import Plan, planned_walk
 from spmdtree._src.resolve import Resolution, named_sharding
-from spmdtree._src.rules import AnyMesh, PyTree, Rules, logical_axis_rules
+from spmdtree._src.rules import (
+    AnyMesh,
+    PyTree,
+    Rules,
+    logical_axis_rules,
+    names_seen,
+    rules_or_context,
+)
+from spmdtree._src.specs import RuleProblem, rule_problems
 from spmdtree._src.text import short_value
 
 T = TypeVar("T")
@@ -81,6 +89,9 @@ class Traced:
             donated leaves, pickled; empty where `here` is set.
         warned: the warnings raised while tracing, as sentences.
         seconds: how long tracing took.
+        rule_problems: what `validate_rules` finds wrong with single rules of
+            the rules traced under, on `mesh`, over the arguments, a name the
+            step's constraints met while tracing counting as used.
     """
 
     arguments: Arguments
@@ -90,6 +101,7 @@ class Traced:
     payload: bytes = dataclasses.field(repr=False)
     warned: tuple[str, ...]
     seconds: float
+    rule_problems: tuple[RuleProblem, ...] = ()
 
     @property
     def devices(self) -> int:
@@ -139,7 +151,7 @@ def trace(
         return jax.tree.leaves(call(*leaves))
 
     signature = planned.signature
-    with _tracing(rules) as warned, _under(mesh, here):
+    with _tracing(rules) as (warned, constrained), _under(mesh, here):
         out = None
         if out_shardings is not None:
             outputs = _traced(lambda: jax.eval_shape(call, *flat), signature)
@@ -155,7 +167,9 @@ def trace(
             )
             payload = _payload(exported, mesh, flat_donated)
     seconds = time.perf_counter() - start
-    return Traced(planned, mesh, here, lowered, payload, tuple(warned), seconds)
+    dynamic = tuple(None if i in static else arg for i, arg in enumerate(args))
+    problems = rule_problems(rules_or_context(rules), mesh, dynamic, constrained)
+    return Traced(planned, mesh, here, lowered, payload, tuple(warned), seconds, problems)
 
 
 def _payload(exported: jax.export.Exported, mesh: AnyMesh, donated: tuple[int, ...]) -> bytes:
@@ -247,15 +261,22 @@ def _abstract_args(
 
 
 @contextlib.contextmanager
-def _tracing(rules: Rules | None) -> Iterator[list[str]]:
-    """Under `rules` (if given), recording every warning raised as a sentence."""
+def _tracing(rules: Rules | None) -> Iterator[tuple[list[str], set[str]]]:
+    """Under `rules` (if given), recording every warning raised as a sentence, and
+    the logical names the step's constraints meet.
+
+    A function JAX traced before with the same shapes and context (a
+    `jax.checkpoint` or `jax.jit` of the user's, reused) is not traced again,
+    so the names of its constraints are met only the first time.
+    """
     warned: list[str] = []
     with contextlib.ExitStack() as stack:
         if rules is not None:
             stack.enter_context(logical_axis_rules(rules))
+        constrained = stack.enter_context(names_seen())
         caught = stack.enter_context(warnings.catch_warnings(record=True))
         warnings.simplefilter("always")
-        yield warned
+        yield warned, constrained
         warned += [f"{w.category.__name__} while tracing: {w.message}" for w in caught]
 
 
@@ -305,7 +326,9 @@ def _out_shardings(prefix: PyTree, outputs: Any, mesh: AnyMesh) -> list[NamedSha
 
 
 def _traced(thunk: Callable[[], T], signature: str) -> T:
-    """``thunk()``, with a failure to trace said as preflight's, with JAX's message."""
+    """``thunk()``, with a failure to trace said as preflight's: the exception's type
+    and message in the sentence, and the exception itself chained as its cause,
+    so the traceback still shows the step's own line."""
     try:
         return thunk()
     except Mistake:
@@ -314,4 +337,4 @@ def _traced(thunk: Callable[[], T], signature: str) -> T:
         raise Mistake(
             TypeError if isinstance(e, TypeError) else ValueError,
             f"the step does not trace with its arguments ({signature}): {type(e).__name__}: {e}",
-        ) from None
+        ) from e

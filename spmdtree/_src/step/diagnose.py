@@ -1,0 +1,216 @@
+"""What a step's figures mean, said in words: pure functions over its records.
+
+Nothing here compiles. `unexplained_traffic` compares the collectives a
+compiled step runs with what the layout of its arguments explains (0.4,
+measured: flax's lm1b with FSDP rules and no activation constraints, XLA
+sharded the activations over the FSDP axis and all-reduced them there, 98
+all-reduces of 16 GiB); `nothing_fits` says, when no candidate fits, how far
+the closest is and what might bring it under. `preflight` and `advise` put
+their sentences beside the figures.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+from spmdtree._src.plan import Plan, PlanRow
+from spmdtree._src.resolve import axes_of
+from spmdtree._src.step.hlo import Collective
+from spmdtree._src.text import size_text
+
+#: How many times what the layout explains the collectives may move before it is said.
+TRAFFIC_RATIO = 4.0
+#: Below this excess (bytes per device per step) nothing is said: toy steps.
+TRAFFIC_FLOOR = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class Traffic:
+    """Collectives far above what the arguments' layout explains (new in 0.5).
+
+    What `StepPlan.unexplained_traffic` gives where a step's collectives move
+    more than 4 times what the layout of its arguments explains (and 1 MiB
+    beyond it): most often, with no activation constraints, XLA split the
+    activations over the weights' axes and all-reduces them there (0.4,
+    measured on flax's lm1b with FSDP rules: 98 all-reduces of 16 GiB).
+
+    Attributes:
+        measured_bytes: the collectives' result bytes per device per step.
+        explained_bytes: what the layout explains, at most (`explained_bytes`).
+        largest: the collective that moves the most.
+        activations: whether `largest` reduces or exchanges over mesh axes
+            that shard the arguments: activations split over them.
+        sentence: the finding, and what to do.
+
+    Example:
+        >>> import dataclasses, jax, jax.numpy as jnp, spmdtree as st
+        >>> mesh = jax.sharding.AbstractMesh((4,), ("fsdp",))
+        >>> w = st.Partitioned(jax.ShapeDtypeStruct((256, 256), jnp.float32), ("fsdp", None))
+        >>> step = st.preflight(lambda w: jnp.sum(w.value), w, mesh=mesh)
+        >>> step.unexplained_traffic is None
+        True
+        >>> # as if the compiler had all-reduced 48 MiB of activations over fsdp
+        >>> reduced = st.Collective("all-reduce", 3, 48 << 20, axes=("fsdp",), group=4)
+        >>> found = dataclasses.replace(step, collectives=(reduced,)).unexplained_traffic
+        >>> found.explained_bytes == 2 * 256 * 256 * 4 + 256 * 256  # gathered twice, reduce-scattered
+        True
+        >>> print(found.sentence)
+        The collectives move 48.0 MiB per device per step, 85x what the layout of the arguments explains (576.0 KiB at most: each sharded array gathered twice and its gradient reduce-scattered, each replicated one's gradient all-reduced); the most, 3 all-reduces of 48.0 MiB over ('fsdp',). XLA likely split the activations over ('fsdp',), as the weights are, and reduces them there: constrain the activations with `st.with_logical_constraint` (each layer's input and output, their batch over the data axes), so the weights are gathered instead.
+    """
+
+    measured_bytes: int
+    explained_bytes: int
+    largest: Collective
+    activations: bool
+    sentence: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Closest:
+    """A candidate's figures, for `nothing_fits`.
+
+    Attributes:
+        label: how a table names it (``"data 8 x fsdp 8, batch 256"``).
+        peak_bytes: its peak per device.
+        temp_bytes: the compiler's temporaries in that peak (activations
+            among them), which scale with the batch.
+        devices: the devices it was compiled for.
+        batch: its global batch, or None if not known.
+        remat: whether the step rematerialises its layers (None: not known).
+    """
+
+    label: str
+    peak_bytes: int
+    temp_bytes: int
+    devices: int
+    batch: int | None = None
+    remat: bool | None = None
+
+
+def _spec_axes(row: PlanRow) -> set[str]:
+    return {axis for entry in row.spec for axis in axes_of(entry)}
+
+
+def explained_bytes(inputs: Plan) -> int:
+    """The most collective result bytes per device per step the layout of
+    `inputs` explains for a training step: each array sharded over axes of
+    size > 1 gathered whole twice (forward, and backward under remat) and its
+    gradient reduce-scattered to its shard; each array replicated over an
+    axis of size > 1 all-reduced at its shard's size (a data-parallel
+    gradient). An upper bound: every input counts, optimizer state and batch
+    included, as if each were a parameter.
+    """
+    sizes = dict(inputs.mesh.shape) if inputs.mesh is not None else {}
+    total = 0
+    for row in inputs.rows:
+        used = _spec_axes(row)
+        if any(sizes.get(axis, 1) > 1 for axis in used):
+            total += 2 * row.bytes + row.device_bytes
+        if any(size > 1 for axis, size in sizes.items() if axis not in used):
+            total += row.device_bytes
+    return total
+
+
+def unexplained_traffic(
+    collectives: Sequence[Collective],
+    inputs: Plan,
+    *,
+    ratio: float = TRAFFIC_RATIO,
+    floor: int = TRAFFIC_FLOOR,
+) -> Traffic | None:
+    """The collectives of a step (`StepPlan.collectives`) against what the layout
+    of its arguments (`StepPlan.inputs`) explains: a `Traffic` where they move
+    more than `ratio` times that, and more than `floor` bytes beyond it; else
+    None."""
+    measured = sum(c.bytes for c in collectives)
+    explained = explained_bytes(inputs)
+    if not collectives or measured <= ratio * explained or measured - explained <= floor:
+        return None
+    largest = max(collectives, key=lambda c: c.bytes)
+    sharding = set().union(*(_spec_axes(row) for row in inputs.rows))
+    activations = largest.kind in ("all-reduce", "all-to-all") and set(largest.axes) <= sharding
+    times = f"{measured / explained:.0f}x what" if explained else "far more than"
+    said = (
+        f"The collectives move {size_text(measured)} per device per step, {times} the "
+        f"layout of the arguments explains ({size_text(explained)} at most: each sharded "
+        "array gathered twice and its gradient reduce-scattered, each replicated one's "
+        f"gradient all-reduced); the most, {largest.count} {largest.kind}"
+        f"{'' if largest.count == 1 else 's'} of "
+        f"{size_text(largest.bytes)} over {largest.axes}. "
+    )
+    why = (
+        f"XLA likely split the activations over {largest.axes}, as the weights are, and "
+        "reduces them there: constrain the activations with `st.with_logical_constraint` "
+        "(each layer's input and output, their batch over the data axes), so the weights "
+        "are gathered instead."
+        if activations
+        else "Something other than the arguments' layout moves them (activations resharded "
+        "between layers, or a tensor-parallel layout's own all-reduces); where the step "
+        "constrains no activations, constrain them with `st.with_logical_constraint`."
+    )
+    return Traffic(measured, explained, largest, activations, said + why)
+
+
+def nothing_fits(candidates: Sequence[Closest], budget_bytes: int) -> str:
+    """What to say when no candidate fits in `budget_bytes`: the smallest peak,
+    by how much it is over, and what might bring it under: rematerialising
+    (where the step does not and its temporaries are most of its peak), more
+    devices, a smaller batch (temporaries scale with it; the rest does not)."""
+    closest = min(candidates, key=lambda c: c.peak_bytes)
+    over = closest.peak_bytes - budget_bytes
+    if over <= 0:
+        raise ValueError(f"{closest.label or 'the step'} fits in {budget_bytes} bytes.")
+    label = f" ({closest.label})" if closest.label else ""
+    peak = size_text(closest.peak_bytes)
+    said = (
+        (
+            f"The step's peak, {peak}{label}, is"
+            if len(candidates) == 1
+            else f"Nothing fits: the smallest peak, {peak}{label}, is"
+        )
+        + f" {size_text(over)} ({over / budget_bytes:.0%}) over the budget of {size_text(budget_bytes)}."
+    )
+    tries = [t for t in (_remat(closest), _devices(closest, budget_bytes)) if t]
+    tries.append(_batch(closest, budget_bytes))
+    return " ".join([said, *tries])
+
+
+def _remat(closest: Closest) -> str:
+    share = closest.temp_bytes / closest.peak_bytes
+    if closest.remat or share < 0.5:
+        return ""
+    unknown = ", if the step does not already," if closest.remat is None else ""
+    return (
+        f"Its temporaries (activations among them) are {size_text(closest.temp_bytes)}, "
+        f"{share:.0%} of the peak: rematerialising the layers (`jax.checkpoint`){unknown} "
+        "could bring it under."
+    )
+
+
+def _devices(closest: Closest, budget_bytes: int) -> str:
+    # at the same global batch, a layout sharding everything over twice the
+    # devices holds half of each array and half of each activation
+    factor = 2 ** math.ceil(math.log2(closest.peak_bytes / budget_bytes))
+    return (
+        f"Spread over {factor}x the devices ({factor * closest.devices}), with the arrays "
+        "and the batch sharded over them, its peak would be about 1/"
+        f"{factor}: under."
+    )
+
+
+def _batch(closest: Closest, budget_bytes: int) -> str:
+    fixed = closest.peak_bytes - closest.temp_bytes
+    if fixed >= budget_bytes:
+        return (
+            f"A smaller batch cannot bring it under: its arrays alone ({size_text(fixed)}) "
+            "are over the budget."
+        )
+    fraction = (budget_bytes - fixed) / closest.temp_bytes
+    if closest.batch is None:
+        return f"A batch of at most {fraction:.0%} of this one could bring it under."
+    largest = math.floor(closest.batch * fraction)
+    if largest < 1:
+        return "No batch brings it under: one sequence's temporaries alone are over."
+    return f"A batch of at most {largest} (from {closest.batch}) could bring it under."
