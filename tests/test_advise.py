@@ -121,7 +121,7 @@ def test_rows_are_ranked_by_bound_and_every_candidate_is_shown():
     shown = str(advice)
     for row in advice.rows:
         assert label(row.candidate) in shown and row.verdict in shown
-    assert "roofline bound" in shown and "4 compiles" in shown
+    assert "bound, a roofline" in shown and "4 compiles" in shown
 
 
 def test_a_typo_in_the_rules_is_a_row_with_the_message():
@@ -543,3 +543,21 @@ def test_no_order_of_the_candidates_changes_the_ranking(seed):
     again = st.advise(mlp_step, shuffled, hardware=HW, progress=False)
     key = [(label(r.candidate), r.candidate.batch, r.verdict) for r in first.rows]
     assert key == [(label(r.candidate), r.candidate.batch, r.verdict) for r in again.rows]
+
+
+def test_on_a_preset_rows_rank_by_the_predicted_time_per_sequence():
+    candidates = [
+        st.Candidate(m, RULES, batch=b) for b in (8, 32) for m in st.layouts(8, ("data", "tensor"))
+    ]
+    advice = st.advise(
+        mlp_step, candidates, hardware=st.hardware("h100"), progress=False, screen="cpu"
+    )
+    fits = [row for row in advice.rows if row.verdict == "fits"]
+    assert fits and all(row.time.predicted_seconds is not None for row in fits)
+    per = [row.time.predicted_seconds / row.candidate.batch for row in fits]
+    assert all(a <= b * (1 + 1e-5) for a, b in itertools.pairwise(per))
+    # the bound stays a column, and is a bound: never above the prediction
+    assert all(row.time.bound_seconds <= row.time.predicted_seconds for row in fits)
+    assert any(
+        line.startswith("#  layout") and "predicted" in line for line in str(advice).splitlines()
+    )
