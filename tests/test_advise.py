@@ -561,3 +561,26 @@ def test_on_a_preset_rows_rank_by_the_predicted_time_per_sequence():
     assert any(
         line.startswith("#  layout") and "predicted" in line for line in str(advice).splitlines()
     )
+
+
+def test_when_nothing_fits_the_note_says_what_would():
+    candidates = [st.Candidate(m, RULES, batch=64) for m in st.layouts(8, ("data", "tensor"))]
+    roomy = st.advise(mlp_step, candidates, hardware=HW, progress=False)
+    smallest = min(row.step.peak_bytes for row in roomy.rows if row.step is not None)
+    budget = smallest - 1  # the layouts whose arrays fit compile, and none fits
+    advice = st.advise(mlp_step, candidates, hardware=HW, budget_bytes=budget, progress=False)
+    assert advice.best is None
+    best = min((r for r in advice.rows if r.step is not None), key=lambda r: r.step.peak_bytes)
+    assert f"Nothing fits: the smallest peak, {best.step.peak_bytes / 2**20:.1f} MiB" in advice.note
+    assert f"({label(best.candidate)}, batch 64)" in advice.note
+    assert "a smaller batch" in advice.note.lower() or "batch of at most" in advice.note
+    assert roomy.best is not None and "Nothing fits" not in roomy.note
+
+
+def test_a_rule_that_matches_nothing_is_said_once_per_call():
+    rules = [*RULES, ("heads", "tensor")]
+    candidates = [st.Candidate(m, rules, batch=8) for m in st.layouts(8, ("data", "tensor"))]
+    advice = st.advise(mlp_step, candidates, hardware=HW, progress=False)
+    said = "rule 3 ('heads', 'tensor') is never used"
+    assert said in advice.note and " ".join(str(advice).split()).count(said) == 1
+    assert said not in small_batch_advice().note  # the rules in use: nothing said

@@ -30,6 +30,7 @@ from jax.sharding import AbstractMesh, AxisType, Mesh
 from spmdtree._src.errors import Mistake, public
 from spmdtree._src.plan import Plan
 from spmdtree._src.rules import AnyMesh, Rules
+from spmdtree._src.step.diagnose import Closest, nothing_fits
 from spmdtree._src.step.hardware import Hardware, StepTime, _nodes_per_device
 from spmdtree._src.step.preflight import StepPlan, Where, placed, step_plan, where
 from spmdtree._src.step.targets import (
@@ -437,8 +438,12 @@ class _Search:
         return rejected is not None
 
     def judge(self, index: int, step: StepPlan) -> None:
-        """The verdict on a compiled step, from its peak against the budget."""
-        self.row(index, *_verdict(step, self.budget, self.asks), step, step.flags)
+        """The verdict on a compiled step, from its peak against the budget; its
+        flags, and the collectives its layout does not explain where they are far
+        above it."""
+        traffic = step.unexplained_traffic
+        flags = step.flags if traffic is None else (*step.flags, traffic.sentence)
+        self.row(index, *_verdict(step, self.budget, self.asks), step, flags)
 
     def order(self) -> list[int]:
         """The candidates' indices, best row first."""
@@ -1050,8 +1055,41 @@ def advise(
         _run(search, pendings, pool)
         _ask(search, _over_on_the_estimate(search), pool)
         said = [_screen_note(asks, first, why, screen), _confirm(search, confirm, pool, workers)]
+    said += [_rules_said(search), _nothing_fits(search)]
     note = "; ".join(part for part in said if part)
     return Advice(search.ranked(), search.compiles, hardware, budget, note=note)
+
+
+def _rules_said(search: _Search) -> str:
+    """The rules' problems (as `validate_rules` says them) of the compiled steps,
+    each once."""
+    problems = dict.fromkeys(
+        problem.sentence
+        for row in search.rows.values()
+        if row.step is not None
+        for problem in row.step.rule_problems
+    )
+    return " ".join(problems)
+
+
+def _nothing_fits(search: _Search) -> str:
+    """Where no compiled row fits, what would: the smallest peak, and whether
+    remat, more devices or a smaller batch could bring it under."""
+    compiled = [row for row in search.rows.values() if row.step is not None]
+    if not compiled or any(row.verdict in (Verdict.FITS, Verdict.TIGHT) for row in compiled):
+        return ""
+    closest = [
+        Closest(
+            f"{label_of(row.candidate)}, batch {row.candidate.batch}",
+            row.step.peak_bytes,
+            row.step.temp_bytes,
+            math.prod(row.candidate.mesh.shape.values()),
+            row.candidate.batch,
+        )
+        for row in compiled
+        if row.step is not None and row.step.peak_bytes > search.budget
+    ]
+    return nothing_fits(closest, search.budget, searched=True) if closest else ""
 
 
 def _count_or_none(value: object) -> bool:

@@ -153,11 +153,15 @@ def unexplained_traffic(
     return Traffic(measured, explained, largest, activations, said + why)
 
 
-def nothing_fits(candidates: Sequence[Closest], budget_bytes: int) -> str:
+def nothing_fits(
+    candidates: Sequence[Closest], budget_bytes: int, *, searched: bool = False
+) -> str:
     """What to say when no candidate fits in `budget_bytes`: the smallest peak,
     by how much it is over, and what might bring it under: rematerialising
     (where the step does not and its temporaries are most of its peak), more
-    devices, a smaller batch (temporaries scale with it; the rest does not)."""
+    devices, a smaller batch (temporaries scale with it; the rest does not).
+    `searched`: the candidates are a search's (advise's), so it opens "Nothing
+    fits" however many compiled."""
     closest = min(candidates, key=lambda c: c.peak_bytes)
     over = closest.peak_bytes - budget_bytes
     if over <= 0:
@@ -167,7 +171,7 @@ def nothing_fits(candidates: Sequence[Closest], budget_bytes: int) -> str:
     said = (
         (
             f"The step's peak, {peak}{label}, is"
-            if len(candidates) == 1
+            if len(candidates) == 1 and not searched
             else f"Nothing fits: the smallest peak, {peak}{label}, is"
         )
         + f" {size_text(over)} ({over / budget_bytes:.0%}) over the budget of {size_text(budget_bytes)}."
