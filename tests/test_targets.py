@@ -597,3 +597,26 @@ def test_without_the_target_a_row_over_budget_on_the_estimate_says_so(monkeypatc
     assert "on the CPU estimate, which ran 1.5-4.5x an accelerator's" in row.reason
     assert row.reason.endswith("install its compiler")
     assert "pip install 'spmdtree[tpu]'" in advice.note
+
+
+@pytest.mark.parametrize("preset", [needs("tpu-v5p"), needs("h100")])
+def test_the_compilers_own_figures_are_reported_beside_ours(preset):
+    step = targeted(preset)
+    _, compiled = raw(preset)
+    memory = compiled.memory_analysis()
+    if PLATFORM[preset] == "tpu":  # libtpu's own peak and time, as a raw compile gives them
+        assert step.compiler_peak_bytes == memory.peak_memory_in_bytes > 0
+        costs = compiled.cost_analysis()
+        costs = costs[0] if isinstance(costs, (list, tuple)) else costs
+        assert (
+            step.compiler_seconds == pytest.approx(costs["optimal_seconds"])
+            and step.compiler_seconds > 0
+        )
+        shown = str(step)
+        assert "its peak" in shown and "libtpu's optimal_seconds" in shown
+    else:  # XLA GPU without a device: its own peak, and no time estimate
+        assert step.compiler_peak_bytes == memory.peak_memory_in_bytes > 0
+        assert step.compiler_seconds == 0.0 and "optimal_seconds" not in str(step)
+    # on CPU neither: its memory analysis has no peak of its own
+    cpu = st.preflight(jnp.sin, jax.ShapeDtypeStruct((8,), jnp.float32), mesh=abstract((8, 1)))
+    assert cpu.compiler_peak_bytes == 0 and "its peak" not in str(cpu)

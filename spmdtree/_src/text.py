@@ -415,6 +415,11 @@ def step_table(step: Any) -> str:
         text = size_text(abs(amount))
         text = f"-{text}" if amount < 0 else text
         lines.append(f"  {label:<12}{text:>11}" + (f"  {note}" if note else ""))
+    if step.compiler_peak_bytes:
+        lines.append(
+            f"  {'its peak':<12}{size_text(step.compiler_peak_bytes):>11}  the compiler's own "
+            "figure (peak_memory_in_bytes); the peak above is what advise judges"
+        )
     if step.backend == "cpu":  # no range claimed: measured, neither side bounds it
         lines.append(f"{'':<25}an estimate: pass target= for an accelerator's own")
     if step.overstated_bytes:
@@ -423,6 +428,10 @@ def step_table(step: Any) -> str:
             "accelerator holds as shards"
         )
     lines.append(f"compute  {flops_text(step.flops)} per device (dots and convolutions)")
+    if step.compiler_seconds:
+        lines.append(
+            f"time     {_seconds_text(step.compiler_seconds)}: the compiler's own estimate (libtpu's optimal_seconds)"
+        )
     lines.append("collectives per step" + ("" if step.collectives else ": none"))
     for row in step.collectives:
         over = f"over {'+'.join(row.axes)} ({row.group})" if row.axes else f"group {row.group}"
@@ -430,6 +439,8 @@ def step_table(step: Any) -> str:
             f"  {row.kind:<19}{row.count:>6} x  {size_text(row.bytes):>11} in all, "
             f"{size_text(row.wire_bytes):>11} sent per device, {over}"
         )
+        if row.label != row.kind:  # written in another form: libtpu's
+            lines.append(f"{'':<21}{row.label[len(row.kind) + 1 :]}")
     noun = "array" if len(step.inputs.rows) == 1 else "arrays"
     lines.append(
         f"inputs  {len(step.inputs.rows)} {noun}, {size_text(step.inputs.device_bytes)} on "

@@ -284,7 +284,10 @@ def _versions(target: Target) -> tuple[str | None, str | None]:
 @dataclasses.dataclass(frozen=True)
 class Analysis:
     """What a compile says of a step, per device: its memory, and what its HLO
-    says (`reading`). Crosses a process boundary as JSON (`to_json`, `from_json`)."""
+    says (`reading`), its schedule, and the compiler's own figures where it
+    gives them (its peak, `compiler_peak_bytes`: libtpu and XLA GPU; its
+    time estimate, `compiler_seconds`: libtpu; 0 elsewhere). Crosses a process boundary
+    as JSON (`to_json`, `from_json`)."""
 
     argument_bytes: int
     output_bytes: int
@@ -296,6 +299,8 @@ class Analysis:
     backend: str
     seconds: float = 0.0
     schedule: Schedule | None = None
+    compiler_peak_bytes: int = 0
+    compiler_seconds: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         """The analysis as plain JSON values."""
@@ -344,7 +349,26 @@ def analyse(
         overstated_bytes=overstated_bytes(read.held_bytes, temp) if platform == "cpu" else 0,
         backend="gpu" if platform == "cuda" else platform,  # as jax.devices() names it
         schedule=read_schedule(module, tuple(mesh.shape.items()), platform=platform),
+        # the CPU's own peak is the CPU program's, no accelerator's: not reported
+        compiler_peak_bytes=0
+        if platform == "cpu"
+        else int(getattr(memory, "peak_memory_in_bytes", 0) or 0),
+        compiler_seconds=_optimal_seconds(compiled),
     )
+
+
+def _optimal_seconds(compiled: jax.stages.Compiled) -> float:
+    """The compiler's own estimate of the step's time: libtpu's cost analysis says
+    ``optimal_seconds``; 0.0 where the compiler gives none (XLA GPU without a
+    device gives no cost analysis at all; the CPU's has no such key)."""
+    try:
+        costs = compiled.cost_analysis()
+    except Exception:  # a compiler without a cost model raises: no figure
+        return 0.0
+    if isinstance(costs, (list, tuple)):  # older jax: one dict per module
+        costs = costs[0] if costs else None
+    seconds = costs.get("optimal_seconds", 0.0) if isinstance(costs, dict) else 0.0
+    return max(0.0, float(seconds))
 
 
 def compile_options(platform: str) -> dict[str, Any]:
