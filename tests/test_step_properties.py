@@ -723,13 +723,9 @@ def test_no_candidate_order_changes_a_verdict_or_the_ranking(order):
     }
 
 
-@pytest.mark.target
-@needs_gpu
-@examples(1, 4)
-@given(hs.permutations(range(len(candidates()))))
-def test_the_confirmed_rows_are_the_best_ranked_whatever_the_order(order):
-    # confirm=2 compiles the two best rows of the screen again for the H100: the
-    # screen's two best (by the same ranking as the CPU-only advice), in any order
+def check_confirmed(order):
+    """confirm=2 compiles the two best rows of the screen again for the H100: the
+    screen's two best (ranked as without confirm), whatever the candidates' order."""
     given = [candidates()[i] for i in order]
     h100 = st.hardware("h100")
     advice = st.advise(advise_step, given, hardware=h100, confirm=2, progress=False)
@@ -738,6 +734,21 @@ def test_the_confirmed_rows_are_the_best_ranked_whatever_the_order(order):
     confirmed = [r for r in advice.rows if r.step is not None and r.step.backend != "cpu"]
     assert {r.candidate.label for r in confirmed} == {r.candidate.label for r in best}
     assert "2 of the best 2 confirmed" in advice.note
+
+
+@pytest.mark.target
+@needs_gpu
+def test_the_confirmed_rows_are_the_best_ranked_given_worst_first():
+    check_confirmed(list(reversed(range(len(candidates())))))
+
+
+@pytest.mark.target
+@needs_gpu
+@pytest.mark.skipif(not FULL, reason="the whole grid only (SPMDTREE_FULL_GRID=1)")
+@examples(1, 4)
+@given(hs.permutations(range(len(candidates()))))
+def test_the_confirmed_rows_are_the_best_ranked_whatever_the_order(order):
+    check_confirmed(order)
 
 
 # --- targets: which meshes fill a target's nodes or slices ---------------------------------
