@@ -7,7 +7,10 @@ replacement that must apply exactly once), confirms that the copy is what
 A mutant is *killed* if a test fails, and *survives* if the suite passes.
 Every mutant changes a result a user would see; a survivor is a hole in the net.
 
-Run: python tools/mutants.py [names...] [--tests FILE...] [--jobs 2]
+Run: python tools/mutants.py [names...] [--tests FILE...] [--jobs 2] [--step]
+
+``--step`` runs the step wing's mutants against the step wing's tests only. The
+property tests' target grids run whole here (``SPMDTREE_FULL_GRID=1``).
 """
 
 from __future__ import annotations
@@ -760,12 +763,182 @@ MUTANTS.update(
 )
 
 
+#: 0.5: the step wing's neighbours, each of a kind tests/test_step_properties.py and
+#: tests/test_presets.py catch: an off-by-one in a loop's trip count, an axis order
+#: swapped, devices per node miscounted, a volume's factor wrong, a ranking or a
+#: confirmation that depends on the candidates' order. They quote formulas, not
+#: prose, so that they keep applying while the code around them moves.
+MUTANTS.update(
+    {
+        "trip-count-le-one-short": [
+            (
+                "_src/step/hlo.py",
+                'end = limit + (1 if direction == "LE" else 0)',
+                "end = limit",
+            )
+        ],
+        "trip-count-ge-one-short": [
+            (
+                "_src/step/hlo.py",
+                'end = limit - (1 if direction == "GE" else 0)',
+                "end = limit",
+            )
+        ],
+        "trip-count-floor-division": [
+            (
+                "_src/step/hlo.py",
+                "count = -(-(end - start) // step)",
+                "count = (end - start) // step",
+            )
+        ],
+        "trip-count-of-a-loop-that-never-ends": [
+            (
+                "_src/step/hlo.py",
+                'if direction == "NE" and (limit - start) % step:',
+                "if False:",
+            )
+        ],
+        "group-axes-reversed": [
+            (
+                "_src/step/hlo.py",
+                "axes = tuple(shape[d][0] for d in sorted(varying))",
+                "axes = tuple(shape[d][0] for d in sorted(varying, reverse=True))",
+            )
+        ],
+        "all-gather-volume-doubled": [
+            (
+                "_src/step/hardware.py",
+                '"all-gather": (1.0, row.bytes),',
+                '"all-gather": (2.0, row.bytes),',
+            )
+        ],
+        "link-groups-swapped": [
+            (
+                "_src/step/hardware.py",
+                'g = {"ici": row.group / g_dcn, "dcn": g_dcn}',
+                'g = {"ici": g_dcn, "dcn": row.group / g_dcn}',
+            )
+        ],
+        "node-groups-along-the-other-axes": [
+            (
+                "_src/step/hardware.py",
+                "positions.transpose(rest + list(varying))",
+                "positions.transpose(list(varying) + rest)",
+            )
+        ],
+        "node-axes-mirrored": [
+            (
+                "_src/step/hardware.py",
+                "varying = [names.index(a) for a in row.axes if a in names]",
+                "varying = [len(names) - 1 - names.index(a) for a in row.axes if a in names]",
+            )
+        ],
+        "one-node-is-eight-devices": [
+            (
+                "_src/step/hardware.py",
+                "devices_per_node or math.prod(shape.values())",
+                "devices_per_node or 8",
+            )
+        ],
+        "permute-on-the-fastest-link": [
+            (
+                "_src/step/hardware.py",
+                'slowest = [k for k in LINKS if g[k] > 1][-1:] or ["ici"]',
+                'slowest = [k for k in LINKS if g[k] > 1][:1] or ["ici"]',
+            )
+        ],
+        "devices-per-node-is-the-node-count": [
+            (
+                "_src/step/preflight.py",
+                "else where.placement.per_node,",
+                "else where.placement.nodes,",
+            )
+        ],
+        "outputs-counted-as-arguments": [
+            (
+                "_src/step/preflight.py",
+                "output_bytes=analysis.output_bytes,",
+                "output_bytes=analysis.argument_bytes,",
+            )
+        ],
+        "gpu-node-not-capped-by-the-mesh": [
+            ("_src/step/targets.py", "node = min(per_node or 8, devices)", "node = per_node or 8")
+        ],
+        "tpu-slice-any-even-size": [
+            (
+                "_src/step/targets.py",
+                "return n >= 1 and n & (n - 1) == 0",
+                "return n == 1 or n % 2 == 0",
+            )
+        ],
+        "tpu-slice-limit-unchecked": [
+            (
+                "_src/step/targets.py",
+                "if target.slice_limit is not None and size > target.slice_limit:",
+                "if False:",
+            )
+        ],
+        "node-count-is-the-node-size": [
+            (
+                "_src/step/targets.py",
+                "return self.devices // self.per_node",
+                "return self.per_node",
+            )
+        ],
+        "tpu-slice-grows-the-first-of-ties": [
+            (
+                "_src/step/targets.py",
+                "dims[max(i for i, d in enumerate(dims) if d == smallest)] *= 2",
+                "dims[min(i for i, d in enumerate(dims) if d == smallest)] *= 2",
+            )
+        ],
+        "confirmed-in-candidate-order": [
+            (
+                "_src/step/advise.py",
+                "for i in sorted(search.rows, key=lambda i: _rank(search.rows[i], i))",
+                "for i in sorted(search.rows)",
+            )
+        ],
+        "ranked-by-position": [
+            (
+                "_src/step/advise.py",
+                'bound = float(f"{row.time.bound_seconds / per:.6g}")',
+                "bound = float(index)",
+            )
+        ],
+        "tight-margin-ignored": [
+            (
+                "_src/step/advise.py",
+                "if step.peak_bytes <= budget * (1 - TIGHT_MARGIN):",
+                "if step.peak_bytes <= budget:",
+            )
+        ],
+        "preset-memory-a-gib-more": [
+            ("_src/step/hardware.py", '"h100", 85_045_477_376,', '"h100", 85_045_477_376 + 2**30,')
+        ],
+    }
+)
+
+#: The step wing's tests: what `--step` runs the step wing's mutants against.
+STEP_TESTS = [
+    "tests/test_presets.py",
+    "tests/test_step_properties.py",
+    "tests/test_hlo.py",
+    "tests/test_hardware.py",
+    "tests/test_preflight.py",
+    "tests/test_advise.py",
+    "tests/test_hlo_targets.py",
+    "tests/test_targets.py",
+]
+
+
 def run(name: str, edits: list[tuple[str, str, str]], tests: list[str]) -> tuple[str, str, float]:
     with tempfile.TemporaryDirectory(prefix=f"mutant-{name}-") as tmp:
         copy = pathlib.Path(tmp)
         copy_repository(copy)
         plant(copy, edits)
-        env = {**os.environ, "PYTHONPATH": str(copy)}
+        # the whole target grid of the property tests, not CI's sample
+        env = {**os.environ, "PYTHONPATH": str(copy), "SPMDTREE_FULL_GRID": "1"}
         where = subprocess.run(
             [sys.executable, "-c", "import spmdtree; print(spmdtree.__file__)"],
             cwd=copy,
@@ -802,8 +975,18 @@ def main() -> int:
     parser.add_argument("names", nargs="*", help="mutants to run (default: all)")
     parser.add_argument("--tests", nargs="*", default=[], help="test files (default: all)")
     parser.add_argument("--jobs", type=int, default=2, help="mutants run side by side")
+    parser.add_argument(
+        "--step",
+        action="store_true",
+        help="the step wing's mutants (in spmdtree/_src/step/), against its tests (STEP_TESTS)",
+    )
     args = parser.parse_args()
-    names = args.names or list(MUTANTS)
+    step = [
+        n for n, edits in MUTANTS.items() if all(f.startswith("_src/step/") for f, _, _ in edits)
+    ]
+    names = args.names or (step if args.step else list(MUTANTS))
+    if args.step and not args.tests:
+        args.tests = STEP_TESTS
     survivors = []
     start = time.perf_counter()
     # Each mutant runs in its own copy and process: they can run side by side.

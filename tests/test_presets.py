@@ -1,0 +1,262 @@
+"""Every hardware preset's figure equals docs/planning.md's table, and each of the
+table's figures the public source it cites; the chips' compiler descriptions
+(their own table) agree with their sources and with the presets.
+
+The sources' figures are written here as each source states them, with its
+address, so that a preset that drifts from the table, or a table that drifts
+from its source, fails. A table shows a figure rounded: it equals its source at
+the precision shown.
+"""
+
+import pathlib
+import re
+
+import pytest
+
+import spmdtree as st
+
+# The chips' descriptions (what XLA's GPU compiler and libtpu are given) have no
+# public name: read where preflight keeps them.
+from spmdtree._src.step.targets import TARGETS
+
+DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs" / "planning.md"
+GIB, MIB = 2**30, 2**20
+
+
+def table(header):
+    """The rows of the markdown table in docs/planning.md whose header row starts
+    with `header`, as {first cell without backticks: [cells]}."""
+    lines = DOCS.read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(header))
+    found = {}
+    for line in lines[start + 2 :]:
+        if not line.startswith("|"):
+            break
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        found[cells[0].strip("`")] = cells[1:]
+    return found
+
+
+PRESET_TABLE = table("| preset | memory | bf16 dense peak |")
+CHIP_TABLE = table("| preset | chip | compute capability |")
+UNITS = {
+    "B": 1,
+    "GiB": GIB,
+    "MiB": MIB,
+    "TFLOP/s": 1e12,
+    "PFLOP/s": 1e15,
+    "GB/s": 1e9,
+    "TB/s": 1e12,
+    "µs": 1e-6,
+    "GHz": 1.0,
+}
+
+
+def figure(text):
+    """The first "number unit" of a cell as (value, digits after the point)."""
+    found = re.match(r"([\d,]+(?:\.(\d+))?)\s*(\S+)?", text.strip())
+    assert found, text
+    number, decimals, unit = found.groups()
+    return float(number.replace(",", "")) * UNITS.get(unit or "B", 1), len(decimals or "")
+
+
+def shown(cell, source, unit):
+    """Whether `source` (in `unit`s) rounds to the figure the cell shows."""
+    value, decimals = figure(cell)
+    return round(source / UNITS[unit], decimals) == pytest.approx(value / UNITS[unit])
+
+
+def preset_of(cells):
+    """A preset's figures as the table gives them: memory, peak, the two links and
+    the devices per node (None: one slice)."""
+    memory, peak, ici, dcn, per_node = cells
+    links = {}
+    for kind, cell in (("ici", ici), ("dcn", dcn)):
+        bandwidth, latency = cell.split(",")
+        links[kind] = (figure(bandwidth)[0], figure(latency)[0])
+    return (
+        int(figure(memory)[0]),
+        figure(peak)[0],
+        links,
+        None if per_node == "one slice" else int(per_node),
+    )
+
+
+def test_the_table_lists_every_preset_and_no_other():
+    with pytest.raises(ValueError) as raised:
+        st.hardware("no such chip")
+    listed = re.findall(r"'([\w-]+)'", str(raised.value).split("the presets are")[1])
+    assert listed == list(PRESET_TABLE)
+
+
+@pytest.mark.parametrize("name", list(PRESET_TABLE))
+def test_every_preset_figure_is_the_docs_table(name):
+    memory, peak, links, per_node = preset_of(PRESET_TABLE[name])
+    hw = st.hardware(name)
+    assert hw.name == name and hw.memory_bytes == memory
+    assert hw.flops_per_second == pytest.approx(peak, rel=1e-12)
+    assert set(hw.links) == set(links)
+    for kind, (bandwidth, latency) in links.items():
+        assert hw.links[kind] == pytest.approx((bandwidth, latency), rel=1e-12)
+    assert hw.devices_per_node == per_node
+
+
+#: What each source states, in its own units. The presets' latencies are rough
+#: orders of magnitude (the docs say so) and have no source to match.
+NVLINK4, NVLINK5 = (
+    900,
+    1800,
+)  # GB/s per GPU, both ways (nvidia.com/en-us/data-center/h100/, /dgx-b200/)
+CONNECTX7 = 400 / 8  # GB/s: one 400 Gb/s NIC per GPU (DGX H100, DGX B200)
+SOURCES = {
+    "h100": {
+        # CUDA's deviceQuery on an H100 80GB HBM3: "Total amount of global memory:
+        # 81106 MBytes (85045477376 bytes)"
+        "memory": (85045477376, "B"),
+        # the H100 white paper, H100 SXM5: "Peak BF16 Tensor TFLOPS 989.4 (1978.9 with
+        # sparsity)"; https://www.nvidia.com/en-us/data-center/h100/: "1,979 teraFLOPS*"
+        "peak": (989.4, "TFLOP/s"),
+        "ici": (NVLINK4 / 2, "GB/s"),
+        "dcn": (CONNECTX7, "GB/s"),
+        "per node": 8,  # DGX H100: 8 GPUs
+    },
+    "h200": {
+        # nvidia-smi on an H200: 143,771 MiB
+        # (https://thundergolfer.com/blog/nvidia-gpu-memory-capacity)
+        "memory": (143771 * MIB, "B"),
+        # https://www.nvidia.com/en-us/data-center/h200/: "BFLOAT16 Tensor Core 1,979
+        # TFLOPS*" (* with sparsity): the same GH100 as the H100's 1978.9
+        "peak": (1978.9 / 2, "TFLOP/s"),
+        "ici": (NVLINK4 / 2, "GB/s"),
+        "dcn": (CONNECTX7, "GB/s"),
+        "per node": 8,  # HGX H200: 8 GPUs
+    },
+    "b200": {
+        # nvidia-smi on a B200: "183359MiB"
+        "memory": (183359 * MIB, "B"),
+        # HGX B200 (nvidia.com/en-us/data-center/hgx/): FP16/BF16 Tensor Core 4.5
+        # PFLOPS per GPU with sparsity, 2.25 dense
+        "peak": (4.5 / 2, "PFLOP/s"),
+        "ici": (NVLINK5 / 2, "GB/s"),
+        "dcn": (CONNECTX7, "GB/s"),
+        "per node": 8,  # DGX B200: 8 GPUs
+    },
+    "tpu-v5e": {
+        # https://cloud.google.com/tpu/docs/v5e: "Peak compute per chip (bf16) 197
+        # TFLOPs", "HBM2 capacity and bandwidth 16 GB, 819 GBps"
+        "memory": (16, "GiB"),
+        "peak": (197, "TFLOP/s"),
+        # https://jax-ml.github.io/scaling-book/tpus/: ICI BW/link (bidi) 9e10 bytes/s,
+        # DCN "3.125e9 for TPU v5e"
+        "ici": (9e10 / 1e9, "GB/s"),
+        "dcn": (3.125e9 / 1e9, "GB/s"),
+        "per node": None,
+    },
+    "tpu-v5p": {
+        # https://cloud.google.com/tpu/docs/v5p: "Peak compute per chip (bf16) 459
+        # TFLOPs", "HBM2e capacity and bandwidth 95GB, 2765 GBps"
+        "memory": (95, "GiB"),
+        "peak": (459, "TFLOP/s"),
+        # the scaling book: ICI BW/link (bidi) 1.8e11; DCN "6.25e9 bytes / second per TPU"
+        "ici": (1.8e11 / 1e9, "GB/s"),
+        "dcn": (6.25e9 / 1e9, "GB/s"),
+        "per node": None,
+    },
+    "tpu-v6e": {
+        # https://cloud.google.com/tpu/docs/v6e: "Peak compute per chip (bf16) 918
+        # TFLOPs", "HBM capacity per chip 32 GB"
+        "memory": (32, "GiB"),
+        "peak": (918, "TFLOP/s"),
+        # the scaling book: ICI BW/link (bidi) 1.8e11; DCN "12.5e9 for TPU v6e"
+        "ici": (1.8e11 / 1e9, "GB/s"),
+        "dcn": (12.5e9 / 1e9, "GB/s"),
+        "per node": None,
+    },
+}
+
+
+@pytest.mark.parametrize("name", list(SOURCES))
+def test_the_tables_figures_are_their_sources(name):
+    memory, peak, ici, dcn, per_node = PRESET_TABLE[name]
+    source = SOURCES[name]
+    value, unit = source["memory"]
+    if unit == "GiB":  # a TPU data sheet's GB, read as GiB
+        assert figure(memory)[0] == value * GIB
+    else:  # a device's bytes, exact
+        assert int(figure(memory)[0]) == value
+    assert shown(peak, source["peak"][0] * UNITS[source["peak"][1]], source["peak"][1])
+    for cell, key in ((ici, "ici"), (dcn, "dcn")):
+        bandwidth = cell.split(",")[0]
+        assert shown(bandwidth, source[key][0] * 1e9, "GB/s"), (name, key)
+    assert (None if per_node == "one slice" else int(per_node)) == source["per node"]
+
+
+def test_the_docs_cite_every_source_address_this_file_checks_against():
+    cited = set(re.findall(r"https://[\w./-]+", DOCS.read_text()))
+    here = set(re.findall(r"https://[\w./-]+", pathlib.Path(__file__).read_text()))
+    assert here <= cited, here - cited
+
+
+# --- the chips' descriptions: the compiler's targets -------------------------------------
+
+#: What NVIDIA's sources state of each GPU: SMs, HBM bandwidth (TB/s), boost clock
+#: (GHz), L2 (MiB), compute capability.
+CHIP_SOURCES = {
+    # NVIDIA H100 data sheet (SXM5): 132 SMs, 3.35 TB/s; CUDA's deviceQuery: "(132)
+    # Multiprocessors", "GPU Max Clock rate: 1980 MHz (1.98 GHz)", "L2 Cache Size:
+    # 52428800 bytes", "CUDA Capability Major/Minor version number: 9.0"
+    "h100": (132, 3.35, 1.98, 52428800 / MIB, (9, 0)),
+    # https://www.nvidia.com/en-us/data-center/h200/: 4.8 TB/s; the same GH100 as the H100's
+    "h200": (132, 4.8, 1.98, 50, (9, 0)),
+    # DGX B200 (nvidia.com/en-us/data-center/dgx-b200/): 64 TB/s for 8 GPUs, 8 each;
+    # a published device query: "Processor(s)...: 148", "Clock..........: 1965"
+    "b200": (148, 8, 1.965, 126, (10, 0)),
+}
+
+
+@pytest.mark.parametrize("name", list(CHIP_TABLE))
+def test_each_chips_description_is_the_docs_table_and_its_sources(name):
+    _, capability, sms, memory, bandwidth, clock, l2 = CHIP_TABLE[name]
+    chip = TARGETS[name].chip
+    assert chip.capability == tuple(int(v) for v in capability.split("."))
+    assert chip.sms == int(sms)
+    assert chip.memory_bytes == int(figure(memory)[0])
+    assert chip.bandwidth == pytest.approx(figure(bandwidth)[0], rel=1e-12)
+    assert chip.clock_ghz == figure(clock)[0]
+    assert chip.l2_bytes == figure(l2)[0]
+    # the memory's MiB, shown beside its bytes
+    assert f"({round(chip.memory_bytes / MIB):,} MiB)" in memory
+    source_sms, source_bandwidth, source_clock, source_l2, source_capability = CHIP_SOURCES[name]
+    assert (chip.sms, chip.capability) == (source_sms, source_capability)
+    assert chip.bandwidth == pytest.approx(source_bandwidth * 1e12, rel=1e-12)
+    assert chip.clock_ghz == source_clock
+    assert chip.l2_bytes == source_l2 * MIB
+
+
+@pytest.mark.parametrize("name", [n for n in PRESET_TABLE if not n.startswith("tpu")])
+def test_a_gpu_presets_memory_is_what_its_compiler_is_told(name):
+    # one figure for one chip: the roofline's budget and XLA GPU's device memory
+    assert st.hardware(name).memory_bytes == TARGETS[name].chip.memory_bytes
+    assert SOURCES[name]["memory"][0] == TARGETS[name].chip.memory_bytes
+
+
+#: Google's pages: the v5e and v6e pods are 256 chips in a 2D torus, v5p's a 3D
+#: torus of 8,960 chips (https://cloud.google.com/tpu/docs/v5e, /v6e, /v5p).
+TPU_SOURCES = {"tpu-v5e": (2, 256), "tpu-v6e": (2, 256), "tpu-v5p": (3, 8960)}
+
+
+@pytest.mark.parametrize("name", list(TPU_SOURCES))
+def test_a_tpu_targets_slice_is_its_generations_torus(name):
+    target = TARGETS[name]
+    dimensions, pod = TPU_SOURCES[name]
+    assert target.platform == "tpu" and target.chip == name.removeprefix("tpu-")
+    assert target.dimensions == dimensions
+    # a slice is at most a pod (spmdtree checks the 2D pods; a v5p job may be a whole pod)
+    assert target.slice_limit in (pod, None) and (target.slice_limit is None) is (pod > 256)
+    assert st.hardware(name).devices_per_node is None  # one slice, unless told
+
+
+def test_every_preset_has_a_target_and_the_same_name():
+    assert set(TARGETS) == set(PRESET_TABLE)
+    assert all(TARGETS[name].name == name for name in TARGETS)
+    assert {n for n, t in TARGETS.items() if t.platform == "cuda"} == set(CHIP_TABLE)
