@@ -613,11 +613,16 @@ class _Reader:
             return 2 * hlo._type_bytes(ins.type)
         if ins.op == "kDynamicUpdateSlice" and len(types) > 1:
             return 2 * hlo._type_bytes(types[1])
-        result = hlo._arrays(ins.type)
-        if ins.op == "kCustomCall" and ins.type.startswith("(") and result:
-            result = result[:1]  # a cuBLAS call's second element is its workspace
-        written = sum(math.prod(d) * max(hlo._bits(t) // 8, 1) for t, d in result)
-        return sum(hlo._type_bytes(t) for t in types) + written
+        return sum(hlo._type_bytes(t) for t in types) + _result_bytes(ins)
+
+
+def _result_bytes(ins: Instr) -> int:
+    """The bytes an instruction's result writes; a library call's workspace (a
+    cuBLAS call's second result, 32 MiB of s8 on jax 0.12) left out."""
+    result = hlo._arrays(ins.type)
+    if ins.op == "kCustomCall" and ins.type.startswith("(") and result:
+        result = result[:1]
+    return sum(math.prod(d) * max(hlo._bits(t) // 8, 1) for t, d in result)
 
 
 def _operand_dtype(mod: Module, comp: str, ins: Instr) -> str:
@@ -742,7 +747,7 @@ def _written(mod: Module, comp: str, root: Instr) -> int:
     if root.op == "kDynamicUpdateSlice" and len(root.operands) > 1:
         update = mod.by_name[comp].get(root.operands[1])
         return hlo._type_bytes(update.type) if update is not None else 0
-    return hlo._type_bytes(root.type)
+    return _result_bytes(root)  # a fused library call (jax 0.12's dynamic-slice fusion)
 
 
 def read_schedule(module: Any, shape: Sequence[tuple[str, int]] = (), *, platform: str) -> Schedule:
