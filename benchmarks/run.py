@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import spmdtree as st
@@ -443,10 +443,10 @@ def bare_compile(size: str, shape: tuple[int, ...], batch: int, length: int) -> 
     return float(done.stdout.split()[-1])
 
 
-def _bare(size: str, shape_text: str, batch: int, length: int) -> None:
-    """The child of `bare_compile`: prints its compile's seconds."""
-    shape = tuple(int(n) for n in shape_text.split(","))
-    mesh = jax.make_mesh(shape, advised.example.AXES, axis_types=(AxisType.Auto,) * len(shape))
+def _lowered(size: str, batch: int, length: int, mesh: Mesh) -> jax.stages.Lowered:
+    """The Llama-3 train step lowered for `mesh` as a raw `jax.jit` would lower it:
+    the example's rules, donated params and state (what B10's bare compile and B12
+    time)."""
     (params, state, tokens), _ = _llama_args(size, batch, length)
     with st.logical_axis_rules(advised.example.RULES), jax.set_mesh(mesh):
         args = (
@@ -454,10 +454,17 @@ def _bare(size: str, shape_text: str, batch: int, length: int) -> None:
             st.to_abstract(state, mesh, params=params),
             st.to_abstract(tokens, mesh),
         )
-        jitted = jax.jit(advised.example.train_step, donate_argnums=(0, 1))
-        start = timeit.default_timer()
-        jitted.lower(*args).compile(CPU_OPTIONS)
-        print(timeit.default_timer() - start)
+        return jax.jit(advised.example.train_step, donate_argnums=(0, 1)).lower(*args)
+
+
+def _bare(size: str, shape_text: str, batch: int, length: int) -> None:
+    """The child of `bare_compile`: prints its compile's seconds."""
+    shape = tuple(int(n) for n in shape_text.split(","))
+    mesh = jax.make_mesh(shape, advised.example.AXES, axis_types=(AxisType.Auto,) * len(shape))
+    lowered = _lowered(size, batch, length, mesh)
+    start = timeit.default_timer()
+    lowered.compile(CPU_OPTIONS)
+    print(timeit.default_timer() - start)
 
 
 def b9_fsdp(bench: Bench) -> None:
@@ -568,17 +575,10 @@ def _predict(size: str, shape_text: str, batch: int, length: int) -> None:
     placement = targets.place(targets.TARGETS["h100"], math.prod(shape), 8)
     types = (AxisType.Auto,) * len(shape)
     mesh = targets.target_mesh(placement, shape, advised.example.AXES, types)
-    (params, state, tokens), _ = _llama_args(size, batch, length)
-    with st.logical_axis_rules(advised.example.RULES), jax.set_mesh(mesh):
-        args = (
-            st.to_abstract(params, mesh),
-            st.to_abstract(state, mesh, params=params),
-            st.to_abstract(tokens, mesh),
-        )
-        jitted = jax.jit(advised.example.train_step, donate_argnums=(0, 1))
-        start = timeit.default_timer()
-        compiled = jitted.lower(*args).compile(targets.compile_options("cuda"))
-        compiled_at = timeit.default_timer()
+    lowered = _lowered(size, batch, length, mesh)
+    start = timeit.default_timer()
+    compiled = lowered.compile(targets.compile_options("cuda"))
+    compiled_at = timeit.default_timer()
     module = hlo.Module(compiled.runtime_executable().hlo_modules()[0])
     read_at = timeit.default_timer()
     axes = tuple(mesh.shape.items())

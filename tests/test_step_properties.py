@@ -39,6 +39,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as hs
 from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
+from test_hlo_targets import H100
 
 import spmdtree as st
 
@@ -68,22 +69,7 @@ HAS_TPU, HAS_GPU = has("libtpu"), has("jax_plugins.xla_cuda12")
 needs_tpu = pytest.mark.skipif(not HAS_TPU, reason="needs pip install 'spmdtree[tpu]'")
 needs_gpu = pytest.mark.skipif(not HAS_GPU, reason="needs pip install 'spmdtree[cuda]'")
 
-#: An H100 as XLA's GPU target description reads it (for in-process GPU compiles).
-H100 = """
-gpu_device_info {
-  cuda_compute_capability { major: 9 minor: 0 }
-  threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152
-  shared_memory_per_core: 233472 threads_per_core_limit: 2048 core_count: 132
-  fpus_per_core: 128 block_dim_limit_x: 2147483647 block_dim_limit_y: 65535
-  block_dim_limit_z: 65535 memory_bandwidth: 3352320000000 l2_cache_size: 52428800
-  clock_rate_ghz: 1.98 device_memory_size: 85045477376
-  shared_memory_per_block_optin: 232448 registers_per_core_limit: 65536
-  registers_per_block_limit: 65536
-}
-platform_name: "CUDA"
-dnn_version_info { major: 9 minor: 1 }
-device_description_str: "NVIDIA H100 80GB HBM3"
-"""
+# H100 (imported): the GPU target description the HLO target tests compile with
 
 
 @functools.cache

@@ -37,6 +37,7 @@ from spmdtree._src.step.targets import (
     TARGETS,
     Analysis,
     DoesNotFit,
+    backend_of,
     compile_child,
     compile_here,
 )
@@ -247,7 +248,7 @@ class Advice:
         """The hardware's platform as `jax.devices()` names it (``"gpu"``,
         ``"tpu"``), or ``""`` for hardware spmdtree knows no compiler of (new in 0.5)."""
         target = TARGETS.get(self.hardware.name)
-        return "" if target is None else "gpu" if target.platform == "cuda" else target.platform
+        return "" if target is None else backend_of(target.platform)
 
     def __str__(self) -> str:
         return advice_table(self)

@@ -347,7 +347,7 @@ def analyse(
         code_bytes=int(memory.generated_code_size_in_bytes),
         reading=read,
         overstated_bytes=overstated_bytes(read.held_bytes, temp) if platform == "cpu" else 0,
-        backend="gpu" if platform == "cuda" else platform,  # as jax.devices() names it
+        backend=backend_of(platform),
         schedule=read_schedule(module, tuple(mesh.shape.items()), platform=platform),
         # the CPU's own peak is the CPU program's, no accelerator's: not reported
         compiler_peak_bytes=0
@@ -355,6 +355,12 @@ def analyse(
         else int(getattr(memory, "peak_memory_in_bytes", 0) or 0),
         compiler_seconds=_optimal_seconds(compiled),
     )
+
+
+def backend_of(platform: str) -> str:
+    """A compiler's platform (``"cpu"``, ``"cuda"``, ``"tpu"``) as `jax.devices()`
+    names its devices' backend: ``"gpu"`` for CUDA."""
+    return "gpu" if platform == "cuda" else platform
 
 
 def _optimal_seconds(compiled: jax.stages.Compiled) -> float:
