@@ -464,10 +464,15 @@ def _batch_first(candidate: Candidate, flags: tuple[str, ...]) -> tuple[str, ...
     unsharded) first: the one that makes a layout no layout."""
 
     def is_batch(flag: str) -> bool:
-        inner = flag.flag if isinstance(flag, Located) else flag
-        return isinstance(inner, LeftUnsharded) and inner.size == candidate.batch
+        return _batch_flag(candidate, flag.flag if isinstance(flag, Located) else flag)
 
     return tuple(sorted(flags, key=lambda flag: not is_batch(flag)))
+
+
+def _batch_flag(candidate: Candidate, flag: str) -> bool:
+    """Whether a plan flag is the batch's own: a dimension of the candidate's batch
+    size left unsharded."""
+    return isinstance(flag, LeftUnsharded) and flag.size == candidate.batch
 
 
 def _rejected(candidate: Candidate, planned: Plan, budget: int) -> tuple[Verdict, str] | None:
@@ -548,7 +553,7 @@ def _unsharded_batch(candidate: Candidate, planned: Plan) -> str | None:
     sizes = dict(candidate.mesh.shape)
     for row in planned.rows:
         for flag in row.flags:
-            if isinstance(flag, LeftUnsharded) and flag.size == candidate.batch:
+            if isinstance(flag, LeftUnsharded) and _batch_flag(candidate, flag):
                 tried = " or ".join(
                     f"{entries_text((axes,), 1)} "
                     f"({math.prod(sizes.get(a, 1) for a in ((axes,) if isinstance(axes, str) else axes))})"
