@@ -353,6 +353,49 @@ def test_libtpu_reductions_over_mesh_shapes_and_axis_orders(case):
     check_collectives(collectives_plan("tpu", shape, names, chosen, kinds), *case, kinds)
 
 
+# --- hlo: the CPU form of a reduce-scatter, and what only looks like one -------------------
+
+
+def _reduce_and_slice(chosen, group, by_device):
+    """Each device reduces a whole (rows, 8) over `chosen`, then keeps 1/group of it:
+    the slice its own coordinates along `chosen` pick (the CPU compiler's form of a
+    reduce-scatter), or one that an argument picks, the same on every device."""
+
+    def local(a, k):
+        whole = jax.lax.psum(a, chosen)
+        part = whole.shape[0] // group
+        index = jax.lax.axis_index(chosen) if by_device else k
+        return jax.lax.dynamic_slice_in_dim(whole, index * part, part)
+
+    def fn(x, k, names):
+        return jax.shard_map(
+            local, in_specs=(P(names, None), P()), out_specs=P(names, None), check_vma=False
+        )(x, k)
+
+    return fn
+
+
+@functools.cache
+def sliced_plan(shape, names, chosen, by_device):
+    x = jax.ShapeDtypeStruct((BLOCK * math.prod(shape), 8), jnp.float32)
+    k = jax.ShapeDtypeStruct((), jnp.int32)
+    step = _reduce_and_slice(chosen, group_of(shape, names, chosen), by_device)
+    return st.preflight(lambda x, k: step(x, k, names), x, k, mesh=auto(shape, names))
+
+
+@examples(10)
+@given(meshes(), hs.booleans())
+def test_a_reduction_each_device_slices_by_its_own_place_is_a_reduce_scatter(case, by_device):
+    # sliced by the device's coordinates: the reduce-scatter of that slice; sliced
+    # where an argument says, the same slice on every device: still an all-reduce
+    shape, names, chosen = case
+    n, block = group_of(shape, names, chosen), BLOCK * 8 * 4
+    plan = sliced_plan(shape, names, chosen, by_device)
+    kind, size = ("reduce-scatter", block // n) if by_device else ("all-reduce", block)
+    assert rows(plan) == {(kind, mesh_order(names, chosen)): (1, size, n)}
+    assert (plan.overstated_bytes > 0) is by_device
+
+
 # --- hlo and preflight: FLOPs and memory against the raw compile ---------------------------
 
 D_IN, HIDDEN = 32, 64
@@ -601,7 +644,9 @@ def test_compute_is_the_flops_at_the_peak_and_the_bound_the_slower_of_the_two(ca
 
 WIDE, MLP = 64, 512
 ADVISE_RULES = [("batch", "data"), ("mlp", "tensor"), ("embed", None)]
-ADVISE_HW = st.Hardware("test", 2**30, 1e12, {"ici": (1e10, 0.0), "dcn": (1e9, 0.0)}, 8)
+#: Slow FLOPs: every layout of a batch is compute-bound at one bound, and its peak
+#: and serial time rank it; nodes of 4: a mesh's axis order changes its collectives.
+ADVISE_HW = st.Hardware("test", 2**30, 1e9, {"ici": (1e10, 0.0), "dcn": (1e9, 0.0)}, 4)
 
 
 def advise_step(candidate):
@@ -628,18 +673,27 @@ def advise_step(candidate):
     return step, (params, x), {"donate_argnums": 0}
 
 
+FSDP_RULES = [("batch", "data"), ("embed", "data"), ("mlp", None)]
+
+
 def candidates():
-    """Every (data, tensor) layout of 8 devices at two batches, a batch that data 8
-    does not divide, and rules with a typo: every verdict but "may fit"."""
+    """Every (data, tensor) layout of 8 devices at two batches; (tensor 4, data 2),
+    the same program as (data 2, tensor 4) with its tensor groups across nodes (a
+    tie on bound and peak, not on the serial time); FSDP over data 8, whose CPU
+    estimate holds whole reductions (what "may fit" reads); a batch that data 8
+    does not divide; rules with a typo."""
     meshes = st.layouts(8, ("data", "tensor"))
     given = [
         st.Candidate(m, ADVISE_RULES, b, label=f"{tuple(m.shape.values())} b{b}")
         for m in meshes
         for b in (8, 64)
     ]
+    swapped = auto((4, 2), ("tensor", "data"))
     typo = [("batch", "dtaa"), *ADVISE_RULES[1:]]
     return [
         *given,
+        *(st.Candidate(swapped, ADVISE_RULES, b, label=f"tensor 4 x data 2 b{b}") for b in (8, 64)),
+        st.Candidate(meshes[-1], FSDP_RULES, 64, label="fsdp 8 b64"),
         st.Candidate(meshes[-1], ADVISE_RULES, 12, label="12 on data 8"),
         st.Candidate(meshes[0], typo, 8, label="typo"),
     ]
@@ -656,9 +710,16 @@ def screened(budget=None, order=None, hardware=ADVISE_HW):
 
 
 @functools.cache
-def budget():
-    """A budget that one row is tight under, the smaller peaks fit and the larger not."""
-    peaks = sorted({row.step.peak_bytes for row in screened().rows if row.step is not None})
+def budget(kind):
+    """A budget under which one row is "tight" (the smaller peaks fit, the larger
+    not), or under which the FSDP row "may fit" (its peak above it, its peak less
+    the whole reductions it holds below)."""
+    rows_ = [row for row in screened().rows if row.step is not None]
+    if kind == "may fit":
+        (fsdp,) = [row.step for row in rows_ if row.candidate.label == "fsdp 8 b64"]
+        assert fsdp.overstated_bytes > 0  # the premise
+        return fsdp.peak_bytes - fsdp.overstated_bytes // 2
+    peaks = sorted({row.step.peak_bytes for row in rows_})
     return math.ceil(peaks[len(peaks) // 2] / 0.97)
 
 
@@ -693,15 +754,17 @@ def rank_key(row):
     return (verdict, bound, row.step.peak_bytes, row.time.serial_seconds / per)
 
 
-@examples(4, 10)
-@given(hs.permutations(range(len(candidates()))))
-def test_no_candidate_order_changes_a_verdict_or_the_ranking(order):
-    given = screened(budget(), tuple(order))
-    listed = screened(budget())
+@pytest.mark.parametrize("kind", ["tight", "may fit"])
+@examples(3, 10)
+@given(order=hs.permutations(range(len(candidates()))))
+def test_no_candidate_order_changes_a_verdict_or_the_ranking(kind, order):
+    limit = budget(kind)
+    given = screened(limit, tuple(order))
+    listed = screened(limit)
     verdicts = {row.candidate.label: row.verdict for row in listed.rows}
     assert {row.candidate.label: row.verdict for row in given.rows} == verdicts
-    assert {row.candidate.label: verdict_of(row, budget()) for row in given.rows} == verdicts
-    assert set(verdicts.values()) >= {"fits", "tight", "over budget", "batch unsharded"}
+    assert {row.candidate.label: verdict_of(row, limit) for row in given.rows} == verdicts
+    assert {kind, "fits", "over budget", "batch unsharded"} <= set(verdicts.values())
     keys = [rank_key(row) for row in given.rows]
     assert keys == sorted(keys)  # ranked by the documented rule
     assert keys == [rank_key(row) for row in listed.rows]
@@ -712,6 +775,20 @@ def test_no_candidate_order_changes_a_verdict_or_the_ranking(order):
     assert given.best.candidate.label in {
         r.candidate.label for r in listed.rows if rank_key(r) == rank_key(listed.best)
     }
+
+
+def test_a_tie_on_bound_and_peak_goes_to_the_smaller_serial_time():
+    # the same program on (data 2, tensor 4) and (tensor 4, data 2): one bound, one
+    # peak; on nodes of 4 one order's groups cross nodes where the other's do not
+    rows_ = {row.candidate.label: row for row in screened().rows}
+    pair = [rows_["(2, 4) b64"], rows_["tensor 4 x data 2 b64"]]
+    assert pair[0].time.bound_seconds == pair[1].time.bound_seconds  # the premise: a tie
+    assert pair[0].step.peak_bytes == pair[1].step.peak_bytes
+    assert pair[0].time.serial_seconds != pair[1].time.serial_seconds
+    quicker, slower = sorted(pair, key=lambda row: row.time.serial_seconds)
+    for order in (None, tuple(reversed(range(len(candidates()))))):
+        labels = [row.candidate.label for row in screened(order=order).rows]
+        assert labels.index(quicker.candidate.label) < labels.index(slower.candidate.label)
 
 
 def check_confirmed(order):
