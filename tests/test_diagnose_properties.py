@@ -173,3 +173,15 @@ def test_a_batch_of_one_over_the_budget_is_said_to_fit_no_batch():
     assert "No batch brings it under" in said
     with pytest.raises(TypeError, match="batch"):
         step.what_would_fit(1000, batch="8")
+
+
+@pytest.mark.parametrize("kind", ["all-reduce", "all-to-all", "all-gather"])
+@pytest.mark.parametrize("axis", ["data", "fsdp"])
+def test_only_a_reduction_over_the_arguments_own_axes_is_read_as_split_activations(kind, axis):
+    # the arguments shard over fsdp only; data replicates them
+    specs = (("fsdp", None), (None, "fsdp"))
+    step = preflighted(("data", "fsdp"), (2, 4), specs)
+    row = st.Collective(kind, 1, 1 << 30, axes=(axis,), group=2 if axis == "data" else 4)
+    found = dataclasses.replace(step, collectives=(row,)).unexplained_traffic
+    assert found.activations == (kind in ("all-reduce", "all-to-all") and axis == "fsdp")
+    assert ("XLA likely split the activations" in found.sentence) == found.activations
