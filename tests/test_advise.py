@@ -584,3 +584,26 @@ def test_a_rule_that_matches_nothing_is_said_once_per_call():
     said = "rule 3 ('heads', 'tensor') is never used"
     assert said in advice.note and " ".join(str(advice).split()).count(said) == 1
     assert said not in small_batch_advice().note  # the rules in use: nothing said
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_a_compiled_row_over_budget_ranks_before_one_rejected_without_a_compile(reverse):
+    # budget 12 MiB: tensor 8 fits; tensor 4 compiles over it; tensor 1's arrays
+    # alone (16 MiB) are over it, so it is not compiled; its label sorts first
+    mesh = {dict(m.shape)["tensor"]: m for m in st.layouts(8, ("data", "tensor"))}
+    names = {8: "c sharded", 4: "b half", 1: "a replicated"}
+    candidates = [st.Candidate(mesh[t], RULES, batch=8, length=16, label=names[t]) for t in names]
+    budget = 3 * WIDE * MLP * 4 // 2
+    advice = st.advise(
+        mlp_step,
+        candidates[::-1] if reverse else candidates,
+        hardware=HW,
+        budget_bytes=budget,
+        progress=False,
+    )
+    got = [(row.candidate.label, row.verdict, row.step is None) for row in advice.rows]
+    assert got == [
+        ("c sharded", "fits", False),
+        ("b half", "over budget", False),
+        ("a replicated", "over budget", True),
+    ]
