@@ -157,7 +157,7 @@ def test_what_would_fit_names_the_largest_batch_the_fewest_devices_and_remat_whe
     if fixed >= budget:
         assert "A smaller batch cannot bring it under" in said
     elif batch is not None:
-        largest = max((b for b in range(batch + 1) if fixed + temp * b / batch <= budget))
+        largest = max(b for b in range(batch + 1) if fixed + temp * b / batch <= budget)
         if largest == 0:
             assert "No batch brings it under" in said
         else:

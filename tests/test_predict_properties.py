@@ -139,7 +139,7 @@ def schedules(draw, depth=0, idents=None):
     events = []
     for _ in range(draw(hs.integers(1, 4 if depth else 6))):
         choice = draw(hs.sampled_from(["kernel", "async", "sync", "loop", "branches"]))
-        if choice == "kernel" or depth >= 2 and choice in ("loop", "branches", "async"):
+        if choice == "kernel" or (depth >= 2 and choice in ("loop", "branches", "async")):
             events.append(draw(kernels()))
             continue
         if choice in ("async", "sync"):

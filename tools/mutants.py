@@ -993,6 +993,13 @@ MUTANTS.update(
                 "and bool(largest.axes)",
             )
         ],
+        "cost-model-bandwidth-of-another-chip": [
+            (
+                "_src/step/predict.py",
+                '"h200": _gpu(4.8e12, 132, 794.5 / 989)',
+                '"h200": _gpu(3.35e12, 132, 794.5 / 989)',
+            )
+        ],
         "preset-memory-a-gib-more": [
             ("_src/step/hardware.py", '"h100", 85_045_477_376,', '"h100", 85_045_477_376 + 2**30,')
         ],
