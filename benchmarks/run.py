@@ -487,7 +487,7 @@ def b9_fsdp(bench: Bench) -> None:
     )
 
 
-#: B10's small decoder (scanned, remat per layer, bf16): about 50M params.
+#: B10's small decoder (scanned, remat per layer, bf16): 58M params.
 llama.SIZES.setdefault(
     "small", dict(vocab=32000, embed=512, layers=8, heads=8, kv_heads=8, head_dim=64, mlp=1408)
 )
