@@ -287,6 +287,18 @@ def test_bad_options_are_refused_before_any_step(options, kind, said):
 
 
 @pytest.mark.parametrize(
+    "hardware, fix",
+    [("h100", r"Pass st\.hardware\('h100'\)"), (None, r"such as st\.hardware\('h100'\)")],
+    ids=["a-preset-name", "none"],
+)
+def test_hardware_that_is_not_a_hardware_says_how_to_make_one(hardware, fix):
+    make_step, calls = recording(mlp_step)
+    with pytest.raises(TypeError, match=rf"^advise: hardware is {hardware!r}; expected .*{fix}"):
+        st.advise(make_step, [st.Candidate(_mesh(2, 4), RULES, 8)], hardware=hardware)
+    assert calls == []
+
+
+@pytest.mark.parametrize(
     "returned",
     [lambda fn, args, kwargs: (fn, args), lambda fn, args, kwargs: (fn, kwargs, args)],
     ids=["two-values", "swapped"],
