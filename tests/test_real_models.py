@@ -5,17 +5,20 @@ verbatim, through `st.from_flax` (its params carry logical names, its
 activations no constraints), and a nanoGPT-style equinox GPT, unannotated,
 boxed by patterns over its abstract params (`eqx.filter_eval_shape` +
 `eqx.partition`, then `st.box`). Both unroll their layers in bf16, so the CPU
-estimate of their peak runs well above an accelerator's. Each test sets the
-budget between the two for one layout, measured here (the XLA GPU peak from a
-raw `jax.jit(...).lower().compile()` for 8 H100s in this process), and checks
-that advise calls that layout "fits" on the target's figures, never "over
-budget" or "may fit" on the CPU estimate's. They need `spmdtree[cuda]`
-(`spmdtree[tpu]` for the libtpu one); without it they are skipped. Small
+estimate of their peak runs well above an accelerator's. Each test sets a
+budget that one layout's CPU estimate is over (for lm1b, midway between it and
+the peak of a raw `jax.jit(...).lower().compile()` for 8 H100s in this
+process) and checks that advise calls that layout "fits" on the target's
+figures (for lm1b, the raw compile's peak to the byte), never "over budget"
+or "may fit" on the CPU estimate's. They need `spmdtree[cuda]`
+(`spmdtree[tpu]` for the libtpu one, which also needs ``SPMDTREE_FULL_GRID=1``:
+libtpu's compile is dear); without them they are skipped. Small
 configs: two layers, width 128, 8 devices.
 """
 
 import functools
 import importlib.util
+import os
 import warnings
 
 import equinox as eqx
@@ -46,6 +49,8 @@ pytestmark = [
     ),
 ]
 needs_tpu = pytest.mark.skipif(not has("libtpu"), reason="needs pip install 'spmdtree[tpu]'")
+#: The whole grid (tools/mutants.py sets it): the libtpu test too.
+FULL = os.environ.get("SPMDTREE_FULL_GRID") == "1"
 
 AXES = ("data", "fsdp", "tensor")
 LENGTH, BATCH, VOCAB, WIDTH, LAYERS = 256, 64, 512, 128, 2
@@ -249,9 +254,7 @@ def test_equinox_gpt_screened_on_xla_gpu_fits_where_the_estimate_is_over():
     assert not st.is_boxed(args[0].h[0].ln_1.weight)
     # a budget the CPU estimate is over (by 25%: "may fit" at best on it alone)
     budget = gpt_estimate(chosen).peak_bytes * 4 // 5
-    candidates = [
-        st.Candidate(auto(shape), None, BATCH, length=LENGTH) for shape in (chosen, (1, 8))
-    ]
+    candidates = [st.Candidate(auto(chosen), None, BATCH, length=LENGTH)]
     # the default screen on GPU hardware with XLA GPU installed: the target's compiler
     advice = st.advise(
         gpt_make_step,
@@ -261,9 +264,9 @@ def test_equinox_gpt_screened_on_xla_gpu_fits_where_the_estimate_is_over():
         progress=False,
         confirm=2,
     )
-    assert advice.compiles == len(candidates)  # one compile each, all on the target
-    assert all(r.step is not None and r.step.backend == "gpu" for r in advice.rows), str(advice)
-    (row,) = [r for r in advice.rows if tuple(r.candidate.mesh.axis_sizes) == chosen]
+    assert advice.compiles == 1  # on the target only
+    (row,) = advice.rows
+    assert row.step.backend == "gpu" and "XLA GPU compiler" in row.step.target, str(advice)
     assert row.verdict == "fits" and row.step.peak_bytes < budget, str(advice)
     assert advice.note.startswith("screened on the target: compiled for 8 x h100")
     # confirm= finds nothing left to compile again, and says why
@@ -271,6 +274,7 @@ def test_equinox_gpt_screened_on_xla_gpu_fits_where_the_estimate_is_over():
 
 
 @needs_tpu
+@pytest.mark.skipif(not FULL, reason="libtpu's compile is dear: the whole grid only")
 def test_equinox_gpt_on_tpu_v5p_a_row_over_on_the_estimate_is_asked_of_libtpu():
     chosen = (4, 2)
     estimate = gpt_estimate(chosen)
