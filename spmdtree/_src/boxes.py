@@ -29,6 +29,7 @@ from spmdtree._src import registry
 from spmdtree._src.errors import Mistake, at, fmt, public
 from spmdtree._src.resolve import (
     REPLICATED,
+    Layout,
     Resolution,
     check_call,
     check_mesh,
@@ -61,11 +62,22 @@ PB = TypeVar("PB", bound="Partitioned")
 
 
 class Meta(NamedTuple):
-    """A box's metadata, its static aux data: read by name everywhere."""
+    """A box's metadata, its static aux data: read by name everywhere. Its
+    fields are the box constructors' keyword arguments; those of a `Layout`
+    reach every sharding through `layout`."""
 
     names: NameTuple
     mesh: AnyMesh | None = None
     rules: RuleTuple | None = None
+
+    @property
+    def layout(self) -> Layout:
+        """The box's own layout, but the spec, which resolving its names gives.
+
+        Raises:
+            Mistake: for a field the layout refuses.
+        """
+        return Layout()
 
 
 def refuse(box: object, what: str) -> NoReturn:
@@ -291,21 +303,30 @@ def _same_value(a: object, b: object) -> bool:
 
 
 def validated(
-    value: object, names: object, *, mesh: AnyMesh | None = None, rules: Rules | None = None
+    value: object,
+    names: object,
+    *,
+    mesh: AnyMesh | None = None,
+    rules: Rules | None = None,
+    **layout: Any,
 ) -> Meta:
     """The metadata of a box of `value`, checked and normalised: the one validation
-    every way of building a box goes through (the constructors, `make_box`).
+    every way of building a box goes through (the constructors, `make_box`);
+    `layout`: the `Meta` fields of its `Layout`, checked by the layout itself.
 
     Raises:
         Mistake: for a mesh of the wrong kind, names of the wrong kind or rank,
-            malformed rules.
+            malformed rules, a layout field of the wrong kind or value.
     """
     check_mesh(mesh, optional=True)
-    return Meta(
+    meta = Meta(
         names=checked_names(value, names),
         mesh=mesh,
         rules=None if rules is None else normalize_rules(rules),
+        **layout,
     )
+    meta.layout  # noqa: B018 -- built to be checked
+    return meta
 
 
 def make_box(cls: type[PB], value: Any, names: object, **fields: Any) -> PB:
@@ -517,7 +538,7 @@ class Partitioned(AxisMetadata):
         except Mistake as mistake:
             raise the_box(mistake) from None
         check_leaves((self, [self], [found]), rules, "", warn=True)
-        return finished(lambda value, res: named_sharding(mesh, res.spec), False, self, found)
+        return finished(lambda value, res: named_sharding(mesh, res.layout), False, self, found)
 
 
 registry.register(Partitioned)
@@ -682,6 +703,7 @@ class BoxResolver:
             rules=self.rules,
             own=meta.rules,
             mesh_shape=self.mesh_shape,
+            layout=meta.layout,
         )
 
     def unboxed(self, leaf: Any) -> Resolution:
