@@ -827,10 +827,12 @@ def delete_name(names: NameTuple, index: int, name: AxisName, *, check: bool = T
     return names[:index] + names[index + 1 :]
 
 
-def _initialiser_names(names: object) -> Names:
-    """Checked now, at the wrapper's creation; a PartitionSpec stays one, to be
-    read as JAX reads it against the value the initialiser returns."""
+def _initialiser_names(names: object, **layout: Any) -> Names:
+    """Checked now, at the wrapper's creation, with the boxes' `layout` fields; a
+    PartitionSpec stays one, to be read as JAX reads it against the value the
+    initialiser returns."""
     try:
+        Meta((), **layout).layout  # noqa: B018 -- built to be checked
         return normalize_kept(names)
     except Mistake as mistake:
         raise Mistake(mistake.kind, f"the initialiser {mistake.message}") from None
