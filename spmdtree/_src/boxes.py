@@ -69,6 +69,7 @@ class Meta(NamedTuple):
     names: NameTuple
     mesh: AnyMesh | None = None
     rules: RuleTuple | None = None
+    memory_kind: str | None = None
 
     @property
     def layout(self) -> Layout:
@@ -77,7 +78,7 @@ class Meta(NamedTuple):
         Raises:
             Mistake: for a field the layout refuses.
         """
-        return Layout()
+        return Layout(memory_kind=self.memory_kind)
 
 
 def refuse(box: object, what: str) -> NoReturn:
@@ -353,10 +354,15 @@ class Partitioned(AxisMetadata):
             (replicated), a tuple of mesh axis names, or
             ``PartitionSpec.UNCONSTRAINED``. Lists are stored as tuples.
         mesh: the mesh these names refer to, if fixed.
+        memory_kind: the memory the value's shards sit in: None (the device's
+            default), ``"device"``, or a host's, ``"pinned_host"`` or
+            ``"unpinned_host"``, to offload it (new in 0.5). Its shardings
+            carry it, and `plan` counts its bytes as the host's.
 
     Raises:
-        TypeError: if an entry of `names` is of the wrong kind.
-        ValueError: if `value` has a shape whose rank differs from ``len(names)``.
+        TypeError: if an entry of `names` or `memory_kind` is of the wrong kind.
+        ValueError: if `value` has a shape whose rank differs from ``len(names)``,
+            or `memory_kind` is not one of the kinds above.
 
     Example:
         >>> import jax.numpy as jnp, spmdtree as st
@@ -365,6 +371,8 @@ class Partitioned(AxisMetadata):
         Partitioned(f32[256,512], names=('data', 'model'))
         >>> box.get_partition_spec()
         P('data', 'model')
+        >>> st.Partitioned(jnp.zeros(8), ("data",), memory_kind="pinned_host").memory_kind
+        'pinned_host'
     """
 
     __slots__ = ("_tree",)
@@ -373,8 +381,15 @@ class Partitioned(AxisMetadata):
     _tree: tuple[tuple[Any], Meta]
 
     @public
-    def __init__(self, value: Any, names: Names, mesh: AnyMesh | None = None) -> None:
-        self._init(value, names, mesh=mesh)
+    def __init__(
+        self,
+        value: Any,
+        names: Names,
+        mesh: AnyMesh | None = None,
+        *,
+        memory_kind: str | None = None,
+    ) -> None:
+        self._init(value, names, mesh=mesh, memory_kind=memory_kind)
 
     def _init(self, value: Any, names: Names, **fields: Any) -> None:
         try:
@@ -392,6 +407,11 @@ class Partitioned(AxisMetadata):
     )
     mesh = registry.read_only(
         "mesh", lambda self: self._tree[1].mesh, "The mesh the names refer to, or None."
+    )
+    memory_kind = registry.read_only(
+        "memory_kind",
+        lambda self: self._tree[1].memory_kind,
+        "The memory the value's shards sit in (a host's: offloaded), or None (new in 0.5).",
     )
     __reduce__ = registry.reduce
 
@@ -555,10 +575,13 @@ class LogicallyPartitioned(Partitioned):
         names: one logical name per dimension (entries as for `Partitioned`).
         mesh: the mesh the rules map onto, if fixed.
         rules: rules for this box only, as ``(logical_name, mesh_axes)`` pairs.
+        memory_kind: the memory the value's shards sit in, as for
+            `Partitioned` (new in 0.5).
 
     Raises:
-        TypeError: if a name or rule is of the wrong kind.
-        ValueError: if `value` has a shape whose rank differs from ``len(names)``.
+        TypeError: if a name, rule or `memory_kind` is of the wrong kind.
+        ValueError: if `value` has a shape whose rank differs from ``len(names)``,
+            or `memory_kind` is not a memory kind.
 
     Example:
         >>> import jax.numpy as jnp, spmdtree as st
@@ -579,8 +602,10 @@ class LogicallyPartitioned(Partitioned):
         names: Names,
         mesh: AnyMesh | None = None,
         rules: Rules | None = None,
+        *,
+        memory_kind: str | None = None,
     ) -> None:
-        self._init(value, names, mesh=mesh, rules=rules)
+        self._init(value, names, mesh=mesh, rules=rules, memory_kind=memory_kind)
 
     rules = registry.read_only(
         "rules", lambda self: self._tree[1].rules, "The box's own rules (normalised), or None."
@@ -840,7 +865,11 @@ def _initialiser_names(names: object, **layout: Any) -> Names:
 
 @public
 def with_partitioning(
-    fn: Callable[..., Any], names: Names, mesh: AnyMesh | None = None
+    fn: Callable[..., Any],
+    names: Names,
+    mesh: AnyMesh | None = None,
+    *,
+    memory_kind: str | None = None,
 ) -> Callable[..., Partitioned]:
     """Wraps an initialiser so that it returns its value in a `Partitioned` box.
 
@@ -848,24 +877,31 @@ def with_partitioning(
         fn: the initialiser, e.g. ``jax.nn.initializers.lecun_normal()``.
         names: mesh axis names, one per dimension of what `fn` returns.
         mesh: the mesh, if fixed.
+        memory_kind: the boxes' memory kind, as for `Partitioned`, e.g.
+            ``"pinned_host"`` to offload them (new in 0.5).
 
     Returns:
         A function with `fn`'s signature returning ``Partitioned(fn(...), names, mesh)``.
 
     Raises:
-        TypeError: at once, if an entry of `names` is of the wrong kind.
+        TypeError: at once, if an entry of `names` or `memory_kind` is of the
+            wrong kind.
+        ValueError: at once, if `memory_kind` is not a memory kind.
 
     Example:
         >>> import jax, spmdtree as st
         >>> init = st.with_partitioning(jax.nn.initializers.lecun_normal(), (None, "model"))
         >>> init(jax.random.key(0), (4, 8))
         Partitioned(f32[4,8], names=(None, 'model'))
+        >>> offloaded = st.with_partitioning(jax.nn.initializers.zeros, ("model",), memory_kind="pinned_host")
+        >>> offloaded(jax.random.key(0), (8,))
+        Partitioned(f32[8], names=('model',), memory_kind='pinned_host')
     """
-    names = _initialiser_names(names)
+    names = _initialiser_names(names, memory_kind=memory_kind)
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Partitioned:
-        return Partitioned(fn(*args, **kwargs), names, mesh=mesh)
+        return Partitioned(fn(*args, **kwargs), names, mesh=mesh, memory_kind=memory_kind)
 
     return wrapper
 
@@ -876,6 +912,8 @@ def with_logical_partitioning(
     names: Names,
     mesh: AnyMesh | None = None,
     rules: Rules | None = None,
+    *,
+    memory_kind: str | None = None,
 ) -> Callable[..., LogicallyPartitioned]:
     """Wraps an initialiser so that it returns its value in a `LogicallyPartitioned` box.
 
@@ -884,24 +922,31 @@ def with_logical_partitioning(
         names: logical names, one per dimension of what `fn` returns.
         mesh: the mesh, if fixed.
         rules: rules for these boxes only; usually left to the caller.
+        memory_kind: the boxes' memory kind, as for `Partitioned` (new in 0.5).
 
     Returns:
         A function with `fn`'s signature returning a `LogicallyPartitioned`.
 
     Raises:
-        TypeError: at once, if a name or rule is of the wrong kind.
+        TypeError: at once, if a name, rule or `memory_kind` is of the wrong kind.
+        ValueError: at once, if `memory_kind` is not a memory kind.
 
     Example:
         >>> import jax, spmdtree as st
         >>> init = st.with_logical_partitioning(jax.nn.initializers.zeros, ("mlp",))
         >>> init(jax.random.key(0), (8,))
         LogicallyPartitioned(f32[8], names=('mlp',))
+        >>> init = st.with_logical_partitioning(jax.nn.initializers.zeros, ("mlp",), memory_kind="pinned_host")
+        >>> init(jax.random.key(0), (8,)).memory_kind
+        'pinned_host'
     """
-    names = _initialiser_names(names)
+    names = _initialiser_names(names, memory_kind=memory_kind)
     rules = None if rules is None else normalize_rules(rules)
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> LogicallyPartitioned:
-        return LogicallyPartitioned(fn(*args, **kwargs), names, mesh=mesh, rules=rules)
+        return LogicallyPartitioned(
+            fn(*args, **kwargs), names, mesh=mesh, rules=rules, memory_kind=memory_kind
+        )
 
     return wrapper
