@@ -109,6 +109,16 @@ class StepPlan:
         compiler_seconds: the compiler's own time estimate where it gives one
             (libtpu's ``cost_analysis()["optimal_seconds"]``), else 0.0; shown
             beside the prediction as a cross-check (new in 0.5).
+        host_argument_bytes: the arguments offloaded to the host's memory (a
+            host `memory_kind`), per device, not in `argument_bytes` (new in
+            0.5). libtpu says them; the CPU (one memory) and XLA GPU count them
+            as the device's, so there they are the inputs' plan's `host_bytes`,
+            moved out of `argument_bytes`.
+        host_output_bytes: the outputs placed in the host's memory, per device,
+            not in `output_bytes`: the compiler's ``host_output_size_in_bytes``
+            (on the CPU, those its output shardings put there; new in 0.5).
+        host_alias_bytes: host outputs in donated host buffers (new in 0.5).
+        host_temp_bytes: the compiler's temporaries in host memory (new in 0.5).
 
     Example:
         >>> import jax, jax.numpy as jnp, spmdtree as st
@@ -142,11 +152,34 @@ class StepPlan:
     schedule: Schedule | None = dataclasses.field(default=None, repr=False, compare=False)
     compiler_peak_bytes: int = 0
     compiler_seconds: float = 0.0
+    host_argument_bytes: int = 0
+    host_output_bytes: int = 0
+    host_alias_bytes: int = 0
+    host_temp_bytes: int = 0
 
     @property
     def peak_bytes(self) -> int:
         """Arguments + outputs - aliased + temporaries: the step's peak on one device."""
         return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
+
+    @property
+    def host_peak_bytes(self) -> int:
+        """The same in the host's memory, per device: what the step offloads (new in 0.5).
+
+        Example:
+            >>> import jax, jax.numpy as jnp, spmdtree as st
+            >>> mesh = jax.sharding.AbstractMesh((2,), ("data",))
+            >>> x = st.Partitioned(jax.ShapeDtypeStruct((8, 4), jnp.float32), ("data", None), memory_kind="pinned_host")
+            >>> step = st.preflight(lambda x: jax.device_put(x.value, jax.memory.Space.Device) * 2, x, mesh=mesh)
+            >>> step.host_argument_bytes, step.argument_bytes, step.host_peak_bytes
+            (64, 0, 64)
+        """
+        return (
+            self.host_argument_bytes
+            + self.host_output_bytes
+            - self.host_alias_bytes
+            + self.host_temp_bytes
+        )
 
     @property
     def unexplained_traffic(self) -> Traffic | None:
@@ -481,8 +514,10 @@ def step_plan(traced: Traced, analysis: Analysis, where: Where) -> StepPlan:
         Located(argument_path(row.path), flag) for row in inputs.rows for flag in row.flags
     ]
     flags += [*analysis.reading.flags, *traced.warned]
+    # the CPU (one memory) and XLA GPU count offloaded arguments as the device's
+    moved = 0 if analysis.host_argument_bytes else inputs.host_bytes
     return StepPlan(
-        argument_bytes=analysis.argument_bytes,
+        argument_bytes=analysis.argument_bytes - moved,
         output_bytes=analysis.output_bytes,
         alias_bytes=analysis.alias_bytes,
         temp_bytes=analysis.temp_bytes,
@@ -503,4 +538,8 @@ def step_plan(traced: Traced, analysis: Analysis, where: Where) -> StepPlan:
         schedule=analysis.schedule,
         compiler_peak_bytes=analysis.compiler_peak_bytes,
         compiler_seconds=analysis.compiler_seconds,
+        host_argument_bytes=analysis.host_argument_bytes + moved,
+        host_output_bytes=analysis.host_output_bytes,
+        host_alias_bytes=analysis.host_alias_bytes,
+        host_temp_bytes=analysis.host_temp_bytes,
     )
