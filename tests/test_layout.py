@@ -5,7 +5,9 @@ one place a `NamedSharding` is built carries it; the plan counts the bytes of
 arrays offloaded to the host apart from the device's, and preflight reads the
 host bytes from the compiler's memory stats. The host offload of an optax
 adamw state is planned, and preflighted on the CPU estimate and by XLA GPU and
-libtpu (both take host memory kinds without a device).
+libtpu: both take "pinned_host" without a device; XLA GPU takes "unpinned_host"
+too, and libtpu refuses it for an argument (with an internal error, so preflight
+refuses it first).
 """
 
 import pickle
@@ -198,3 +200,36 @@ def test_preflight_counts_host_bytes_with_xla_gpu():
 @pytest.mark.skipif(not has_compiler("tpu"), reason="needs pip install 'spmdtree[tpu]'")
 def test_preflight_counts_host_bytes_with_libtpu():
     check_offloaded(preflighted("tpu-v5p"), padded=1024)
+
+
+def unpinned_argument():
+    box = st.Partitioned(jax.ShapeDtypeStruct((64, 32), jnp.float32), ("data", None))
+    return box.replace(memory_kind="unpinned_host")
+
+
+def moved_to_device(x):
+    return jax.device_put(
+        jax.device_put(x.value, jax.memory.Space.Device) * 2, jax.memory.Space.Host
+    )
+
+
+@pytest.mark.target
+@pytest.mark.skipif(not has_compiler("cuda"), reason="needs pip install 'spmdtree[cuda]'")
+def test_xla_gpu_takes_unpinned_host_memory():
+    mesh = AbstractMesh((2, 4), ("data", "model"))
+    step = st.preflight(moved_to_device, unpinned_argument(), mesh=mesh, target="h100")
+    assert step.host_argument_bytes == 64 * 32 * 4 // 2 == step.inputs.host_bytes
+
+
+@pytest.mark.target
+@pytest.mark.skipif(not has_compiler("tpu"), reason="needs pip install 'spmdtree[tpu]'")
+def test_an_unpinned_argument_is_refused_for_libtpu_before_it_compiles():
+    # libtpu's own refusal is an internal error (INTERNAL: a shape mismatch between
+    # memory spaces, S(6)): ours comes before the compile, naming the fix
+    mesh = AbstractMesh((2, 4), ("data", "model"))
+    with pytest.raises(
+        ValueError,
+        match=r"^preflight: args\[0\] has memory_kind 'unpinned_host', which libtpu does not "
+        r"compile for an argument\. Offload it to the host with memory_kind='pinned_host'\.$",
+    ):
+        st.preflight(moved_to_device, unpinned_argument(), mesh=mesh, target="tpu-v5p")

@@ -406,6 +406,7 @@ def preflight(
         static_argnums=static_argnums,
     )
     placement, here = where(mesh, target, devices_per_node)
+    _check_memory_kinds(planned.plan, placement)
     traced = trace(
         fn,
         planned,
@@ -463,6 +464,28 @@ def where(
     if here is not None:
         return Where(None, here), here
     return Where(Placement(None, devices, devices)), None
+
+
+def _check_memory_kinds(inputs: Plan, where: Where) -> None:
+    """Refuses, before it compiles, what a target's compiler refuses of the
+    arguments' memory kinds: libtpu does not compile an argument in
+    ``"unpinned_host"`` memory (measured: an internal error, a shape mismatch
+    between memory spaces); XLA GPU takes both host kinds.
+
+    Raises:
+        Mistake: naming the first such argument.
+    """
+    if where.platform != "tpu":
+        return
+    found = [row.path for row in inputs.rows if row.memory_kind == "unpinned_host"]
+    if found:
+        more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+        raise Mistake(
+            ValueError,
+            f"{argument_path(found[0])}{more} has memory_kind 'unpinned_host', which libtpu "
+            "does not compile for an argument. Offload it to the host with "
+            "memory_kind='pinned_host'.",
+        )
 
 
 def placed(target: Hardware | str, devices: int, devices_per_node: int | None) -> Where:
