@@ -358,9 +358,9 @@ def preflight(
             `jax.jit`.
         static_argnums: arguments passed through as Python values, as for
             `jax.jit`.
-        out_shardings: a `PartitionSpec` or `NamedSharding` (its spec is
-            used) per output, or a tree of them that is a prefix of the
-            outputs; None lets the compiler choose.
+        out_shardings: a `PartitionSpec` or `NamedSharding` (its spec and,
+            new in 0.5, its memory kind are used) per output, or a tree of
+            them that is a prefix of the outputs; None lets the compiler choose.
         target: compile with an accelerator's own compiler, without the
             accelerator (new in 0.4): a preset's name (``"h100"``, ``"h200"``,
             ``"b200"``: XLA GPU; ``"tpu-v5e"``, ``"tpu-v5p"``, ``"tpu-v6e"``:
@@ -377,8 +377,9 @@ def preflight(
         ValueError: for boxes that cannot resolve (as `to_sharding` says), a
             step that does not trace (with JAX's message), a subprocess that
             ran out of memory, a target whose compiler is not installed (with
-            the pip command), or a mesh that does not fill a target's nodes or
-            slices.
+            the pip command), a mesh that does not fill a target's nodes or
+            slices, or an argument in ``"unpinned_host"`` memory for a TPU
+            target (libtpu does not compile it; new in 0.5).
         TypeError: for a mesh or argument numbers of the wrong kind.
 
     Example:
