@@ -28,6 +28,9 @@ params = {
 specs = [st.to_spec(params, rules, mesh=mesh), st.to_spec(params, mapping, mesh=abstract)]
 shardings = st.to_sharding(params, mesh, rules)
 planned: st.Plan = st.plan(params, abstract, mapping)
+offloaded = st.Partitioned(jnp.zeros((2, 4)), listed, memory_kind="pinned_host")
+kind: str | None = offloaded.memory_kind
+host_bytes: int = st.plan({"o": offloaded}, abstract).host_bytes
 
 
 def by_rank(path: tuple[object, ...], leaf: jax.Array) -> st.Names | None:
@@ -45,5 +48,7 @@ if TYPE_CHECKING:
     st.to_spec(params, rules, mesh="mesh")  # type: ignore[arg-type]
     st.Partitioned(jnp.zeros(4), 5)  # type: ignore[arg-type]
     st.Partitioned(jnp.zeros(4), [1])  # type: ignore[list-item]
+    st.Partitioned(jnp.zeros(4), ("data",), None, "pinned_host")  # type: ignore[call-arg]
+    st.Partitioned(jnp.zeros(4), ("data",), memory_kind=3)  # type: ignore[arg-type]
     st.plan(params, abstract, [("batch", 1)])  # type: ignore[list-item]
     st.box(params, by_rank, mesh=(2, 4))  # type: ignore[arg-type]

@@ -619,7 +619,7 @@ MUTANTS.update(
         "out-shardings-rank-unchecked": [
             (
                 "_src/step/trace.py",
-                "if spec is not None and len(spec) > len(leaf.shape):",
+                "if layout is not None and len(layout.spec) > len(leaf.shape):",
                 "if False:",
             )
         ],
@@ -757,6 +757,52 @@ MUTANTS.update(
                 "_src/step/diagnose.py",
                 "fraction = (budget_bytes - fixed) / closest.temp_bytes",
                 "fraction = budget_bytes / closest.peak_bytes",
+            )
+        ],
+    }
+)
+
+
+#: 0.5: the layout: a box's memory kind dropped on the way to its sharding, its
+#: plan or its preflight, or a wrong one let through.
+MUTANTS.update(
+    {
+        "memory-kind-dropped-by-the-sharding": [
+            (
+                "_src/resolve.py",
+                "return NamedSharding(mesh, spec, memory_kind=layout.memory_kind)",
+                "return NamedSharding(mesh, spec)",
+            )
+        ],
+        "memory-kind-dropped-by-the-box": [
+            (
+                "_src/boxes.py",
+                "return Layout(memory_kind=self.memory_kind)",
+                "return Layout()",
+            )
+        ],
+        "memory-kind-unchecked": [
+            ("_src/resolve.py", "if kind is not None and kind not in MEMORY_KINDS:", "if False:")
+        ],
+        "host-bytes-counted-as-the-device": [
+            (
+                "_src/plan.py",
+                "device = sum(r.device_bytes for r in rows) - host",
+                "device = sum(r.device_bytes for r in rows)",
+            )
+        ],
+        "offloaded-arguments-left-on-the-device": [
+            (
+                "_src/step/preflight.py",
+                "moved = 0 if analysis.host_argument_bytes else inputs.host_bytes",
+                "moved = 0",
+            )
+        ],
+        "offloaded-outputs-left-on-the-device": [
+            (
+                "_src/step/targets.py",
+                "return (device, host) if host or not offloaded else (device - offloaded, offloaded)",
+                "return (device, host)",
             )
         ],
     }

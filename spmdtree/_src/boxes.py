@@ -29,6 +29,7 @@ from spmdtree._src import registry
 from spmdtree._src.errors import Mistake, at, fmt, public
 from spmdtree._src.resolve import (
     REPLICATED,
+    Layout,
     Resolution,
     check_call,
     check_mesh,
@@ -61,11 +62,23 @@ PB = TypeVar("PB", bound="Partitioned")
 
 
 class Meta(NamedTuple):
-    """A box's metadata, its static aux data: read by name everywhere."""
+    """A box's metadata, its static aux data: read by name everywhere. Its
+    fields are the box constructors' keyword arguments; those of a `Layout`
+    reach every sharding through `layout`."""
 
     names: NameTuple
     mesh: AnyMesh | None = None
     rules: RuleTuple | None = None
+    memory_kind: str | None = None
+
+    @property
+    def layout(self) -> Layout:
+        """The box's own layout, but the spec, which resolving its names gives.
+
+        Raises:
+            Mistake: for a field the layout refuses.
+        """
+        return Layout(memory_kind=self.memory_kind)
 
 
 def refuse(box: object, what: str) -> NoReturn:
@@ -291,21 +304,30 @@ def _same_value(a: object, b: object) -> bool:
 
 
 def validated(
-    value: object, names: object, *, mesh: AnyMesh | None = None, rules: Rules | None = None
+    value: object,
+    names: object,
+    *,
+    mesh: AnyMesh | None = None,
+    rules: Rules | None = None,
+    **layout: Any,
 ) -> Meta:
     """The metadata of a box of `value`, checked and normalised: the one validation
-    every way of building a box goes through (the constructors, `make_box`).
+    every way of building a box goes through (the constructors, `make_box`);
+    `layout`: the `Meta` fields of its `Layout`, checked by the layout itself.
 
     Raises:
         Mistake: for a mesh of the wrong kind, names of the wrong kind or rank,
-            malformed rules.
+            malformed rules, a layout field of the wrong kind or value.
     """
     check_mesh(mesh, optional=True)
-    return Meta(
+    meta = Meta(
         names=checked_names(value, names),
         mesh=mesh,
         rules=None if rules is None else normalize_rules(rules),
+        **layout,
     )
+    meta.layout  # noqa: B018 -- built to be checked
+    return meta
 
 
 def make_box(cls: type[PB], value: Any, names: object, **fields: Any) -> PB:
@@ -332,10 +354,15 @@ class Partitioned(AxisMetadata):
             (replicated), a tuple of mesh axis names, or
             ``PartitionSpec.UNCONSTRAINED``. Lists are stored as tuples.
         mesh: the mesh these names refer to, if fixed.
+        memory_kind: the memory the value's shards sit in: None (the device's
+            default), ``"device"``, or a host's, ``"pinned_host"`` or
+            ``"unpinned_host"``, to offload it (new in 0.5). Its shardings
+            carry it, and `plan` counts its bytes as the host's.
 
     Raises:
-        TypeError: if an entry of `names` is of the wrong kind.
-        ValueError: if `value` has a shape whose rank differs from ``len(names)``.
+        TypeError: if an entry of `names` or `memory_kind` is of the wrong kind.
+        ValueError: if `value` has a shape whose rank differs from ``len(names)``,
+            or `memory_kind` is not one of the kinds above.
 
     Example:
         >>> import jax.numpy as jnp, spmdtree as st
@@ -344,6 +371,8 @@ class Partitioned(AxisMetadata):
         Partitioned(f32[256,512], names=('data', 'model'))
         >>> box.get_partition_spec()
         P('data', 'model')
+        >>> st.Partitioned(jnp.zeros(8), ("data",), memory_kind="pinned_host").memory_kind
+        'pinned_host'
     """
 
     __slots__ = ("_tree",)
@@ -352,8 +381,15 @@ class Partitioned(AxisMetadata):
     _tree: tuple[tuple[Any], Meta]
 
     @public
-    def __init__(self, value: Any, names: Names, mesh: AnyMesh | None = None) -> None:
-        self._init(value, names, mesh=mesh)
+    def __init__(
+        self,
+        value: Any,
+        names: Names,
+        mesh: AnyMesh | None = None,
+        *,
+        memory_kind: str | None = None,
+    ) -> None:
+        self._init(value, names, mesh=mesh, memory_kind=memory_kind)
 
     def _init(self, value: Any, names: Names, **fields: Any) -> None:
         try:
@@ -371,6 +407,11 @@ class Partitioned(AxisMetadata):
     )
     mesh = registry.read_only(
         "mesh", lambda self: self._tree[1].mesh, "The mesh the names refer to, or None."
+    )
+    memory_kind = registry.read_only(
+        "memory_kind",
+        lambda self: self._tree[1].memory_kind,
+        "The memory the value's shards sit in (a host's: offloaded), or None (new in 0.5).",
     )
     __reduce__ = registry.reduce
 
@@ -517,7 +558,7 @@ class Partitioned(AxisMetadata):
         except Mistake as mistake:
             raise the_box(mistake) from None
         check_leaves((self, [self], [found]), rules, "", warn=True)
-        return finished(lambda value, res: named_sharding(mesh, res.spec), False, self, found)
+        return finished(lambda value, res: named_sharding(mesh, res.layout), False, self, found)
 
 
 registry.register(Partitioned)
@@ -534,10 +575,13 @@ class LogicallyPartitioned(Partitioned):
         names: one logical name per dimension (entries as for `Partitioned`).
         mesh: the mesh the rules map onto, if fixed.
         rules: rules for this box only, as ``(logical_name, mesh_axes)`` pairs.
+        memory_kind: the memory the value's shards sit in, as for
+            `Partitioned` (new in 0.5).
 
     Raises:
-        TypeError: if a name or rule is of the wrong kind.
-        ValueError: if `value` has a shape whose rank differs from ``len(names)``.
+        TypeError: if a name, rule or `memory_kind` is of the wrong kind.
+        ValueError: if `value` has a shape whose rank differs from ``len(names)``,
+            or `memory_kind` is not a memory kind.
 
     Example:
         >>> import jax.numpy as jnp, spmdtree as st
@@ -558,8 +602,10 @@ class LogicallyPartitioned(Partitioned):
         names: Names,
         mesh: AnyMesh | None = None,
         rules: Rules | None = None,
+        *,
+        memory_kind: str | None = None,
     ) -> None:
-        self._init(value, names, mesh=mesh, rules=rules)
+        self._init(value, names, mesh=mesh, rules=rules, memory_kind=memory_kind)
 
     rules = registry.read_only(
         "rules", lambda self: self._tree[1].rules, "The box's own rules (normalised), or None."
@@ -682,6 +728,7 @@ class BoxResolver:
             rules=self.rules,
             own=meta.rules,
             mesh_shape=self.mesh_shape,
+            layout=meta.layout,
         )
 
     def unboxed(self, leaf: Any) -> Resolution:
@@ -805,10 +852,12 @@ def delete_name(names: NameTuple, index: int, name: AxisName, *, check: bool = T
     return names[:index] + names[index + 1 :]
 
 
-def _initialiser_names(names: object) -> Names:
-    """Checked now, at the wrapper's creation; a PartitionSpec stays one, to be
-    read as JAX reads it against the value the initialiser returns."""
+def _initialiser_names(names: object, **layout: Any) -> Names:
+    """Checked now, at the wrapper's creation, with the boxes' `layout` fields; a
+    PartitionSpec stays one, to be read as JAX reads it against the value the
+    initialiser returns."""
     try:
+        Meta((), **layout).layout  # noqa: B018 -- built to be checked
         return normalize_kept(names)
     except Mistake as mistake:
         raise Mistake(mistake.kind, f"the initialiser {mistake.message}") from None
@@ -816,7 +865,11 @@ def _initialiser_names(names: object) -> Names:
 
 @public
 def with_partitioning(
-    fn: Callable[..., Any], names: Names, mesh: AnyMesh | None = None
+    fn: Callable[..., Any],
+    names: Names,
+    mesh: AnyMesh | None = None,
+    *,
+    memory_kind: str | None = None,
 ) -> Callable[..., Partitioned]:
     """Wraps an initialiser so that it returns its value in a `Partitioned` box.
 
@@ -824,24 +877,31 @@ def with_partitioning(
         fn: the initialiser, e.g. ``jax.nn.initializers.lecun_normal()``.
         names: mesh axis names, one per dimension of what `fn` returns.
         mesh: the mesh, if fixed.
+        memory_kind: the boxes' memory kind, as for `Partitioned`, e.g.
+            ``"pinned_host"`` to offload them (new in 0.5).
 
     Returns:
         A function with `fn`'s signature returning ``Partitioned(fn(...), names, mesh)``.
 
     Raises:
-        TypeError: at once, if an entry of `names` is of the wrong kind.
+        TypeError: at once, if an entry of `names` or `memory_kind` is of the
+            wrong kind.
+        ValueError: at once, if `memory_kind` is not a memory kind.
 
     Example:
         >>> import jax, spmdtree as st
         >>> init = st.with_partitioning(jax.nn.initializers.lecun_normal(), (None, "model"))
         >>> init(jax.random.key(0), (4, 8))
         Partitioned(f32[4,8], names=(None, 'model'))
+        >>> offloaded = st.with_partitioning(jax.nn.initializers.zeros, ("model",), memory_kind="pinned_host")
+        >>> offloaded(jax.random.key(0), (8,))
+        Partitioned(f32[8], names=('model',), memory_kind='pinned_host')
     """
-    names = _initialiser_names(names)
+    names = _initialiser_names(names, memory_kind=memory_kind)
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Partitioned:
-        return Partitioned(fn(*args, **kwargs), names, mesh=mesh)
+        return Partitioned(fn(*args, **kwargs), names, mesh=mesh, memory_kind=memory_kind)
 
     return wrapper
 
@@ -852,6 +912,8 @@ def with_logical_partitioning(
     names: Names,
     mesh: AnyMesh | None = None,
     rules: Rules | None = None,
+    *,
+    memory_kind: str | None = None,
 ) -> Callable[..., LogicallyPartitioned]:
     """Wraps an initialiser so that it returns its value in a `LogicallyPartitioned` box.
 
@@ -860,24 +922,31 @@ def with_logical_partitioning(
         names: logical names, one per dimension of what `fn` returns.
         mesh: the mesh, if fixed.
         rules: rules for these boxes only; usually left to the caller.
+        memory_kind: the boxes' memory kind, as for `Partitioned` (new in 0.5).
 
     Returns:
         A function with `fn`'s signature returning a `LogicallyPartitioned`.
 
     Raises:
-        TypeError: at once, if a name or rule is of the wrong kind.
+        TypeError: at once, if a name, rule or `memory_kind` is of the wrong kind.
+        ValueError: at once, if `memory_kind` is not a memory kind.
 
     Example:
         >>> import jax, spmdtree as st
         >>> init = st.with_logical_partitioning(jax.nn.initializers.zeros, ("mlp",))
         >>> init(jax.random.key(0), (8,))
         LogicallyPartitioned(f32[8], names=('mlp',))
+        >>> init = st.with_logical_partitioning(jax.nn.initializers.zeros, ("mlp",), memory_kind="pinned_host")
+        >>> init(jax.random.key(0), (8,)).memory_kind
+        'pinned_host'
     """
-    names = _initialiser_names(names)
+    names = _initialiser_names(names, memory_kind=memory_kind)
     rules = None if rules is None else normalize_rules(rules)
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> LogicallyPartitioned:
-        return LogicallyPartitioned(fn(*args, **kwargs), names, mesh=mesh, rules=rules)
+        return LogicallyPartitioned(
+            fn(*args, **kwargs), names, mesh=mesh, rules=rules, memory_kind=memory_kind
+        )
 
     return wrapper

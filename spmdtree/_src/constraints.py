@@ -28,6 +28,7 @@ from spmdtree._src.boxes import (
 )
 from spmdtree._src.errors import Mistake, at, fmt, public, raise_collected
 from spmdtree._src.resolve import (
+    Layout,
     Resolution,
     RulesFallback,
     check_call,
@@ -137,7 +138,7 @@ def apply_spec(x: ArrayLike, spec: PartitionSpec, mesh: AnyMesh) -> ArrayLike:
     """
     _check_committed(x, mesh)
     if trace_state_clean():  # not tracing: a captured constant inside jit is constrained
-        return place(x, named_sharding(_concrete(mesh), spec))
+        return place(x, named_sharding(_concrete(mesh), Layout(spec)))
     ctx = context_mesh()
     if ctx is not None and tuple(ctx.axis_names) != tuple(mesh.axis_names):
         ctx = None  # another mesh is set; constrain with mesh= itself
@@ -159,7 +160,11 @@ def apply_spec(x: ArrayLike, spec: PartitionSpec, mesh: AnyMesh) -> ArrayLike:
     if auto:
         auto_spec = PartitionSpec(*(_only(entry, auto) for entry in spec))
         # UNCONSTRAINED stays: a constraint, unlike a sharding, may leave it free.
-        target = auto_spec if ctx is not None else named_sharding(mesh, auto_spec, constraint=True)
+        target = (
+            auto_spec
+            if ctx is not None
+            else named_sharding(mesh, Layout(auto_spec), constraint=True)
+        )
         x = jax.lax.with_sharding_constraint(x, target)
     return x
 
@@ -428,7 +433,7 @@ def shard(
                 "is a jax.ShapeDtypeStruct, which has no data to place; use "
                 "st.to_abstract for abstract trees, or st.sharded_init to build it.",
             )
-        return place(value, named_sharding(mesh, res.spec))
+        return place(value, named_sharding(mesh, res.layout))
 
     walk = resolve_tree(tree, rules, mesh=mesh, params=params, strict=strict)
     return walk.map(finish, keep_boxes=True)

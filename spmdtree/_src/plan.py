@@ -21,6 +21,7 @@ from spmdtree._src.errors import Mistake, public
 from spmdtree._src.resolve import (
     AMBIGUOUS,
     FEWER_DIMENSIONS,
+    HOST_KINDS,
     INDIVISIBLE,
     PLACEHOLDER,
     Dim,
@@ -62,11 +63,14 @@ class PlanRow(NamedTuple):
         spec: the mesh `PartitionSpec` it resolves to.
         shard_shape: the shape of the shard each device holds.
         bytes: its size.
-        device_bytes: what one device holds of it.
+        device_bytes: what one device holds of it, in the memory of its
+            `memory_kind` (the host's, for an offloaded array).
         flags: sentences for what needs a look: replicated by a fallback, a
             dimension left unsharded, a large array replicated.
         why: one sentence per dimension: which rule gave it which mesh axes,
             or why each candidate was passed over, or that nothing names it.
+        memory_kind: the memory its shards sit in: its box's `memory_kind`,
+            a placed array's own, or None for the device's default (new in 0.5).
 
     Example:
         >>> import jax, spmdtree as st
@@ -87,6 +91,12 @@ class PlanRow(NamedTuple):
     device_bytes: int
     flags: tuple[str, ...]
     why: tuple[str, ...]
+    memory_kind: str | None = None
+
+    @property
+    def on_host(self) -> bool:
+        """Whether its shards sit in the host's memory (offloaded), not the device's."""
+        return self.memory_kind in HOST_KINDS
 
 
 class DiffRow(NamedTuple):
@@ -159,10 +169,14 @@ class Plan:
         rows: one `PlanRow` per array leaf, in tree order.
         mesh: the mesh (or abstract mesh) planned for, or None.
         total_bytes: the bytes of all arrays.
-        device_bytes: what the most loaded device holds (every device holds an
-            equal part of an array under a `NamedSharding`, so this is the sum
-            of the rows' device bytes; it is what JAX allocates).
+        device_bytes: what the most loaded device holds in its own memory
+            (every device holds an equal part of an array under a
+            `NamedSharding`, so this is the sum of the rows' device bytes but
+            the offloaded ones; it is what JAX allocates on the device).
         replicated_bytes: the bytes of arrays every device holds whole.
+        host_bytes: what the host memory of each device holds of the arrays
+            offloaded to it (a host `memory_kind`), apart from `device_bytes`
+            (new in 0.5).
 
     Example:
         >>> import jax, spmdtree as st
@@ -178,13 +192,14 @@ class Plan:
     total_bytes: int
     device_bytes: int
     replicated_bytes: int
+    host_bytes: int = 0
 
     @public
     def fits(self, budget_bytes: int) -> bool:
         """Whether the most loaded device's bytes of these arrays fit in `budget_bytes`.
 
-        It counts the planned arrays only (params + state, say), not what a
-        step needs besides: activations and the compiler's temporaries are
+        It counts the planned arrays in the device's memory only (params +
+        state, say; not those offloaded to the host), not what a step needs besides: activations and the compiler's temporaries are
         most of a training step's memory. `preflight` compiles the step and
         counts those.
 
@@ -328,8 +343,9 @@ def planned_walk(
     for (path, _), leaf, res in zip(found, walk.leaves, walk.resolutions, strict=True):
         add(path, leaf, res)
     replicated = sum(r.bytes for r in rows if walk.mesh is not None and r.shard_shape == r.shape)
-    total, device = sum(r.bytes for r in rows), sum(r.device_bytes for r in rows)
-    return Plan(tuple(rows), walk.mesh, total, device, replicated), walk
+    total, host = sum(r.bytes for r in rows), sum(r.device_bytes for r in rows if r.on_host)
+    device = sum(r.device_bytes for r in rows) - host
+    return Plan(tuple(rows), walk.mesh, total, device, replicated, host), walk
 
 
 _KEY_FIELD = {
@@ -370,7 +386,19 @@ def _template(
     flags += [Unmentioned(name) for name in res.unmentioned]
     if sizes and shard == shape and total >= large and math.prod(shape) > 1:
         flags.append(LargeReplicated(total))
-    return shape, dtype, names, res.spec, shard, total, device, tuple(flags), _why(res, shape)
+    why = _why(res, shape)
+    return (
+        shape,
+        dtype,
+        names,
+        res.spec,
+        shard,
+        total,
+        device,
+        tuple(flags),
+        why,
+        res.layout.memory_kind,
+    )
 
 
 def _fallback_flags(res: Resolution, shape: tuple[int, ...], names: NameTuple | None) -> list[str]:

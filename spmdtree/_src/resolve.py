@@ -69,15 +69,67 @@ def mesh_shape_of(mesh: AnyMesh) -> MeshShape:
     return tuple(mesh.shape.items())
 
 
-def named_sharding(
-    mesh: AnyMesh, spec: PartitionSpec, *, constraint: bool = False
-) -> NamedSharding:
-    """A `NamedSharding`, the one place spmdtree builds one; UNCONSTRAINED entries
-    become None, since `jax.jit` and `jax.device_put` accept them only in
-    constraints (`constraint`: for `jax.lax.with_sharding_constraint`, kept)."""
+#: The memory kinds a layout may name, as JAX's devices name their memories.
+MEMORY_KINDS = ("device", "pinned_host", "unpinned_host")
+#: Those of the host: an array there is offloaded, out of the device's memory.
+HOST_KINDS = ("pinned_host", "unpinned_host")
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where one array lives on a mesh: the record a resolution yields and
+    `named_sharding` reads, so that a field of it reaches every sharding built.
+
+    Attributes:
+        spec: the mesh `PartitionSpec` (UNCONSTRAINED entries kept).
+        memory_kind: the memory of each device the shards sit in: None (the
+            device's default, as JAX's), or one of `MEMORY_KINDS`; a host kind
+            offloads the array to the host's memory.
+    """
+
+    spec: PartitionSpec = dataclasses.field(default_factory=PartitionSpec)
+    memory_kind: str | None = None
+
+    def __post_init__(self) -> None:
+        kind = self.memory_kind
+        if kind is not None and not isinstance(kind, str):
+            raise Mistake(
+                TypeError,
+                f"has memory_kind {fmt(kind)}; expected None or a string, one of "
+                f"{_quoted(MEMORY_KINDS)} ('pinned_host' offloads it to the host).",
+            )
+        if kind is not None and kind not in MEMORY_KINDS:
+            raise Mistake(
+                ValueError,
+                f"has memory_kind {kind!r}; expected None (the device's default) or one "
+                f"of {_quoted(MEMORY_KINDS)}. Pass memory_kind='pinned_host' to offload "
+                "it to the host.",
+            )
+
+    @property
+    def on_host(self) -> bool:
+        """Whether the array sits in the host's memory (offloaded)."""
+        return self.memory_kind in HOST_KINDS
+
+    def with_spec(self, spec: PartitionSpec) -> Layout:
+        """The same layout with another spec."""
+        return dataclasses.replace(self, spec=spec)
+
+
+def layout_of(sharding: NamedSharding) -> Layout:
+    """The layout a `NamedSharding` gives its array."""
+    return Layout(sharding.spec, sharding.memory_kind)
+
+
+def named_sharding(mesh: AnyMesh, layout: Layout, *, constraint: bool = False) -> NamedSharding:
+    """A `NamedSharding` of a `Layout`, the one place spmdtree builds one;
+    UNCONSTRAINED entries become None, since `jax.jit` and `jax.device_put`
+    accept them only in constraints (`constraint`: for
+    `jax.lax.with_sharding_constraint`, kept)."""
+    spec = layout.spec
     if not constraint and any(entry is UNCONSTRAINED for entry in spec):
         spec = PartitionSpec(*(None if e is UNCONSTRAINED else e for e in spec))
-    return NamedSharding(mesh, spec)
+    return NamedSharding(mesh, spec, memory_kind=layout.memory_kind)
 
 
 # --- resolution ----------------------------------------------------------------
@@ -131,13 +183,14 @@ class Kept(NamedTuple):
     dims: tuple[int, ...] | None
 
 
-# eq=False: resolutions are shared between equal leaves and compared by identity.
-@dataclasses.dataclass(frozen=True, eq=False)
+# eq=False: resolutions are shared between equal leaves and compared by identity;
+# kw_only: the one way to build one names every field.
+@dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
 class Resolution:
-    """The mesh spec of one array, and the record of how it was reached.
+    """The layout of one array, and the record of how it was reached.
 
     Attributes:
-        spec: the mesh `PartitionSpec` (UNCONSTRAINED entries kept).
+        layout: the `Layout`: the mesh spec, and the box's memory kind.
         names: the names resolved (None for an array in no box).
         logical: whether they are logical names.
         dims: per dimension, what it got and why (empty if the rank differs).
@@ -149,7 +202,7 @@ class Resolution:
             as flax leaves them; flagged by the plan, an error when strict).
     """
 
-    spec: PartitionSpec
+    layout: Layout = Layout()
     names: NameTuple | None = None
     logical: bool = False
     dims: tuple[Dim, ...] = ()
@@ -157,6 +210,11 @@ class Resolution:
     problem: str | None = None
     kept: Kept | None = None
     unmentioned: tuple[str, ...] = ()
+
+    @property
+    def spec(self) -> PartitionSpec:
+        """The mesh `PartitionSpec` (UNCONSTRAINED entries kept)."""
+        return self.layout.spec
 
     @property
     def unmatched(self) -> tuple[str, ...]:
@@ -214,7 +272,7 @@ class Resolution:
         )
 
 
-REPLICATED = Resolution(PartitionSpec())
+REPLICATED = Resolution()
 
 
 def axes_of(entry: AxisName) -> tuple[str, ...]:
@@ -251,12 +309,14 @@ def resolve(
     logical: bool,
     rules: RuleTuple,
     mesh_shape: MeshShape | None,
+    layout: Layout = Layout(),
 ) -> Resolution:
     """How `names` resolve for an array of `shape` on a mesh of `mesh_shape`.
 
     Logical names go through `rules` by flax's priority algorithm; mesh axis
     names are taken as written. Without a mesh nothing about the mesh or the
-    shape is checked; without a shape nothing about the shape is.
+    shape is checked; without a shape nothing about the shape is. The
+    resolution's layout is `layout` (a box's: its memory kind) with the spec.
 
     Raises:
         Mistake: for names that cannot be right for this array on this mesh.
@@ -264,7 +324,7 @@ def resolve(
     if shape is not None and len(shape) != len(names):
         fitted = fit_rank(names, len(shape), spec=False)  # all None: any rank, as JAX reads it
         if fitted is None or all(size == 1 for size in shape):
-            return _rank_differs(names, shape, logical)
+            return _rank_differs(names, shape, logical, layout)
         names = fitted
     sizes = None if mesh_shape is None else dict(mesh_shape)
     dims = [Dim(name, None if shape is None else shape[i], name) for i, name in enumerate(names)]
@@ -278,7 +338,13 @@ def resolve(
     else:
         _check_mesh_axes(names, dims, sizes, mesh_shape, only=object)
     spec = PartitionSpec(*(d.axes for d in dims))
-    return Resolution(spec, names, logical, tuple(dims), unmentioned=unmentioned)
+    return Resolution(
+        layout=layout.with_spec(spec),
+        names=names,
+        logical=logical,
+        dims=tuple(dims),
+        unmentioned=unmentioned,
+    )
 
 
 def unmentioned_names(names: NameTuple, rules: RuleTuple) -> tuple[str, ...]:
@@ -348,11 +414,13 @@ def resolve_leaf(
     mesh_shape: MeshShape | None,
     checked: bool = True,
     box: bool = True,
+    layout: Layout = Layout(),
 ) -> Resolution:
     """How one leaf resolves: the one per-leaf step every entry point takes (the
     tree pass, constraints, a box's own sharding). Logical names go through the
     box's `own` rules, else `rules`, and are first checked (`check_mentioned`)
-    unless not `checked` (a constraint without a mesh: single-device code).
+    unless not `checked` (a constraint without a mesh: single-device code);
+    `layout` is the box's own, which the spec completes.
 
     Raises:
         Mistake: for names that cannot be right for this array on this mesh.
@@ -362,7 +430,7 @@ def resolve_leaf(
         saw(names)
     if logical and checked:
         check_mentioned(names, rules, mesh_shape, box=box)
-    return resolve(names, shape, logical=logical, rules=rules, mesh_shape=mesh_shape)
+    return resolve(names, shape, logical=logical, rules=rules, mesh_shape=mesh_shape, layout=layout)
 
 
 class UnshardedWarning(UserWarning):
@@ -541,7 +609,9 @@ def _others(n: int) -> str:
     return {0: "no other leaf uses", 1: "1 other leaf uses"}.get(n, f"{n} other leaves use")
 
 
-def _rank_differs(names: NameTuple, shape: tuple[int, ...], logical: bool) -> Resolution:
+def _rank_differs(
+    names: NameTuple, shape: tuple[int, ...], logical: bool, layout: Layout
+) -> Resolution:
     placeholder = all(size == 1 for size in shape)  # adafactor's (1,) for a scalar param
     if len(shape) > len(names) and not placeholder:
         raise Mistake(
@@ -551,10 +621,17 @@ def _rank_differs(names: NameTuple, shape: tuple[int, ...], logical: bool) -> Re
             "plain jax.vmap. Name the new axis: st.add_axis(tree, 0, 'layers'), "
             "or build it with st.vmap(..., partition_name='layers').",
         )
+    replicated = layout.with_spec(PartitionSpec())
     if len(shape) < len(names) and not placeholder:
         problem = fewer_dimensions(names, shape)
-        return Resolution(PartitionSpec(), names, logical, (), FEWER_DIMENSIONS, problem)
-    return Resolution(PartitionSpec(), names, logical, (), PLACEHOLDER)
+        return Resolution(
+            layout=replicated,
+            names=names,
+            logical=logical,
+            fallback=FEWER_DIMENSIONS,
+            problem=problem,
+        )
+    return Resolution(layout=replicated, names=names, logical=logical, fallback=PLACEHOLDER)
 
 
 def _check_duplicates(names: NameTuple) -> None:
@@ -794,7 +871,7 @@ def _map_specs(tree: PyTree, rules: Rules | None, mesh: AnyMesh | None) -> PyTre
     for path, names in specs:
         try:
             found = resolve(names or (), None, logical=True, rules=normal, mesh_shape=mesh_shape)
-            out.append(found.spec if mesh is None else named_sharding(mesh, found.spec))
+            out.append(found.spec if mesh is None else named_sharding(mesh, found.layout))
         except Mistake as mistake:
             problems.append((f"the spec at {at('tree', path)}", mistake))
     raise_collected(problems)

@@ -46,6 +46,7 @@ from spmdtree._src.resolve import (
     Resolution,
     axes_of,
     check_mesh,
+    layout_of,
     mesh_shape_of,
     named_sharding,
 )
@@ -332,11 +333,9 @@ class Resolver(BoxResolver):
         param_shape = index.shape_for(self.paths[at[0]], meta.names)
         if param_shape is None:
             problem = _unmatched(meta.names, shape)
-            return Resolution(
-                PartitionSpec(), meta.names, kind.logical, (), FEWER_DIMENSIONS, problem
-            )
+            return self.fallback(kind, meta, FEWER_DIMENSIONS, problem=problem)
         if isinstance(param_shape, str):  # AMBIGUOUS
-            return Resolution(PartitionSpec(), meta.names, kind.logical, (), AMBIGUOUS)
+            return self.fallback(kind, meta, AMBIGUOUS)
         key = (kind, meta, shape, param_shape, at[1])
         found = self.memo.get(key)
         if found is None:
@@ -355,9 +354,16 @@ class Resolver(BoxResolver):
         dims = kept_dimensions(shape, param_shape, position)
         kept = Kept(meta.names, param_shape, dims)
         if dims is None:
-            return Resolution(PartitionSpec(), meta.names, kind.logical, (), AMBIGUOUS, kept=kept)
+            return self.fallback(kind, meta, AMBIGUOUS, kept=kept)
         found = self.resolved(kind, meta._replace(names=tuple(meta.names[d] for d in dims)), shape)
         return dataclasses.replace(found, kept=kept)
+
+    @staticmethod
+    def fallback(kind: type[Partitioned], meta: Meta, why: str, **record: Any) -> Resolution:
+        """A reduced state replicated by a fallback (`why`), in its box's layout."""
+        return Resolution(
+            layout=meta.layout, names=meta.names, logical=kind.logical, fallback=why, **record
+        )
 
 
 def placed_resolution(leaf: object, mesh_shape: MeshShape | None) -> Resolution:
@@ -376,12 +382,12 @@ def placed_resolution(leaf: object, mesh_shape: MeshShape | None) -> Resolution:
             f"is laid out on a mesh of shape {dict(own)}, not on this one, "
             f"{dict(mesh_shape)}. Give it a sharding on this mesh, or none (replicated).",
         )
-    return Resolution(sharding.spec)
+    return Resolution(layout=layout_of(sharding))
 
 
 def shardings(walk: Walk, mesh: AnyMesh) -> PyTree:
     """A `NamedSharding` per array of `walk`, one object per distinct resolution."""
-    return walk.replace(lambda res: named_sharding(mesh, res.spec))
+    return walk.replace(lambda res: named_sharding(mesh, res.layout))
 
 
 @public
@@ -602,7 +608,7 @@ def to_abstract(
     check_mesh(mesh)
 
     def abstract(value: Any, res: Resolution) -> jax.ShapeDtypeStruct:
-        sharding = named_sharding(mesh, res.spec)
+        sharding = named_sharding(mesh, res.layout)
         return jax.ShapeDtypeStruct(shape_of(value), dtype_of(value), sharding=sharding)
 
     walk = resolve_tree(tree, rules, mesh=mesh, params=params, strict=strict)

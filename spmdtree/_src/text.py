@@ -219,7 +219,8 @@ def _names_line(row: Any) -> str | None:
     """``names -> mesh spec`` for a boxed array, None for an unboxed one."""
     if row.names is None:
         return None
-    return f"{entries_text(row.names, len(row.names))} -> {entries_text(row.spec, len(row.shape))}"
+    host = f" in {row.memory_kind}" if row.on_host else ""  # offloaded (new in 0.5)
+    return f"{entries_text(row.names, len(row.names))} -> {entries_text(row.spec, len(row.shape))}{host}"
 
 
 def _layout(
@@ -313,6 +314,11 @@ def plan_table(
         share = f" ({100 * per_device / total:.1f}% of the total)" if total else ""
         lines.append(f"per device  {size_text(per_device)} on the most loaded device{share}")
         lines.append(f"replicated  {size_text(planned.replicated_bytes)} on every device")
+        if planned.host_bytes:
+            lines.append(
+                f"host        {size_text(planned.host_bytes)} per device offloaded to host "
+                "memory, not in the device's"
+            )
         local = _local_devices(mesh)
         if local is not None:
             lines.append(
@@ -419,6 +425,11 @@ def step_table(step: Any) -> str:
         lines.append(
             f"  {'its peak':<12}{size_text(step.compiler_peak_bytes):>11}  the compiler's own "
             "figure (peak_memory_in_bytes); the peak above is what advise judges"
+        )
+    if step.host_peak_bytes:  # offloaded arrays (new in 0.5)
+        lines.append(
+            f"  {'on the host':<12}{size_text(step.host_peak_bytes):>11}  offloaded arguments, "
+            "outputs and temporaries, not in the peak"
         )
     if step.backend == "cpu":  # no range claimed: measured, neither side bounds it
         lines.append(f"{'':<25}an estimate: pass target= for an accelerator's own")

@@ -109,6 +109,16 @@ class StepPlan:
         compiler_seconds: the compiler's own time estimate where it gives one
             (libtpu's ``cost_analysis()["optimal_seconds"]``), else 0.0; shown
             beside the prediction as a cross-check (new in 0.5).
+        host_argument_bytes: the arguments offloaded to the host's memory (a
+            host `memory_kind`), per device, not in `argument_bytes` (new in
+            0.5). libtpu says them; the CPU (one memory) and XLA GPU count them
+            as the device's, so there they are the inputs' plan's `host_bytes`,
+            moved out of `argument_bytes`.
+        host_output_bytes: the outputs placed in the host's memory, per device,
+            not in `output_bytes`: the compiler's ``host_output_size_in_bytes``
+            (on the CPU, those its output shardings put there; new in 0.5).
+        host_alias_bytes: host outputs in donated host buffers (new in 0.5).
+        host_temp_bytes: the compiler's temporaries in host memory (new in 0.5).
 
     Example:
         >>> import jax, jax.numpy as jnp, spmdtree as st
@@ -142,11 +152,34 @@ class StepPlan:
     schedule: Schedule | None = dataclasses.field(default=None, repr=False, compare=False)
     compiler_peak_bytes: int = 0
     compiler_seconds: float = 0.0
+    host_argument_bytes: int = 0
+    host_output_bytes: int = 0
+    host_alias_bytes: int = 0
+    host_temp_bytes: int = 0
 
     @property
     def peak_bytes(self) -> int:
         """Arguments + outputs - aliased + temporaries: the step's peak on one device."""
         return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
+
+    @property
+    def host_peak_bytes(self) -> int:
+        """The same in the host's memory, per device: what the step offloads (new in 0.5).
+
+        Example:
+            >>> import jax, jax.numpy as jnp, spmdtree as st
+            >>> mesh = jax.sharding.AbstractMesh((2,), ("data",))
+            >>> x = st.Partitioned(jax.ShapeDtypeStruct((8, 4), jnp.float32), ("data", None), memory_kind="pinned_host")
+            >>> step = st.preflight(lambda x: jax.device_put(x.value, jax.memory.Space.Device) * 2, x, mesh=mesh)
+            >>> step.host_argument_bytes, step.argument_bytes, step.host_peak_bytes
+            (64, 0, 64)
+        """
+        return (
+            self.host_argument_bytes
+            + self.host_output_bytes
+            - self.host_alias_bytes
+            + self.host_temp_bytes
+        )
 
     @property
     def unexplained_traffic(self) -> Traffic | None:
@@ -325,9 +358,9 @@ def preflight(
             `jax.jit`.
         static_argnums: arguments passed through as Python values, as for
             `jax.jit`.
-        out_shardings: a `PartitionSpec` or `NamedSharding` (its spec is
-            used) per output, or a tree of them that is a prefix of the
-            outputs; None lets the compiler choose.
+        out_shardings: a `PartitionSpec` or `NamedSharding` (its spec and,
+            new in 0.5, its memory kind are used) per output, or a tree of
+            them that is a prefix of the outputs; None lets the compiler choose.
         target: compile with an accelerator's own compiler, without the
             accelerator (new in 0.4): a preset's name (``"h100"``, ``"h200"``,
             ``"b200"``: XLA GPU; ``"tpu-v5e"``, ``"tpu-v5p"``, ``"tpu-v6e"``:
@@ -344,8 +377,9 @@ def preflight(
         ValueError: for boxes that cannot resolve (as `to_sharding` says), a
             step that does not trace (with JAX's message), a subprocess that
             ran out of memory, a target whose compiler is not installed (with
-            the pip command), or a mesh that does not fill a target's nodes or
-            slices.
+            the pip command), a mesh that does not fill a target's nodes or
+            slices, or an argument in ``"unpinned_host"`` memory for a TPU
+            target (libtpu does not compile it; new in 0.5).
         TypeError: for a mesh or argument numbers of the wrong kind.
 
     Example:
@@ -373,6 +407,7 @@ def preflight(
         static_argnums=static_argnums,
     )
     placement, here = where(mesh, target, devices_per_node)
+    _check_memory_kinds(planned.plan, placement)
     traced = trace(
         fn,
         planned,
@@ -432,6 +467,28 @@ def where(
     return Where(Placement(None, devices, devices)), None
 
 
+def _check_memory_kinds(inputs: Plan, where: Where) -> None:
+    """Refuses, before it compiles, what a target's compiler refuses of the
+    arguments' memory kinds: libtpu does not compile an argument in
+    ``"unpinned_host"`` memory (measured: an internal error, a shape mismatch
+    between memory spaces); XLA GPU takes both host kinds.
+
+    Raises:
+        Mistake: naming the first such argument.
+    """
+    if where.platform != "tpu":
+        return
+    found = [row.path for row in inputs.rows if row.memory_kind == "unpinned_host"]
+    if found:
+        more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+        raise Mistake(
+            ValueError,
+            f"{argument_path(found[0])}{more} has memory_kind 'unpinned_host', which libtpu "
+            "does not compile for an argument. Offload it to the host with "
+            "memory_kind='pinned_host'.",
+        )
+
+
 def placed(target: Hardware | str, devices: int, devices_per_node: int | None) -> Where:
     """`devices` of `target` as nodes or slices of `devices_per_node` (None: the
     hardware's), its compiler checked to be installed: before anything compiles."""
@@ -481,8 +538,10 @@ def step_plan(traced: Traced, analysis: Analysis, where: Where) -> StepPlan:
         Located(argument_path(row.path), flag) for row in inputs.rows for flag in row.flags
     ]
     flags += [*analysis.reading.flags, *traced.warned]
+    # the CPU (one memory) and XLA GPU count offloaded arguments as the device's
+    moved = 0 if analysis.host_argument_bytes else inputs.host_bytes
     return StepPlan(
-        argument_bytes=analysis.argument_bytes,
+        argument_bytes=analysis.argument_bytes - moved,
         output_bytes=analysis.output_bytes,
         alias_bytes=analysis.alias_bytes,
         temp_bytes=analysis.temp_bytes,
@@ -503,4 +562,8 @@ def step_plan(traced: Traced, analysis: Analysis, where: Where) -> StepPlan:
         schedule=analysis.schedule,
         compiler_peak_bytes=analysis.compiler_peak_bytes,
         compiler_seconds=analysis.compiler_seconds,
+        host_argument_bytes=analysis.host_argument_bytes + moved,
+        host_output_bytes=analysis.host_output_bytes,
+        host_alias_bytes=analysis.host_alias_bytes,
+        host_temp_bytes=analysis.host_temp_bytes,
     )

@@ -24,7 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, cast
 
 import jax
@@ -32,6 +32,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from spmdtree._src.errors import Mistake
+from spmdtree._src.resolve import HOST_KINDS
 from spmdtree._src.step.hlo import Reading, overstated_bytes, read_step
 from spmdtree._src.step.predict import Schedule, read_schedule
 from spmdtree._src.step.trace import Traced
@@ -286,8 +287,10 @@ class Analysis:
     """What a compile says of a step, per device: its memory, and what its HLO
     says (`reading`), its schedule, and the compiler's own figures where it
     gives them (its peak, `compiler_peak_bytes`: libtpu and XLA GPU; its
-    time estimate, `compiler_seconds`: libtpu; 0 elsewhere). Crosses a process boundary
-    as JSON (`to_json`, `from_json`)."""
+    time estimate, `compiler_seconds`: libtpu; 0 elsewhere), and the host memory
+    it holds for the step where arrays are offloaded (``host_*_bytes``, as
+    ``memory_analysis()`` gives them). Crosses a process boundary as JSON
+    (`to_json`, `from_json`)."""
 
     argument_bytes: int
     output_bytes: int
@@ -301,6 +304,10 @@ class Analysis:
     schedule: Schedule | None = None
     compiler_peak_bytes: int = 0
     compiler_seconds: float = 0.0
+    host_argument_bytes: int = 0
+    host_output_bytes: int = 0
+    host_alias_bytes: int = 0
+    host_temp_bytes: int = 0
 
     def to_json(self) -> dict[str, Any]:
         """The analysis as plain JSON values."""
@@ -339,9 +346,14 @@ def analyse(
         )
     read = read_step(module, tuple(mesh.shape.items()), platform=platform, slice_size=slice_size)
     temp = int(memory.temp_size_in_bytes)
+    outputs, host_outputs = _apart(
+        int(memory.output_size_in_bytes),
+        _host(memory, "output"),
+        ((out, out.sharding) for out in jax.tree.leaves(compiled.out_info)),
+    )
     return Analysis(
         argument_bytes=int(memory.argument_size_in_bytes),
-        output_bytes=int(memory.output_size_in_bytes),
+        output_bytes=outputs,
         alias_bytes=int(memory.alias_size_in_bytes),
         temp_bytes=temp,
         code_bytes=int(memory.generated_code_size_in_bytes),
@@ -354,7 +366,32 @@ def analyse(
         if platform == "cpu"
         else int(getattr(memory, "peak_memory_in_bytes", 0) or 0),
         compiler_seconds=_optimal_seconds(compiled),
+        host_argument_bytes=_host(memory, "argument"),
+        host_output_bytes=host_outputs,
+        host_alias_bytes=_host(memory, "alias"),
+        host_temp_bytes=_host(memory, "temp"),
     )
+
+
+def _host(memory: Any, kind: str) -> int:
+    """One of the compiler's host memory figures (``host_argument_size_in_bytes``...),
+    0 where this jaxlib has none."""
+    return int(getattr(memory, f"host_{kind}_size_in_bytes", 0) or 0)
+
+
+def _apart(device: int, host: int, placed: Iterable[tuple[Any, Any]]) -> tuple[int, int]:
+    """The (device, host) bytes per device of a step's outputs (each an array and
+    its sharding in `placed`): the compiler's figures, but where it reports no
+    host bytes while the shardings put outputs in a host memory (the CPU, whose
+    one memory holds all), those are moved from the device's figure to the
+    host's. (The arguments' are moved by `preflight.step_plan`, from their plan:
+    a compile child's input shardings lose their memory kinds.)"""
+    offloaded = sum(
+        math.prod(sharding.shard_shape(tuple(array.shape))) * np.dtype(array.dtype).itemsize
+        for array, sharding in placed
+        if getattr(sharding, "memory_kind", None) in HOST_KINDS
+    )
+    return (device, host) if host or not offloaded else (device - offloaded, offloaded)
 
 
 def backend_of(platform: str) -> str:

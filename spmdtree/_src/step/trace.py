@@ -27,7 +27,7 @@ from jax.typing import ArrayLike
 from spmdtree._src.boxes import dtype_of, shape_of
 from spmdtree._src.errors import Mistake
 from spmdtree._src.plan import Plan, planned_walk
-from spmdtree._src.resolve import Resolution, named_sharding
+from spmdtree._src.resolve import Layout, Resolution, layout_of, named_sharding
 from spmdtree._src.rules import (
     AnyMesh,
     PyTree,
@@ -240,7 +240,7 @@ def _abstract_args(
     donated leaves' positions."""
 
     def abstract(value: ArrayLike, res: Resolution) -> jax.ShapeDtypeStruct:
-        sharding = named_sharding(mesh, res.spec)
+        sharding = named_sharding(mesh, res.layout)
         return jax.ShapeDtypeStruct(shape_of(value), dtype_of(value), sharding=sharding)
 
     abstract_args = walk.map(abstract, keep_boxes=True)
@@ -311,15 +311,18 @@ def _out_shardings(prefix: PyTree, outputs: Any, mesh: AnyMesh) -> list[NamedSha
                 f"out_shardings holds {short_value(spec)}; expected a PartitionSpec, a "
                 "NamedSharding or None per output.",
             )
-        spec = spec.spec if isinstance(spec, NamedSharding) else spec
+        layout = None if spec is None else Layout(spec) if isinstance(spec, PartitionSpec) else None
+        if isinstance(spec, NamedSharding):
+            layout = layout_of(spec)  # its memory kind kept
         for leaf in jax.tree.leaves(subtree):
-            if spec is not None and len(spec) > len(leaf.shape):
+            if layout is not None and len(layout.spec) > len(leaf.shape):
                 raise Mistake(
                     ValueError,
-                    f"out_shardings gives {spec} to an output of {short_value(leaf)}, which "
-                    f"has {len(leaf.shape)} dimensions. Give it a spec of at most that many.",
+                    f"out_shardings gives {layout.spec} to an output of {short_value(leaf)}, "
+                    f"which has {len(leaf.shape)} dimensions. Give it a spec of at most that "
+                    "many.",
                 )
-        out += [None if spec is None else named_sharding(mesh, spec)] * len(
+        out += [None if layout is None else named_sharding(mesh, layout)] * len(
             jax.tree.leaves(subtree)
         )
     return out
