@@ -32,7 +32,8 @@ import numpy as np
 from jax.sharding import Mesh
 
 from spmdtree._src.errors import Mistake
-from spmdtree._src.step.hlo import Reading, overstated_bytes, read_step
+from spmdtree._src.step.forms import overstated_bytes
+from spmdtree._src.step.hlo import Reading, read_step
 from spmdtree._src.step.predict import Schedule, read_schedule
 from spmdtree._src.step.trace import Traced
 
