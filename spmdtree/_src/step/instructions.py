@@ -316,7 +316,8 @@ def _config(attrs: Mapping[str, str]) -> dict[str, Any]:
 def _groups(attrs: Mapping[str, str]) -> Groups:
     printed = attrs.get("replica_groups", attrs.get("device_groups", ""))
     if printed.startswith("mesh[") and "device_ids" in attrs:
-        printed += ", device_ids=" + attrs["device_ids"]  # cut off it at its comma
+        # the mesh form's device ids print after a comma: cut off as their own attribute
+        printed += ", device_ids=" + attrs["device_ids"]
     return parse_groups(printed) if printed else ()
 
 

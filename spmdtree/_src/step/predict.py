@@ -663,10 +663,8 @@ def _dimension_numbers(ins: Instr) -> tuple[tuple[list[int], list[int]], ...] | 
     cuBLAS call; None for anything else."""
     if ins.op == Op.kDot:
         dot = ins.dot
-        return (list(dot.lhs_batch), list(dot.lhs_contracting)), (
-            list(dot.rhs_batch),
-            list(dot.rhs_contracting),
-        )
+        lhs = (list(dot.lhs_batch), list(dot.lhs_contracting))
+        return lhs, (list(dot.rhs_batch), list(dot.rhs_contracting))
     config = ins.config.get("gemm_backend_config", {})
     dims = config.get("dot_dimension_numbers")
     if ins.op != Op.kCustomCall or not dims:
