@@ -43,3 +43,19 @@ def _no_leftover_rules():
     assert st.get_logical_axis_rules() == (), "a previous test leaked rules"
     yield
     st.set_logical_axis_rules(())
+
+
+#: Files whose tests compile with XLA GPU or libtpu where they are installed: every
+#: test in them is a target test, so that ``pytest -m target`` runs them all.
+TARGET_FILES = frozenset(
+    {"test_targets.py", "test_hlo_targets.py", "test_hlo_libtpu.py", "test_predict.py"}
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Marks `target` every test of `TARGET_FILES` and every test skipped without
+    ``spmdtree[cuda]`` or ``spmdtree[tpu]`` (its skip reason names the extra)."""
+    for item in items:
+        reasons = [str(m.kwargs.get("reason", "")) for m in item.iter_markers("skipif")]
+        if item.path.name in TARGET_FILES or any("spmdtree[" in r for r in reasons):
+            item.add_marker(pytest.mark.target)

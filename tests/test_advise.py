@@ -287,6 +287,18 @@ def test_bad_options_are_refused_before_any_step(options, kind, said):
 
 
 @pytest.mark.parametrize(
+    "hardware, fix",
+    [("h100", r"Pass st\.hardware\('h100'\)"), (None, r"such as st\.hardware\('h100'\)")],
+    ids=["a-preset-name", "none"],
+)
+def test_hardware_that_is_not_a_hardware_says_how_to_make_one(hardware, fix):
+    make_step, calls = recording(mlp_step)
+    with pytest.raises(TypeError, match=rf"^advise: hardware is {hardware!r}; expected .*{fix}"):
+        st.advise(make_step, [st.Candidate(_mesh(2, 4), RULES, 8)], hardware=hardware)
+    assert calls == []
+
+
+@pytest.mark.parametrize(
     "returned",
     [lambda fn, args, kwargs: (fn, args), lambda fn, args, kwargs: (fn, kwargs, args)],
     ids=["two-values", "swapped"],
@@ -584,3 +596,26 @@ def test_a_rule_that_matches_nothing_is_said_once_per_call():
     said = "rule 3 ('heads', 'tensor') is never used"
     assert said in advice.note and " ".join(str(advice).split()).count(said) == 1
     assert said not in small_batch_advice().note  # the rules in use: nothing said
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_a_compiled_row_over_budget_ranks_before_one_rejected_without_a_compile(reverse):
+    # budget 12 MiB: tensor 8 fits; tensor 4 compiles over it; tensor 1's arrays
+    # alone (16 MiB) are over it, so it is not compiled; its label sorts first
+    mesh = {dict(m.shape)["tensor"]: m for m in st.layouts(8, ("data", "tensor"))}
+    names = {8: "c sharded", 4: "b half", 1: "a replicated"}
+    candidates = [st.Candidate(mesh[t], RULES, batch=8, length=16, label=names[t]) for t in names]
+    budget = 3 * WIDE * MLP * 4 // 2
+    advice = st.advise(
+        mlp_step,
+        candidates[::-1] if reverse else candidates,
+        hardware=HW,
+        budget_bytes=budget,
+        progress=False,
+    )
+    got = [(row.candidate.label, row.verdict, row.step is None) for row in advice.rows]
+    assert got == [
+        ("c sharded", "fits", False),
+        ("b half", "over budget", False),
+        ("a replicated", "over budget", True),
+    ]

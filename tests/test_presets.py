@@ -260,3 +260,72 @@ def test_every_preset_has_a_target_and_the_same_name():
     assert set(TARGETS) == set(PRESET_TABLE)
     assert all(TARGETS[name].name == name for name in TARGETS)
     assert {n for n, t in TARGETS.items() if t.platform == "cuda"} == set(CHIP_TABLE)
+
+
+# --- the prediction's cost model: every figure its table's and its source's -------------
+
+# The per-kernel model's figures have no public name: read where the prediction keeps them.
+from spmdtree._src.step.predict import COSTS  # noqa: E402
+
+COST_TABLE = table("| preset | HBM bandwidth | matmul cores |")
+
+#: What the sources state. HBM: NVIDIA's data sheets (H100 SXM 3.35 TB/s, H200 4.8
+#: TB/s, B200 8 TB/s each of DGX B200's 64 TB/s) and Google's system-architecture pages
+#: (v5e 819 GB/s, v5p 2,765 GB/s, v6e 1,640 GB/s); the largest matmul share, ml-engineering's
+#: MAMF table (https://github.com/stas00/ml-engineering/tree/master/compute/accelerator:
+#: H100 SXM 794.5 of 989 TFLOPS bf16, "H200 is the same", B200 1,745 of 2,250); SMs as the
+#: chips' own table; the tile, cuBLAS's 128 x 128 and the MXU's (128; 256 on v6e); XLA GPU's
+#: kKernelLaunchOverhead 1 us and kNcclKernelLaunchOverhead 5 us
+#: (https://github.com/openxla/xla/blob/main/xla/service/gpu/model/gpu_performance_model_base.h);
+#: the H100 data sheet's TF32 494.7 and FP32 67 of 989.4 TFLOPS.
+COST_SOURCES = {
+    "h100": (3.35e12, 132, 128, 794.5 / 989, 1e-6, 5e-6),
+    "h200": (4.8e12, 132, 128, 794.5 / 989, 1e-6, 5e-6),
+    "b200": (8e12, 148, 128, 1745 / 2250, 1e-6, 5e-6),
+    "tpu-v5e": (819e9, 1, 128, 1.0, 0.0, 0.0),
+    "tpu-v5p": (2765e9, 1, 128, 1.0, 0.0, 0.0),
+    "tpu-v6e": (1640e9, 1, 256, 1.0, 0.0, 0.0),
+}
+
+
+def ratio(cell):
+    """A cell's "a of b" as a / b (a plain number as itself)."""
+    numbers = [float(v) for v in re.findall(r"[\d.]+", cell)]
+    return numbers[0] / numbers[1] if " of " in cell else numbers[0]
+
+
+def test_the_cost_table_lists_every_preset_and_no_other():
+    assert set(COST_TABLE) == set(PRESET_TABLE) == set(COSTS) == set(COST_SOURCES)
+
+
+@pytest.mark.parametrize("name", list(COST_SOURCES))
+def test_every_cost_model_figure_is_the_docs_table_and_its_source(name):
+    costs = COSTS[name]
+    hbm, cores, tile, share, f32, launch, latency = COST_TABLE[name]
+    # the table
+    assert costs.hbm_bytes_per_second == figure(hbm)[0]
+    assert costs.cores == int(cores)
+    assert costs.tile == tuple(int(v) for v in tile.split(" x "))
+    assert costs.matmul_efficiency == pytest.approx(ratio(share), rel=1e-12)
+    default, highest = f32.split(", ")
+    assert costs.f32_speed == float(default)
+    assert costs.f32_highest_speed == pytest.approx(ratio(highest), rel=1e-12)
+    assert costs.launch_seconds == pytest.approx(figure(launch)[0], rel=1e-12)
+    assert costs.collective_latency_seconds == pytest.approx(figure(latency)[0], rel=1e-12)
+    assert costs.memory_efficiency == 0.9  # the docs' stated assumption
+    # the sources
+    source_hbm, source_cores, source_tile, source_share, source_launch, source_latency = (
+        COST_SOURCES[name]
+    )
+    assert costs.hbm_bytes_per_second == source_hbm
+    assert (costs.cores, costs.tile) == (source_cores, (source_tile, source_tile))
+    assert costs.matmul_efficiency == pytest.approx(source_share, rel=1e-12)
+    assert (costs.launch_seconds, costs.collective_latency_seconds) == (
+        source_launch,
+        source_latency,
+    )
+    if name in CHIP_TABLE:  # a GPU: its SMs and bandwidth are its chip description's too
+        chip = TARGETS[name].chip
+        assert (costs.cores, costs.hbm_bytes_per_second) == (chip.sms, chip.bandwidth)
+        assert costs.f32_speed == pytest.approx(494.7 / 989.4, rel=1e-3)
+        assert costs.f32_highest_speed == pytest.approx(67 / 989, rel=1e-12)

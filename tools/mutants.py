@@ -309,8 +309,8 @@ MUTANTS: dict[str, list[tuple[str, str, str]]] = {
     "step-drops-the-inputs-flags": [
         (
             "_src/step/preflight.py",
-            'flags = [f"{row.path}: {flag}" for row in inputs.rows for flag in row.flags]',
-            "flags = []",
+            "Located(argument_path(row.path), flag) for row in inputs.rows for flag in row.flags",
+            "Located(argument_path(row.path), flag) for row in () for flag in row.flags",
         ),
     ],
     "overstated-uncapped": [
@@ -456,7 +456,7 @@ MUTANTS: dict[str, list[tuple[str, str, str]]] = {
         ("_src/step/advise.py", "per = row.candidate.batch", "per = 1"),
     ],
     "ties-in-candidate-order": [
-        ("_src/step/advise.py", "row.time.serial_seconds / per, index)", "0.0, index)"),
+        ("_src/step/advise.py", "serial = row.time.serial_seconds / per", "serial = 0.0"),
     ],
     "repeated-steps-compiled-again": [
         ("_src/step/advise.py", "if key not in children:", "if True:")
@@ -637,14 +637,14 @@ MUTANTS.update(
         "ranking-ignores-the-bound": [
             (
                 "_src/step/advise.py",
-                "return (order, estimate, bound, row.step.peak_bytes, row.time.serial_seconds / per, index)",
-                "return (order, estimate, 0.0, 0, 0.0, index)",
+                "return (order, bound, row.step.peak_bytes, serial, *_tie(row, index))",
+                "return (order, 0.0, 0, 0.0, *_tie(row, index))",
             )
         ],
         "over-budget-not-split-by-compiled": [
             (
                 "_src/step/advise.py",
-                'order = 2 * verdict + (row.verdict == "over budget" and row.step is None)',
+                "order = 2 * verdict + (row.verdict == Verdict.OVER_BUDGET and row.step is None)",
                 "order = 2 * verdict",
             )
         ],
@@ -899,14 +899,14 @@ MUTANTS.update(
         "confirmed-in-candidate-order": [
             (
                 "_src/step/advise.py",
-                "for i in sorted(search.rows, key=lambda i: _rank(search.rows[i], i))",
-                "for i in sorted(search.rows)",
+                "return sorted(self.rows, key=lambda i: rank(self.rows[i], i))",
+                "return sorted(self.rows)",
             )
         ],
         "ranked-by-position": [
             (
                 "_src/step/advise.py",
-                'bound = float(f"{row.time.bound_seconds / per:.6g}")',
+                'bound = float(f"{_seconds(row.time) / per:.6g}")',
                 "bound = float(index)",
             )
         ],
@@ -915,6 +915,93 @@ MUTANTS.update(
                 "_src/step/advise.py",
                 "if step.peak_bytes <= budget * (1 - TIGHT_MARGIN):",
                 "if step.peak_bytes <= budget:",
+            )
+        ],
+        "collectives-not-one-at-a-time": [
+            (
+                "_src/step/predict.py",
+                "clock.links = max(clock.compute, clock.links) + seconds",
+                "clock.links = clock.compute + seconds",
+            )
+        ],
+        "loop-repeats-one-iteration-too-few": [
+            (
+                "_src/step/predict.py",
+                "clock.advance(before, event.trips - self.WALKED)",
+                "clock.advance(before, event.trips - self.WALKED - 1)",
+            )
+        ],
+        "kernel-ignores-the-smaller-of-compute-and-memory": [
+            (
+                "_src/step/predict.py",
+                "return max(compute, memory) + (1 - _PARALLELISM) * min(compute, memory)",
+                "return max(compute, memory)",
+            )
+        ],
+        "conditional-timed-as-its-fastest-branch": [
+            (
+                "_src/step/predict.py",
+                "clock = max(ends, key=lambda c: c.compute, default=clock)",
+                "clock = min(ends, key=lambda c: c.compute, default=clock)",
+            )
+        ],
+        "waves-not-rounded-up": [
+            (
+                "_src/step/predict.py",
+                "waves = -(-tiles // costs.cores)",
+                "waves = tiles / costs.cores",
+            )
+        ],
+        "a-wait-not-counted-as-exposed": [
+            (
+                "_src/step/predict.py",
+                'self.spent["collectives"] += until - self.compute',
+                'self.spent["memory"] += until - self.compute',
+            )
+        ],
+        "loop-kernels-counted-once": [
+            (
+                "_src/step/predict.py",
+                "self.kernels += times * (self.kernels - before.kernels)",
+                "self.kernels += 0",
+            )
+        ],
+        "explained-gathered-once": [
+            (
+                "_src/step/diagnose.py",
+                "total += 2 * row.bytes + row.device_bytes",
+                "total += row.bytes + row.device_bytes",
+            )
+        ],
+        "explained-replicated-gradients-free": [
+            (
+                "_src/step/diagnose.py",
+                "if any(size > 1 for axis, size in sizes.items() if axis not in used):",
+                "if False:",
+            )
+        ],
+        "devices-rounded-down": [
+            (
+                "_src/step/diagnose.py",
+                "factor = 2 ** math.ceil(math.log2(closest.peak_bytes / budget_bytes))",
+                "factor = 2 ** math.floor(math.log2(closest.peak_bytes / budget_bytes))",
+            )
+        ],
+        "remat-said-at-any-share": [
+            ("_src/step/diagnose.py", "if closest.remat or share < 0.5:", "if closest.remat:")
+        ],
+        "activations-any-axes": [
+            (
+                "_src/step/diagnose.py",
+                "and set(largest.axes) <= sharding",
+                "and bool(largest.axes)",
+            )
+        ],
+        "cost-model-bandwidth-of-another-chip": [
+            (
+                "_src/step/predict.py",
+                '"h200": _gpu(4.8e12, 132, 794.5 / 989)',
+                '"h200": _gpu(3.35e12, 132, 794.5 / 989)',
             )
         ],
         "preset-memory-a-gib-more": [
@@ -926,6 +1013,8 @@ MUTANTS.update(
 #: The step wing's tests: what `--step` runs the step wing's mutants against.
 STEP_TESTS = [
     "tests/test_presets.py",
+    "tests/test_predict_properties.py",
+    "tests/test_diagnose_properties.py",
     "tests/test_step_properties.py",
     "tests/test_hlo.py",
     "tests/test_hardware.py",
@@ -933,6 +1022,8 @@ STEP_TESTS = [
     "tests/test_advise.py",
     "tests/test_hlo_targets.py",
     "tests/test_targets.py",
+    "tests/test_predict.py",
+    "tests/test_hlo_libtpu.py",
 ]
 
 

@@ -31,7 +31,7 @@ from spmdtree._src.errors import Mistake, public
 from spmdtree._src.plan import Plan
 from spmdtree._src.rules import AnyMesh, Rules
 from spmdtree._src.step.diagnose import Closest, nothing_fits
-from spmdtree._src.step.hardware import Hardware, StepTime, _nodes_per_device
+from spmdtree._src.step.hardware import PRESETS, Hardware, StepTime, _nodes_per_device
 from spmdtree._src.step.preflight import StepPlan, Where, placed, step_plan, where
 from spmdtree._src.step.targets import (
     TARGETS,
@@ -838,7 +838,7 @@ def _confirm(
         tried.update(batch)
         _ask(search, batch, pool)
     if not tried:
-        return f"nothing to confirm: no row fits on the CPU estimate (target: {search.asks})"
+        return f"nothing to confirm: {_why_none_confirmed(search)} (target: {search.asks})"
     done = [i for i in tried if not search.screened(i)]
     fit = sum(1 for i in done if search.rows[i].verdict in (Verdict.FITS, Verdict.TIGHT))
     said = f"{len(done)} of {len(tried)} confirmed: compiled for {search.asks}"
@@ -855,6 +855,16 @@ def _confirm(
     else:
         said += "; no row on the CPU estimate could beat the best confirmed one"
     return said
+
+
+def _why_none_confirmed(search: _Search) -> str:
+    """Why `confirm` found no row to compile for the target, in words."""
+    screened = [i for i in search.rows if search.screened(i)]
+    if not screened and any(row.step is not None for row in search.rows.values()):
+        return "every compiled row is already the target's own compile"
+    if any(search.rows[i].verdict in _HOPEFUL for i in screened):
+        return "no row on the CPU estimate could beat the best the target fits"
+    return "no row fits on the CPU estimate"
 
 
 def _where_asked(
@@ -1027,7 +1037,12 @@ def advise(
     """
     candidates = _checked(candidates)
     if not isinstance(hardware, Hardware):
-        raise Mistake(TypeError, f"hardware is {hardware!r}; expected a st.Hardware.")
+        fix = (
+            f"Pass st.hardware({hardware!r}), the preset of that name"
+            if isinstance(hardware, str) and hardware in PRESETS
+            else "such as st.hardware('h100'), or a st.Hardware of your own"
+        )
+        raise Mistake(TypeError, f"hardware is {hardware!r}; expected a st.Hardware. {fix}.")
     if not _count_or_none(jobs):
         raise Mistake(ValueError, f"jobs is {jobs!r}; expected an int >= 1 (or None).")
     if devices_per_node is not None:
