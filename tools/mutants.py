@@ -271,7 +271,7 @@ MUTANTS: dict[str, list[tuple[str, str, str]]] = {
             "return REPLICATED",
         ),
     ],
-    # 0.3: reading the compiled step (hlo.py).
+    # 0.3: reading the compiled step (hlo.py and the rooms it sums, since 0.5).
     "wire-bytes-all-reduce-one-way": [
         (
             "_src/step/hlo.py",
@@ -287,19 +287,23 @@ MUTANTS: dict[str, list[tuple[str, str, str]]] = {
     ],
     "slice-offset-partition-unchecked": [
         (
-            "_src/step/hlo.py",
+            "_src/step/forms.py",
             "if sliced and any(self.depends(comp, o) for o in user.operands[1:]):",
             "if sliced:",
         ),
     ],
     "mesh-groups-along-the-other-axes": [
-        ("_src/step/hlo.py", ".transpose(rest + grouped)", ".transpose(grouped + rest)"),
+        (
+            "_src/step/groups.py",
+            ".transpose(rest_dims + grouped)",
+            ".transpose(grouped + rest_dims)",
+        ),
     ],
     "elementwise-uses-not-followed": [
         (
-            "_src/step/hlo.py",
-            "if user.op in _PASS or (user.op in _ELEMENTWISE and index is None):",
-            "if user.op in _PASS:",
+            "_src/step/forms.py",
+            "if user.op in PASS or (user.op in ELEMENTWISE and index is None):",
+            "if user.op in PASS:",
         ),
     ],
     "step-drops-the-inputs-flags": [
@@ -311,7 +315,7 @@ MUTANTS: dict[str, list[tuple[str, str, str]]] = {
     ],
     "overstated-uncapped": [
         (
-            "_src/step/hlo.py",
+            "_src/step/forms.py",
             "return min(held_bytes + 64, temp_bytes) if held_bytes else 0",
             "return held_bytes + 64 if held_bytes else 0",
         ),
@@ -573,9 +577,9 @@ MUTANTS.update(
         ],
         "tuple-result-first-element-only": [
             (
-                "_src/step/hlo.py",
-                "for dtype, dims in _arrays(text))",
-                "for dtype, dims in _arrays(text)[:1])",
+                "_src/step/instructions.py",
+                "return sum(a.bytes for a in self.arrays)",
+                "return sum(a.bytes for a in self.arrays[:1])",
             )
         ],
         "argnums-negative-taken-as-positive": [
@@ -583,28 +587,28 @@ MUTANTS.update(
         ],
         "reduce-scatter-not-recognised": [
             (
-                "_src/step/hlo.py",
-                '        if kind == "all-reduce":\n            got = mod.slices(',
-                "        if False:\n            got = mod.slices(",
+                "_src/step/forms.py",
+                '        if kind == "all-reduce":\n            got = flow.slices(',
+                "        if False:\n            got = flow.slices(",
             )
         ],
         "reduce-scatter-on-an-accelerator-too": [
             (
-                "_src/step/hlo.py",
-                'if not cpu or not arrays or ins.op.endswith("Done"):',
-                'if not arrays or ins.op.endswith("Done"):',
+                "_src/step/forms.py",
+                "if not cpu or not arrays or ins.op in DONES:",
+                "if not arrays or ins.op in DONES:",
             )
         ],
         "reduce-scatter-tuple-all-or-nothing": [
             (
-                "_src/step/hlo.py",
-                'parts.append(Part("reduce-scatter", shard, held=size, widened=bool(narrow)))\n                continue',
+                "_src/step/forms.py",
+                'found.append(Part("reduce-scatter", shard, held=size, widened=bool(narrow)))\n                continue',
                 'return [Part("reduce-scatter", shard, held=size, widened=bool(narrow))]',
             )
         ],
         "widened-reduction-counted-wide": [
             (
-                "_src/step/hlo.py",
+                "_src/step/forms.py",
                 "bytes_ = size * narrow // width if narrow else size",
                 "bytes_ = size",
             )
@@ -656,8 +660,8 @@ MUTANTS.update(
         ],
         "slice-times-group-unchecked": [
             (
-                "_src/step/hlo.py",
-                "if cut and math.prod(_dims(cut)) * group == math.prod(dims):",
+                "_src/step/forms.py",
+                "if cut and math.prod(cut.dims) * group == math.prod(dims):",
                 "if cut:",
             )
         ],
@@ -670,21 +674,21 @@ MUTANTS.update(
         ],
         "tpu-trip-count-unread": [
             (
-                "_src/step/hlo.py",
-                "return _trips(start[1], step[2], direction, limit)",
+                "_src/step/loops.py",
+                "return _trips(start.value, step.by, direction, limit)",
                 "return None",
             )
         ],
         "async-start-counted-too": [
             (
-                "_src/step/hlo.py",
-                '"kAllGatherDone": "all-gather",',
-                '"kAllGatherDone": "all-gather",\n    "kAllGatherStart": "all-gather",',
+                "_src/step/opcodes.py",
+                '    Op.kAllGatherDone: "all-gather",\n',
+                '    Op.kAllGatherDone: "all-gather",\n    Op.kAllGatherStart: "all-gather",\n',
             )
         ],
         "batch-window-as-kernel": [
             (
-                "_src/step/hlo.py",
+                "_src/step/opcodes.py",
                 "real = (start >= 0) & (start <= (n - 1) * lhs) & (start % lhs == 0)",
                 "real = start == start",
             )
@@ -692,7 +696,7 @@ MUTANTS.update(
         "cross-slice-transfers-unread": [
             (
                 "_src/step/hlo.py",
-                '        if ins.op == "kSend" and _MEGASCALE.search(ins.attrs):',
+                "        if ins.op == Op.kSend and _MEGASCALE in ins.frontend:",
                 "        if False:",
             )
         ],
@@ -818,35 +822,35 @@ MUTANTS.update(
     {
         "trip-count-le-one-short": [
             (
-                "_src/step/hlo.py",
+                "_src/step/loops.py",
                 'end = limit + (1 if direction == "LE" else 0)',
                 "end = limit",
             )
         ],
         "trip-count-ge-one-short": [
             (
-                "_src/step/hlo.py",
+                "_src/step/loops.py",
                 'end = limit - (1 if direction == "GE" else 0)',
                 "end = limit",
             )
         ],
         "trip-count-floor-division": [
             (
-                "_src/step/hlo.py",
+                "_src/step/loops.py",
                 "count = -(-(end - start) // step)",
                 "count = (end - start) // step",
             )
         ],
         "trip-count-of-a-loop-that-never-ends": [
             (
-                "_src/step/hlo.py",
+                "_src/step/loops.py",
                 'if direction == "NE" and (limit - start) % step:',
                 "if False:",
             )
         ],
         "group-axes-reversed": [
             (
-                "_src/step/hlo.py",
+                "_src/step/groups.py",
                 "axes = tuple(shape[d][0] for d in sorted(varying))",
                 "axes = tuple(shape[d][0] for d in sorted(varying, reverse=True))",
             )

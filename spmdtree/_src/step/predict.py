@@ -37,14 +37,15 @@ The per-kernel model (`Costs`; every figure's source is listed with it):
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
-from spmdtree._src.step import hlo
-from spmdtree._src.step.hlo import Collective, Instr, Module
+from spmdtree._src.step import opcodes
+from spmdtree._src.step.groups import collective_axes
+from spmdtree._src.step.hlo import Collective
+from spmdtree._src.step.instructions import Instr, Module, Op, bits, config_field, parse_module
+from spmdtree._src.step.loops import trip_count
 
 #: The classes a step's time is split into; `Prediction` has one field each.
 CLASSES = ("matmul", "attention", "memory", "collectives", "launch")
@@ -193,10 +194,10 @@ class Costs:
 
     def speed(self, dtype: str) -> float:
         """A matmul's peak over the bf16 one for operands of `dtype`."""
-        bits = hlo._bits(dtype.partition("/")[0]) if dtype else 16
-        if bits <= 8:
+        width = bits(dtype.partition("/")[0]) if dtype else 16
+        if width <= 8:
             return 2.0
-        if bits >= 32:
+        if width >= 32:
             return self.f32_highest_speed if dtype.endswith("/highest") else self.f32_speed
         return 1.0
 
@@ -447,53 +448,44 @@ def predict(
 #: Ops that run no kernel: bookkeeping the runtime resolves (a bitcast is a view).
 _FREE = frozenset(
     {
-        "kParameter",
-        "kConstant",
-        "kGetTupleElement",
-        "kTuple",
-        "kBitcast",
-        "kAfterAll",
-        "kAddDependency",
-        "kOptimizationBarrier",
-        "kPartitionId",
-        "kReplicaId",
-        "kDomain",
-        "kGetDimensionSize",
-        "kAsyncUpdate",
-        "kCopyStart",
-        "kCopyDone",
-        "kSend",
-        "kSendDone",
-        "kRecv",
-        "kRecvDone",
+        Op.kParameter,
+        Op.kConstant,
+        Op.kGetTupleElement,
+        Op.kTuple,
+        Op.kBitcast,
+        Op.kAfterAll,
+        Op.kAddDependency,
+        Op.kOptimizationBarrier,
+        Op.kPartitionId,
+        Op.kReplicaId,
+        Op.kDomain,
+        Op.kGetDimensionSize,
+        Op.kAsyncUpdate,
+        Op.kCopyStart,
+        Op.kCopyDone,
+        Op.kSend,
+        Op.kSendDone,
+        Op.kRecv,
+        Op.kRecvDone,
     }
 )
 #: The async collectives' halves that start one, by opcode, with its kind.
 _STARTS = {
-    "kAllGatherStart": "all-gather",
-    "kAllReduceStart": "all-reduce",
-    "kCollectivePermuteStart": "collective-permute",
+    Op.kAllGatherStart: "all-gather",
+    Op.kAllReduceStart: "all-reduce",
+    Op.kCollectivePermuteStart: "collective-permute",
 }
-_DONES = frozenset({"kAllGatherDone", "kAllReduceDone", "kCollectivePermuteDone", "kAsyncDone"})
+_DONES = frozenset({Op.kAllGatherDone, Op.kAllReduceDone, Op.kCollectivePermuteDone, Op.kAsyncDone})
 #: The synchronous collectives, by opcode.
 _SYNC = {
-    "kAllGather": "all-gather",
-    "kAllReduce": "all-reduce",
-    "kReduceScatter": "reduce-scatter",
-    "kAllToAll": "all-to-all",
-    "kCollectivePermute": "collective-permute",
-}
-_IS_SYNC = re.compile(r'"is_sync":\s*true')
-_HIGHEST = re.compile(r"operand_precision[^}\]]*highest", re.IGNORECASE)
-_TARGET = re.compile(r'custom_call_target="([^"]*)"')
-_OP_NAME = re.compile(r'op_name="([^"]*)"')
-_ATTENTION = re.compile(r"attention|attn", re.IGNORECASE)
-_DIMS = {
-    side: re.compile(rf"\b{side}_(batch|contracting)_dims=\{{([\d,]*)\}}")
-    for side in ("lhs", "rhs")
+    Op.kAllGather: "all-gather",
+    Op.kAllReduce: "all-reduce",
+    Op.kReduceScatter: "reduce-scatter",
+    Op.kAllToAll: "all-to-all",
+    Op.kCollectivePermute: "collective-permute",
 }
 #: Ops that read only part of their first operand: a slice's bytes, not the whole.
-_SLICING = frozenset({"kDynamicSlice", "kSlice", "kGather"})
+_SLICING = frozenset({Op.kDynamicSlice, Op.kSlice, Op.kGather})
 
 
 class _Reader:
@@ -517,19 +509,19 @@ class _Reader:
         callees = dict(ins.callees)
         if ins.op in _FREE:
             return []
-        if ins.op == "kWhile":
-            trips = hlo.trip_count(self.mod, comp, ins)
+        if ins.op == Op.kWhile:
+            trips = trip_count(self.mod, comp, ins)
             self.unknown |= trips is None
             body = self.events(callees.get("condition", "")) + self.events(callees.get("body", ""))
             return [Loop(1 if trips is None else trips, body)]
-        if ins.op == "kConditional":
+        if ins.op == Op.kConditional:
             return [Branches(tuple(self.events(c) for r, c in ins.callees if r == "branch"))]
-        if ins.op == "kCall":
+        if ins.op == Op.kCall:
             return list(self.events(callees.get("to_apply", "")))
         if ins.op in _DONES:
             found = self.idents.get((comp, ins.operands[0])) if ins.operands else None
             return [] if found is None else [Done(found)]
-        if ins.op in _STARTS or ins.op == "kAsyncStart" or ins.op in _SYNC:
+        if ins.op in _STARTS or ins.op == Op.kAsyncStart or ins.op in _SYNC:
             return self._collective(comp, ins)
         return [self._kernel(comp, ins)]
 
@@ -537,7 +529,7 @@ class _Reader:
         """A collective's `Start` (and, synchronous, its `Done`); an async wrapper of
         anything else is the kernel it wraps."""
         inner, kind = ins, _STARTS.get(ins.op) or _SYNC.get(ins.op)
-        if ins.op == "kAsyncStart":
+        if ins.op == Op.kAsyncStart:
             wrapped = dict(ins.callees).get("async", "")
             root = self.mod.root(wrapped)
             kind = _SYNC.get(root.op) if root is not None else None
@@ -545,34 +537,33 @@ class _Reader:
                 return [self._kernel(comp, ins)] if root is None else [self._kernel(wrapped, root)]
             inner = root
         assert kind is not None
-        axes, group, _ = hlo._axes(kind, inner, self.shape)
-        size = hlo._type_bytes(self._result(comp, ins, inner))
+        axes, group, _ = collective_axes(kind, inner.groups, inner.pairs, self.shape)
+        size = self._result(comp, ins, inner).bytes
         ident = len(self.idents)
         self.idents[(comp, ins.name)] = ident
-        sync = ins.op in _SYNC or bool(_IS_SYNC.search(ins.attrs))
+        sync = ins.op in _SYNC or config_field(ins.config, "is_sync") is True
         start = Start(ident, Collective(kind, 1, size, axes, group), sync)
         return [start, Done(ident)] if ins.op in _SYNC else [start]
 
-    def _result(self, comp: str, ins: Instr, inner: Instr) -> str:
-        """The type of a collective's result: its own (synchronous, or an async
-        wrapper's collective), or its done's."""
+    def _result(self, comp: str, ins: Instr, inner: Instr) -> Instr:
+        """What gives a collective's result: itself (synchronous, or an async
+        wrapper's collective), or its done."""
         if ins.op in _SYNC or inner is not ins:
-            return inner.type
+            return inner
         done = [u for u, _ in self.mod.users[comp].get(ins.name, []) if u.op in _DONES]
-        return done[0].type if done else ins.type
+        return done[0] if done else ins
 
     def _kernel(self, comp: str, ins: Instr) -> Kernel:
         """A kernel: its class, FLOPs, bytes and largest matmul's shape."""
         flops, largest, shape, dtype, named = 0, 0, (0, 0, 0, 0), "", False
         for where, dot in self._dots(comp, ins):
-            f = hlo._flops(self.mod, where, dot)
+            f = opcodes.flops(self.mod, where, dot)
             if f > largest:
                 largest, shape = f, _gemm_shape(self.mod, where, dot, f)
                 dtype = _operand_dtype(self.mod, where, dot)
             flops += f
-            named |= bool(_ATTENTION.search(_op_name(dot)))
-        target = _TARGET.search(ins.attrs)
-        fused = bool(target and target.group(1).startswith("__cudnn$fmha"))
+            named |= _attention_named(dot)
+        fused = ins.target.startswith("__cudnn$fmha")
         if fused or named or self._attention(ins):
             kind = "attention"
         else:
@@ -581,21 +572,21 @@ class _Reader:
 
     def _attention(self, ins: Instr) -> bool:
         """Whether an instruction, or one it fuses, is named in an attention scope."""
-        if _ATTENTION.search(_op_name(ins)):
+        if _attention_named(ins):
             return True
         inner = self.mod.comps.get(dict(ins.callees).get("calls", ""), [])
-        return ins.op == "kFusion" and any(_ATTENTION.search(_op_name(i)) for i in inner)
+        return ins.op == Op.kFusion and any(_attention_named(i) for i in inner)
 
     def _dots(self, comp: str, ins: Instr) -> list[tuple[str, Instr]]:
         """The instructions with FLOPs an instruction runs: itself, or inside the
         fusion it calls."""
-        if ins.op != "kFusion":
+        if ins.op != Op.kFusion:
             return [(comp, ins)]
         found, todo = [], [dict(ins.callees).get("calls", "")]
         while todo:
             inner = todo.pop()
             for each in self.mod.comps.get(inner, []):
-                if each.op in ("kDot", "kConvolution", "kCustomCall"):
+                if each.op in (Op.kDot, Op.kConvolution, Op.kCustomCall):
                     found.append((inner, each))
                 todo += [c for r, c in each.callees if r == "calls"]
         return found
@@ -604,52 +595,59 @@ class _Reader:
         """What a kernel reads and writes: its operands (a sliced one as its slice, an
         updated one in place as nothing) and its result (an in-place update as the
         update; a library call's workspace left out)."""
-        if ins.op == "kFusion":
+        if ins.op == Op.kFusion:
             return _fusion_bytes(self.mod, comp, ins)
-        types = [
-            self.mod.by_name[comp][o].type for o in ins.operands if o in self.mod.by_name[comp]
-        ]
+        given = [self.mod.by_name[comp][o] for o in ins.operands if o in self.mod.by_name[comp]]
         if ins.op in _SLICING:
-            return 2 * hlo._type_bytes(ins.type)
-        if ins.op == "kDynamicUpdateSlice" and len(types) > 1:
-            return 2 * hlo._type_bytes(types[1])
-        return sum(hlo._type_bytes(t) for t in types) + _result_bytes(ins)
+            return 2 * ins.bytes
+        if ins.op == Op.kDynamicUpdateSlice and len(given) > 1:
+            return 2 * given[1].bytes
+        return sum(g.bytes for g in given) + _result_bytes(ins)
 
 
 def _result_bytes(ins: Instr) -> int:
     """The bytes an instruction's result writes; a library call's workspace (a
     cuBLAS call's second result, 32 MiB of s8 on jax 0.12) left out."""
-    result = hlo._arrays(ins.type)
-    if ins.op == "kCustomCall" and ins.type.startswith("(") and result:
+    result = ins.arrays
+    if ins.op == Op.kCustomCall and ins.is_tuple and result:
         result = result[:1]
-    return sum(math.prod(d) * max(hlo._bits(t) // 8, 1) for t, d in result)
+    return sum(array.bytes for array in result)
 
 
 def _operand_dtype(mod: Module, comp: str, ins: Instr) -> str:
     """A matmul's first operand's element type, ``/highest`` added at the highest
     precision."""
     given = mod.by_name[comp].get(ins.operands[0]) if ins.operands else None
-    arrays = hlo._arrays(given.type) if given is not None else []
-    dtype = arrays[0][0] if arrays else ""
-    return dtype + "/highest" if _HIGHEST.search(ins.attrs) else dtype
+    arrays = given.arrays if given is not None else ()
+    dtype = arrays[0].dtype if arrays else ""
+    return dtype + "/highest" if _highest(ins) else dtype
 
 
-def _op_name(ins: Instr) -> str:
-    found = _OP_NAME.search(ins.attrs)
-    return found.group(1) if found else ""
+def _highest(ins: Instr) -> bool:
+    """Whether a matmul runs an operand at the highest precision (a dot's attribute,
+    or a library call's precision config)."""
+    listed = config_field(ins.config, "operand_precision")
+    configured = listed if isinstance(listed, list) else []
+    return any(str(p).lower() == "highest" for p in (*ins.precision, *configured))
+
+
+def _attention_named(ins: Instr) -> bool:
+    """Whether an instruction's name scope says attention (``attention``, ``attn``)."""
+    name = ins.op_name.lower()
+    return "attention" in name or "attn" in name
 
 
 def _gemm_shape(mod: Module, comp: str, ins: Instr, flops: int) -> tuple[int, int, int, int]:
     """A matmul's (batch, m, n, k): from a dot's dimension numbers or a cuBLAS call's
     backend config; a convolution's as its output positions x features x the rest."""
-    types = [mod.by_name[comp][o].type for o in ins.operands[:2] if o in mod.by_name[comp]]
+    types = [mod.by_name[comp][o] for o in ins.operands[:2] if o in mod.by_name[comp]]
     numbers = _dimension_numbers(ins)
     if numbers is None or len(types) < 2:
-        out = hlo._dims(ins.type)
+        out = ins.dims
         n = out[-1] if out else 1
         m = max(math.prod(out) // max(n, 1), 1)
         return 1, m, n, max(flops // (2 * m * n), 1)
-    lhs, rhs = hlo._dims(types[0]), hlo._dims(types[1])
+    lhs, rhs = types[0].dims, types[1].dims
     (lb, lc), (rb, rc) = numbers
     if any(d >= len(lhs) for d in lb + lc) or any(d >= len(rhs) for d in rb + rc):
         return 0, 0, 0, 0
@@ -663,20 +661,13 @@ def _gemm_shape(mod: Module, comp: str, ins: Instr, flops: int) -> tuple[int, in
 def _dimension_numbers(ins: Instr) -> tuple[tuple[list[int], list[int]], ...] | None:
     """((lhs batch, lhs contracting), (rhs batch, rhs contracting)) of a dot or a
     cuBLAS call; None for anything else."""
-    if ins.op == "kDot":
-        sides = []
-        for side in ("lhs", "rhs"):
-            found = dict(_DIMS[side].findall(ins.attrs))
-            sides.append(
-                (
-                    [int(d) for d in found.get("batch", "").split(",") if d],
-                    [int(d) for d in found.get("contracting", "").split(",") if d],
-                )
-            )
-        return tuple(sides)
-    config = _backend_config(ins.attrs).get("gemm_backend_config", {})
+    if ins.op == Op.kDot:
+        dot = ins.dot
+        lhs = (list(dot.lhs_batch), list(dot.lhs_contracting))
+        return lhs, (list(dot.rhs_batch), list(dot.rhs_contracting))
+    config = ins.config.get("gemm_backend_config", {})
     dims = config.get("dot_dimension_numbers")
-    if ins.op != "kCustomCall" or not dims:
+    if ins.op != Op.kCustomCall or not dims:
         return None
     return tuple(
         (
@@ -687,24 +678,6 @@ def _dimension_numbers(ins: Instr) -> tuple[tuple[list[int], list[int]], ...] | 
     )
 
 
-def _backend_config(attrs: str) -> dict[str, Any]:
-    """An instruction's backend config, parsed (empty where it has none)."""
-    start = attrs.find("backend_config={")
-    if start < 0:
-        return {}
-    start += len("backend_config=")
-    depth = 0
-    for end in range(start, len(attrs)):
-        depth += {"{": 1, "}": -1}.get(attrs[end], 0)
-        if depth == 0:
-            try:
-                found = json.loads(attrs[start : end + 1])
-            except ValueError:
-                return {}
-            return found if isinstance(found, dict) else {}
-    return {}
-
-
 def _fusion_bytes(mod: Module, comp: str, ins: Instr) -> int:
     """A fusion's bytes: each operand as its fused parameter is read (`_read`), and
     its result as written (`_written`)."""
@@ -712,11 +685,11 @@ def _fusion_bytes(mod: Module, comp: str, ins: Instr) -> int:
     read = 0
     for j, operand in enumerate(ins.operands):
         given = mod.by_name[comp].get(operand)
-        whole = hlo._type_bytes(given.type) if given is not None else 0
+        whole = given.bytes if given is not None else 0
         param = mod.param(callee, j)
         read += whole if param is None else _read(mod, callee, param, whole)
     root = mod.root(callee)
-    return read + (_written(mod, callee, root) if root is not None else hlo._type_bytes(ins.type))
+    return read + (_written(mod, callee, root) if root is not None else ins.bytes)
 
 
 def _read(mod: Module, comp: str, name: str, whole: int) -> int:
@@ -725,11 +698,11 @@ def _read(mod: Module, comp: str, name: str, whole: int) -> int:
     else the whole. Bitcasts are followed."""
     total = 0
     for user, j in mod.users[comp].get(name, []):
-        if user.op == "kBitcast":
+        if user.op == Op.kBitcast:
             total += _read(mod, comp, user.name, whole)
         elif user.op in _SLICING and j == 0:
-            total += hlo._type_bytes(user.type)
-        elif user.op == "kDynamicUpdateSlice" and j == 0:
+            total += user.bytes
+        elif user.op == Op.kDynamicUpdateSlice and j == 0:
             continue
         else:
             return whole
@@ -739,20 +712,20 @@ def _read(mod: Module, comp: str, name: str, whole: int) -> int:
 def _written(mod: Module, comp: str, root: Instr) -> int:
     """The bytes a fusion's result writes: a tuple's elements each; an in-place
     update as its update."""
-    if root.op == "kTuple":
+    if root.op == Op.kTuple:
         parts = [mod.by_name[comp][o] for o in root.operands if o in mod.by_name[comp]]
         return sum(_written(mod, comp, part) for part in parts)
-    if root.op == "kBitcast" and root.operands and root.operands[0] in mod.by_name[comp]:
+    if root.op == Op.kBitcast and root.operands and root.operands[0] in mod.by_name[comp]:
         return _written(mod, comp, mod.by_name[comp][root.operands[0]])
-    if root.op == "kDynamicUpdateSlice" and len(root.operands) > 1:
+    if root.op == Op.kDynamicUpdateSlice and len(root.operands) > 1:
         update = mod.by_name[comp].get(root.operands[1])
-        return hlo._type_bytes(update.type) if update is not None else 0
+        return update.bytes if update is not None else 0
     return _result_bytes(root)  # a fused library call (jax 0.12's dynamic-slice fusion)
 
 
 def read_schedule(module: Any, shape: Sequence[tuple[str, int]] = (), *, platform: str) -> Schedule:
     """The `Schedule` of a compiled module (jaxlib's ``HloModule``, its text, or an
-    `hlo.Module`): its entry computation's events in the order the device runs
+    `instructions.Module`): its entry computation's events in the order the device runs
     them. `shape` is the mesh's ``(axis, size)`` pairs, which name each
     collective's axes as `hlo.read_step` does.
 
@@ -781,7 +754,7 @@ def read_schedule(module: Any, shape: Sequence[tuple[str, int]] = (), *, platfor
     if isinstance(module, Module):
         mod = module
     else:
-        mod = Module(hlo.parse_module(module) if isinstance(module, str) else module)
+        mod = Module(parse_module(module) if isinstance(module, str) else module)
     if mod.entry is None:
         return Schedule((), platform)
     reader = _Reader(mod, shape)

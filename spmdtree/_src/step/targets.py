@@ -33,7 +33,8 @@ from jax.sharding import Mesh
 
 from spmdtree._src.errors import Mistake
 from spmdtree._src.resolve import HOST_KINDS
-from spmdtree._src.step.hlo import Reading, overstated_bytes, read_step
+from spmdtree._src.step.forms import overstated_bytes
+from spmdtree._src.step.hlo import Reading, read_step
 from spmdtree._src.step.predict import Schedule, read_schedule
 from spmdtree._src.step.trace import Traced
 

@@ -1,0 +1,490 @@
+"""A compiled module's instructions, each parsed once into a typed record.
+
+jaxlib's HLO module API gives a module's computations and schedule, and each
+instruction's name, opcode (its `Op` enum), operands, users and the computation
+an async start wraps (jax 0.12 adds its shape). Every other field is in the
+instruction's printed text only: `Instr` reads it once, when `Module` is
+built, into typed fields (the result's arrays, the callees with their roles,
+replica groups, the backend config through `json.loads`, dimension numbers,
+windows, metadata), so that nothing after reads text. Two regular
+expressions remain, each saying which field jaxlib's API cannot give.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import math
+import re
+import string
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple, TypeAlias
+
+import jaxlib._hlo as _api  # type: ignore[import-not-found,unused-ignore]
+
+from spmdtree._src.step.groups import Groups, parse_groups, parse_pairs
+
+#: jaxlib's opcode enum (``Op.kDot``, ``Op.kAllReduce``): how every instruction's
+#: opcode is held and compared.
+Op: TypeAlias = _api.HloOpcode
+
+
+def parse_module(text: str) -> Any:
+    """The HLO module that `text` prints (``HloModule ...``), through jaxlib's parser
+    (`jaxlib._hlo`, from jax 0.10 to 0.12 at least)."""
+    return _api.hlo_module_from_text(text)
+
+
+# jax 0.10's instruction has no shape: the element types and dimensions of a result
+# type's arrays are read from the printed type ``(f32[8,2]{1,0}, s8[4]{0})``
+_ARRAY = re.compile(r"\b(pred|[a-z]+\d+[a-z0-9]*)\[([\d,]*)\]")
+# jaxlib's instruction has no attribute accessors: its printed attribute list is cut
+# at the commas outside brackets and strings, found by jumping between these marks
+_MARK = re.compile(r'[{}()\[\],"\\]')
+
+
+def bits(dtype: str) -> int:
+    """The bits of an HLO element type: ``bf16`` 16, ``f8e4m3fn`` 8, ``pred`` 8.
+
+    Example:
+        >>> bits("bf16"), bits("f8e4m3fn"), bits("pred")
+        (16, 8, 8)
+    """
+    digits = "".join(itertools.takewhile(str.isdigit, dtype.lstrip(string.ascii_lowercase)))
+    return int(digits) if digits and dtype != "pred" else 8
+
+
+class Array(NamedTuple):
+    """One array of a result: its element type (``bf16``) and dimensions."""
+
+    dtype: str
+    dims: tuple[int, ...]
+
+    @property
+    def bytes(self) -> int:
+        """Its bytes (a sub-byte type's elements a byte each)."""
+        return math.prod(self.dims) * max(bits(self.dtype) // 8, 1)
+
+
+def arrays(type_: str) -> tuple[Array, ...]:
+    """The arrays of a printed type (a tuple's elements in order).
+
+    Example:
+        >>> arrays("(f32[8,2]{1,0}, s8[4]{0})")
+        (Array(dtype='f32', dims=(8, 2)), Array(dtype='s8', dims=(4,)))
+    """
+    return tuple(
+        Array(dtype, tuple(int(d) for d in dims.split(",") if d))
+        for dtype, dims in _ARRAY.findall(type_)
+    )
+
+
+class DotDims(NamedTuple):
+    """A dot's dimension numbers (empty where an instruction has none)."""
+
+    lhs_batch: tuple[int, ...] = ()
+    lhs_contracting: tuple[int, ...] = ()
+    rhs_batch: tuple[int, ...] = ()
+    rhs_contracting: tuple[int, ...] = ()
+
+
+#: The attributes that name one computation, by role.
+_ROLES = (
+    "body",
+    "condition",
+    "to_apply",
+    "calls",
+    "select",
+    "scatter",
+    "comparator",
+    "true_computation",
+    "false_computation",
+)
+#: The attributes that list computations (a conditional's branches, a custom call's).
+_LISTS = ("branch_computations", "called_computations")
+
+
+@dataclasses.dataclass(frozen=True)
+class Instr:
+    """One HLO instruction, its printed fields parsed once.
+
+    Attributes:
+        name: its name (``%`` left out).
+        op: its opcode, jaxlib's enum (`Op`).
+        arrays: its result's arrays (a tuple's elements in order).
+        is_tuple: whether its result is a tuple.
+        operands: its operands' names.
+        root: whether it is its computation's root.
+        callees: the computations it calls, each with its role (``body``,
+            ``condition``, ``to_apply``, ``calls``, ``branch``, ``async``, ...).
+        literal: what its parentheses hold where it has no operands: a
+            parameter's number, a constant's value.
+        index: the element a ``get-tuple-element`` picks (0 elsewhere).
+        groups: its replica groups (``()``: all the devices in one).
+        pairs: a collective-permute's source and target pairs.
+        config: its backend config, the JSON object (empty where it has none).
+        target: a custom call's target (``__cublas$gemm``).
+        direction: a compare's direction (``LT``).
+        fusion: a fusion's kind (``kLoop``, ``kCustom``).
+        dot: a dot's dimension numbers.
+        labels: a convolution's dimension labels (lhs, rhs, output), or None.
+        window: a convolution's window fields as printed (``size``, ``stride``,
+            ``pad_lo``, ``pad_hi``, ``lhs_dilate``, ``rhs_dilate``).
+        precision: its operands' precisions (``highest``).
+        op_name: the name its metadata gives (jax's name scope and primitive).
+        frontend: its frontend attributes.
+    """
+
+    name: str
+    op: Op
+    arrays: tuple[Array, ...]
+    is_tuple: bool
+    operands: tuple[str, ...]
+    root: bool
+    callees: tuple[tuple[str, str], ...]
+    literal: str = ""
+    index: int = 0
+    groups: Groups = ()
+    pairs: tuple[tuple[int, int], ...] = ()
+    config: Mapping[str, Any] = dataclasses.field(default_factory=dict, hash=False)
+    target: str = ""
+    direction: str = ""
+    fusion: str = ""
+    dot: DotDims = dataclasses.field(default_factory=DotDims)
+    labels: tuple[str, str, str] | None = None
+    window: Mapping[str, tuple[int, ...]] = dataclasses.field(default_factory=dict, hash=False)
+    precision: tuple[str, ...] = ()
+    op_name: str = ""
+    frontend: Mapping[str, str] = dataclasses.field(default_factory=dict, hash=False)
+
+    @property
+    def dims(self) -> tuple[int, ...]:
+        """Its result's dimensions (a tuple's first element's; ``()`` where none)."""
+        return self.arrays[0].dims if self.arrays else ()
+
+    @property
+    def bytes(self) -> int:
+        """Its result's bytes (a tuple's elements summed)."""
+        return sum(a.bytes for a in self.arrays)
+
+    @property
+    def number(self) -> int:
+        """A parameter's number."""
+        return int(self.literal or 0)
+
+
+def config_field(config: Any, key: str) -> Any:
+    """The first value under `key` in a backend config, nested objects and lists
+    searched depth first in the order they print; None where no object has it.
+
+    Example:
+        >>> config_field({"gemm": {"dims": {"lhs": ["1"]}}}, "lhs")
+        ['1']
+    """
+    if isinstance(config, dict):
+        if key in config:
+            return config[key]
+        config = list(config.values())
+    if isinstance(config, list):
+        for value in config:
+            found = config_field(value, key)
+            if found is not None:
+                return found
+    return None
+
+
+# --- the printed instruction -----------------------------------------------------------
+
+
+def _closing(text: str, start: int) -> int:
+    """The index just past the parenthesis that closes the one at `start`."""
+    depth = 0
+    for i in range(start, len(text)):
+        depth += {"(": 1, ")": -1}.get(text[i], 0)
+        if depth == 0:
+            return i + 1
+    return len(text)
+
+
+def _split(text: str) -> tuple[str, str, str]:
+    """An instruction's text ``%n = TYPE op(ARGS), ATTRS`` as (TYPE, ARGS, ATTRS)."""
+    rest = text[text.index(" = ") + 3 :]
+    if rest.startswith("("):  # a tuple type
+        end = _closing(rest, 0)
+        type_, rest = rest[:end], rest[end:].lstrip()
+    else:
+        type_, _, rest = rest.partition(" ")
+    opening = rest.find("(")
+    if opening < 0:
+        return type_, "", rest
+    end = _closing(rest, opening)
+    return type_, rest[opening + 1 : end - 1], rest[end:].lstrip(", ")
+
+
+def fields(text: str) -> dict[str, str]:
+    """A printed list of ``key=value`` fields (commas between them, outside brackets
+    and strings) as a dict of the values' text.
+
+    Example:
+        >>> fields('index=0, metadata={op_name="a, b" source_line=3}, dimensions={0,1}')
+        {'index': '0', 'metadata': '{op_name="a, b" source_line=3}', 'dimensions': '{0,1}'}
+    """
+    found: dict[str, str] = {}
+    depth, start, quoted, escaped = 0, 0, False, -1
+    for mark in _MARK.finditer(text):
+        i = mark.start()
+        c = text[i]
+        if i == escaped:
+            continue
+        if quoted:
+            if c == "\\":
+                escaped = i + 1
+            elif c == '"':
+                quoted = False
+        elif c == '"':
+            quoted = True
+        elif c in "{([":
+            depth += 1
+        elif c in "})]":
+            depth -= 1
+        elif c == "," and depth == 0:
+            _put(found, text[start:i])
+            start = i + 1
+    _put(found, text[start:])
+    return found
+
+
+def _put(found: dict[str, str], part: str) -> None:
+    key, equals, value = part.strip().partition("=")
+    if equals and key not in found:
+        found[key] = value.strip()
+
+
+def _unquoted(text: str) -> str:
+    """A printed string's content: ``"__cublas$gemm"`` -> ``__cublas$gemm``."""
+    text = text.strip()
+    return text[1:-1] if len(text) >= 2 and text[0] == text[-1] == '"' else text
+
+
+def _string(text: str, key: str) -> str:
+    """The string a metadata's ``key="..."`` holds (its escapes kept): "" where none.
+
+    Example:
+        >>> _string('{op_name="jit(f)/dot" source_line=3}', "op_name")
+        'jit(f)/dot'
+    """
+    start = text.find(f'{key}="')
+    if start < 0:
+        return ""
+    start += len(key) + 2
+    end = start
+    while end < len(text) and text[end] != '"':
+        end += 2 if text[end] == "\\" else 1
+    return text[start:end]
+
+
+def _braced(text: str) -> str:
+    """A printed value's content between its braces: ``{1,0}`` -> ``1,0``."""
+    text = text.strip()
+    return text[1:-1] if text.startswith("{") and text.endswith("}") else text
+
+
+def _integers(text: str) -> tuple[int, ...]:
+    return tuple(int(d) for d in _braced(text).split(",") if d.strip().isdigit())
+
+
+def _callees(attrs: Mapping[str, str]) -> list[tuple[str, str]]:
+    """The computations an instruction's attributes name, each with its role (``body``,
+    ``condition``, ``to_apply``, ``calls``, ``branch``, ...)."""
+    found = [(key, value.lstrip("%")) for key, value in attrs.items() if key in _ROLES]
+    for key in _LISTS:
+        listed = _braced(attrs.get(key, ""))
+        found += [("branch", c.strip().lstrip("%")) for c in listed.split(",") if c.strip()]
+    return found
+
+
+def _config(attrs: Mapping[str, str]) -> dict[str, Any]:
+    """The backend config, a JSON object: {} where there is none or it is not one."""
+    try:
+        found = json.loads(attrs.get("backend_config", "{}"))
+    except ValueError:
+        return {}
+    return found if isinstance(found, dict) else {}
+
+
+def _groups(attrs: Mapping[str, str]) -> Groups:
+    printed = attrs.get("replica_groups", attrs.get("device_groups", ""))
+    if printed.startswith("mesh[") and "device_ids" in attrs:
+        # the mesh form's device ids print after a comma: cut off as their own attribute
+        printed += ", device_ids=" + attrs["device_ids"]
+    return parse_groups(printed) if printed else ()
+
+
+def _window(attrs: Mapping[str, str]) -> dict[str, tuple[int, ...]]:
+    """A convolution's window fields as printed: ``{size=3x3 pad=1_1x1_1}``."""
+    found: dict[str, tuple[int, ...]] = {}
+    for part in _braced(attrs.get("window", "")).split():
+        key, _, value = part.partition("=")
+        if key == "pad":
+            pads = [p.split("_") for p in value.split("x")]
+            found["pad_lo"] = tuple(int(lo) for lo, _ in pads)
+            found["pad_hi"] = tuple(int(hi) for _, hi in pads)
+        elif key in ("size", "stride", "lhs_dilate", "rhs_dilate"):
+            found[key] = tuple(int(v) for v in value.split("x"))
+    return found
+
+
+def _labels(attrs: Mapping[str, str]) -> tuple[str, str, str] | None:
+    """A convolution's ``dim_labels=b01f_01io->b01f`` as (lhs, rhs, output)."""
+    inputs, arrow, out = attrs.get("dim_labels", "").partition("->")
+    lhs, underscore, rhs = inputs.partition("_")
+    return (lhs, rhs, out) if arrow and underscore else None
+
+
+def _fields(attrs: Mapping[str, str]) -> dict[str, Any]:
+    """The record's fields that an instruction's attributes give, each read only where
+    its attribute is printed (most instructions print few)."""
+    found: dict[str, Any] = {}
+    if attrs.get("index", "").isdigit():
+        found["index"] = int(attrs["index"])
+    if "replica_groups" in attrs or "device_groups" in attrs:
+        found["groups"] = _groups(attrs)
+    if "source_target_pairs" in attrs:
+        found["pairs"] = parse_pairs(attrs["source_target_pairs"])
+    if "backend_config" in attrs:
+        found["config"] = _config(attrs)
+    if "custom_call_target" in attrs:
+        found["target"] = _unquoted(attrs["custom_call_target"])
+    if "direction" in attrs:
+        found["direction"] = attrs["direction"]
+    if "kind" in attrs:
+        found["fusion"] = attrs["kind"]
+    dims = [f"{side}_{role}_dims" for side in ("lhs", "rhs") for role in ("batch", "contracting")]
+    if any(key in attrs for key in dims):
+        found["dot"] = DotDims(*(_integers(attrs.get(key, "")) for key in dims))
+    if "dim_labels" in attrs:
+        found["labels"] = _labels(attrs)
+    if "window" in attrs:
+        found["window"] = _window(attrs)
+    if "operand_precision" in attrs:
+        found["precision"] = tuple(
+            p.strip() for p in _braced(attrs["operand_precision"]).split(",")
+        )
+    if "metadata" in attrs:
+        found["op_name"] = _string(attrs["metadata"], "op_name")
+    if "frontend_attributes" in attrs:
+        printed = fields(_braced(attrs["frontend_attributes"]))
+        found["frontend"] = {key: _unquoted(value) for key, value in printed.items()}
+    return found
+
+
+def instruction(ins: Any, root: bool, extra: Sequence[tuple[str, str]] = ()) -> Instr:
+    """The record of jaxlib's instruction `ins`, its text parsed once; `extra` callees
+    added (an async start's wrapped computation)."""
+    type_, args, printed = _split(ins.to_string())
+    attrs = fields(printed)
+    operands = tuple(o.name for o in ins.operands())
+    return Instr(
+        name=ins.name,
+        op=ins.opcode,
+        arrays=arrays(type_),
+        is_tuple=type_.startswith("("),
+        operands=operands,
+        root=root,
+        callees=(*_callees(attrs), *extra),
+        literal="" if operands else args.strip(),
+        **_fields(attrs),
+    )
+
+
+# --- the module ------------------------------------------------------------------------
+
+
+def _post_order(instructions: Sequence[Any]) -> list[Any]:
+    """Instructions with each after its operands (the API lists them in no such order)."""
+    done: dict[str, Any] = {}
+    for first in instructions:
+        todo = [(first, False)]
+        while todo:
+            ins, ready = todo.pop()
+            if ins.name in done:
+                continue
+            if ready:
+                done[ins.name] = ins
+                continue
+            todo.append((ins, True))
+            todo += [(o, False) for o in reversed(ins.operands()) if o.name not in done]
+    return list(done.values())
+
+
+def _root(order: list[Any]) -> str | None:
+    """The name of a computation's root: the API has no field for it, and a compiled
+    computation has no dead code, so it is the instruction nobody uses (a
+    non-parameter first; the last scheduled where several are)."""
+    unused = [i for i in order if not i.users()]
+    chosen = [i for i in unused if i.opcode != Op.kParameter] or unused
+    return chosen[-1].name if chosen else None
+
+
+class Module:
+    """A compiled module's computations (each in its scheduled order), their
+    instructions, who uses each value, and who calls each computation."""
+
+    def __init__(self, module: Any) -> None:
+        schedule = module.schedule()
+        self.comps: dict[str, list[Instr]] = {}
+        home: dict[str, str] = {}
+        for comp in module.computations():
+            for ins in comp.instructions():
+                home[ins.name] = comp.name
+        for comp in module.computations():
+            self.comps[comp.name] = self._read(comp, schedule, home)
+        self.by_name = {c: {i.name: i for i in body} for c, body in self.comps.items()}
+        self.users: dict[str, dict[str, list[tuple[Instr, int]]]] = {c: {} for c in self.comps}
+        self.callers: dict[str, list[tuple[str, Instr, str]]] = {c: [] for c in self.comps}
+        for comp, body in self.comps.items():
+            for ins in body:
+                for j, operand in enumerate(ins.operands):
+                    self.users[comp].setdefault(operand, []).append((ins, j))
+                for role, callee in ins.callees:
+                    self.callers.setdefault(callee, []).append((comp, ins, role))
+        uncalled = [c for c in self.comps if not self.callers.get(c)]
+        self.entry: str | None = max(uncalled, key=self._reach, default=None)
+
+    @staticmethod
+    def _read(comp: Any, schedule: Any, home: dict[str, str]) -> list[Instr]:
+        try:
+            order = list(schedule.sequence(comp))
+        except (AttributeError, IndexError):  # no schedule, or a fused computation
+            order = _post_order(comp.instructions())
+        root = _root(order)
+        body = []
+        for ins in order:
+            extra: list[tuple[str, str]] = []
+            if ins.opcode == Op.kAsyncStart:
+                wrapped = home.get(ins.async_wrapped_root().name)
+                extra += [("async", wrapped)] if wrapped else []
+            body.append(instruction(ins, ins.name == root, extra))
+        return body
+
+    def _reach(self, comp: str) -> int:
+        """How many computations `comp` calls, directly or not (the entry calls most)."""
+        seen, todo = {comp}, [comp]
+        while todo:
+            for ins in self.comps.get(todo.pop(), []):
+                fresh = {c for _, c in ins.callees} - seen
+                seen |= fresh
+                todo += fresh
+        return len(seen)
+
+    def param(self, comp: str, number: int) -> str | None:
+        """The name of parameter `number` of computation `comp`."""
+        for ins in self.comps.get(comp, []):
+            if ins.op == Op.kParameter and ins.literal == str(number):
+                return ins.name
+        return None
+
+    def root(self, comp: str) -> Instr | None:
+        """Computation `comp`'s root instruction."""
+        return next((i for i in self.comps.get(comp, []) if i.root), None)

@@ -1,0 +1,245 @@
+"""What each opcode means to the reading: tables keyed by jaxlib's opcode enum.
+
+The collective an opcode is (`KIND`), the ops a value passes through
+unchanged (`PASS`, `MOVES`) or slice by slice (`ELEMENTWISE`), and the FLOPs
+rule of each opcode that computes (`FLOPS`: a dot, a convolution, a library
+call), as jax's roofline keys its rules by primitive. A rule reads the typed
+record (`instructions.Instr`) and its operands' in the module.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from spmdtree._src.step.instructions import Array, Instr, Module, Op, config_field
+
+#: Ops a value passes through unchanged in content (what is followed to its uses).
+PASS = frozenset({Op.kBitcast, Op.kCopy, Op.kReshape, Op.kTranspose})
+#: Ops whose result holds their operand's content: `PASS`, and an async copy's two
+#: halves (libtpu moves values between memory spaces so).
+MOVES = PASS | {Op.kCopyStart, Op.kCopyDone}
+#: Elementwise ops: a slice of their result needs only the same slice of their
+#: operands, so a reduction's result that flows through them to slices is needed
+#: only as slices (``convert`` among them: the CPU pipeline reduces bf16 in f32).
+ELEMENTWISE = frozenset(
+    [
+        Op.kAbs,
+        Op.kAdd,
+        Op.kAnd,
+        Op.kAtan2,
+        Op.kCbrt,
+        Op.kCeil,
+        Op.kClamp,
+        Op.kCompare,
+        Op.kConvert,
+        Op.kCos,
+        Op.kDivide,
+        Op.kExp,
+        Op.kExpm1,
+        Op.kFloor,
+        Op.kIsFinite,
+        Op.kLog,
+        Op.kLog1p,
+        Op.kLogistic,
+        Op.kMaximum,
+        Op.kMinimum,
+        Op.kMultiply,
+        Op.kNegate,
+        Op.kNot,
+        Op.kOr,
+        Op.kPower,
+        Op.kRemainder,
+        Op.kRoundNearestAfz,
+        Op.kRoundNearestEven,
+        Op.kRsqrt,
+        Op.kSelect,
+        Op.kSign,
+        Op.kSin,
+        Op.kSqrt,
+        Op.kSubtract,
+        Op.kTan,
+        Op.kTanh,
+        Op.kXor,
+    ]
+)
+#: The collectives, by opcode: the op itself (inside an async wrapper too), or the
+#: ``-done`` half of an async pair, whose result is the collective's.
+KIND = {
+    Op.kAllGather: "all-gather",
+    Op.kAllReduce: "all-reduce",
+    Op.kReduceScatter: "reduce-scatter",
+    Op.kAllToAll: "all-to-all",
+    Op.kCollectivePermute: "collective-permute",
+    Op.kAllGatherDone: "all-gather",
+    Op.kAllReduceDone: "all-reduce",
+    Op.kCollectivePermuteDone: "collective-permute",
+}
+#: The ``-done`` halves of async pairs (whose operand is their start).
+DONES = frozenset({Op.kAllGatherDone, Op.kAllReduceDone, Op.kCollectivePermuteDone})
+
+
+# --- flops -----------------------------------------------------------------------------
+
+
+def _integers(values: Any) -> list[int] | None:
+    """A backend config's list of integers (printed as strings: ``["1","2"]``) as
+    ints, or None where it is not one."""
+    if not isinstance(values, list) or not all(str(v).isdigit() for v in values):
+        return None
+    return [int(v) for v in values]
+
+
+def _dims(array: Array | None) -> tuple[int, ...]:
+    return array.dims if array is not None else ()
+
+
+def _window(ins: Instr, rank: int) -> dict[str, Sequence[int]]:
+    """A convolution's window: size, stride, pad (low, high), dilations per spatial
+    dimension (defaults where absent)."""
+    fields: dict[str, Sequence[int]] = dict.fromkeys(
+        ("size", "stride", "lhs_dilate", "rhs_dilate"), [1] * rank
+    )
+    fields["pad_lo"] = fields["pad_hi"] = [0] * rank
+    return {**fields, **ins.window}
+
+
+def _taps(out: int, size: int, stride: int, pad: int, lhs: int, rhs: int, n: int) -> int:
+    """Over the `out` output positions of one spatial dimension, how many kernel taps
+    land on a real input element (not padding, not a hole of the input's dilation):
+    a batch dimension a TPU writes as a window (``size=4 stride=3 lhs_dilate=4``)
+    has one per position.
+
+    Example:
+        >>> _taps(out=4, size=4, stride=3, pad=0, lhs=4, rhs=1, n=4)  # 4 heads
+        4
+        >>> _taps(out=3, size=3, stride=1, pad=1, lhs=1, rhs=1, n=3)  # "SAME", 3 wide
+        7
+    """
+    start = np.arange(out)[:, None] * stride - pad + np.arange(size)[None, :] * rhs
+    real = (start >= 0) & (start <= (n - 1) * lhs) & (start % lhs == 0)
+    return int(real.sum())
+
+
+def _conv_flops(out_: Array | None, lhs_: Array | None, rhs_: Array | None, conv: Instr) -> int:
+    """2 x output batch x output features x input features per group x the taps
+    that touch real input, summed over the output's positions."""
+    if conv.labels is None:
+        return 0
+    lhs_l, rhs_l, out_l = conv.labels
+    out, lhs, rhs = _dims(out_), _dims(lhs_), _dims(rhs_)
+    if not (len(out) == len(out_l) and len(lhs) == len(lhs_l) and len(rhs) == len(rhs_l)):
+        return 0
+    spatial = sorted(c for c in out_l if c.isdigit())
+    win = _window(conv, len(spatial))
+    taps = 1
+    for s, c in enumerate(spatial):
+        taps *= _taps(
+            out[out_l.index(c)],
+            win["size"][s],
+            win["stride"][s],
+            win["pad_lo"][s],
+            win["lhs_dilate"][s],
+            win["rhs_dilate"][s],
+            lhs[lhs_l.index(c)],
+        )
+    return 2 * out[out_l.index("b")] * out[out_l.index("f")] * rhs[rhs_l.index("i")] * taps
+
+
+def _dot_flops(result: Array | None, lhs: Array | None, contracting: Sequence[int]) -> int:
+    shape = _dims(lhs)
+    if any(d >= len(shape) for d in contracting):
+        return 0
+    return 2 * math.prod(_dims(result)) * math.prod(shape[d] for d in contracting)
+
+
+def _operands(mod: Module, comp: str, ins: Instr) -> list[Array | None]:
+    """Each operand's first array (None where it has none, or is not in `comp`)."""
+    found = []
+    for name in ins.operands:
+        given = mod.by_name[comp].get(name)
+        found.append(given.arrays[0] if given is not None and given.arrays else None)
+    return found
+
+
+def _result(ins: Instr) -> Array | None:
+    return ins.arrays[0] if ins.arrays else None
+
+
+def dot_flops(mod: Module, comp: str, ins: Instr) -> int:
+    """A dot's: 2 x result elements x its contracted size."""
+    if not ins.operands:
+        return 0
+    return _dot_flops(_result(ins), _operands(mod, comp, ins)[0], ins.dot.lhs_contracting)
+
+
+def conv_flops(mod: Module, comp: str, ins: Instr) -> int:
+    """A convolution's (`_conv_flops`)."""
+    if len(ins.operands) < 2:
+        return 0
+    lhs, rhs = _operands(mod, comp, ins)[:2]
+    return _conv_flops(_result(ins), lhs, rhs, ins)
+
+
+def custom_flops(mod: Module, comp: str, ins: Instr) -> int:
+    """The FLOPs of a library call: a cuBLAS matmul (its dims in its backend config),
+    a cuDNN convolution (its window; the backward ones laid out by which operand is
+    the forward's output) or cuDNN fused attention."""
+    name = ins.target
+    types = _operands(mod, comp, ins)
+    result = _result(ins)
+    if "gemm" in name.lower() or "matmul" in name.lower():
+        dims = _integers(config_field(ins.config, "lhs_contracting_dimensions"))
+        return _dot_flops(result, types[0], dims) if dims is not None and types else 0
+    if name.startswith("__cudnn$conv") and len(types) >= 2:
+        if "BackwardInput" in name:
+            return _conv_flops(types[0], result, types[1], ins)
+        if "BackwardFilter" in name:
+            return _conv_flops(types[1], types[0], result, ins)
+        return _conv_flops(result, types[0], types[1], ins)
+    if name.startswith("__cudnn$fmha") and len(types) >= 3:
+        shape = config_field(ins.config, "intermediate_tensor_shape")
+        scores = _integers(shape.get("dimensions") if isinstance(shape, dict) else None)
+        return _attention_flops(name, scores, types[0], types[2]) if scores is not None else 0
+    return 0
+
+
+def _attention_flops(
+    name: str, scores: Sequence[int], query: Array | None, value: Array | None
+) -> int:
+    """cuDNN fused attention: scores (heads x queries x keys, each a dot of the head
+    width) and their product with the values; its backward recomputes the scores and
+    takes the four gradients' dots.
+
+    Example:
+        >>> scores, q = [1, 4, 512, 512], Array("bf16", (1, 512, 4, 64))
+        >>> _attention_flops("__cudnn$fmhaSoftmax", scores, q, q) == 2 * 2 * 4 * 512 * 512 * 64
+        True
+        >>> _attention_flops("__cudnn$fmhaSoftmaxBackward", scores, q, q) // (4 * 512 * 512 * 64)
+        10
+    """
+    if not _dims(query) or not _dims(value):
+        return 0
+    size = math.prod(scores)
+    qk, v = _dims(query)[-1], _dims(value)[-1]
+    if "Backward" in name:
+        return 2 * size * (3 * qk + 2 * v)
+    return 2 * size * (qk + v)
+
+
+#: The FLOPs rule of each opcode that computes: 2 x result elements x contracted size.
+FLOPS: Mapping[Op, Callable[[Module, str, Instr], int]] = {
+    Op.kDot: dot_flops,
+    Op.kConvolution: conv_flops,
+    Op.kCustomCall: custom_flops,
+}
+
+
+def flops(mod: Module, comp: str, ins: Instr) -> int:
+    """The FLOPs of instruction `ins` of computation `comp`, by its opcode's rule
+    (0 for an opcode without one)."""
+    rule = FLOPS.get(ins.op)
+    return rule(mod, comp, ins) if rule is not None else 0
