@@ -396,6 +396,23 @@ def test_a_reduction_each_device_slices_by_its_own_place_is_a_reduce_scatter(cas
     assert (plan.overstated_bytes > 0) is by_device
 
 
+@examples(6)
+@given(meshes())
+def test_the_cpu_overstatement_is_the_held_reduction_and_64_bytes_at_most_the_temporaries(case):
+    # the CPU holds the whole reduction its devices slice: an accelerator's
+    # reduce-scatter would not, by that and the partition-id scalars, never more
+    # than the temporaries that hold it
+    from spmdtree._src.step.forms import overstated_bytes
+
+    shape, names, chosen = case
+    plan = sliced_plan(shape, names, chosen, True)
+    held = BLOCK * 8 * 4
+    assert plan.overstated_bytes == min(held + 64, plan.temp_bytes)
+    for temp in (0, held, held + 63, held + 64, held + 65, 10 * held):
+        assert overstated_bytes(held, temp) == min(held + 64, temp)
+    assert overstated_bytes(0, 10 * held) == 0
+
+
 # --- hlo and preflight: FLOPs and memory against the raw compile ---------------------------
 
 D_IN, HIDDEN = 32, 64
