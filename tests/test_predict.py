@@ -298,10 +298,7 @@ def test_a_convolution_tiles_its_output_features_where_its_dim_labels_put_them()
     # libtpu writes a dot as a convolution; here its output features (f, 4096) come
     # first and a position dimension of 8 last: tiled by features x positions, the
     # 128 x 128 MXU is full; read by its last dimension as features, 8 of 128.
-    conv = (
-        "%c = bf16[4096,1024,8] convolution(%x, %w), window={size=1}, "
-        "dim_labels=0bf_io0->fb0"
-    )
+    conv = "%c = bf16[4096,1024,8] convolution(%x, %w), window={size=1}, dim_labels=0bf_io0->fb0"
     module = (
         "HloModule m, is_scheduled=true\n"
         "ENTRY %main (x: bf16[8,1024,1024], w: bf16[1024,4096,1]) -> bf16[4096,1024,8] {\n"
