@@ -389,7 +389,8 @@ TINY_MAXTEXT = Model(512, 256, 2, 4, 4, 64, 1024, 256, 64, "maxtext-2023", "full
 
 
 def runs(quick: bool) -> list[Run]:
-    return [
+    """The published runs; `quick`: tiny models of the same code, on 8 chips."""
+    found = [
         Run(
             "torchtitan Llama 3.1 8B, 8 x H100, FSDP",
             TINY_LLAMA if quick else LLAMA_8B,
@@ -413,6 +414,9 @@ def runs(quick: bool) -> list[Run]:
             env=(("LIBTPU_INIT_ARGS", MAXTEXT_LIBTPU_ARGS),),
         ),
     ]
+    if quick:
+        found = [dataclasses.replace(run, name=f"{run.name.split(',')[0]}, tiny") for run in found]
+    return found
 
 
 def main() -> int:
