@@ -294,6 +294,25 @@ ENTRY %main (a: f32[8,1024,1024], i: s32[]) -> f32[8,1024,1024] {
     assert timed.predicted_seconds == pytest.approx(sum(kernel(0, size) for size in sizes))
 
 
+def test_a_convolution_tiles_its_output_features_where_its_dim_labels_put_them():
+    # libtpu writes a dot as a convolution; here its output features (f, 4096) come
+    # first and a position dimension of 8 last: tiled by features x positions, the
+    # 128 x 128 MXU is full; read by its last dimension as features, 8 of 128.
+    conv = "%c = bf16[4096,1024,8] convolution(%x, %w), window={size=1}, dim_labels=0bf_io0->fb0"
+    module = (
+        "HloModule m, is_scheduled=true\n"
+        "ENTRY %main (x: bf16[8,1024,1024], w: bf16[1024,4096,1]) -> bf16[4096,1024,8] {\n"
+        "  %x = bf16[8,1024,1024] parameter(0)\n  %w = bf16[1024,4096,1] parameter(1)\n"
+        f"  ROOT {conv}\n}}"
+    )
+    tpu = predict.COSTS["tpu-v5e"]
+    (event,) = predict.read_schedule(module, (), platform="tpu").events
+    assert isinstance(event, predict.Kernel) and event.kind == "matmul"
+    assert event.flops == 2 * (1024 * 8) * 4096 * 1024
+    assert (event.m, event.n) == (1024 * 8, 4096)
+    assert predict.wave_efficiency(event.batch, event.m, event.n, tpu) == 1.0
+
+
 def test_a_conditional_is_timed_as_its_slowest_branch():
     branches = """HloModule m, is_scheduled=true
 %small (x: f32[1024]) -> f32[1024] {

@@ -639,12 +639,18 @@ def _attention_named(ins: Instr) -> bool:
 
 def _gemm_shape(mod: Module, comp: str, ins: Instr, flops: int) -> tuple[int, int, int, int]:
     """A matmul's (batch, m, n, k): from a dot's dimension numbers or a cuBLAS call's
-    backend config; a convolution's as its output positions x features x the rest."""
+    backend config; a convolution's as its output positions x features (the output
+    dimension its ``dim_labels`` call ``f``: libtpu writes every dot so, its
+    features not always last) x the rest."""
     types = [mod.by_name[comp][o] for o in ins.operands[:2] if o in mod.by_name[comp]]
     numbers = _dimension_numbers(ins)
     if numbers is None or len(types) < 2:
         out = ins.dims
-        n = out[-1] if out else 1
+        out_labels = ins.labels[2] if ins.labels is not None else ""
+        if len(out_labels) == len(out) and "f" in out_labels:
+            n = out[out_labels.index("f")]
+        else:
+            n = out[-1] if out else 1
         m = max(math.prod(out) // max(n, 1), 1)
         return 1, m, n, max(flops // (2 * m * n), 1)
     lhs, rhs = types[0].dims, types[1].dims

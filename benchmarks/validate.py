@@ -1,0 +1,488 @@
+"""The predicted step time against published training runs (docs/planning.md, "Validation").
+
+Each run is a JAX step written like the published one (widths, layers, heads,
+vocabulary, sequence, batch per device, remat, layout), compiled by the
+target's own compiler without the hardware (`st.preflight(..., target=...)`),
+and its predicted time (`StepPlan.time(hardware).predicted_seconds`, a walk of
+the compiled schedule) turned into the published unit:
+
+- torchtitan, Llama 3.1 8B on 8 H100s (pytorch/torchtitan, docs/performance.md
+  at commit 820504e2^, Table 1): FSDP over 8, local batch 2, sequence 8,192,
+  selective activation checkpointing ("op": every matmul's output saved but
+  every second one, and the attention's), bf16 compute over fp32 params;
+  5,762 tokens/s per GPU eager, 6,667 with torch.compile (the ratio is against
+  the torch.compile figure, the closer analogue of an XLA-compiled step);
+- MaxText 16B on one TPU v5e-256 (AI-Hypercomputer/maxtext, configs/v5e/16b.sh
+  and the v5e README, both of October-December 2023): global parameter scale
+  16 over the base.yml of that time, per-device batch 6, sequence 2,048,
+  remat full, FSDP over 256, flash attention; 120 TFLOP/s per chip (61.10%
+  MFU) in MaxText's own FLOP count of that time (`calculate_training_tflops`).
+
+Attention is written in blocks (`blocked_attention`: an online softmax over key
+blocks, the masked-out blocks skipped, the backward recomputing each block's
+probabilities from the saved log-sum-exp), so the step holds what a flash
+kernel holds; its scores still go through memory between XLA's kernels, which a
+flash kernel keeps on chip.
+
+Run: python benchmarks/validate.py [--quick] [--only torchtitan maxtext]
+Exit status 1 if a ratio is outside +-20% (never with --quick: tiny models,
+checking that each run compiles, predicts and prints).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import math
+import os
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import AbstractMesh, AxisType
+
+import spmdtree as st
+
+#: How far a prediction may be from the published figure.
+TOLERANCE = 0.20
+#: How far libtpu's own estimate (`optimal_seconds`) may be from ours before the
+#: docs must explain it.
+COMPILER_TOLERANCE = 0.25
+
+BF16 = jnp.bfloat16
+
+
+# --- blocked (flash-like) causal attention -----------------------------------------------
+
+
+def _pairs(blocks: int) -> tuple[jax.Array, jax.Array]:
+    """The (query block, key block) pairs a causal mask leaves, query-major."""
+    pairs = [(i, j) for i in range(blocks) for j in range(i + 1)]
+    return jnp.array([i for i, _ in pairs]), jnp.array([j for _, j in pairs])
+
+
+def _scores(qi: jax.Array, kj: jax.Array, i: jax.Array, j: jax.Array, block: int) -> jax.Array:
+    """One block pair's scaled, causally masked scores, f32: (batch, kv, group, q, k)."""
+    s = jnp.einsum("bqhgd,bkhd->bhgqk", qi, kj, preferred_element_type=jnp.float32)
+    s = s / math.sqrt(qi.shape[-1])
+    # Only a diagonal pair (i == j) is masked, by one triangle the same for each.
+    below = jnp.arange(block)[:, None] >= jnp.arange(block)[None, :]
+    return jnp.where(below | (j < i), s, -1e30)
+
+
+def _take(x: jax.Array, index: jax.Array, block: int, axis: int) -> jax.Array:
+    return jax.lax.dynamic_slice_in_dim(x, index * block, block, axis)
+
+
+def _put(x: jax.Array, update: jax.Array, index: jax.Array, block: int, axis: int) -> jax.Array:
+    return jax.lax.dynamic_update_slice_in_dim(x, update, index * block, axis)
+
+
+def _attention_forward(
+    q: jax.Array, k: jax.Array, v: jax.Array, block: int
+) -> tuple[jax.Array, jax.Array]:
+    """The output and the log-sum-exp of the scores (batch, kv, group, length)."""
+    b, n, h, g, d = q.shape
+    rows, cols = _pairs(n // block)
+
+    def pair(p, carry):
+        m, total, acc = carry
+        i, j = rows[p], cols[p]
+        s = _scores(_take(q, i, block, 1), _take(k, j, block, 1), i, j, block)
+        m_old, total_old = _take(m, i, block, 3), _take(total, i, block, 3)
+        m_new = jnp.maximum(m_old, s.max(-1))
+        probs = jnp.exp(s - m_new[..., None])
+        fix = jnp.exp(m_old - m_new)
+        total_new = total_old * fix + probs.sum(-1)
+        pv = jnp.einsum(
+            "bhgqk,bkhd->bqhgd",
+            probs.astype(v.dtype),
+            _take(v, j, block, 1),
+            preferred_element_type=jnp.float32,
+        )
+        acc_i = _take(acc, i, block, 1) * jnp.moveaxis(fix, 3, 1)[..., None] + pv
+        return (
+            _put(m, m_new, i, block, 3),
+            _put(total, total_new, i, block, 3),
+            _put(acc, acc_i, i, block, 1),
+        )
+
+    m = jnp.full((b, h, g, n), -1e30, jnp.float32)
+    total = jnp.zeros((b, h, g, n), jnp.float32)
+    acc = jnp.zeros((b, n, h, g, d), jnp.float32)
+    m, total, acc = jax.lax.fori_loop(0, rows.shape[0], pair, (m, total, acc))
+    out = acc / jnp.moveaxis(total, 3, 1)[..., None]
+    return out.astype(q.dtype), m + jnp.log(total)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, block: int) -> jax.Array:
+    """Causal grouped-query attention in blocks of `block` positions, as a flash kernel
+    computes it: q (batch, length, kv heads, group, head dim), k and v (batch,
+    length, kv heads, head dim). Only the pairs of blocks the causal mask keeps
+    are computed; the backward recomputes each pair's probabilities from the
+    saved log-sum-exp (FlashAttention-2's algorithm, in XLA's kernels)."""
+    return _attention_forward(q, k, v, block)[0]
+
+
+def _attention_fwd(q, k, v, block):
+    out, lse = _attention_forward(q, k, v, block)
+    # Named as torchtitan's selective checkpointing saves a flash kernel's outputs
+    # (the attention and its log-sum-exp): the backward does not rerun the forward.
+    out, lse = checkpoint_name(out, "saved"), checkpoint_name(lse, "saved")
+    return out, (q, k, v, out, lse)
+
+
+def _attention_bwd(block, residuals, grad):
+    q, k, v, out, lse = residuals
+    rows, cols = _pairs(q.shape[1] // block)
+    delta = jnp.einsum("bqhgd,bqhgd->bhgq", grad, out, preferred_element_type=jnp.float32)
+
+    def pair(p, carry):
+        dq, dk, dv = carry
+        i, j = rows[p], cols[p]
+        qi, kj, vj, gi = (_take(x, idx, block, 1) for x, idx in ((q, i), (k, j), (v, j), (grad, i)))
+        s = _scores(qi, kj, i, j, block)
+        probs = jnp.exp(s - _take(lse, i, block, 3)[..., None])
+        dv_j = jnp.einsum("bhgqk,bqhgd->bkhd", probs.astype(v.dtype), gi)
+        dp = jnp.einsum("bqhgd,bkhd->bhgqk", gi, vj, preferred_element_type=jnp.float32)
+        ds = (probs * (dp - _take(delta, i, block, 3)[..., None]) / math.sqrt(q.shape[-1])).astype(
+            q.dtype
+        )
+        dq_i = jnp.einsum("bhgqk,bkhd->bqhgd", ds, kj, preferred_element_type=jnp.float32)
+        dk_j = jnp.einsum("bhgqk,bqhgd->bkhd", ds, qi, preferred_element_type=jnp.float32)
+        return (
+            _put(dq, _take(dq, i, block, 1) + dq_i, i, block, 1),
+            _put(dk, _take(dk, j, block, 1) + dk_j, j, block, 1),
+            _put(dv, _take(dv, j, block, 1) + dv_j, j, block, 1),
+        )
+
+    zeros = (jnp.zeros(x.shape, jnp.float32) for x in (q, k, v))
+    dq, dk, dv = jax.lax.fori_loop(0, rows.shape[0], pair, tuple(zeros))
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+blocked_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+# --- the steps ---------------------------------------------------------------------------
+
+
+def _boxed(shape: tuple[int, ...], names: tuple[str, ...]) -> st.LogicallyPartitioned:
+    """An fp32 master weight (both published runs keep fp32 params, compute in bf16)."""
+    return st.LogicallyPartitioned(jax.ShapeDtypeStruct(shape, jnp.float32), names)
+
+
+def rms_norm(x: jax.Array, scale: jax.Array) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + 1e-5)
+    return (normed * scale).astype(x.dtype)
+
+
+def rotary(x: jax.Array) -> jax.Array:
+    """Rotary position embedding over (batch, length, ..., head dim), theta 500,000."""
+    d, n = x.shape[-1], x.shape[1]
+    freq = 1.0 / (500_000.0 ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+    angle = jnp.arange(n, dtype=jnp.float32)[:, None] * freq
+    shape = (1, n) + (1,) * (x.ndim - 3) + (d // 2,)
+    cos, sin = jnp.cos(angle).reshape(shape), jnp.sin(angle).reshape(shape)
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).astype(x.dtype)
+
+
+def constrain(x: jax.Array, *names: str) -> jax.Array:
+    return st.with_logical_constraint(x, names)
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """A decoder's shapes and how its step is written."""
+
+    vocab: int
+    embed: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    mlp: int
+    length: int
+    block: int  # the attention's block
+    style: str  # "llama" (sequential block, SwiGLU, RoPE, untied) or "maxtext-2023"
+    remat: str  # "op" (torchtitan's selective checkpointing) or "full"
+
+    def params(self) -> dict[str, Any]:
+        e, h, kv, d, m, n = (
+            self.embed,
+            self.heads,
+            self.kv_heads,
+            self.head_dim,
+            self.mlp,
+            self.layers,
+        )
+        layer = {
+            "attention_norm": _boxed((n, e), ("layers", "norm")),
+            "query": _boxed((n, e, h, d), ("layers", "embed", "q_heads", "kv")),
+            "key": _boxed((n, e, kv, d), ("layers", "embed", "kv_heads", "kv")),
+            "value": _boxed((n, e, kv, d), ("layers", "embed", "kv_heads", "kv")),
+            "out": _boxed((n, h, d, e), ("layers", "q_heads", "kv", "embed")),
+            "wi_0": _boxed((n, e, m), ("layers", "embed", "mlp")),
+            "wo": _boxed((n, m, e), ("layers", "mlp", "embed")),
+        }
+        tree = {
+            "embed": _boxed((self.vocab, e), ("vocab", "embed")),
+            "final_norm": _boxed((e,), ("norm",)),
+        }
+        if self.style == "llama":
+            layer["mlp_norm"] = _boxed((n, e), ("layers", "norm"))
+            layer["wi_1"] = _boxed((n, e, m), ("layers", "embed", "mlp"))
+            tree["output"] = _boxed((e, self.vocab), ("embed", "vocab"))
+        return {**tree, "layers": layer}
+
+    def attention(self, h: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
+        """Self-attention of the normed input `h`; torchtitan's "op" checkpointing saves
+        the outputs of the 1st, 3rd, ... matmuls (query, value) and the attention's."""
+        save = checkpoint_name
+        q = save(jnp.einsum("ble,ehd->blhd", h, p["query"]), "saved")
+        k = jnp.einsum("ble,ehd->blhd", h, p["key"])
+        v = save(jnp.einsum("ble,ehd->blhd", h, p["value"]), "saved")
+        if self.style == "llama":
+            q, k = rotary(q), rotary(k)
+        q = constrain(q, "batch", "length", "q_heads", "kv")
+        groups = self.heads // self.kv_heads
+        q = q.reshape(*q.shape[:2], self.kv_heads, groups, self.head_dim)
+        with jax.named_scope("attention"):
+            attended = save(blocked_attention(q, k, v, self.block), "saved")
+        attended = attended.reshape(*attended.shape[:2], self.heads, self.head_dim)
+        return jnp.einsum("blhd,hde->ble", attended, p["out"])
+
+    def layer(self, x: jax.Array, p: dict[str, Any]) -> tuple[jax.Array, None]:
+        p = jax.tree.map(lambda a: a.astype(BF16), st.unbox(p))
+        save = checkpoint_name
+        if self.style == "llama":  # x + attn(norm x); then + SwiGLU(norm x)
+            x = x + self.attention(rms_norm(x, p["attention_norm"]), p)
+            x = constrain(x, "batch", "length", "embed")
+            h = rms_norm(x, p["mlp_norm"])
+            gate = save(h @ p["wi_0"], "saved")  # w1: the 5th matmul, saved
+            gated = jax.nn.silu(gate) * (h @ p["wi_1"])  # w3: the 6th, recomputed
+            gated = constrain(gated, "batch", "length", "mlp")
+            x = x + save(gated @ p["wo"], "saved")  # w2: the 7th, saved
+        else:  # MaxText's 2023 default block: attention and a ReLU MLP in parallel
+            h = rms_norm(x, p["attention_norm"])
+            hidden = constrain(jax.nn.relu(h @ p["wi_0"]), "batch", "length", "mlp")
+            x = x + self.attention(h, p) + hidden @ p["wo"]
+        return constrain(x, "batch", "length", "embed"), None
+
+    def loss(self, params: dict[str, Any], tokens: jax.Array) -> jax.Array:
+        table = constrain(st.unbox(params["embed"]).astype(BF16), "vocab", None)
+        x = constrain(jnp.take(table, tokens[:, :-1], axis=0), "batch", "length", "embed")
+        if self.remat == "op":
+            policy = jax.checkpoint_policies.save_only_these_names("saved")
+            body = jax.checkpoint(self.layer, policy=policy, prevent_cse=False)
+        else:
+            body = jax.checkpoint(self.layer, prevent_cse=False)
+        x, _ = st.scan(body, x, params["layers"], partition_name="layers")
+        x = rms_norm(x, st.unbox(params["final_norm"]).astype(BF16))
+        head = table.T if self.style != "llama" else st.unbox(params["output"]).astype(BF16)
+        logits = constrain((x @ head).astype(jnp.float32), "batch", "length", "vocab")
+        log_probs = jax.nn.log_softmax(logits)
+        return -jnp.mean(jnp.take_along_axis(log_probs, tokens[:, 1:, None], axis=-1))
+
+    def train_step(self, params: Any, state: Any, tokens: Any) -> tuple[Any, Any, jax.Array]:
+        tx = optax.adamw(1e-4)
+        loss, grads = jax.value_and_grad(self.loss)(params, tokens.value)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, loss
+
+    def param_count(self) -> int:
+        return sum(
+            math.prod(box.value.shape)
+            for box in jax.tree.leaves(self.params(), is_leaf=st.is_boxed)
+        )
+
+
+#: FSDP over every chip: params, grads and adam state sharded, the batch split.
+RULES = [
+    ("batch", "fsdp"),
+    ("embed", "fsdp"),
+    *[(n, None) for n in ("vocab", "mlp", "q_heads", "kv_heads", "kv", "length", "norm", "layers")],
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """A published run: its model, chips and per-device batch, and its figure."""
+
+    name: str
+    model: Model
+    target: str
+    chips: int
+    per_device_batch: int
+    published: float
+    unit: str
+    convert: Callable[[Run, float], float]  # predicted seconds -> the published unit
+    others: tuple[tuple[str, float], ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+
+    def preflight(self) -> st.StepPlan:
+        params = self.model.params()
+        state = jax.eval_shape(optax.adamw(1e-4).init, params)
+        batch = self.per_device_batch * self.chips
+        tokens = st.LogicallyPartitioned(
+            jax.ShapeDtypeStruct((batch, self.model.length + 1), jnp.int32), ("batch", "length")
+        )
+        mesh = AbstractMesh((self.chips,), ("fsdp",), axis_types=(AxisType.Auto,))
+        for key, value in self.env:
+            os.environ[key] = value
+        return st.preflight(
+            self.model.train_step,
+            params,
+            state,
+            tokens,
+            mesh=mesh,
+            rules=RULES,
+            params=params,
+            donate_argnums=(0, 1),
+            target=self.target,
+        )
+
+
+def tokens_per_second(run: Run, seconds: float) -> float:
+    """Tokens per second per GPU: the local batch's tokens over the step."""
+    return run.per_device_batch * run.model.length / seconds
+
+
+def maxtext_2023_tflops(run: Run, seconds: float) -> float:
+    """TFLOP/s per chip in MaxText's count of October 2023 (maxtext_utils.py,
+    `calculate_training_tflops`): 6 x params x tokens per device, plus
+    12 x heads x layers x head dim x length^2 x batch per device for attention
+    (not halved for the causal mask)."""
+    m = run.model
+    weights = 6 * m.param_count() * m.length * run.per_device_batch
+    attention = 12 * m.heads * m.layers * m.head_dim * m.length**2 * run.per_device_batch
+    return (weights + attention) / seconds / 1e12
+
+
+#: MaxText's LIBTPU_INIT_ARGS in configs/v5e/16b.sh: compiled the same way, the
+#: walked schedule is the job's.
+MAXTEXT_LIBTPU_ARGS = (
+    "--xla_tpu_enable_data_parallel_all_reduce_opt=true "
+    "--xla_tpu_data_parallel_opt_different_sized_ops=true "
+    "--xla_tpu_enable_async_collective_fusion=true "
+    "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true "
+    "--xla_tpu_enable_async_collective_fusion_multiple_steps=true "
+    "--xla_tpu_overlap_compute_collective_tc=true --xla_enable_async_all_gather=true"
+)
+
+#: Llama 3.1 8B (examples/llama.py SIZES["8B"]) and MaxText's 2023 base.yml at
+#: global_parameter_scale 16 (base emb 2560 x 2, heads 8 x 4 of dim 256, MLP
+#: 8192 x 4, layers 16 x 2, vocab 32,768, ReLU, tied embedding).
+LLAMA_8B = Model(128256, 4096, 32, 32, 8, 128, 14336, 8192, 1024, "llama", "op")
+MAXTEXT_16B = Model(32768, 5120, 32, 32, 32, 256, 32768, 2048, 512, "maxtext-2023", "full")
+TINY_LLAMA = Model(512, 256, 2, 8, 2, 32, 512, 256, 64, "llama", "op")
+TINY_MAXTEXT = Model(512, 256, 2, 4, 4, 64, 1024, 256, 64, "maxtext-2023", "full")
+
+
+def runs(quick: bool) -> list[Run]:
+    """The published runs; `quick`: tiny models of the same code, on 8 chips."""
+    found = [
+        Run(
+            "torchtitan Llama 3.1 8B, 8 x H100, FSDP",
+            TINY_LLAMA if quick else LLAMA_8B,
+            "h100",
+            8,
+            2,
+            6667.0,
+            "tokens/s/GPU",
+            tokens_per_second,
+            others=(("eager", 5762.0),),
+        ),
+        Run(
+            "MaxText 16B, v5e-256, FSDP",
+            TINY_MAXTEXT if quick else MAXTEXT_16B,
+            "tpu-v5e",
+            8 if quick else 256,
+            6,
+            120.0,
+            "TFLOP/s/chip",
+            maxtext_2023_tflops,
+            env=(("LIBTPU_INIT_ARGS", MAXTEXT_LIBTPU_ARGS),),
+        ),
+    ]
+    if quick:
+        found = [dataclasses.replace(run, name=f"{run.name.split(',')[0]}, tiny") for run in found]
+    return found
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny models: checks that it runs")
+    parser.add_argument("--only", nargs="+", choices=["torchtitan", "maxtext"])
+    args = parser.parse_args()
+    print(
+        f"jax {jax.__version__}; predicted with spmdtree {st.__version__}; "
+        f"{'tiny models (--quick): ratios not checked' if args.quick else 'published shapes'}\n"
+    )
+    header = f"{'run':<42} {'published':>12} {'predicted':>10} {'ratio':>6}  unit"
+    rows, missed = [header], []
+    for run in runs(args.quick):
+        if args.only and not any(word in run.name.lower() for word in args.only):
+            continue
+        start = time.perf_counter()
+        try:
+            step = run.preflight()
+        except ValueError as e:  # the target's compiler is not installed: said, not timed
+            if "pip install" not in str(e):
+                raise
+            print(f"{run.name}: skipped ({str(e)[:160]})")
+            continue
+        compiled = time.perf_counter() - start
+        hardware = st.hardware(run.target)
+        t = step.time(hardware)
+        assert t.predicted_seconds is not None and t.predicted_by_class is not None
+        predicted = run.convert(run, t.predicted_seconds)
+        ratio = predicted / run.published
+        rows.append(
+            f"{run.name:<42} {run.published:>12,.0f} {predicted:>10,.0f} {ratio:>6.3f}  {run.unit}"
+        )
+        for label, figure in run.others:
+            rows.append(
+                f"{'  against ' + label:<42} {figure:>12,.0f} {predicted:>10,.0f} "
+                f"{predicted / figure:>6.3f}  {run.unit}"
+            )
+        if abs(ratio - 1) > TOLERANCE:
+            missed.append(run.name)
+        by_class = ", ".join(f"{k} {v:.3f} s" for k, v in t.predicted_by_class.items())
+        print(f"{run.name}: compiled by {step.backend} in {compiled:.0f} s")
+        print(
+            f"  step: predicted {t.predicted_seconds:.3f} s ({by_class}); bound "
+            f"{t.bound_seconds:.3f} s (compute {t.compute_seconds:.3f} s, collectives "
+            f"{t.comm_seconds:.3f} s, {t.comm_seconds - (t.exposed_comm_seconds or 0):.3f} s "
+            f"of them hidden); peak {step.peak_bytes / 2**30:.1f} GiB"
+        )
+        print(
+            f"  hardware FLOPs per device {step.flops / 1e12:.1f} T; "
+            f"{hardware.name}: {hardware.flops_per_second / 1e12:.0f} TFLOP/s peak"
+        )
+        if step.compiler_seconds:
+            own = step.compiler_seconds / t.predicted_seconds
+            print(
+                f"  libtpu's own estimate (optimal_seconds) {step.compiler_seconds:.3f} s: "
+                f"{own:.3f} x ours"
+                + ("" if abs(own - 1) <= COMPILER_TOLERANCE else " (outside 25%: docs explain)")
+            )
+    print()
+    print("\n".join(rows))
+    if missed and not args.quick:
+        print(f"outside +-{TOLERANCE:.0%}: {', '.join(missed)}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
