@@ -1,19 +1,22 @@
-"""Which layout for Llama-3 8B on 256 H100s? Rank every one by a roofline of its compiled step.
+"""Which layout for Llama-3 8B on 256 H100s? Rank every one by the predicted time of its compiled step.
 
 `st.advise` takes candidate layouts (a mesh, rules, a global batch) and a
 function that builds the step for each. It plans each candidate's arrays first
 (one whose params and optimizer state alone exceed the budget is not
 compiled), preflights the rest in parallel subprocesses, each distinct step
-once, and times each compiled step on the hardware with `StepPlan.time`: its
-FLOPs at the chip's peak, its collectives at the links' bandwidth (NVLink
-within a node of 8, InfiniBand across, hierarchically).
+once (on XLA GPU where it is installed, else on the CPU estimate), and times
+each compiled step on the hardware with `StepPlan.time`: the predicted step
+time, a walk of the compiled schedule (each kernel timed by a model, each
+async collective hidden only by the compute scheduled beside it), beside the
+roofline bound (its FLOPs at the chip's peak, its collectives at the links'
+bandwidth: NVLink within a node of 8, InfiniBand across, hierarchically).
 
 The step is examples/preflight.py's: a Llama-3 8B decoder (bf16, remat per
 layer), cross-entropy and adamw. The candidates: every layout of 256 chips as
 (data, fsdp, tensor) with tensor <= 8, at two global batches of 4,096-token
-sequences. The times are roofline bounds (peak FLOPs, perfect overlap), not
-predictions: they rank layouts; real runs reach 40-70% of them
-(docs/planning.md, "Choosing a layout").
+sequences. Rows rank by the predicted seconds per sequence; the bound stays a
+column. Both are models, not measurements (docs/planning.md, "Validation",
+says how far the prediction was from published runs).
 
 Run: python examples/advise.py [--quick]   (--quick: a small model on 16 chips)
 """
