@@ -55,19 +55,21 @@ def arguments(batch):
     return params, box((batch, WIDTH), ("batch", "embed"))
 
 
-def shard(shape, names, rules, sizes):
-    """A leaf's shard shape by its rules, from the mesh's axis sizes alone (an axis
-    a rule names twice in one leaf serves the first dimension only)."""
-    given_, out = dict(rules), []
-    used = set()
-    for size, name in zip(shape, names, strict=True):
-        axis = given_.get(name)
-        if axis is None or axis in used:
-            out.append(size)
-        else:
+def axes_by_rules(names, rules):
+    """Each of a leaf's names' mesh axis by the rules in their order: an axis two of
+    its names map to serves the name whose rule comes first; None: unsharded."""
+    given_, used = {}, set()
+    for name, axis in rules:
+        if name in names and name not in given_ and axis is not None and axis not in used:
+            given_[name] = axis
             used.add(axis)
-            out.append(size // sizes[axis])
-    return tuple(out)
+    return [given_.get(name) for name in names]
+
+
+def shard(shape, names, rules, sizes):
+    """A leaf's shard shape by its rules, from the mesh's axis sizes alone."""
+    axes = axes_by_rules(names, rules)
+    return tuple(n if a is None else n // sizes[a] for n, a in zip(shape, axes, strict=True))
 
 
 @functools.cache
@@ -103,19 +105,10 @@ def test_the_traced_step_compiles_as_the_raw_program_of_the_same_shardings(case)
     plan = planned(*case)
     sizes = dict(zip(names, shape, strict=True))
     mesh = jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(names))
-    given_ = dict(rules)
-
-    def spec(leaf_names):
-        used, out = set(), []
-        for name in leaf_names:
-            axis = given_.get(name)
-            out.append(None if axis is None or axis in used else axis)
-            used.add(axis)
-        return P(*out)
 
     def raw(shape_, leaf_names):
         return jax.ShapeDtypeStruct(
-            shape_, jnp.float32, sharding=NamedSharding(mesh, spec(leaf_names))
+            shape_, jnp.float32, sharding=NamedSharding(mesh, P(*axes_by_rules(leaf_names, rules)))
         )
 
     params = {"w1": raw((WIDTH, HIDDEN), ("embed", "mlp")), "w2": raw((HIDDEN,), ("mlp",))}
