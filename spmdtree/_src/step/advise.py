@@ -36,11 +36,11 @@ from spmdtree._src.step.preflight import StepPlan, step_plan
 from spmdtree._src.step.targets import (
     TARGETS,
     Analysis,
+    Backend,
     CpuChild,
     DoesNotFit,
     Here,
     TargetChild,
-    backend_of,
     compile_child,
     compiler_for,
 )
@@ -251,7 +251,7 @@ class Advice:
         """The hardware's platform as `jax.devices()` names it (``"gpu"``,
         ``"tpu"``), or ``""`` for hardware spmdtree knows no compiler of (new in 0.5)."""
         target = TARGETS.get(self.hardware.name)
-        return "" if target is None else backend_of(target.platform)
+        return "" if target is None else Backend.of(target.platform)
 
     def __str__(self) -> str:
         return advice_table(self)
@@ -460,7 +460,7 @@ class _Search:
     def screened(self, index: int) -> bool:
         """Whether a row's figures are the CPU estimate's."""
         step = self.rows[index].step
-        return step is not None and step.backend == "cpu"
+        return step is not None and step.backend == Backend.CPU
 
 
 def _batch_first(candidate: Candidate, flags: tuple[str, ...]) -> tuple[str, ...]:
@@ -499,7 +499,7 @@ def _verdict(step: StepPlan, budget: int, asks: TargetChild | None) -> tuple[Ver
         return Verdict.FITS, f"peak {peak} of {said} budget"
     if step.peak_bytes <= budget:
         return Verdict.TIGHT, f"peak {peak} of {said} budget, within {TIGHT_MARGIN:.0%} of it"
-    if step.backend != "cpu":
+    if step.backend != Backend.CPU:
         return Verdict.OVER_BUDGET, f"peak {peak} > {said} budget"
     high = (
         f"the CPU estimate, which ran {CPU_OVER} an accelerator's on models that unroll their "

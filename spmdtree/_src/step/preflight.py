@@ -29,7 +29,7 @@ from spmdtree._src.step.diagnose import Closest, Traffic, nothing_fits, unexplai
 from spmdtree._src.step.hardware import Hardware, StepTime, step_time
 from spmdtree._src.step.hlo import Collective
 from spmdtree._src.step.predict import Schedule
-from spmdtree._src.step.targets import Analysis, Compiler, compiler_for
+from spmdtree._src.step.targets import Analysis, Backend, Compiler, compiler_for
 from spmdtree._src.step.trace import Traced, arguments, trace
 from spmdtree._src.text import Located, argument_path, step_table
 
@@ -56,7 +56,8 @@ class StepPlan:
         inputs: the `Plan` of the arguments.
         backend: the platform whose compiler compiled it, as `jax.devices()`
             names it: ``"cpu"`` for fake devices, ``"gpu"`` (XLA GPU) or
-            ``"tpu"`` (libtpu) for a target or a `Mesh` of those devices.
+            ``"tpu"`` (libtpu) for a target or a `Mesh` of those devices; a
+            `Backend`, equal to those strings (new in 0.5).
         mesh: the mesh planned for, as given (a plan of a `Mesh` holds its
             devices, which do not pickle; one of an `AbstractMesh` pickles).
         compile_seconds: how long tracing, lowering and compiling took, each counted
@@ -131,7 +132,7 @@ class StepPlan:
     code_bytes: int
     collectives: tuple[Collective, ...]
     inputs: Plan
-    backend: str
+    backend: Backend
     mesh: AnyMesh
     compile_seconds: float
     flags: tuple[str, ...] = ()

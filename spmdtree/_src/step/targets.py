@@ -16,7 +16,9 @@ The chips' descriptions are their data sheets' figures (docs/planning.md,
 
 from __future__ import annotations
 
+import abc
 import dataclasses
+import enum
 import importlib.util
 import json
 import math
@@ -284,6 +286,27 @@ def _versions(target: Target) -> tuple[str | None, str | None]:
     return have, found.group(1) if found else None
 
 
+class Backend(enum.StrEnum):
+    """The backend whose compiler compiled a step, as `jax.devices()` names it
+    (new in 0.5; each compares equal to its string, as 0.4's backends were).
+
+    Example:
+        >>> import spmdtree as st
+        >>> st.Backend.GPU == "gpu", st.Backend.of("cuda") is st.Backend.GPU
+        (True, True)
+    """
+
+    CPU = "cpu"
+    GPU = "gpu"
+    TPU = "tpu"
+
+    @classmethod
+    def of(cls, platform: str) -> Backend:
+        """A compiler's platform (``"cpu"``, ``"cuda"``, ``"tpu"``, or a device's
+        ``"gpu"``) as its backend: the one place ``"cuda"`` becomes ``"gpu"``."""
+        return cls.GPU if platform == "cuda" else cls(platform)
+
+
 @dataclasses.dataclass(frozen=True)
 class Analysis:
     """What a compile says of a step, per device: its memory, and what its HLO
@@ -301,7 +324,7 @@ class Analysis:
     code_bytes: int
     reading: Reading
     overstated_bytes: int
-    backend: str
+    backend: Backend
     seconds: float = 0.0
     schedule: Schedule | None = None
     compiler_peak_bytes: int = 0
@@ -320,7 +343,9 @@ class Analysis:
     def from_json(cls, data: dict[str, Any]) -> Analysis:
         """The analysis `to_json` gave."""
         schedule = Schedule.from_json(data["schedule"]) if data.get("schedule") else None
-        return cls(**{**data, "reading": Reading.from_json(data["reading"]), "schedule": schedule})
+        backend = Backend(data["backend"])
+        reading = Reading.from_json(data["reading"])
+        return cls(**{**data, "reading": reading, "schedule": schedule, "backend": backend})
 
 
 def analyse(
@@ -361,7 +386,7 @@ def analyse(
         code_bytes=int(memory.generated_code_size_in_bytes),
         reading=read,
         overstated_bytes=overstated_bytes(read.held_bytes, temp) if platform == "cpu" else 0,
-        backend=backend_of(platform),
+        backend=Backend.of(platform),
         schedule=read_schedule(module, tuple(mesh.shape.items()), platform=platform),
         # the CPU's own peak is the CPU program's, no accelerator's: not reported
         compiler_peak_bytes=0
@@ -394,12 +419,6 @@ def _apart(device: int, host: int, placed: Iterable[tuple[Any, Any]]) -> tuple[i
         if getattr(sharding, "memory_kind", None) in HOST_KINDS
     )
     return (device, host) if host or not offloaded else (device - offloaded, offloaded)
-
-
-def backend_of(platform: str) -> str:
-    """A compiler's platform (``"cpu"``, ``"cuda"``, ``"tpu"``) as `jax.devices()`
-    names its devices' backend: ``"gpu"`` for CUDA."""
-    return "gpu" if platform == "cuda" else platform
 
 
 def _optimal_seconds(compiled: jax.stages.Compiled) -> float:
@@ -499,23 +518,24 @@ class Here:
         return f"{self.here.size} x {first.device_kind}, their own compiler"
 
 
-class _Child:
+class _Child(abc.ABC):
     """A compile in a fresh process, of the step exported for it."""
 
     here: None = None
 
     @property
+    @abc.abstractmethod
     def platform(self) -> str:
-        raise NotImplementedError
+        """The child's compiler's platform."""
 
     @property
+    @abc.abstractmethod
     def slice_size(self) -> int:
         """The devices one slice (node) holds, as the HLO reader takes it."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def mesh_for(self, sizes: Sequence[int], names: Sequence[str], types: Sequence[Any]) -> Mesh:
         """The mesh the child compiles on (in the child)."""
-        raise NotImplementedError
 
     def compile(self, traced: Traced) -> Analysis:
         """Compiles the exported step in a child."""
