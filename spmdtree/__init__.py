@@ -85,6 +85,7 @@ from spmdtree._src.step.hardware import hardware as hardware
 from spmdtree._src.step.hlo import Collective as Collective
 from spmdtree._src.step.preflight import StepPlan as StepPlan
 from spmdtree._src.step.preflight import preflight as preflight
+from spmdtree._src.step.targets import Backend as Backend
 from spmdtree._src.tactics import UnmatchedWarning as UnmatchedWarning
 from spmdtree._src.tactics import fsdp as fsdp
 from spmdtree._src.tactics import match as match
@@ -109,6 +110,7 @@ __all__ = [
     "AnyMesh",
     "AxisMetadata",
     "AxisName",
+    "Backend",
     "Candidate",
     "Collective",
     "DiffRow",

@@ -439,3 +439,16 @@ def test_an_unsharded_input_or_constraint_is_a_flag_never_a_warning():
     )
     traced = [f for f in plan.flags if f.startswith("UnshardedWarning while tracing: ")]
     assert len(traced) == 1 and "x dimension 0 ('batch', size 12) over 'data' (size 8)" in traced[0]
+
+
+def test_the_backend_is_a_backend_equal_to_its_string_here_and_from_a_child():
+    # 2 devices compile in this process, 16 (more than it has) in a CPU child
+    x = jax.ShapeDtypeStruct((256,), jnp.float32)
+    for devices in (2, 16):
+        step = st.preflight(jnp.sin, x, mesh=abstract_mesh((devices,), ("data",)))
+        assert step.backend is st.Backend.CPU and step.backend == "cpu"
+        assert step.devices_per_node is None
+        assert step.target == f"{devices} CPU devices (the XLA CPU compiler's estimate)"
+    assert [st.Backend.of(p) for p in ("cpu", "cuda", "gpu", "tpu")] == ["cpu", "gpu", "gpu", "tpu"]
+    with pytest.raises(ValueError):
+        st.Backend.of("metal")

@@ -726,10 +726,12 @@ MUTANTS.update(
         "compile-seconds-count-the-trace-twice": [
             (
                 "_src/step/targets.py",
-                "    found = analyse(compiled, traced.here, platform)\n"
-                "    return dataclasses.replace(found, seconds=time.perf_counter() - start)",
-                "    found = analyse(compiled, traced.here, platform)\n"
-                "    return dataclasses.replace(found, seconds=traced.seconds + time.perf_counter() - start)",
+                "        found = analyse(compiled, self.here, self.platform)\n"
+                "        return dataclasses.replace(found, seconds=time.perf_counter() - start)",
+                "        found = analyse(compiled, self.here, self.platform)\n"
+                "        return dataclasses.replace(\n"
+                "            found, seconds=traced.seconds + time.perf_counter() - start\n"
+                "        )",
             )
         ],
         "step-error-not-chained": [
@@ -899,9 +901,11 @@ MUTANTS.update(
         ],
         "devices-per-node-is-the-node-count": [
             (
-                "_src/step/preflight.py",
-                "else where.placement.per_node,",
-                "else where.placement.nodes,",
+                "_src/step/targets.py",
+                '"""The placement\'s GPUs per node, or chips per TPU slice."""\n'
+                "        return self.placement.per_node",
+                '"""The placement\'s GPUs per node, or chips per TPU slice."""\n'
+                "        return self.placement.nodes",
             )
         ],
         "outputs-counted-as-arguments": [

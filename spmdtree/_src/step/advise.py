@@ -21,7 +21,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, cast
 
 import jax
 import numpy as np
@@ -32,16 +32,19 @@ from spmdtree._src.plan import Plan
 from spmdtree._src.rules import AnyMesh, Rules
 from spmdtree._src.step.diagnose import Closest, nothing_fits
 from spmdtree._src.step.hardware import PRESETS, Hardware, StepTime, _nodes_per_device
-from spmdtree._src.step.preflight import StepPlan, Where, placed, step_plan, where
+from spmdtree._src.step.preflight import StepPlan, step_plan
 from spmdtree._src.step.targets import (
     TARGETS,
     Analysis,
+    Backend,
+    CpuChild,
     DoesNotFit,
-    backend_of,
+    Here,
+    TargetChild,
     compile_child,
-    compile_here,
+    compiler_for,
 )
-from spmdtree._src.step.trace import Arguments, Traced, arguments, trace
+from spmdtree._src.step.trace import Arguments, Exported, Traced, arguments, trace
 from spmdtree._src.text import (
     LeftUnsharded,
     Located,
@@ -248,7 +251,7 @@ class Advice:
         """The hardware's platform as `jax.devices()` names it (``"gpu"``,
         ``"tpu"``), or ``""`` for hardware spmdtree knows no compiler of (new in 0.5)."""
         target = TARGETS.get(self.hardware.name)
-        return "" if target is None else backend_of(target.platform)
+        return "" if target is None else Backend.of(target.platform)
 
     def __str__(self) -> str:
         return advice_table(self)
@@ -377,7 +380,8 @@ class _Pending:
 
     index: int
     traced: Traced
-    where: Where
+    exported: Exported
+    compiler: CpuChild | TargetChild
     confirming: bool = False
 
 
@@ -392,7 +396,7 @@ class _Search:
     budget: int
     progress: bool
     candidates: list[Candidate]
-    asks: Where | None = None
+    asks: TargetChild | None = None
     rows: dict[int, AdviceRow] = dataclasses.field(default_factory=dict)
     steps: dict[int, _Step] = dataclasses.field(default_factory=dict)
     compiles: int = 0
@@ -456,7 +460,7 @@ class _Search:
     def screened(self, index: int) -> bool:
         """Whether a row's figures are the CPU estimate's."""
         step = self.rows[index].step
-        return step is not None and step.backend == "cpu"
+        return step is not None and step.backend == Backend.CPU
 
 
 def _batch_first(candidate: Candidate, flags: tuple[str, ...]) -> tuple[str, ...]:
@@ -486,7 +490,7 @@ def _rejected(candidate: Candidate, planned: Plan, budget: int) -> tuple[Verdict
     return None
 
 
-def _verdict(step: StepPlan, budget: int, asks: Where | None) -> tuple[Verdict, str]:
+def _verdict(step: StepPlan, budget: int, asks: TargetChild | None) -> tuple[Verdict, str]:
     """A compiled step's verdict and its reason: its peak against the budget. Over
     it on the CPU estimate, where the target cannot be asked, the row says the
     estimate runs high."""
@@ -495,7 +499,7 @@ def _verdict(step: StepPlan, budget: int, asks: Where | None) -> tuple[Verdict, 
         return Verdict.FITS, f"peak {peak} of {said} budget"
     if step.peak_bytes <= budget:
         return Verdict.TIGHT, f"peak {peak} of {said} budget, within {TIGHT_MARGIN:.0%} of it"
-    if step.backend != "cpu":
+    if step.backend != Backend.CPU:
         return Verdict.OVER_BUDGET, f"peak {peak} > {said} budget"
     high = (
         f"the CPU estimate, which ran {CPU_OVER} an accelerator's on models that unroll their "
@@ -596,7 +600,7 @@ def _duration(seconds: float) -> str:
 
 
 def _start_line(
-    candidates: list[Candidate], jobs: int, confirm: int, first: Where | None, asks: bool
+    candidates: list[Candidate], jobs: int, confirm: int, first: TargetChild | None, asks: bool
 ) -> str:
     """The first progress line: what the search will do."""
     n, most = len(candidates), len(candidates) + confirm
@@ -636,7 +640,7 @@ _KWARGS = ("params", "donate_argnums", "static_argnums", "out_shardings")
 
 
 def _first_pass(
-    search: _Search, index: int, make_step: Callable[[Candidate], Any], screen: Where | None
+    search: _Search, index: int, make_step: Callable[[Candidate], Any], screen: TargetChild | None
 ) -> _Pending | None:
     """Plans the candidate, and traces and exports its step for `screen` (None: the
     CPU estimate; or compiles it here, on a mesh this process has the devices
@@ -661,19 +665,18 @@ def _first_pass(
         if search.reject(index, planned.plan):
             return None
         search.steps[index] = _Step(fn, planned, kwargs.get("out_shardings"))
-        at, here = (screen, None) if screen is not None else where(mesh, None, None)
+        at = screen if screen is not None else compiler_for(mesh, None, None)
         traced = trace(
             fn,
             planned,
             mesh,
             candidate.rules,
             out_shardings=kwargs.get("out_shardings"),
-            here=here,
-            platform=at.platform,
+            compiler=at,
         )
-        if here is None:
-            return _Pending(index, traced, at)
-        step = step_plan(traced, compile_here(traced), at)
+        if not isinstance(at, Here):  # exported: its child compiles it in the pool
+            return _Pending(index, traced, cast(Exported, traced.stage), at)
+        step = step_plan(traced, at.compile(traced), at)
     except Exception as e:
         search.row(index, Verdict.DOES_NOT_COMPILE, _message(e))
         return None
@@ -721,13 +724,13 @@ def _second_pass(search: _Search, pending: _Pending, child: _Child) -> None:
     confirming compile that fails keeps the screened row, flagged."""
     index = pending.index
     try:
-        step = step_plan(pending.traced, child.result(), pending.where)
+        step = step_plan(pending.traced, child.result(), pending.compiler)
     except DoesNotFit as mistake:  # the target's compiler: too big for one chip
         search.row(index, Verdict.OVER_BUDGET, str(mistake.error("preflight")))
         return
     except Exception as e:
         if pending.confirming:
-            search.flag(index, f"not confirmed by {pending.where}: {_message(e)}")
+            search.flag(index, f"not confirmed by {pending.compiler}: {_message(e)}")
         else:
             search.row(index, Verdict.DOES_NOT_COMPILE, _message(e))
         return
@@ -752,12 +755,10 @@ def _run(
 
     for pending in pendings:
         if pending is not None:
-            placement = pending.where.placement
-            if placement is None:
-                raise Mistake(ValueError, "a pending compile has no placement.")
-            key = (hashlib.sha256(pending.traced.payload).hexdigest(), placement)
+            payload, compiler = pending.exported.payload, pending.compiler
+            key = (hashlib.sha256(payload).hexdigest(), compiler)
             if key not in children:
-                children[key] = pool.submit(compile_child, pending.traced.payload, placement)
+                children[key] = pool.submit(compile_child, payload, compiler)
                 waiting[children[key]] = []
                 search.compiles += 1
             waiting[children[key]].append(pending)
@@ -765,7 +766,7 @@ def _run(
     finish(concurrent.futures.as_completed(waiting))
 
 
-def _confirmed(search: _Search, index: int, target: Where) -> _Pending | None:
+def _confirmed(search: _Search, index: int, target: TargetChild) -> _Pending | None:
     """The candidate's step traced again, exported for the target's compiler (None,
     the screened row flagged, where it does not trace so)."""
     candidate, step = search.candidates[index], search.steps[index]
@@ -776,13 +777,12 @@ def _confirmed(search: _Search, index: int, target: Where) -> _Pending | None:
             _abstract(candidate),
             candidate.rules,
             out_shardings=step.out_shardings,
-            here=None,
-            platform=target.platform,
+            compiler=target,
         )
     except Exception as e:
         search.flag(index, f"not confirmed by {target}: {_message(e)}")
         return None
-    return _Pending(index, traced, target, confirming=True)
+    return _Pending(index, traced, cast(Exported, traced.stage), target, confirming=True)
 
 
 def _ask(
@@ -869,19 +869,19 @@ def _why_none_confirmed(search: _Search) -> str:
 
 def _where_asked(
     hardware: Hardware, candidates: list[Candidate], devices_per_node: int | None, needed: bool
-) -> tuple[Where | None, str]:
+) -> tuple[TargetChild | None, str]:
     """Where the hardware's target compiles the candidates' devices, or None and why
     not (its compiler is not installed, or spmdtree knows none for the hardware);
     where it is `needed` (``confirm`` > 0, ``screen="target"``), it raises instead,
     naming the pip command, before any work."""
-    devices = math.prod(candidates[0].mesh.shape.values())
+    mesh = candidates[0].mesh
     if needed:
-        return placed(hardware, devices, devices_per_node), ""
+        return compiler_for(mesh, hardware, devices_per_node), ""
     if hardware.name not in TARGETS:
         presets = ", ".join(map(repr, TARGETS))
         return None, f"spmdtree knows no compiler for the {hardware.name} (the presets': {presets})"
     try:
-        return placed(hardware, devices, devices_per_node), ""
+        return compiler_for(mesh, hardware, devices_per_node), ""
     except Mistake as mistake:
         return None, mistake.message
 
@@ -892,7 +892,7 @@ def _where_asked(
 Screen = Literal["auto", "cpu", "target"]
 
 
-def _screen(asks: Where | None, screen: Screen) -> Where | None:
+def _screen(asks: TargetChild | None, screen: Screen) -> TargetChild | None:
     """Where the first pass compiles (None: the CPU estimate)."""
     if screen == "cpu" or asks is None:
         return None
@@ -901,14 +901,15 @@ def _screen(asks: Where | None, screen: Screen) -> Where | None:
     return None
 
 
-def _screen_note(asks: Where | None, screened: Where | None, why: str, screen: Screen) -> str:
+def _screen_note(
+    asks: TargetChild | None, screened: TargetChild | None, why: str, screen: Screen
+) -> str:
     """What the note says of the first pass: where it compiled, and why there."""
     if screened is not None:
         return f"screened on the target: compiled for {screened}"
     if asks is None:
         return f"screened on the CPU estimate, the target's compiler not asked: {why}"
-    target = asks.placement.target if asks.placement is not None else None
-    compiler = "the target's compiler" if target is None else target.compiler
+    compiler = asks.placement.target.compiler
     why = (
         "as asked (screen='cpu')" if screen == "cpu" else f"({compiler} costs far more per compile)"
     )

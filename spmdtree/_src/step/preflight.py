@@ -4,9 +4,10 @@ A `Plan` counts the arrays the shardings place. A training step needs more:
 activations and the compiler's temporaries are most of its memory. The
 compiler knows them, and it needs no accelerator to say. Preflight is four
 stages, each a frozen record: the arguments planned (`trace.arguments`), the
-step traced and lowered here or exported (`trace.trace`), compiled here, in a
-CPU child or by the target's own compiler in a child (`targets`), the
-compile's `Analysis`, and then the `StepPlan` (`step_plan`). `advise`
+step traced and lowered here or exported (`trace.trace`), compiled by the
+`Compiler` that `targets.compiler_for` picks (here, a CPU child or the
+target's own compiler in a child), the compile's `Analysis`, and then the
+`StepPlan` (`step_plan`). `advise`
 composes the same stages itself.
 """
 
@@ -18,7 +19,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
-from jax.sharding import Mesh
 
 from spmdtree._src.errors import Mistake, public
 from spmdtree._src.plan import Plan
@@ -26,20 +26,11 @@ from spmdtree._src.resolve import check_mesh
 from spmdtree._src.rules import AnyMesh, PyTree, Rules
 from spmdtree._src.specs import RuleProblem
 from spmdtree._src.step.diagnose import Closest, Traffic, nothing_fits, unexplained_traffic
-from spmdtree._src.step.hardware import PRESETS, Hardware, StepTime, _nodes_per_device, step_time
+from spmdtree._src.step.hardware import Hardware, StepTime, step_time
 from spmdtree._src.step.hlo import Collective
 from spmdtree._src.step.predict import Schedule
-from spmdtree._src.step.targets import (
-    TARGETS,
-    Analysis,
-    Placement,
-    Target,
-    check_compiler,
-    compile_child,
-    compile_here,
-    place,
-)
-from spmdtree._src.step.trace import Traced, arguments, here_mesh, trace
+from spmdtree._src.step.targets import Analysis, Backend, Compiler, compiler_for
+from spmdtree._src.step.trace import Traced, arguments, trace
 from spmdtree._src.text import Located, argument_path, step_table
 
 
@@ -65,7 +56,8 @@ class StepPlan:
         inputs: the `Plan` of the arguments.
         backend: the platform whose compiler compiled it, as `jax.devices()`
             names it: ``"cpu"`` for fake devices, ``"gpu"`` (XLA GPU) or
-            ``"tpu"`` (libtpu) for a target or a `Mesh` of those devices.
+            ``"tpu"`` (libtpu) for a target or a `Mesh` of those devices; a
+            `Backend`, equal to those strings (new in 0.5).
         mesh: the mesh planned for, as given (a plan of a `Mesh` holds its
             devices, which do not pickle; one of an `AbstractMesh` pickles).
         compile_seconds: how long tracing, lowering and compiling took, each counted
@@ -140,7 +132,7 @@ class StepPlan:
     code_bytes: int
     collectives: tuple[Collective, ...]
     inputs: Plan
-    backend: str
+    backend: Backend
     mesh: AnyMesh
     compile_seconds: float
     flags: tuple[str, ...] = ()
@@ -406,68 +398,13 @@ def preflight(
         donate_argnums=donate_argnums,
         static_argnums=static_argnums,
     )
-    placement, here = where(mesh, target, devices_per_node)
-    _check_memory_kinds(planned.plan, placement)
-    traced = trace(
-        fn,
-        planned,
-        mesh,
-        rules,
-        out_shardings=out_shardings,
-        here=here,
-        platform=placement.platform,
-    )
-    return step_plan(traced, compiled(traced, placement), placement)
+    compiler = compiler_for(mesh, target, devices_per_node)
+    _check_memory_kinds(planned.plan, compiler)
+    traced = trace(fn, planned, mesh, rules, out_shardings=out_shardings, compiler=compiler)
+    return step_plan(traced, compiler.compile(traced), compiler)
 
 
-@dataclasses.dataclass(frozen=True)
-class Where:
-    """Where a step compiles: a `Placement` of its devices (a target's, or fake
-    CPU devices), or the devices of a real `Mesh` in this process."""
-
-    placement: Placement | None
-    mesh: Mesh | None = None
-
-    @property
-    def platform(self) -> str:
-        """The platform whose compiler runs: ``"cpu"``, ``"cuda"``, ``"tpu"``."""
-        if self.placement is not None and self.placement.target is not None:
-            return self.placement.target.platform
-        return "cpu"
-
-    def __str__(self) -> str:
-        if self.placement is not None:
-            return str(self.placement)
-        if self.mesh is None:
-            return ""
-        first = self.mesh.devices.flat[0]
-        if first.platform == "cpu":
-            return str(Placement(None, self.mesh.size, self.mesh.size))
-        return f"{self.mesh.size} x {first.device_kind}, their own compiler"
-
-
-def where(
-    mesh: AnyMesh, target: Hardware | str | None, devices_per_node: int | None
-) -> tuple[Where, Mesh | None]:
-    """Where the step compiles, and the mesh of this process's devices it is
-    lowered for (None: it is exported to a child)."""
-    devices = math.prod(mesh.shape.values())
-    if target is not None:
-        return placed(target, devices, devices_per_node), None
-    if devices_per_node is not None:
-        raise Mistake(
-            ValueError,
-            f"devices_per_node is {devices_per_node!r}, but no target= was given: it lays a "
-            "target's devices out as nodes or slices. Pass target=, or give devices_per_node "
-            "to StepPlan.time instead.",
-        )
-    here = here_mesh(mesh)
-    if here is not None:
-        return Where(None, here), here
-    return Where(Placement(None, devices, devices)), None
-
-
-def _check_memory_kinds(inputs: Plan, where: Where) -> None:
+def _check_memory_kinds(inputs: Plan, compiler: Compiler) -> None:
     """Refuses, before it compiles, what a target's compiler refuses of the
     arguments' memory kinds: libtpu does not compile an argument in
     ``"unpinned_host"`` memory (measured: an internal error, a shape mismatch
@@ -476,7 +413,7 @@ def _check_memory_kinds(inputs: Plan, where: Where) -> None:
     Raises:
         Mistake: naming the first such argument.
     """
-    if where.platform != "tpu":
+    if compiler.platform != "tpu":
         return
     found = [row.path for row in inputs.rows if row.memory_kind == "unpinned_host"]
     if found:
@@ -489,48 +426,7 @@ def _check_memory_kinds(inputs: Plan, where: Where) -> None:
         )
 
 
-def placed(target: Hardware | str, devices: int, devices_per_node: int | None) -> Where:
-    """`devices` of `target` as nodes or slices of `devices_per_node` (None: the
-    hardware's), its compiler checked to be installed: before anything compiles."""
-    if devices_per_node is not None:  # GPUs per node, or chips per TPU slice
-        _nodes_per_device(
-            devices_per_node, "devices_per_node", "the hardware's: 8 GPUs a node, one TPU slice"
-        )
-    chosen, per_node = target_of(target)
-    placement = place(chosen, devices, per_node if devices_per_node is None else devices_per_node)
-    check_compiler(chosen)
-    return Where(placement)
-
-
-def target_of(target: Hardware | str) -> tuple[Target, int | None]:
-    """The compiler target of a `Hardware` or a preset's name, and its devices per node."""
-    if not isinstance(target, (Hardware, str)):
-        raise Mistake(
-            TypeError,
-            f"target is {target!r}; expected a preset's name ({', '.join(map(repr, TARGETS))}) "
-            "or a st.Hardware of one.",
-        )
-    hardware = target if isinstance(target, Hardware) else PRESETS.get(target)
-    found = TARGETS.get(hardware.name) if hardware is not None else None
-    if found is None or hardware is None:
-        raise Mistake(
-            ValueError,
-            f"target is {target!r}, whose compiler spmdtree does not know; the targets are "
-            f"the presets {', '.join(map(repr, TARGETS))} (st.hardware(name)).",
-        )
-    return found, hardware.devices_per_node
-
-
-def compiled(traced: Traced, where: Where) -> Analysis:
-    """The third stage: the traced step compiled where it was traced for."""
-    if traced.here is not None:
-        return compile_here(traced)
-    if where.placement is None:
-        raise Mistake(ValueError, "the step was exported, but there is nowhere to compile it.")
-    return compile_child(traced.payload, where.placement)
-
-
-def step_plan(traced: Traced, analysis: Analysis, where: Where) -> StepPlan:
+def step_plan(traced: Traced, analysis: Analysis, compiler: Compiler) -> StepPlan:
     """The last stage: the `StepPlan` of an analysis; its flags: the inputs' first,
     then the step's, then the warnings tracing raised."""
     inputs = traced.arguments.plan
@@ -554,10 +450,8 @@ def step_plan(traced: Traced, analysis: Analysis, where: Where) -> StepPlan:
         flags=tuple(dict.fromkeys(flags)),
         flops=analysis.reading.flops,
         overstated_bytes=analysis.overstated_bytes,
-        target=str(where),
-        devices_per_node=None
-        if where.placement is None or where.placement.target is None
-        else where.placement.per_node,
+        target=str(compiler),
+        devices_per_node=compiler.devices_per_node,
         rule_problems=traced.rule_problems,
         schedule=analysis.schedule,
         compiler_peak_bytes=analysis.compiler_peak_bytes,

@@ -1,19 +1,24 @@
 """Where a step compiles, and what the compile says: the third of preflight's stages.
 
-Three places: this process (a mesh of its own devices, or enough CPU devices
-for an `AbstractMesh`), a CPU child (a fresh process given as many fake CPU
-devices: the fast estimate), and a target child, where an accelerator's own
-compiler runs without the accelerator: XLA's GPU compiler (``jax-cuda12-plugin``
-with a chip's description, no device needed) or the TPU compiler in
-``libtpu`` (a slice's topology, as MaxText's ``train_compile.py`` does). A
-child gets the step through `jax.export` and answers an `Analysis` as JSON.
+One small protocol, `Compiler`, with three implementations, as jax hides its
+backends behind `Lowered` and `Compiled`: `Here` (this process: a mesh of its
+own devices, or enough CPU devices for an `AbstractMesh`), `CpuChild` (a fresh
+process given as many fake CPU devices: the fast estimate), and `TargetChild`,
+where an accelerator's own compiler runs without the accelerator: XLA's GPU
+compiler (``jax-cuda12-plugin`` with a chip's description, no device needed)
+or the TPU compiler in ``libtpu`` (a slice's topology, as MaxText's
+``train_compile.py`` does). Each owns its mesh, its options, its install check
+and its words; `compiler_for` picks one. A child gets the step through
+`jax.export` and answers an `Analysis` as JSON.
 The chips' descriptions are their data sheets' figures (docs/planning.md,
 "Compiling for the target", lists each with its source).
 """
 
 from __future__ import annotations
 
+import abc
 import dataclasses
+import enum
 import importlib.util
 import json
 import math
@@ -25,7 +30,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterable, Sequence
-from typing import Any, cast
+from typing import Any, Protocol, cast, overload
 
 import jax
 import numpy as np
@@ -33,10 +38,12 @@ from jax.sharding import Mesh
 
 from spmdtree._src.errors import Mistake
 from spmdtree._src.resolve import HOST_KINDS
+from spmdtree._src.rules import AnyMesh
 from spmdtree._src.step.forms import overstated_bytes
+from spmdtree._src.step.hardware import PRESETS, Hardware, _nodes_per_device
 from spmdtree._src.step.hlo import Reading, read_step
 from spmdtree._src.step.predict import Schedule, read_schedule
-from spmdtree._src.step.trace import Traced
+from spmdtree._src.step.trace import Exported, Lowered, Site, Traced
 
 #: How long a compile subprocess may take before it is stopped.
 CHILD_SECONDS = 3600
@@ -152,12 +159,12 @@ class Placement:
     slices of one topology.
 
     Attributes:
-        target: the `Target`, or None for fake CPU devices.
+        target: the `Target`.
         devices: how many devices.
         per_node: devices per GPU node, or chips per TPU slice.
     """
 
-    target: Target | None
+    target: Target
     devices: int
     per_node: int
 
@@ -169,8 +176,6 @@ class Placement:
     @property
     def topology(self) -> str:
         """What the compiler is given: ``1x8x8`` (GPU), ``v5p:4x4x4`` (one TPU slice)."""
-        if self.target is None:
-            return f"{self.devices} cpu"
         if self.target.platform == "cuda":
             return f"1x{self.nodes}x{self.per_node}"
         return f"{self.target.chip}:{'x'.join(map(str, self.dims))}"
@@ -178,11 +183,9 @@ class Placement:
     @property
     def dims(self) -> list[int]:
         """A TPU slice's topology dimensions."""
-        return _tpu_dims(self.per_node, self.target.dimensions if self.target else 1)
+        return _tpu_dims(self.per_node, self.target.dimensions)
 
     def __str__(self) -> str:
-        if self.target is None:
-            return f"{self.devices} CPU devices (the XLA CPU compiler's estimate)"
         kind = "node" if self.target.platform == "cuda" else "slice"
         parts = f"{self.nodes} {kind}{'' if self.nodes == 1 else 's'} of {self.per_node}"
         if self.target.platform == "tpu" and self.nodes == 1:
@@ -283,6 +286,27 @@ def _versions(target: Target) -> tuple[str | None, str | None]:
     return have, found.group(1) if found else None
 
 
+class Backend(enum.StrEnum):
+    """The backend whose compiler compiled a step, as `jax.devices()` names it
+    (new in 0.5; each compares equal to its string, as 0.4's backends were).
+
+    Example:
+        >>> import spmdtree as st
+        >>> st.Backend.GPU == "gpu", st.Backend.of("cuda") is st.Backend.GPU
+        (True, True)
+    """
+
+    CPU = "cpu"
+    GPU = "gpu"
+    TPU = "tpu"
+
+    @classmethod
+    def of(cls, platform: str) -> Backend:
+        """A compiler's platform (``"cpu"``, ``"cuda"``, ``"tpu"``, or a device's
+        ``"gpu"``) as its backend: the one place ``"cuda"`` becomes ``"gpu"``."""
+        return cls.GPU if platform == "cuda" else cls(platform)
+
+
 @dataclasses.dataclass(frozen=True)
 class Analysis:
     """What a compile says of a step, per device: its memory, and what its HLO
@@ -300,7 +324,7 @@ class Analysis:
     code_bytes: int
     reading: Reading
     overstated_bytes: int
-    backend: str
+    backend: Backend
     seconds: float = 0.0
     schedule: Schedule | None = None
     compiler_peak_bytes: int = 0
@@ -319,7 +343,9 @@ class Analysis:
     def from_json(cls, data: dict[str, Any]) -> Analysis:
         """The analysis `to_json` gave."""
         schedule = Schedule.from_json(data["schedule"]) if data.get("schedule") else None
-        return cls(**{**data, "reading": Reading.from_json(data["reading"]), "schedule": schedule})
+        backend = Backend(data["backend"])
+        reading = Reading.from_json(data["reading"])
+        return cls(**{**data, "reading": reading, "schedule": schedule, "backend": backend})
 
 
 def analyse(
@@ -360,7 +386,7 @@ def analyse(
         code_bytes=int(memory.generated_code_size_in_bytes),
         reading=read,
         overstated_bytes=overstated_bytes(read.held_bytes, temp) if platform == "cpu" else 0,
-        backend=backend_of(platform),
+        backend=Backend.of(platform),
         schedule=read_schedule(module, tuple(mesh.shape.items()), platform=platform),
         # the CPU's own peak is the CPU program's, no accelerator's: not reported
         compiler_peak_bytes=0
@@ -393,12 +419,6 @@ def _apart(device: int, host: int, placed: Iterable[tuple[Any, Any]]) -> tuple[i
         if getattr(sharding, "memory_kind", None) in HOST_KINDS
     )
     return (device, host) if host or not offloaded else (device - offloaded, offloaded)
-
-
-def backend_of(platform: str) -> str:
-    """A compiler's platform (``"cpu"``, ``"cuda"``, ``"tpu"``) as `jax.devices()`
-    names its devices' backend: ``"gpu"`` for CUDA."""
-    return "gpu" if platform == "cuda" else platform
 
 
 def _optimal_seconds(compiled: jax.stages.Compiled) -> float:
@@ -437,23 +457,241 @@ def compile_options(platform: str) -> dict[str, Any]:
     return {}  # a Mesh of real devices ("gpu", "tpu") compiles as the job will
 
 
-def compile_here(traced: Traced) -> Analysis:
-    """Compiles a step lowered for this process's devices; its `seconds` are the
-    compile's alone, as a child's are (the trace's are `traced.seconds`)."""
-    if traced.lowered is None or traced.here is None:
-        raise Mistake(ValueError, "the step was exported for a subprocess, not lowered here.")
-    start = time.perf_counter()
-    platform = traced.here.devices.flat[0].platform
-    compiled = traced.lowered.compile(compile_options(platform))
-    found = analyse(compiled, traced.here, platform)
-    return dataclasses.replace(found, seconds=time.perf_counter() - start)
+class Compiler(Site, Protocol):
+    """Where a step compiles: `Here`, a `CpuChild` or a `TargetChild`.
+
+    Attributes:
+        here: the mesh of this process's devices the step is lowered for; None
+            where it is exported to a child.
+        platform: the compiler's platform: ``"cpu"``, ``"cuda"``, ``"tpu"``, or a
+            real `Mesh`'s devices' (``"gpu"``, ``"tpu"``).
+        devices_per_node: a target's devices per GPU node or TPU slice; None
+            elsewhere.
+    """
+
+    @property
+    def devices_per_node(self) -> int | None: ...
+
+    def check(self) -> None:
+        """Raises `CompilerMissing` where the compiler is not installed."""
+
+    def compile(self, traced: Traced) -> Analysis:
+        """The step compiled, its `seconds` the compile's alone (the trace's are
+        `traced.seconds`)."""
+        ...
+
+    def __str__(self) -> str: ...
 
 
-def compile_child(payload: bytes, placement: Placement) -> Analysis:
-    """Compiles an exported step in a fresh process: on that many fake CPU devices
-    (no target), or by the target's compiler for its topology."""
+@dataclasses.dataclass(frozen=True)
+class Here:
+    """This process's compiler, for a mesh of its own devices (real ones, or the
+    CPU devices an `AbstractMesh` is laid on)."""
+
+    here: Mesh
+
+    @property
+    def platform(self) -> str:
+        """The devices' platform as jax names it: ``"cpu"``, ``"gpu"``, ``"tpu"``."""
+        return str(self.here.devices.flat[0].platform)
+
+    @property
+    def devices_per_node(self) -> None:
+        """None: the devices are the mesh's own."""
+        return None
+
+    def check(self) -> None:
+        """Nothing to check: the devices' compiler is this process's."""
+
+    def compile(self, traced: Traced) -> Analysis:
+        """Compiles the step lowered for `here`."""
+        start = time.perf_counter()
+        stage = cast(Lowered, traced.stage)  # `here` set: trace lowered it
+        compiled = stage.lowered.compile(compile_options(self.platform))
+        found = analyse(compiled, self.here, self.platform)
+        return dataclasses.replace(found, seconds=time.perf_counter() - start)
+
+    def __str__(self) -> str:
+        if self.platform == "cpu":
+            return str(CpuChild(self.here.size))
+        first = self.here.devices.flat[0]
+        return f"{self.here.size} x {first.device_kind}, their own compiler"
+
+
+class _Child(abc.ABC):
+    """A compile in a fresh process, of the step exported for it."""
+
+    here: None = None
+
+    @property
+    @abc.abstractmethod
+    def platform(self) -> str:
+        """The child's compiler's platform."""
+
+    @property
+    @abc.abstractmethod
+    def slice_size(self) -> int:
+        """The devices one slice (node) holds, as the HLO reader takes it."""
+
+    @abc.abstractmethod
+    def mesh_for(self, sizes: Sequence[int], names: Sequence[str], types: Sequence[Any]) -> Mesh:
+        """The mesh the child compiles on (in the child)."""
+
+    def compile(self, traced: Traced) -> Analysis:
+        """Compiles the exported step in a child."""
+        return compile_child(cast(Exported, traced.stage).payload, self)
+
+
+@dataclasses.dataclass(frozen=True)
+class CpuChild(_Child):
+    """A fresh process given `devices` fake CPU devices: the fast estimate."""
+
+    devices: int
+
+    @property
+    def platform(self) -> str:
+        """``"cpu"``."""
+        return "cpu"
+
+    @property
+    def devices_per_node(self) -> None:
+        """None: fake devices sit on no node."""
+        return None
+
+    @property
+    def slice_size(self) -> int:
+        """All the devices."""
+        return self.devices
+
+    def check(self) -> None:
+        """Nothing to check: the CPU compiler is jax's own."""
+
+    def mesh_for(self, sizes: Sequence[int], names: Sequence[str], types: Sequence[Any]) -> Mesh:
+        """The child's CPU devices, as many as the mesh has, laid out like it."""
+        jax.config.update("jax_num_cpu_devices", math.prod(sizes))
+        return cast(Mesh, cpu_mesh(sizes, names, types))
+
+    def __str__(self) -> str:
+        return f"{self.devices} CPU devices (the XLA CPU compiler's estimate)"
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetChild(_Child):
+    """A fresh process where a target's own compiler compiles for its `placement`."""
+
+    placement: Placement
+
+    @property
+    def platform(self) -> str:
+        """The target's: ``"cuda"`` or ``"tpu"``."""
+        return self.placement.target.platform
+
+    @property
+    def devices_per_node(self) -> int:
+        """The placement's GPUs per node, or chips per TPU slice."""
+        return self.placement.per_node
+
+    @property
+    def slice_size(self) -> int:
+        """The placement's devices per node or slice."""
+        return self.placement.per_node
+
+    def check(self) -> None:
+        """Raises `CompilerMissing`, naming the pip command, where the target's
+        compiler is not installed or not at this jax's version."""
+        check_compiler(self.placement.target)
+
+    def mesh_for(self, sizes: Sequence[int], names: Sequence[str], types: Sequence[Any]) -> Mesh:
+        """The mesh over the target's devices (`target_mesh`)."""
+        return target_mesh(self.placement, sizes, names, types)
+
+    def __str__(self) -> str:
+        return str(self.placement)
+
+
+@overload
+def compiler_for(
+    mesh: AnyMesh, target: Hardware | str, devices_per_node: int | None
+) -> TargetChild: ...
+
+
+@overload
+def compiler_for(mesh: AnyMesh, target: None, devices_per_node: None) -> Here | CpuChild: ...
+
+
+@overload
+def compiler_for(
+    mesh: AnyMesh, target: Hardware | str | None, devices_per_node: int | None
+) -> Compiler: ...
+
+
+def compiler_for(
+    mesh: AnyMesh, target: Hardware | str | None, devices_per_node: int | None
+) -> Compiler:
+    """Where a step on `mesh` compiles: for `target`'s devices as nodes or slices of
+    `devices_per_node` (None: the hardware's), its compiler checked to be
+    installed; else here, on a `Mesh`'s own devices or this process's CPU devices
+    laid out like an `AbstractMesh`; else in a CPU child. Checked before anything
+    compiles."""
+    devices = math.prod(mesh.shape.values())
+    if target is not None:
+        if devices_per_node is not None:  # GPUs per node, or chips per TPU slice
+            _nodes_per_device(
+                devices_per_node, "devices_per_node", "the hardware's: 8 GPUs a node, one TPU slice"
+            )
+        chosen, per_node = target_of(target)
+        placement = place(
+            chosen, devices, per_node if devices_per_node is None else devices_per_node
+        )
+        found = TargetChild(placement)
+        found.check()
+        return found
+    if devices_per_node is not None:
+        raise Mistake(
+            ValueError,
+            f"devices_per_node is {devices_per_node!r}, but no target= was given: it lays a "
+            "target's devices out as nodes or slices. Pass target=, or give devices_per_node "
+            "to StepPlan.time instead.",
+        )
+    if isinstance(mesh, Mesh):
+        return Here(mesh)
+    here = cpu_mesh(tuple(mesh.shape.values()), tuple(mesh.axis_names), tuple(mesh.axis_types))
+    return CpuChild(devices) if here is None else Here(here)
+
+
+def target_of(target: Hardware | str) -> tuple[Target, int | None]:
+    """The compiler target of a `Hardware` or a preset's name, and its devices per node."""
+    if not isinstance(target, (Hardware, str)):
+        raise Mistake(
+            TypeError,
+            f"target is {target!r}; expected a preset's name ({', '.join(map(repr, TARGETS))}) "
+            "or a st.Hardware of one.",
+        )
+    hardware = target if isinstance(target, Hardware) else PRESETS.get(target)
+    found = TARGETS.get(hardware.name) if hardware is not None else None
+    if found is None or hardware is None:
+        raise Mistake(
+            ValueError,
+            f"target is {target!r}, whose compiler spmdtree does not know; the targets are "
+            f"the presets {', '.join(map(repr, TARGETS))} (st.hardware(name)).",
+        )
+    return found, hardware.devices_per_node
+
+
+def cpu_mesh(sizes: Sequence[int], names: Sequence[str], types: Sequence[Any]) -> Mesh | None:
+    """This process's CPU devices laid out as a mesh of `sizes`, or None if there are
+    too few."""
+    cpus = jax.devices("cpu")
+    if len(cpus) < math.prod(sizes):
+        return None
+    devices = np.array(cpus[: math.prod(sizes)]).reshape(tuple(sizes))
+    return Mesh(devices, tuple(names), axis_types=tuple(types))
+
+
+def compile_child(payload: bytes, compiler: _Child) -> Analysis:
+    """Compiles an exported step in a fresh process: on that many fake CPU devices,
+    or by the target's compiler for its topology."""
     start = time.perf_counter()
-    target = placement.target
     package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
     env = {
         **os.environ,
@@ -464,12 +702,7 @@ def compile_child(payload: bytes, placement: Placement) -> Analysis:
         "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",  # parallel compiles, and a parent holding it
         "TF_CPP_MIN_LOG_LEVEL": "3",
     }
-    if target is None:
-        env["XLA_FLAGS"] = (
-            f"{os.environ.get('XLA_FLAGS', '')} "
-            f"--xla_force_host_platform_device_count={placement.devices}".strip()
-        )
-    request = pickle.dumps((payload, placement))
+    request = pickle.dumps((payload, compiler))
     with tempfile.TemporaryDirectory() as folder:
         answer = os.path.join(folder, "analysis.json")
         code = f"from spmdtree._src.step.targets import child; child({answer!r})"
@@ -484,17 +717,17 @@ def compile_child(payload: bytes, placement: Placement) -> Analysis:
         except subprocess.TimeoutExpired:
             raise Mistake(
                 ValueError,
-                f"compiling for {placement} in a subprocess took over {CHILD_SECONDS} s and "
+                f"compiling for {compiler} in a subprocess took over {CHILD_SECONDS} s and "
                 "was stopped.",
             ) from None
         if done.returncode == 0 and os.path.exists(answer):
             with open(answer) as f:
                 said = json.load(f)
             if "error" in said:
-                raise _refused(said, placement)
+                raise _refused(said, compiler)
             found = Analysis.from_json(said)
             return dataclasses.replace(found, seconds=time.perf_counter() - start)
-    raise _child_failed(done, placement)
+    raise _child_failed(done, compiler)
 
 
 class DoesNotFit(Mistake):
@@ -502,19 +735,19 @@ class DoesNotFit(Mistake):
     does not fit (advise: over budget)."""
 
 
-def _refused(said: dict[str, str], placement: Placement) -> Mistake:
+def _refused(said: dict[str, str], compiler: _Child) -> Mistake:
     """The mistake a compiler's refusal is said as, its message whole."""
     message = said["message"].strip()
     if said["error"] == "host memory":
-        return _host_memory(placement, "")
+        return _host_memory(compiler, "")
     if said["error"] == "device memory":
         return DoesNotFit(
             ValueError,
-            f"the step does not fit in the memory of one device: compiling for {placement}, "
+            f"the step does not fit in the memory of one device: compiling for {compiler}, "
             f"the compiler ran out of device memory ({message}). Shard it over more "
             "devices (FSDP, tensor), rematerialise its layers, or take a smaller batch.",
         )
-    return Mistake(ValueError, f"compiling for {placement} failed: {message}")
+    return Mistake(ValueError, f"compiling for {compiler} failed: {message}")
 
 
 #: What a child's stderr says when it ran out of memory.
@@ -526,7 +759,7 @@ _MEMORY_WORDS = (
 )
 
 
-def _child_failed(done: subprocess.CompletedProcess[bytes], placement: Placement) -> Mistake:
+def _child_failed(done: subprocess.CompletedProcess[bytes], compiler: _Child) -> Mistake:
     """The mistake a failed compile subprocess is said as."""
     said = [
         line
@@ -534,19 +767,19 @@ def _child_failed(done: subprocess.CompletedProcess[bytes], placement: Placement
         if line.strip() and not line.startswith(("W0", "I0", "WARNING: All log"))
     ]
     if any(word in done.stderr for word in _MEMORY_WORDS):
-        return _host_memory(placement, f" (exit {done.returncode})")
+        return _host_memory(compiler, f" (exit {done.returncode})")
     if done.returncode < 0:  # a signal: the OOM killer's, or an abort when allocation fails
-        return _host_memory(placement, f" or was killed (signal {-done.returncode})")
+        return _host_memory(compiler, f" or was killed (signal {-done.returncode})")
     return Mistake(
         ValueError,
-        f"compiling for {placement} in a subprocess failed: " + " / ".join(said[-3:]),
+        f"compiling for {compiler} in a subprocess failed: " + " / ".join(said[-3:]),
     )
 
 
-def _host_memory(placement: Placement, how: str) -> Mistake:
+def _host_memory(compiler: _Child, how: str) -> Mistake:
     return Mistake(
         ValueError,
-        f"compiling for {placement} in a subprocess ran out of memory{how}; this machine "
+        f"compiling for {compiler} in a subprocess ran out of memory{how}; this machine "
         "cannot host a mesh of that size. Plan on a smaller mesh, or on a machine with "
         "more memory.",
     )
@@ -555,16 +788,11 @@ def _host_memory(placement: Placement, how: str) -> Mistake:
 def child(answer: str) -> None:
     """The compile subprocess: reads the request on stdin, writes the `Analysis` as
     JSON to `answer`."""
-    payload, placement = pickle.loads(sys.stdin.buffer.read())
+    payload, compiler = pickle.loads(sys.stdin.buffer.read())
     step = pickle.loads(payload)
     sizes = tuple(size for _, size in step["shape"])
     names = tuple(name for name, _ in step["shape"])
-    if placement.target is None:
-        jax.config.update("jax_num_cpu_devices", math.prod(sizes))
-        devices = np.array(jax.devices("cpu")[: math.prod(sizes)]).reshape(sizes)
-        mesh = Mesh(devices, names, axis_types=step["types"])
-    else:
-        mesh = target_mesh(placement, sizes, names, step["types"])
+    mesh = compiler.mesh_for(sizes, names, step["types"])
     exported = jax.export.deserialize(bytearray(step["module"]))
     shardings = exported.in_shardings_jax(mesh)
     args = [
@@ -572,20 +800,19 @@ def child(answer: str) -> None:
         for aval, sharding in zip(exported.in_avals, shardings, strict=True)
     ]
     jitted = jax.jit(exported.call, in_shardings=shardings, donate_argnums=step["donated"])
-    platform = "cpu" if placement.target is None else placement.target.platform
     try:
         with jax.set_mesh(mesh):
-            compiled = jitted.lower(*args).compile(compile_options(platform))
+            compiled = jitted.lower(*args).compile(compile_options(compiler.platform))
     except Exception as e:  # the compiler's own refusal: said to the parent, whole
         with open(answer, "w") as f:
-            json.dump({"error": _failure(e, placement), "message": f"{type(e).__name__}: {e}"}, f)
+            json.dump({"error": _failure(e, compiler), "message": f"{type(e).__name__}: {e}"}, f)
         return
-    found = analyse(compiled, mesh, platform, placement.per_node)
+    found = analyse(compiled, mesh, compiler.platform, compiler.slice_size)
     with open(answer, "w") as f:
         json.dump(found.to_json(), f)
 
 
-def _failure(error: Exception, placement: Placement) -> str:
+def _failure(error: Exception, compiler: _Child) -> str:
     """What a compile's exception means: ``"host memory"`` (this machine's: an
     allocation, or a library that found no address space to load in), ``"device
     memory"`` (a target's compiler found the step too big for a chip) or
@@ -594,7 +821,7 @@ def _failure(error: Exception, placement: Placement) -> str:
     if isinstance(error, MemoryError) or any(word in said for word in _MEMORY_WORDS):
         return "host memory"
     if "RESOURCE_EXHAUSTED" in str(error):
-        return "device memory" if placement.target is not None else "host memory"
+        return "device memory" if isinstance(compiler, TargetChild) else "host memory"
     return "compile"
 
 
@@ -607,8 +834,6 @@ def target_mesh(
     from jax.experimental import mesh_utils, topologies
 
     target = placement.target
-    if target is None:
-        raise Mistake(ValueError, "no target to lay the mesh on.")
     if target.platform == "cuda":
         chip = cast(Chip, target.chip)  # a GPU target holds a Chip
         topology = topologies.get_topology_desc(

@@ -2,8 +2,9 @@
 
 The first two of preflight's stages, each a frozen record: `Arguments` (the
 plan of the arguments and their abstract, placed leaves) and `Traced` (the
-step lowered for a mesh of this process's devices, or exported by
-`jax.export` for a compile subprocess, with the warnings tracing raised).
+step at one of two typed stages: `Lowered` for a mesh of this process's
+devices, or `Exported` by `jax.export` for a compile subprocess, with the
+warnings tracing raised).
 `advise` calls them itself: it plans every candidate once, and rejects one
 whose arrays alone exceed the budget before tracing it.
 """
@@ -17,7 +18,7 @@ import pickle
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, TypeVar, cast
+from typing import Any, Protocol, TypeVar, cast
 
 import jax
 import numpy as np
@@ -40,6 +41,18 @@ from spmdtree._src.specs import RuleProblem, rule_problems
 from spmdtree._src.text import short_value
 
 T = TypeVar("T")
+
+
+class Site(Protocol):
+    """What tracing asks of where a step compiles (`targets.Compiler` is one):
+    the mesh of this process's devices to lower for, or None to export for the
+    `platform`'s compiler."""
+
+    @property
+    def here(self) -> Mesh | None: ...
+
+    @property
+    def platform(self) -> str: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,17 +89,28 @@ class Arguments:
 
 
 @dataclasses.dataclass(frozen=True)
+class Lowered:
+    """A step lowered for a mesh of this process's devices, to compile here."""
+
+    lowered: jax.stages.Lowered = dataclasses.field(repr=False, compare=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class Exported:
+    """A step exported for a compile subprocess: the `jax.export` module, the
+    mesh's shape and axis types and the donated leaves, pickled (`payload`)."""
+
+    payload: bytes = dataclasses.field(repr=False)
+
+
+@dataclasses.dataclass(frozen=True)
 class Traced:
-    """A step traced for a mesh: lowered for `here` (a mesh of this process's
-    devices), or exported (`payload`, what a compile subprocess reads).
+    """A step traced for a mesh: `Lowered` here, or `Exported` for a child.
 
     Attributes:
         arguments: the planned `Arguments`.
         mesh: the mesh planned for, as given.
-        here: the mesh of this process's devices it was lowered for, or None.
-        lowered: the lowered step where `here` is set.
-        payload: the exported step, the mesh's shape and axis types and the
-            donated leaves, pickled; empty where `here` is set.
+        stage: the step `Lowered` for this process's devices, or `Exported`.
         warned: the warnings raised while tracing, as sentences.
         seconds: how long tracing took.
         rule_problems: what `validate_rules` finds wrong with single rules of
@@ -96,9 +120,7 @@ class Traced:
 
     arguments: Arguments
     mesh: AnyMesh
-    here: Mesh | None
-    lowered: jax.stages.Lowered | None = dataclasses.field(repr=False, compare=False)
-    payload: bytes = dataclasses.field(repr=False)
+    stage: Lowered | Exported
     warned: tuple[str, ...]
     seconds: float
     rule_problems: tuple[RuleProblem, ...] = ()
@@ -134,12 +156,12 @@ def trace(
     rules: Rules | None,
     *,
     out_shardings: PyTree = None,
-    here: Mesh | None,
-    platform: str = "cpu",
+    compiler: Site,
 ) -> Traced:
     """The second stage: `fn` traced as it runs (under the mesh and, if given, the
-    rules), lowered for `here`, or else exported for `platform`'s compiler."""
+    rules), lowered for the `compiler`'s mesh here, or else exported for its platform."""
     start = time.perf_counter()
+    here = compiler.here
     flat, treedef, flat_donated = planned.leaves(here or mesh)
     args, static = planned.args, planned.static
 
@@ -157,19 +179,19 @@ def trace(
             outputs = _traced(lambda: jax.eval_shape(call, *flat), signature)
             out = _out_shardings(out_shardings, outputs, here or mesh)
         jitted = jax.jit(step, donate_argnums=flat_donated, out_shardings=out)
+        stage: Lowered | Exported
         if here is not None:
-            lowered = _traced(lambda: jitted.lower(*flat), signature)
-            payload = b""
+            stage = Lowered(_traced(lambda: jitted.lower(*flat), signature))
         else:
-            lowered = None
+            platforms = [compiler.platform]
             exported = _traced(
-                lambda: jax.export.export(jitted, platforms=[platform])(*flat), signature
+                lambda: jax.export.export(jitted, platforms=platforms)(*flat), signature
             )
-            payload = _payload(exported, mesh, flat_donated)
+            stage = Exported(_payload(exported, mesh, flat_donated))
     seconds = time.perf_counter() - start
     dynamic = tuple(None if i in static else arg for i, arg in enumerate(args))
     problems = rule_problems(rules_or_context(rules), mesh, dynamic, constrained)
-    return Traced(planned, mesh, here, lowered, payload, tuple(warned), seconds, problems)
+    return Traced(planned, mesh, stage, tuple(warned), seconds, problems)
 
 
 def _payload(exported: jax.export.Exported, mesh: AnyMesh, donated: tuple[int, ...]) -> bytes:
@@ -183,19 +205,6 @@ def _payload(exported: jax.export.Exported, mesh: AnyMesh, donated: tuple[int, .
             "donated": donated,
         }
     )
-
-
-def here_mesh(mesh: AnyMesh) -> Mesh | None:
-    """The mesh to compile on in this process: `mesh` itself if it has devices, else
-    this process's CPU devices laid out like it, or None if there are too few."""
-    if isinstance(mesh, Mesh):
-        return mesh
-    sizes = tuple(mesh.shape.values())
-    cpus = jax.devices("cpu")
-    if len(cpus) < math.prod(sizes):
-        return None
-    devices = np.array(cpus[: math.prod(sizes)]).reshape(sizes)
-    return Mesh(devices, tuple(mesh.axis_names), axis_types=tuple(mesh.axis_types))
 
 
 def argnums(value: object, count: int, what: str) -> tuple[int, ...]:
