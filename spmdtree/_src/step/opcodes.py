@@ -66,14 +66,24 @@ ELEMENTWISE = frozenset(
         Op.kXor,
     ]
 )
-#: The collectives, by opcode: the op itself (inside an async wrapper too), or the
-#: ``-done`` half of an async pair, whose result is the collective's.
-KIND = {
+#: The collectives as one op each (synchronous, or inside an async wrapper), by opcode.
+SYNC = {
     Op.kAllGather: "all-gather",
     Op.kAllReduce: "all-reduce",
     Op.kReduceScatter: "reduce-scatter",
     Op.kAllToAll: "all-to-all",
     Op.kCollectivePermute: "collective-permute",
+}
+#: The ``-start`` halves of async pairs, by opcode.
+STARTS = {
+    Op.kAllGatherStart: "all-gather",
+    Op.kAllReduceStart: "all-reduce",
+    Op.kCollectivePermuteStart: "collective-permute",
+}
+#: The collectives, by opcode: the op itself (inside an async wrapper too), or the
+#: ``-done`` half of an async pair, whose result is the collective's.
+KIND = {
+    **SYNC,
     Op.kAllGatherDone: "all-gather",
     Op.kAllReduceDone: "all-reduce",
     Op.kCollectivePermuteDone: "collective-permute",

@@ -46,6 +46,7 @@ from spmdtree._src.step.groups import collective_axes
 from spmdtree._src.step.hlo import Collective
 from spmdtree._src.step.instructions import Instr, Module, Op, bits, config_field, parse_module
 from spmdtree._src.step.loops import trip_count
+from spmdtree._src.step.opcodes import DONES, STARTS, SYNC
 
 #: The classes a step's time is split into; `Prediction` has one field each.
 CLASSES = ("matmul", "attention", "memory", "collectives", "launch")
@@ -469,21 +470,8 @@ _FREE = frozenset(
         Op.kRecvDone,
     }
 )
-#: The async collectives' halves that start one, by opcode, with its kind.
-_STARTS = {
-    Op.kAllGatherStart: "all-gather",
-    Op.kAllReduceStart: "all-reduce",
-    Op.kCollectivePermuteStart: "collective-permute",
-}
-_DONES = frozenset({Op.kAllGatherDone, Op.kAllReduceDone, Op.kCollectivePermuteDone, Op.kAsyncDone})
-#: The synchronous collectives, by opcode.
-_SYNC = {
-    Op.kAllGather: "all-gather",
-    Op.kAllReduce: "all-reduce",
-    Op.kReduceScatter: "reduce-scatter",
-    Op.kAllToAll: "all-to-all",
-    Op.kCollectivePermute: "collective-permute",
-}
+#: What the compute stream waits at: an async pair's done, a wrapped async op's too.
+_DONES = DONES | {Op.kAsyncDone}
 #: Ops that read only part of their first operand: a slice's bytes, not the whole.
 _SLICING = frozenset({Op.kDynamicSlice, Op.kSlice, Op.kGather})
 
@@ -521,18 +509,18 @@ class _Reader:
         if ins.op in _DONES:
             found = self.idents.get((comp, ins.operands[0])) if ins.operands else None
             return [] if found is None else [Done(found)]
-        if ins.op in _STARTS or ins.op == Op.kAsyncStart or ins.op in _SYNC:
+        if ins.op in STARTS or ins.op == Op.kAsyncStart or ins.op in SYNC:
             return self._collective(comp, ins)
         return [self._kernel(comp, ins)]
 
     def _collective(self, comp: str, ins: Instr) -> list[Event]:
         """A collective's `Start` (and, synchronous, its `Done`); an async wrapper of
         anything else is the kernel it wraps."""
-        inner, kind = ins, _STARTS.get(ins.op) or _SYNC.get(ins.op)
+        inner, kind = ins, STARTS.get(ins.op) or SYNC.get(ins.op)
         if ins.op == Op.kAsyncStart:
             wrapped = dict(ins.callees).get("async", "")
             root = self.mod.root(wrapped)
-            kind = _SYNC.get(root.op) if root is not None else None
+            kind = SYNC.get(root.op) if root is not None else None
             if root is None or kind is None:
                 return [self._kernel(comp, ins)] if root is None else [self._kernel(wrapped, root)]
             inner = root
@@ -541,14 +529,14 @@ class _Reader:
         size = self._result(comp, ins, inner).bytes
         ident = len(self.idents)
         self.idents[(comp, ins.name)] = ident
-        sync = ins.op in _SYNC or config_field(ins.config, "is_sync") is True
+        sync = ins.op in SYNC or config_field(ins.config, "is_sync") is True
         start = Start(ident, Collective(kind, 1, size, axes, group), sync)
-        return [start, Done(ident)] if ins.op in _SYNC else [start]
+        return [start, Done(ident)] if ins.op in SYNC else [start]
 
     def _result(self, comp: str, ins: Instr, inner: Instr) -> Instr:
         """What gives a collective's result: itself (synchronous, or an async
         wrapper's collective), or its done."""
-        if ins.op in _SYNC or inner is not ins:
+        if ins.op in SYNC or inner is not ins:
             return inner
         done = [u for u, _ in self.mod.users[comp].get(ins.name, []) if u.op in _DONES]
         return done[0] if done else ins
