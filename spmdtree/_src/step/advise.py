@@ -380,9 +380,13 @@ class _Pending:
 
     index: int
     traced: Traced
-    exported: Exported
     compiler: CpuChild | TargetChild
     confirming: bool = False
+
+    @property
+    def payload(self) -> bytes:
+        """The exported step, for its child (a child's compiler traces to `Exported`)."""
+        return cast(Exported, self.traced.stage).payload
 
 
 @dataclasses.dataclass
@@ -675,7 +679,7 @@ def _first_pass(
             compiler=at,
         )
         if not isinstance(at, Here):  # exported: its child compiles it in the pool
-            return _Pending(index, traced, cast(Exported, traced.stage), at)
+            return _Pending(index, traced, at)
         step = step_plan(traced, at.compile(traced), at)
     except Exception as e:
         search.row(index, Verdict.DOES_NOT_COMPILE, _message(e))
@@ -755,7 +759,7 @@ def _run(
 
     for pending in pendings:
         if pending is not None:
-            payload, compiler = pending.exported.payload, pending.compiler
+            payload, compiler = pending.payload, pending.compiler
             key = (hashlib.sha256(payload).hexdigest(), compiler)
             if key not in children:
                 children[key] = pool.submit(compile_child, payload, compiler)
@@ -782,7 +786,7 @@ def _confirmed(search: _Search, index: int, target: TargetChild) -> _Pending | N
     except Exception as e:
         search.flag(index, f"not confirmed by {target}: {_message(e)}")
         return None
-    return _Pending(index, traced, cast(Exported, traced.stage), target, confirming=True)
+    return _Pending(index, traced, target, confirming=True)
 
 
 def _ask(
