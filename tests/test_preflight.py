@@ -284,16 +284,26 @@ def test_a_backend_without_memory_analysis_is_said_before_jax_fails(monkeypatch)
         st.preflight(jnp.sin, jax.ShapeDtypeStruct((4,), jnp.float32), mesh=mesh)
 
 
-@pytest.mark.parametrize("megabytes", [600, 1500])
+@pytest.mark.parametrize("megabytes", [400, 500, 1500])
 def test_a_subprocess_that_runs_out_of_memory_is_said_so(monkeypatch, megabytes):
     # The compile subprocess really runs out: its address space is capped, so it
-    # dies in an allocation or cannot even load jax's libraries.
+    # cannot load jax's libraries (400 MB), cannot give a thread its local storage
+    # (500 MB, where jax's libraries are small enough), or dies starting the CPU
+    # client's threads or in an allocation (1500 MB). The BLAS libraries
+    # numpy and scipy bring are loaded first: under a capped address space OpenBLAS's
+    # start-up retries its allocation forever (a real machine's OOM killer ends a
+    # process instead), which would hang the child until the compile's deadline.
     run = subprocess.run
 
     def capped(command, **kwargs):
         limit = megabytes << 20
-        cap = f"import resource; resource.setrlimit(resource.RLIMIT_AS, ({limit}, {limit})); "
-        return run([*command[:-1], cap + command[-1]], **kwargs)
+        cap = (
+            "import numpy, scipy.linalg, resource; "
+            f"resource.setrlimit(resource.RLIMIT_AS, ({limit}, {limit})); "
+        )
+        # were the child to hang all the same, the test fails in minutes, not at the
+        # compile's hour
+        return run([*command[:-1], cap + command[-1]], **{**kwargs, "timeout": 300})
 
     monkeypatch.setattr(subprocess, "run", capped)
     mesh = abstract_mesh((16,), ("data",))

@@ -755,6 +755,7 @@ _MEMORY_WORDS = (
     b"MemoryError",
     b"bad_alloc",
     b"Cannot allocate memory",
+    b"cannot allocate memory",  # glibc, when a thread's local storage cannot be had
     b"failed to map segment",  # no address space left to load a library
 )
 
