@@ -620,3 +620,38 @@ def test_the_compilers_own_figures_are_reported_beside_ours(preset):
     # on CPU neither: its memory analysis has no peak of its own
     cpu = st.preflight(jnp.sin, jax.ShapeDtypeStruct((8,), jnp.float32), mesh=abstract((8, 1)))
     assert cpu.compiler_peak_bytes == 0 and "its peak" not in str(cpu)
+
+
+@pytest.mark.parametrize("preset", [needs("h100")])
+def test_a_step_with_a_pallas_kernel_compiles_for_the_target(preset):
+    # A Triton kernel's custom call has no compatibility guarantee across jax
+    # versions, which jax.export refuses to serialize unless told: the target's
+    # child runs this same jax, so preflight says it is fine (0.4: a ValueError).
+    from jax.experimental import topologies
+    from jax.experimental.pallas.ops.gpu import attention
+
+    def flash(q, k, v):
+        return attention.mha(q, k, v, None, causal=True)
+
+    shape = jax.ShapeDtypeStruct((1, 512, 2, 64), jnp.bfloat16)
+    ours = st.preflight(
+        flash, shape, shape, shape, mesh=AbstractMesh((1,), ("data",)), target=preset
+    )
+    topology = topologies.get_topology_desc(
+        platform="cuda", target_config=GPU_DESCRIPTIONS[preset], topology="1x1x1"
+    )
+    mesh = jax.make_mesh((1,), ("data",), axis_types=AUTO[:1], devices=topology.devices)
+    placed = jax.ShapeDtypeStruct(
+        shape.shape, shape.dtype, sharding=jax.NamedSharding(mesh, jax.P())
+    )
+    with jax.set_mesh(mesh):
+        compiled = jax.jit(flash).lower(placed, placed, placed).compile()
+    assert "__gpu$xla.gpu.triton" in compiled.as_text()
+    memory = compiled.memory_analysis()
+    assert ours.argument_bytes == memory.argument_size_in_bytes == 3 * 512 * 2 * 64 * 2
+    assert ours.peak_bytes == (
+        memory.argument_size_in_bytes
+        + memory.output_size_in_bytes
+        - memory.alias_size_in_bytes
+        + memory.temp_size_in_bytes
+    )

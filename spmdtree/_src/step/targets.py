@@ -34,7 +34,7 @@ from typing import Any, Protocol, cast, overload
 
 import jax
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import AbstractDevice, Mesh
 
 from spmdtree._src.errors import Mistake
 from spmdtree._src.resolve import HOST_KINDS
@@ -151,6 +151,20 @@ TARGETS = {
     "tpu-v5p": Target("tpu-v5p", "tpu", "v5p", dimensions=3),
     "tpu-v6e": Target("tpu-v6e", "tpu", "v6e", dimensions=2, slice_limit=256),
 }
+
+
+#: A TPU generation's devices as libtpu's topology gives them: their `device_kind`
+#: and their TensorCores (measured with libtpu 0.0.50.1; v5p's two are one megacore).
+TPU_DEVICES = {"v5e": ("TPU v5 lite", 1), "v5p": ("TPU v5", 2), "v6e": ("TPU v6 lite", 1)}
+
+
+def abstract_device(target: Target) -> AbstractDevice:
+    """`target`'s device as jax's `AbstractDevice`: a GPU's kind is its description
+    (XLA names a device by it), with its SMs for cores."""
+    if isinstance(target.chip, Chip):
+        return AbstractDevice(target.chip.description, target.chip.sms, "gpu")
+    kind, cores = TPU_DEVICES[target.chip]
+    return AbstractDevice(kind, cores, "tpu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -500,6 +514,11 @@ class Here:
         """None: the devices are the mesh's own."""
         return None
 
+    @property
+    def device(self) -> None:
+        """None: the step is traced for the devices here."""
+        return None
+
     def check(self) -> None:
         """Nothing to check: the devices' compiler is this process's."""
 
@@ -522,6 +541,12 @@ class _Child(abc.ABC):
     """A compile in a fresh process, of the step exported for it."""
 
     here: None = None
+
+    @property
+    def device(self) -> AbstractDevice | None:
+        """The device the step is traced for (see `TargetChild.device`): none, the
+        CPU's."""
+        return None
 
     @property
     @abc.abstractmethod
@@ -595,6 +620,13 @@ class TargetChild(_Child):
     def slice_size(self) -> int:
         """The placement's devices per node or slice."""
         return self.placement.per_node
+
+    @property
+    def device(self) -> AbstractDevice:
+        """The target's device as jax's `AbstractDevice`: what a kernel written for
+        one chip (a Pallas kernel's lowering) asks of the device it is traced for,
+        where no such device is here."""
+        return abstract_device(self.placement.target)
 
     def check(self) -> None:
         """Raises `CompilerMissing`, naming the pip command, where the target's

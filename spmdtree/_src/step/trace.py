@@ -22,7 +22,7 @@ from typing import Any, Protocol, TypeVar, cast
 
 import jax
 import numpy as np
-from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractDevice, AbstractMesh, Mesh, NamedSharding, PartitionSpec
 from jax.typing import ArrayLike
 
 from spmdtree._src.boxes import dtype_of, shape_of
@@ -53,6 +53,9 @@ class Site(Protocol):
 
     @property
     def platform(self) -> str: ...
+
+    @property
+    def device(self) -> AbstractDevice | None: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,7 +165,8 @@ def trace(
     rules), lowered for the `compiler`'s mesh here, or else exported for its platform."""
     start = time.perf_counter()
     here = compiler.here
-    flat, treedef, flat_donated = planned.leaves(here or mesh)
+    traced_for = _for_device(mesh, compiler.device)
+    flat, treedef, flat_donated = planned.leaves(here or traced_for)
     args, static = planned.args, planned.static
 
     def call(*leaves: Any) -> Any:
@@ -173,25 +177,31 @@ def trace(
         return jax.tree.leaves(call(*leaves))
 
     signature = planned.signature
-    with _tracing(rules) as (warned, constrained), _under(mesh, here):
+    with _tracing(rules) as (warned, constrained), _under(traced_for, here):
         out = None
         if out_shardings is not None:
             outputs = _traced(lambda: jax.eval_shape(call, *flat), signature)
-            out = _out_shardings(out_shardings, outputs, here or mesh)
+            out = _out_shardings(out_shardings, outputs, here or traced_for)
         jitted = jax.jit(step, donate_argnums=flat_donated, out_shardings=out)
         stage: Lowered | Exported
         if here is not None:
             stage = Lowered(_traced(lambda: jitted.lower(*flat), signature))
         else:
-            platforms = [compiler.platform]
-            exported = _traced(
-                lambda: jax.export.export(jitted, platforms=platforms)(*flat), signature
-            )
-            stage = Exported(_payload(exported, mesh, flat_donated))
+            export = jax.export.export(jitted, platforms=[compiler.platform], disabled_checks=ANY)
+            exported = _traced(lambda: export(*flat), signature)
+            stage = Exported(_payload(exported, traced_for, flat_donated))
     seconds = time.perf_counter() - start
     dynamic = tuple(None if i in static else arg for i, arg in enumerate(args))
     problems = rule_problems(rules_or_context(rules), mesh, dynamic, constrained)
     return Traced(planned, mesh, stage, tuple(warned), seconds, problems)
+
+
+#: The export's safety checks turned off: custom calls with no compatibility
+#: guarantee across jax versions (a Pallas Triton kernel's, cuDNN's attention)
+#: serialize too. The payload is read at once by a child running this same jax,
+#: where no such guarantee is needed. (jax's export reads the target "ALL" as every
+#: custom call.)
+ANY = [jax.export.DisabledSafetyCheck.custom_call("ALL")]
 
 
 def _payload(exported: jax.export.Exported, mesh: AnyMesh, donated: tuple[int, ...]) -> bytes:
@@ -287,6 +297,16 @@ def _tracing(rules: Rules | None) -> Iterator[tuple[list[str], set[str]]]:
         warnings.simplefilter("always")
         yield warned, constrained
         warned += [f"{w.category.__name__} while tracing: {w.message}" for w in caught]
+
+
+def _for_device(mesh: AnyMesh, device: AbstractDevice | None) -> AnyMesh:
+    """`mesh` as an abstract mesh of `device`s, where the step is traced for a device
+    not here (jax 0.12: a Pallas kernel's lowering asks the context mesh which chip it
+    is for); `mesh` itself where `device` is None."""
+    if device is None:
+        return mesh
+    abstract = mesh if isinstance(mesh, AbstractMesh) else mesh.abstract_mesh
+    return abstract.update(abstract_device=device)
 
 
 def _under(mesh: AnyMesh, here: Mesh | None) -> contextlib.AbstractContextManager[Any]:
