@@ -622,6 +622,31 @@ def test_the_compilers_own_figures_are_reported_beside_ours(preset):
     assert cpu.compiler_peak_bytes == 0 and "its peak" not in str(cpu)
 
 
+@pytest.mark.parametrize("preset", [needs("h100"), needs("tpu-v5e")])
+@pytest.mark.parametrize("kind", [AxisType.Explicit, AxisType.Auto])
+def test_a_step_with_a_shard_map_over_its_mesh_compiles_for_the_target(preset, kind):
+    # The step's shard_map names the mesh preflight was given, which the mesh in
+    # context while tracing must equal: traced for the target's device first, 0.5
+    # refused it ("The context mesh ... should match the mesh passed to shard_map").
+    mesh = AbstractMesh((2, 2), ("data", "fsdp"), axis_types=(kind, kind))
+    spec = jax.P(("data", "fsdp"))
+
+    def step(x):
+        local = jax.shard_map(
+            lambda x: jax.lax.psum(jnp.sum(x @ x.T), ("data", "fsdp")),
+            mesh=mesh,
+            in_specs=spec,
+            out_specs=jax.P(),
+        )
+        return local(x)
+
+    x = st.Partitioned(jax.ShapeDtypeStruct((256, 128), jnp.bfloat16), (("data", "fsdp"), None))
+    planned = st.preflight(lambda x: step(x.value), x, mesh=mesh, target=preset)
+    assert planned.argument_bytes == 256 * 128 * 2 // 4
+    assert planned.flops == 2 * 64 * 64 * 128  # each device's (64 x 128) @ (128 x 64)
+    assert [c.kind for c in planned.collectives] == ["all-reduce"]
+
+
 @pytest.mark.parametrize("preset", [needs("h100")])
 def test_a_step_with_a_pallas_kernel_compiles_for_the_target(preset):
     # A Triton kernel's custom call has no compatibility guarantee across jax

@@ -213,16 +213,26 @@ def custom_flops(mod: Module, comp: str, ins: Instr) -> int:
     if name.startswith("__cudnn$fmha") and len(types) >= 3:
         shape = config_field(ins.config, "intermediate_tensor_shape")
         scores = _integers(shape.get("dimensions") if isinstance(shape, dict) else None)
-        return _attention_flops(name, scores, types[0], types[2]) if scores is not None else 0
+        if scores is None:
+            return 0
+        causal = "CAUSAL" in str(config_field(ins.config, "mask_type") or "").upper()
+        return _attention_flops(name, scores, types[0], types[2], causal=causal)
     return 0
 
 
 def _attention_flops(
-    name: str, scores: Sequence[int], query: Array | None, value: Array | None
+    name: str,
+    scores: Sequence[int],
+    query: Array | None,
+    value: Array | None,
+    *,
+    causal: bool = False,
 ) -> int:
     """cuDNN fused attention: scores (heads x queries x keys, each a dot of the head
     width) and their product with the values; its backward recomputes the scores and
-    takes the four gradients' dots.
+    takes the four gradients' dots. Under a causal mask (``mask_type`` CAUSAL in its
+    backend config) cuDNN skips the blocks above the diagonal: half the scores (new
+    in 0.5; 0.4 counted them all).
 
     Example:
         >>> scores, q = [1, 4, 512, 512], Array("bf16", (1, 512, 4, 64))
@@ -230,10 +240,12 @@ def _attention_flops(
         True
         >>> _attention_flops("__cudnn$fmhaSoftmaxBackward", scores, q, q) // (4 * 512 * 512 * 64)
         10
+        >>> _attention_flops("__cudnn$fmhaSoftmax", scores, q, q, causal=True) == 2 * 4 * 512 * 512 * 64
+        True
     """
     if not _dims(query) or not _dims(value):
         return 0
-    size = math.prod(scores)
+    size = math.prod(scores) // (2 if causal else 1)
     qk, v = _dims(query)[-1], _dims(value)[-1]
     if "Backward" in name:
         return 2 * size * (3 * qk + 2 * v)

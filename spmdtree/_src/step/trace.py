@@ -164,8 +164,53 @@ def trace(
     """The second stage: `fn` traced as it runs (under the mesh and, if given, the
     rules), lowered for the `compiler`'s mesh here, or else exported for its platform."""
     start = time.perf_counter()
+    try:
+        stage, warned, constrained = _stage(fn, planned, mesh, rules, out_shardings, compiler)
+    except Mistake as first:
+        # Traced first on the mesh as given, which a `shard_map` over it must match;
+        # again for the target's device only where that fails (jax 0.12: a Pallas
+        # kernel's lowering asks the context mesh which chip it is for). Where both
+        # fail, the first error, and the step's own exception under it, stand.
+        if compiler.device is None:
+            raise
+        for_device = _for_device(mesh, compiler.device)
+        try:
+            stage, warned, constrained = _stage(
+                fn, planned, for_device, rules, out_shardings, compiler
+            )
+        except Mistake:
+            raise first from first.__cause__
+    return _done(planned, mesh, rules, stage, warned, constrained, start)
+
+
+def _done(
+    planned: Arguments,
+    mesh: AnyMesh,
+    rules: Rules | None,
+    stage: Lowered | Exported,
+    warned: list[str],
+    constrained: set[str],
+    start: float,
+) -> Traced:
+    """The `Traced` of a stage, timed from `start`, with the rules' problems."""
+    seconds = time.perf_counter() - start
+    args, static = planned.args, planned.static
+    dynamic = tuple(None if i in static else arg for i, arg in enumerate(args))
+    problems = rule_problems(rules_or_context(rules), mesh, dynamic, constrained)
+    return Traced(planned, mesh, stage, tuple(warned), seconds, problems)
+
+
+def _stage(
+    fn: Callable[..., Any],
+    planned: Arguments,
+    traced_for: AnyMesh,
+    rules: Rules | None,
+    out_shardings: PyTree,
+    compiler: Site,
+) -> tuple[Lowered | Exported, list[str], set[str]]:
+    """`fn` lowered here, or exported, traced on `traced_for`; with the warnings
+    raised and the logical names its constraints met."""
     here = compiler.here
-    traced_for = _for_device(mesh, compiler.device)
     flat, treedef, flat_donated = planned.leaves(here or traced_for)
     args, static = planned.args, planned.static
 
@@ -190,10 +235,7 @@ def trace(
             export = jax.export.export(jitted, platforms=[compiler.platform], disabled_checks=ANY)
             exported = _traced(lambda: export(*flat), signature)
             stage = Exported(_payload(exported, traced_for, flat_donated))
-    seconds = time.perf_counter() - start
-    dynamic = tuple(None if i in static else arg for i, arg in enumerate(args))
-    problems = rule_problems(rules_or_context(rules), mesh, dynamic, constrained)
-    return Traced(planned, mesh, stage, tuple(warned), seconds, problems)
+    return stage, warned, constrained
 
 
 #: The export's safety checks turned off: custom calls with no compatibility
