@@ -3,7 +3,7 @@
 For each mutant below, this copies the repository's tracked files to a
 temporary directory, plants one bug in the copy of the package (a text
 replacement that must apply exactly once), confirms that the copy is what
-``import spmdtree`` loads there, and runs the test suite (``pytest -x``) on it.
+``import spmdtree`` loads there, and runs the test suite (``pytest -x -n 0``: in order, in one process) on it.
 A mutant is *killed* if a test fails, and *survives* if the suite passes.
 Every mutant changes a result a user would see; a survivor is a hole in the net.
 
@@ -1098,7 +1098,7 @@ def run(name: str, edits: list[tuple[str, str, str]], tests: list[str]) -> tuple
         start = time.perf_counter()
         try:
             done = subprocess.run(
-                [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider"]
+                [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-n", "0"]
                 + (tests or ordered_tests()),
                 cwd=copy,
                 env=env,
