@@ -21,7 +21,7 @@ from typing import Any, NamedTuple, cast
 
 from spmdtree._src.step.forms import Flow, Written, fused_scatter, held, parts
 from spmdtree._src.step.groups import collective_axes, group_axes
-from spmdtree._src.step.instructions import Instr, Module, Op, parse_module
+from spmdtree._src.step.instructions import Instr, Module, Op
 from spmdtree._src.step.loops import trip_count
 from spmdtree._src.step.opcodes import DONES, KIND, flops
 
@@ -320,7 +320,8 @@ def read_step(
     slice_size: int | None = None,
 ) -> Reading:
     """Collectives, flops and the whole gradients held, per executed step, from a
-    compiled module (jaxlib's ``HloModule``, or its HLO text).
+    compiled module (jaxlib's ``HloModule``, its HLO text, or an
+    `instructions.Module`, which `read_schedule` can then share).
 
     A computation runs as often as its callers run it: a ``while`` body once
     per iteration where the trip count is known or read from the loop, else
@@ -381,7 +382,7 @@ def read_step(
         >>> Reading.from_json(read.to_json()) == read
         True
     """
-    mod = Module(parse_module(module) if isinstance(module, str) else module)
+    mod = Module.of(module)
     if mod.entry is None:
         return Reading()
     total = Reader(mod, shape, platform == "cpu", slice_size).tally(mod.entry)

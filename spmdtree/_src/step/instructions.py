@@ -431,6 +431,14 @@ class Module:
     """A compiled module's computations (each in its scheduled order), their
     instructions, who uses each value, and who calls each computation."""
 
+    @classmethod
+    def of(cls, module: Any) -> Module:
+        """`module` (jaxlib's ``HloModule``, its HLO text, or a `Module`) as a `Module`,
+        read once: a `Module` is returned as it is, for its readers to share."""
+        if isinstance(module, Module):
+            return module
+        return cls(parse_module(module) if isinstance(module, str) else module)
+
     def __init__(self, module: Any) -> None:
         schedule = module.schedule()
         self.comps: dict[str, list[Instr]] = {}

@@ -44,7 +44,7 @@ from typing import Any, NamedTuple
 from spmdtree._src.step import opcodes
 from spmdtree._src.step.groups import collective_axes
 from spmdtree._src.step.hlo import Collective
-from spmdtree._src.step.instructions import Instr, Module, Op, bits, config_field, parse_module
+from spmdtree._src.step.instructions import Instr, Module, Op, bits, config_field
 from spmdtree._src.step.loops import trip_count
 from spmdtree._src.step.opcodes import DONES, STARTS, SYNC
 
@@ -745,10 +745,7 @@ def read_schedule(module: Any, shape: Sequence[tuple[str, int]] = (), *, platfor
         >>> Schedule.from_json(schedule.to_json()) == schedule
         True
     """
-    if isinstance(module, Module):
-        mod = module
-    else:
-        mod = Module(parse_module(module) if isinstance(module, str) else module)
+    mod = Module.of(module)
     if mod.entry is None:
         return Schedule((), platform)
     reader = _Reader(mod, shape)

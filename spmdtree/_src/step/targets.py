@@ -42,6 +42,7 @@ from spmdtree._src.rules import AnyMesh
 from spmdtree._src.step.forms import overstated_bytes
 from spmdtree._src.step.hardware import PRESETS, Hardware, _nodes_per_device
 from spmdtree._src.step.hlo import Reading, read_step
+from spmdtree._src.step.instructions import Module
 from spmdtree._src.step.predict import Schedule, read_schedule
 from spmdtree._src.step.trace import Exported, Lowered, Site, Traced
 
@@ -385,7 +386,8 @@ def analyse(
             "for it, which preflight reads. Preflight on an AbstractMesh, which "
             "compiles for CPU devices, or pass target=.",
         )
-    read = read_step(module, tuple(mesh.shape.items()), platform=platform, slice_size=slice_size)
+    mod = Module.of(module)  # read once, for the reading and the schedule
+    read = read_step(mod, tuple(mesh.shape.items()), platform=platform, slice_size=slice_size)
     temp = int(memory.temp_size_in_bytes)
     outputs, host_outputs = _apart(
         int(memory.output_size_in_bytes),
@@ -401,7 +403,7 @@ def analyse(
         reading=read,
         overstated_bytes=overstated_bytes(read.held_bytes, temp) if platform == "cpu" else 0,
         backend=Backend.of(platform),
-        schedule=read_schedule(module, tuple(mesh.shape.items()), platform=platform),
+        schedule=read_schedule(mod, tuple(mesh.shape.items()), platform=platform),
         # the CPU's own peak is the CPU program's, no accelerator's: not reported
         compiler_peak_bytes=0
         if platform == "cpu"
