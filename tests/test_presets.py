@@ -329,3 +329,42 @@ def test_every_cost_model_figure_is_the_docs_table_and_its_source(name):
         assert (costs.cores, costs.hbm_bytes_per_second) == (chip.sms, chip.bandwidth)
         assert costs.f32_speed == pytest.approx(494.7 / 989.4, rel=1e-3)
         assert costs.f32_highest_speed == pytest.approx(67 / 989, rel=1e-12)
+
+
+# --- one source: every table is built from the chips' sheets ------------------------------
+
+from spmdtree._src.step.chips import CHIPS  # noqa: E402
+from spmdtree._src.step.targets import TPU_DEVICES  # noqa: E402
+
+
+@pytest.mark.parametrize("name", list(PRESET_TABLE))
+def test_every_table_says_what_the_chips_sheet_says(name):
+    # A figure is written once, in chips.CHIPS: the roofline's preset, the compiler's
+    # target and the model's costs each read it there (0.4: the H100's memory was 80
+    # GiB in one table and 81,106 MiB in another).
+    sheet, hardware, target, costs = CHIPS[name], st.hardware(name), TARGETS[name], COSTS[name]
+    assert set(CHIPS) == set(PRESET_TABLE)
+    assert (hardware.memory_bytes, hardware.flops_per_second) == (
+        sheet.memory_bytes,
+        sheet.flops_per_second,
+    )
+    assert dict(hardware.links) == dict(sheet.links)
+    assert hardware.devices_per_node == sheet.devices_per_node
+    assert costs.hbm_bytes_per_second == sheet.hbm_bytes_per_second
+    assert costs.matmul_efficiency == sheet.matmul_efficiency
+    assert costs.tile == (sheet.tile, sheet.tile)
+    assert target.platform == sheet.platform
+    if sheet.platform == "cuda":
+        chip = target.chip
+        assert (chip.memory_bytes, chip.bandwidth, chip.sms) == (
+            sheet.memory_bytes,
+            sheet.hbm_bytes_per_second,
+            sheet.sms,
+        )
+        assert f'device_description_str: "{sheet.description}"' in chip.target_config()
+        assert costs.cores == sheet.sms
+    else:
+        assert target.chip == sheet.generation == name.removeprefix("tpu-")
+        assert TPU_DEVICES[sheet.generation] == (sheet.device_kind, sheet.tensor_cores)
+        assert (target.dimensions, target.slice_limit) == (sheet.dimensions, sheet.slice_limit)
+        assert costs.cores == 1

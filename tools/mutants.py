@@ -1049,13 +1049,20 @@ MUTANTS.update(
         ],
         "cost-model-bandwidth-of-another-chip": [
             (
-                "_src/step/predict.py",
-                '"h200": _gpu(4.8e12, 132, 794.5 / 989)',
-                '"h200": _gpu(3.35e12, 132, 794.5 / 989)',
+                "_src/step/chips.py",
+                "hbm_bytes_per_second=4_800 * GB,",
+                "hbm_bytes_per_second=3_350 * GB,",
             )
         ],
+        "cost-model-cores-of-one-chip": [
+            ("_src/step/predict.py", "cores=sheet.sms,", "cores=132,")
+        ],
         "preset-memory-a-gib-more": [
-            ("_src/step/hardware.py", '"h100", 85_045_477_376,', '"h100", 85_045_477_376 + 2**30,')
+            (
+                "_src/step/chips.py",
+                "memory_bytes=85_045_477_376,",
+                "memory_bytes=85_045_477_376 + 2**30,",
+            )
         ],
     }
 )

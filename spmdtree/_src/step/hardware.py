@@ -19,6 +19,7 @@ from typing import Any, Protocol, TypeVar
 import numpy as np
 
 from spmdtree._src.errors import Mistake, public
+from spmdtree._src.step.chips import CHIPS
 from spmdtree._src.step.predict import COSTS, Schedule, predict
 
 #: The link kinds, fastest first: within a node or slice, then across.
@@ -169,30 +170,13 @@ class Hardware:
         object.__setattr__(self, "links", Frozen(links))
 
 
-#: The presets; every figure's source is listed in docs/planning.md
-#: ("Hardware and time"). A GPU's memory is what the device reports, the bytes
-#: its compiler target is given too (CUDA's device query for the H100, nvidia-smi's
-#: total for the H200 and B200: a data sheet's "80 GB" read as 80 GiB is more than
-#: an H100 has); a TPU's is its data sheet's GB read as GiB. Latencies are rough.
+#: The presets, built from `chips.CHIPS` (every figure's source is listed there and in
+#: docs/planning.md, "Hardware and time"). A GPU's memory is what the device reports,
+#: the bytes its compiler target is given too; a TPU's is its data sheet's GB read as
+#: GiB. Latencies are rough.
 PRESETS = {
-    "h100": Hardware(
-        "h100", 85_045_477_376, 989e12, {"ici": (450e9, 2e-6), "dcn": (50e9, 5e-6)}, 8
-    ),
-    "h200": Hardware(
-        "h200", 150_754_820_096, 989e12, {"ici": (450e9, 2e-6), "dcn": (50e9, 5e-6)}, 8
-    ),
-    "b200": Hardware(
-        "b200", 192_265_846_784, 2.25e15, {"ici": (900e9, 2e-6), "dcn": (50e9, 5e-6)}, 8
-    ),
-    "tpu-v5e": Hardware(
-        "tpu-v5e", 16 * GIB, 1.97e14, {"ici": (9e10, 1e-6), "dcn": (3.125e9, 1e-5)}
-    ),
-    "tpu-v5p": Hardware(
-        "tpu-v5p", 95 * GIB, 4.59e14, {"ici": (1.8e11, 1e-6), "dcn": (6.25e9, 1e-5)}
-    ),
-    "tpu-v6e": Hardware(
-        "tpu-v6e", 32 * GIB, 9.18e14, {"ici": (1.8e11, 1e-6), "dcn": (12.5e9, 1e-5)}
-    ),
+    name: Hardware(name, s.memory_bytes, s.flops_per_second, s.links, s.devices_per_node)
+    for name, s in CHIPS.items()
 }
 
 

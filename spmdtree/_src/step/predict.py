@@ -42,6 +42,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from spmdtree._src.step import opcodes
+from spmdtree._src.step.chips import CHIPS, Sheet
 from spmdtree._src.step.groups import collective_axes
 from spmdtree._src.step.hlo import Collective
 from spmdtree._src.step.instructions import Instr, Module, Op, bits, config_field
@@ -203,13 +204,18 @@ class Costs:
         return 1.0
 
 
-def _gpu(hbm: float, sms: int, matmul_efficiency: float) -> Costs:
+def _costs(sheet: Sheet) -> Costs:
+    """A chip's model figures: a GPU's SMs at cuBLAS's tile, its launch overheads and
+    its f32 rates; a TPU's MXU tile stream, one program (no launch)."""
+    tile, hbm = (sheet.tile, sheet.tile), float(sheet.hbm_bytes_per_second)
+    if sheet.platform != "cuda":
+        return Costs(hbm, 0.9, sheet.matmul_efficiency, 1, tile, 0.0, 0.0)
     return Costs(
         hbm_bytes_per_second=hbm,
         memory_efficiency=0.9,
-        matmul_efficiency=matmul_efficiency,
-        cores=sms,
-        tile=(128, 128),
+        matmul_efficiency=sheet.matmul_efficiency,
+        cores=sheet.sms,
+        tile=tile,
         launch_seconds=1e-6,
         collective_latency_seconds=5e-6,
         f32_speed=0.5,
@@ -217,29 +223,14 @@ def _gpu(hbm: float, sms: int, matmul_efficiency: float) -> Costs:
     )
 
 
-def _tpu(hbm: float, mxu: int) -> Costs:
-    return Costs(hbm, 0.9, 1.0, 1, (mxu, mxu), 0.0, 0.0)
-
-
-#: The model's figures per preset (docs/planning.md, "Predicted step time", lists each
-#: source). GPUs: bandwidth and SMs from the chips' data sheets (as `targets.TARGETS`);
-#: the largest achievable matmul share from Stas Bekman's MAMF table (ml-engineering,
-#: compute/accelerator: H100 SXM 794.5 of 989 TFLOPS bf16, "H200 is the same", B200
-#: 1,745 of 2,250); 1 us a kernel and 5 us a collective, XLA GPU's own
-#: kKernelLaunchOverhead and kNcclKernelLaunchOverhead
-#: (xla/service/gpu/model/gpu_performance_model_base.h). TPUs: HBM bandwidth from
-#: Google Cloud's system-architecture pages (v5e 819 GB/s, v5p 2,765 GB/s, v6e
-#: 1,640 GB/s), the MXU's tile (128; 256 on v6e); no public achievable-share figure
-#: (1.0). Memory efficiency 0.9 is an assumption (XLA's model takes the full bandwidth).
-#: f32 matmuls: the H100 data sheet's TF32 (494.7 of 989.4 TFLOPS) and FP32 (67).
-COSTS = {
-    "h100": _gpu(3.35e12, 132, 794.5 / 989),
-    "h200": _gpu(4.8e12, 132, 794.5 / 989),
-    "b200": _gpu(8e12, 148, 1745 / 2250),
-    "tpu-v5e": _tpu(819e9, 128),
-    "tpu-v5p": _tpu(2765e9, 128),
-    "tpu-v6e": _tpu(1640e9, 256),
-}
+#: The model's figures per preset, built from `chips.CHIPS` (docs/planning.md,
+#: "Predicted step time", lists each source): HBM bandwidth, SMs and the largest
+#: achievable matmul share as the chips' table has them; 1 us a kernel and 5 us a
+#: collective, XLA GPU's own kKernelLaunchOverhead and kNcclKernelLaunchOverhead
+#: (xla/service/gpu/model/gpu_performance_model_base.h). Memory efficiency 0.9 is an
+#: assumption (XLA's model takes the full bandwidth). f32 matmuls: the H100 data
+#: sheet's TF32 (494.7 of 989.4 TFLOPS) and FP32 (67).
+COSTS = {name: _costs(sheet) for name, sheet in CHIPS.items()}
 
 #: How far memory and compute overlap within a kernel (XLA GPU's
 #: kMemoryComputeParallelism): time = compute + memory - 0.95 min(compute, memory).

@@ -39,6 +39,7 @@ from jax.sharding import AbstractDevice, Mesh
 from spmdtree._src.errors import Mistake
 from spmdtree._src.resolve import HOST_KINDS
 from spmdtree._src.rules import AnyMesh
+from spmdtree._src.step.chips import CHIPS, Sheet
 from spmdtree._src.step.forms import overstated_bytes
 from spmdtree._src.step.hardware import PRESETS, Hardware, _nodes_per_device
 from spmdtree._src.step.hlo import Reading, read_step
@@ -125,38 +126,35 @@ class Target:
         return "cuda" if self.platform == "cuda" else "tpu"
 
 
-GB = 10**9
+def _target(sheet: Sheet) -> Target:
+    """A chip's compiler target: XLA GPU's description of a GPU, libtpu's generation."""
+    if sheet.platform != "cuda":
+        return Target(
+            sheet.name, sheet.platform, sheet.generation, sheet.dimensions, sheet.slice_limit
+        )
+    chip = Chip(
+        sheet.description,
+        sheet.capability,
+        sheet.sms,
+        sheet.memory_bytes,
+        sheet.hbm_bytes_per_second,
+        sheet.clock_ghz,
+        sheet.l2_bytes,
+    )
+    return Target(sheet.name, sheet.platform, chip)
 
-#: The targets, by preset name. H100 SXM5 80 GB, H200 SXM 141 GB and B200: SMs,
-#: bandwidth and boost clock from NVIDIA's data sheets; memory in bytes as CUDA's
-#: device query reports it (H100: 81,106 MiB) or nvidia-smi's total (H200 143,771 MiB,
-#: B200 183,359 MiB); docs/planning.md lists each source. TPU generations as libtpu
-#: names them.
-TARGETS = {
-    "h100": Target(
-        "h100",
-        "cuda",
-        Chip("NVIDIA H100 80GB HBM3", (9, 0), 132, 85_045_477_376, 3_350 * GB, 1.98, 50 * 2**20),
-    ),
-    "h200": Target(
-        "h200",
-        "cuda",
-        Chip("NVIDIA H200", (9, 0), 132, 150_754_820_096, 4_800 * GB, 1.98, 50 * 2**20),
-    ),
-    "b200": Target(
-        "b200",
-        "cuda",
-        Chip("NVIDIA B200", (10, 0), 148, 192_265_846_784, 8_000 * GB, 1.965, 126 * 2**20),
-    ),
-    "tpu-v5e": Target("tpu-v5e", "tpu", "v5e", dimensions=2, slice_limit=256),
-    "tpu-v5p": Target("tpu-v5p", "tpu", "v5p", dimensions=3),
-    "tpu-v6e": Target("tpu-v6e", "tpu", "v6e", dimensions=2, slice_limit=256),
-}
+
+#: The targets, by preset name, built from `chips.CHIPS` (docs/planning.md lists each
+#: figure's source): an NVIDIA GPU's description for XLA GPU, a TPU generation as
+#: libtpu names it.
+TARGETS = {name: _target(sheet) for name, sheet in CHIPS.items()}
 
 
 #: A TPU generation's devices as libtpu's topology gives them: their `device_kind`
-#: and their TensorCores (measured with libtpu 0.0.50.1; v5p's two are one megacore).
-TPU_DEVICES = {"v5e": ("TPU v5 lite", 1), "v5p": ("TPU v5", 2), "v6e": ("TPU v6 lite", 1)}
+#: and their TensorCores (from `chips.CHIPS`).
+TPU_DEVICES = {
+    s.generation: (s.device_kind, s.tensor_cores) for s in CHIPS.values() if s.platform == "tpu"
+}
 
 
 def abstract_device(target: Target) -> AbstractDevice:
