@@ -86,6 +86,7 @@ from spmdtree._src.step.hlo import Collective as Collective
 from spmdtree._src.step.preflight import StepPlan as StepPlan
 from spmdtree._src.step.preflight import preflight as preflight
 from spmdtree._src.step.targets import Backend as Backend
+from spmdtree._src.step.targets import Memory as Memory
 from spmdtree._src.tactics import UnmatchedWarning as UnmatchedWarning
 from spmdtree._src.tactics import fsdp as fsdp
 from spmdtree._src.tactics import match as match
@@ -116,6 +117,7 @@ __all__ = [
     "DiffRow",
     "Hardware",
     "LogicallyPartitioned",
+    "Memory",
     "MeshAxes",
     "Names",
     "NamesFn",

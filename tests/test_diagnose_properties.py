@@ -140,9 +140,7 @@ def test_what_would_fit_names_the_largest_batch_the_fewest_devices_and_remat_whe
 ):
     fixed, temp, budget, batch, remat = case
     base = small_step()
-    step = dataclasses.replace(
-        base, argument_bytes=fixed, output_bytes=0, alias_bytes=0, temp_bytes=temp
-    )
+    step = dataclasses.replace(base, memory=st.Memory(fixed, 0, 0, temp, 0))
     assert step.peak_bytes == fixed + temp
     said = step.what_would_fit(budget, batch=batch, remat=remat)
     assert said is not None
@@ -166,9 +164,7 @@ def test_what_would_fit_names_the_largest_batch_the_fewest_devices_and_remat_whe
 
 
 def test_a_batch_of_one_over_the_budget_is_said_to_fit_no_batch():
-    step = dataclasses.replace(
-        small_step(), argument_bytes=100, output_bytes=0, alias_bytes=0, temp_bytes=1000
-    )
+    step = dataclasses.replace(small_step(), memory=st.Memory(100, 0, 0, 1000, 0))
     said = step.what_would_fit(1000, batch=1)
     assert "No batch brings it under" in said
     with pytest.raises(TypeError, match="batch"):

@@ -108,6 +108,15 @@ def test_every_field_equals_jax_own_memory_analysis(axis_types):
         + memory.temp_size_in_bytes
     )
     assert step.fits(step.peak_bytes) and not step.fits(step.peak_bytes - 1)
+    # the figures are read from one record, the compiler's, held whole
+    assert step.memory == st.Memory(
+        memory.argument_size_in_bytes,
+        memory.output_size_in_bytes,
+        memory.alias_size_in_bytes,
+        memory.temp_size_in_bytes,
+        memory.generated_code_size_in_bytes,
+    )
+    assert step.memory.peak_bytes == step.peak_bytes and step.host_peak_bytes == 0
     assert step.backend == "cpu" and step.mesh is mesh and step.compile_seconds > 0
     assert step.argument_bytes == step.inputs.device_bytes
     assert [row.path for row in step.inputs.rows][:2] == ["0/w1", "0/w2"]

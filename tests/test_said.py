@@ -273,13 +273,7 @@ GiB = 2**30
 
 def _peaking(arrays, temps):
     """A compiled step's record with these figures: arrays `arrays` bytes, temporaries `temps`."""
-    return dataclasses.replace(
-        _fsdp_step(constrain=True),
-        argument_bytes=arrays,
-        output_bytes=0,
-        alias_bytes=0,
-        temp_bytes=temps,
-    )
+    return dataclasses.replace(_fsdp_step(constrain=True), memory=st.Memory(arrays, 0, 0, temps, 0))
 
 
 def test_a_step_over_budget_says_by_how_much_and_what_would_bring_it_under():

@@ -29,7 +29,7 @@ from spmdtree._src.step.diagnose import Closest, Traffic, nothing_fits, unexplai
 from spmdtree._src.step.hardware import Hardware, StepTime, step_time
 from spmdtree._src.step.hlo import Collective
 from spmdtree._src.step.predict import Schedule
-from spmdtree._src.step.targets import Analysis, Backend, Compiler, compiler_for
+from spmdtree._src.step.targets import Analysis, Backend, Compiler, Memory, compiler_for
 from spmdtree._src.step.trace import Traced, arguments, trace
 from spmdtree._src.text import Located, argument_path, step_table
 
@@ -45,6 +45,10 @@ class StepPlan:
     accelerator's (see `preflight`).
 
     Attributes:
+        memory: the compiler's `Memory` record of the step per device (new in
+            0.5: 0.4's fields are read from it, as the properties
+            `argument_bytes`, `output_bytes`, `alias_bytes`, `temp_bytes`,
+            `code_bytes`, `compiler_peak_bytes` and the ``host_*`` ones).
         argument_bytes: the arguments' bytes on one device.
         output_bytes: the outputs' bytes on one device.
         alias_bytes: bytes of outputs that reuse a donated argument's buffer.
@@ -125,11 +129,7 @@ class StepPlan:
         ['all-reduce']
     """
 
-    argument_bytes: int
-    output_bytes: int
-    alias_bytes: int
-    temp_bytes: int
-    code_bytes: int
+    memory: Memory
     collectives: tuple[Collective, ...]
     inputs: Plan
     backend: Backend
@@ -142,17 +142,62 @@ class StepPlan:
     devices_per_node: int | None = None
     rule_problems: tuple[RuleProblem, ...] = ()
     schedule: Schedule | None = dataclasses.field(default=None, repr=False, compare=False)
-    compiler_peak_bytes: int = 0
     compiler_seconds: float = 0.0
-    host_argument_bytes: int = 0
-    host_output_bytes: int = 0
-    host_alias_bytes: int = 0
-    host_temp_bytes: int = 0
+
+    @property
+    def argument_bytes(self) -> int:
+        """The arguments' bytes on one device (`memory`'s)."""
+        return self.memory.argument_bytes
+
+    @property
+    def output_bytes(self) -> int:
+        """The outputs' bytes on one device (`memory`'s)."""
+        return self.memory.output_bytes
+
+    @property
+    def alias_bytes(self) -> int:
+        """Bytes of outputs that reuse a donated argument's buffer (`memory`'s)."""
+        return self.memory.alias_bytes
+
+    @property
+    def temp_bytes(self) -> int:
+        """The compiler's temporaries, activations among them (`memory`'s)."""
+        return self.memory.temp_bytes
+
+    @property
+    def code_bytes(self) -> int:
+        """The generated code, 0 on CPU (`memory`'s)."""
+        return self.memory.code_bytes
+
+    @property
+    def compiler_peak_bytes(self) -> int:
+        """The compiler's own peak, where it gives one (`memory`'s; new in 0.5)."""
+        return self.memory.compiler_peak_bytes
+
+    @property
+    def host_argument_bytes(self) -> int:
+        """The arguments offloaded to the host, per device (`memory`'s; new in 0.5)."""
+        return self.memory.host_argument_bytes
+
+    @property
+    def host_output_bytes(self) -> int:
+        """The outputs placed in the host's memory, per device (new in 0.5)."""
+        return self.memory.host_output_bytes
+
+    @property
+    def host_alias_bytes(self) -> int:
+        """Host outputs in donated host buffers (new in 0.5)."""
+        return self.memory.host_alias_bytes
+
+    @property
+    def host_temp_bytes(self) -> int:
+        """The compiler's temporaries in host memory (new in 0.5)."""
+        return self.memory.host_temp_bytes
 
     @property
     def peak_bytes(self) -> int:
         """Arguments + outputs - aliased + temporaries: the step's peak on one device."""
-        return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
+        return self.memory.peak_bytes
 
     @property
     def host_peak_bytes(self) -> int:
@@ -166,12 +211,7 @@ class StepPlan:
             >>> step.host_argument_bytes, step.argument_bytes, step.host_peak_bytes
             (64, 0, 64)
         """
-        return (
-            self.host_argument_bytes
-            + self.host_output_bytes
-            - self.host_alias_bytes
-            + self.host_temp_bytes
-        )
+        return self.memory.host_peak_bytes
 
     @property
     def unexplained_traffic(self) -> Traffic | None:
@@ -434,14 +474,11 @@ def step_plan(traced: Traced, analysis: Analysis, compiler: Compiler) -> StepPla
         Located(argument_path(row.path), flag) for row in inputs.rows for flag in row.flags
     ]
     flags += [*analysis.reading.flags, *traced.warned]
-    # the CPU (one memory) and XLA GPU count offloaded arguments as the device's
-    moved = 0 if analysis.host_argument_bytes else inputs.host_bytes
+    memory = analysis.memory
+    if not memory.host_argument_bytes:  # the CPU (one memory) and XLA GPU count them
+        memory = memory.with_host_arguments(inputs.host_bytes)  # as the device's
     return StepPlan(
-        argument_bytes=analysis.argument_bytes - moved,
-        output_bytes=analysis.output_bytes,
-        alias_bytes=analysis.alias_bytes,
-        temp_bytes=analysis.temp_bytes,
-        code_bytes=analysis.code_bytes,
+        memory=memory,
         collectives=analysis.reading.collectives,
         inputs=inputs,
         backend=analysis.backend,
@@ -454,10 +491,5 @@ def step_plan(traced: Traced, analysis: Analysis, compiler: Compiler) -> StepPla
         devices_per_node=compiler.devices_per_node,
         rule_problems=traced.rule_problems,
         schedule=analysis.schedule,
-        compiler_peak_bytes=analysis.compiler_peak_bytes,
         compiler_seconds=analysis.compiler_seconds,
-        host_argument_bytes=analysis.host_argument_bytes + moved,
-        host_output_bytes=analysis.host_output_bytes,
-        host_alias_bytes=analysis.host_alias_bytes,
-        host_temp_bytes=analysis.host_temp_bytes,
     )

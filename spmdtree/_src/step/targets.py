@@ -321,31 +321,83 @@ class Backend(enum.StrEnum):
 
 
 @dataclasses.dataclass(frozen=True)
-class Analysis:
-    """What a compile says of a step, per device: its memory, and what its HLO
-    says (`reading`), its schedule, and the compiler's own figures where it
-    gives them (its peak, `compiler_peak_bytes`: libtpu and XLA GPU; its
-    time estimate, `compiler_seconds`: libtpu; 0 elsewhere), and the host memory
-    it holds for the step where arrays are offloaded (``host_*_bytes``, as
-    ``memory_analysis()`` gives them). Crosses a process boundary as JSON
-    (`to_json`, `from_json`)."""
+class Memory:
+    """What a compiled step holds on one device, as its compiler says
+    (``compiled.memory_analysis()``), in bytes; `StepPlan.memory` (new in 0.5).
+
+    Attributes:
+        argument_bytes: the arguments' bytes on the device.
+        output_bytes: the outputs'.
+        alias_bytes: outputs that reuse a donated argument's buffer.
+        temp_bytes: the compiler's temporaries (activations among them).
+        code_bytes: the generated code (0 on CPU).
+        compiler_peak_bytes: the compiler's own peak where it gives one
+            (``peak_memory_in_bytes``: libtpu and XLA GPU), else 0.
+        host_argument_bytes, host_output_bytes, host_alias_bytes,
+            host_temp_bytes: the same in the host's memory (arrays offloaded
+            with a host `memory_kind`), apart from the device's.
+
+    Example:
+        >>> import spmdtree as st
+        >>> memory = st.Memory(1024, 512, 256, 4096, 0)
+        >>> memory.peak_bytes  # arguments + outputs - aliased + temporaries
+        5376
+        >>> offloaded = memory.with_host_arguments(512)  # half the arguments on the host
+        >>> offloaded.argument_bytes, offloaded.host_argument_bytes, offloaded.host_peak_bytes
+        (512, 512, 512)
+    """
 
     argument_bytes: int
     output_bytes: int
     alias_bytes: int
     temp_bytes: int
     code_bytes: int
+    compiler_peak_bytes: int = 0
+    host_argument_bytes: int = 0
+    host_output_bytes: int = 0
+    host_alias_bytes: int = 0
+    host_temp_bytes: int = 0
+
+    @property
+    def peak_bytes(self) -> int:
+        """Arguments + outputs - aliased + temporaries: the step's peak on one device."""
+        return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
+
+    @property
+    def host_peak_bytes(self) -> int:
+        """The same in the host's memory, per device: what the step offloads."""
+        return (
+            self.host_argument_bytes
+            + self.host_output_bytes
+            - self.host_alias_bytes
+            + self.host_temp_bytes
+        )
+
+    def with_host_arguments(self, moved: int) -> Memory:
+        """`moved` bytes of the arguments counted in the host's memory, not the
+        device's: what the CPU (one memory) and XLA GPU count as the device's."""
+        return dataclasses.replace(
+            self,
+            argument_bytes=self.argument_bytes - moved,
+            host_argument_bytes=self.host_argument_bytes + moved,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Analysis:
+    """What a compile says of a step, per device: its `Memory` (the compiler's
+    own peak where it gives one, and the host memory it holds where arrays are
+    offloaded), what its HLO says (`reading`), its schedule, and the compiler's
+    own time estimate where it gives one (`compiler_seconds`: libtpu; 0
+    elsewhere). Crosses a process boundary as JSON (`to_json`, `from_json`)."""
+
+    memory: Memory
     reading: Reading
     overstated_bytes: int
     backend: Backend
     seconds: float = 0.0
     schedule: Schedule | None = None
-    compiler_peak_bytes: int = 0
     compiler_seconds: float = 0.0
-    host_argument_bytes: int = 0
-    host_output_bytes: int = 0
-    host_alias_bytes: int = 0
-    host_temp_bytes: int = 0
 
     def to_json(self) -> dict[str, Any]:
         """The analysis as plain JSON values."""
@@ -358,7 +410,16 @@ class Analysis:
         schedule = Schedule.from_json(data["schedule"]) if data.get("schedule") else None
         backend = Backend(data["backend"])
         reading = Reading.from_json(data["reading"])
-        return cls(**{**data, "reading": reading, "schedule": schedule, "backend": backend})
+        memory = Memory(**data["memory"])
+        return cls(
+            **{
+                **data,
+                "memory": memory,
+                "reading": reading,
+                "schedule": schedule,
+                "backend": backend,
+            }
+        )
 
 
 def analyse(
@@ -392,25 +453,26 @@ def analyse(
         _host(memory, "output"),
         ((out, out.sharding) for out in jax.tree.leaves(compiled.out_info)),
     )
+    compiler_peak = getattr(memory, "peak_memory_in_bytes", 0) or 0
     return Analysis(
-        argument_bytes=int(memory.argument_size_in_bytes),
-        output_bytes=outputs,
-        alias_bytes=int(memory.alias_size_in_bytes),
-        temp_bytes=temp,
-        code_bytes=int(memory.generated_code_size_in_bytes),
+        memory=Memory(
+            argument_bytes=int(memory.argument_size_in_bytes),
+            output_bytes=outputs,
+            alias_bytes=int(memory.alias_size_in_bytes),
+            temp_bytes=temp,
+            code_bytes=int(memory.generated_code_size_in_bytes),
+            # the CPU's own peak is the CPU program's, no accelerator's: not reported
+            compiler_peak_bytes=0 if platform == "cpu" else int(compiler_peak),
+            host_argument_bytes=_host(memory, "argument"),
+            host_output_bytes=host_outputs,
+            host_alias_bytes=_host(memory, "alias"),
+            host_temp_bytes=_host(memory, "temp"),
+        ),
         reading=read,
         overstated_bytes=overstated_bytes(read.held_bytes, temp) if platform == "cpu" else 0,
         backend=Backend.of(platform),
         schedule=read_schedule(mod, tuple(mesh.shape.items()), platform=platform),
-        # the CPU's own peak is the CPU program's, no accelerator's: not reported
-        compiler_peak_bytes=0
-        if platform == "cpu"
-        else int(getattr(memory, "peak_memory_in_bytes", 0) or 0),
         compiler_seconds=_optimal_seconds(compiled),
-        host_argument_bytes=_host(memory, "argument"),
-        host_output_bytes=host_outputs,
-        host_alias_bytes=_host(memory, "alias"),
-        host_temp_bytes=_host(memory, "temp"),
     )
 
 
