@@ -259,7 +259,7 @@ MUTANTS: dict[str, list[tuple[str, str, str]]] = {
     ],
     "peak-ignores-aliasing": [
         (
-            "_src/step/preflight.py",
+            "_src/step/targets.py",
             "+ self.output_bytes - self.alias_bytes +",
             "+ self.output_bytes +",
         ),
@@ -800,8 +800,8 @@ MUTANTS.update(
         "offloaded-arguments-left-on-the-device": [
             (
                 "_src/step/preflight.py",
-                "moved = 0 if analysis.host_argument_bytes else inputs.host_bytes",
-                "moved = 0",
+                "memory = memory.with_host_arguments(inputs.host_bytes)",
+                "memory = memory",
             )
         ],
         "offloaded-outputs-left-on-the-device": [
@@ -910,9 +910,9 @@ MUTANTS.update(
         ],
         "outputs-counted-as-arguments": [
             (
-                "_src/step/preflight.py",
-                "output_bytes=analysis.output_bytes,",
-                "output_bytes=analysis.argument_bytes,",
+                "_src/step/targets.py",
+                "output_bytes=outputs,",
+                "output_bytes=int(memory.argument_size_in_bytes),",
             )
         ],
         "gpu-node-not-capped-by-the-mesh": [
