@@ -949,8 +949,8 @@ MUTANTS.update(
         "confirmed-in-candidate-order": [
             (
                 "_src/step/advise.py",
-                "return sorted(self.rows, key=lambda i: rank(self.rows[i], i))",
-                "return sorted(self.rows)",
+                "return sorted(self.records, key=lambda i: rank(self.records[i].row, i))",
+                "return sorted(self.records)",
             )
         ],
         "ranked-by-position": [

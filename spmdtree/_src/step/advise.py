@@ -14,11 +14,11 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import enum
-import hashlib
 import math
 import os
 import sys
 import time
+import types
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal, NamedTuple, cast
@@ -31,7 +31,7 @@ from spmdtree._src.errors import Mistake, public
 from spmdtree._src.plan import Plan
 from spmdtree._src.rules import AnyMesh, Rules
 from spmdtree._src.step.diagnose import Closest, nothing_fits
-from spmdtree._src.step.hardware import PRESETS, Hardware, StepTime, _nodes_per_device
+from spmdtree._src.step.hardware import PRESETS, Hardware, StepTime, check_devices_per_node
 from spmdtree._src.step.preflight import StepPlan, step_plan
 from spmdtree._src.step.targets import (
     TARGETS,
@@ -39,12 +39,10 @@ from spmdtree._src.step.targets import (
     Backend,
     CpuChild,
     DoesNotFit,
-    Here,
     TargetChild,
-    compile_child,
     compiler_for,
 )
-from spmdtree._src.step.trace import Arguments, Exported, Traced, arguments, trace
+from spmdtree._src.step.trace import Arguments, Traced, arguments, trace
 from spmdtree._src.text import (
     LeftUnsharded,
     Located,
@@ -375,96 +373,172 @@ class _Step:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Pending:
-    """A candidate traced and exported, waiting for its compile subprocess."""
-
-    index: int
-    traced: Traced
-    compiler: CpuChild | TargetChild
-    confirming: bool = False
-
-    @property
-    def payload(self) -> bytes:
-        """The exported step, for its child (a child's compiler traces to `Exported`)."""
-        return cast(Exported, self.traced.stage).payload
-
-
-@dataclasses.dataclass
 class _Search:
-    """What the rows are judged by, and the progress lines. `asks` is where the
-    target's compiler can be asked (None: it cannot: no compiler installed, or
-    the hardware has none spmdtree knows)."""
+    """What every row is judged by, fixed for the call: the hardware, the budget,
+    the candidates, where the target's compiler can be asked (`asks`; None: it
+    cannot: no compiler installed, or the hardware has none spmdtree knows), and
+    `report`, called with each row as it is decided and how many are (the
+    progress lines; None: silent)."""
 
     hardware: Hardware
     devices_per_node: int | None
     budget: int
-    progress: bool
-    candidates: list[Candidate]
+    candidates: tuple[Candidate, ...]
     asks: TargetChild | None = None
-    rows: dict[int, AdviceRow] = dataclasses.field(default_factory=dict)
-    steps: dict[int, _Step] = dataclasses.field(default_factory=dict)
+    report: Callable[[AdviceRow, int], None] | None = None
+
+
+# --- a candidate's records: each stage's outcome, immutable -----------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Pending:
+    """A candidate traced and exported, waiting for its compile subprocess
+    (`confirming`: again, for the target, after a screened compile)."""
+
+    index: int
+    traced: Traced
+    compiler: CpuChild | TargetChild
+    step: _Step
+    confirming: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rejected:
+    """A candidate decided without figures: its plan rules it out, or its
+    make_step, trace or compile failed (or the target's compiler found it too
+    big for a chip)."""
+
+    row: AdviceRow
+
+
+@dataclasses.dataclass(frozen=True)
+class _Compiled:
+    """A candidate compiled where it was screened, judged on those figures; its
+    `step`, to trace it again for the target."""
+
+    row: AdviceRow
+    step: _Step
+
+
+@dataclasses.dataclass(frozen=True)
+class _Confirmed:
+    """A screened candidate compiled again for the target, judged on its figures."""
+
+    row: AdviceRow
+
+
+@dataclasses.dataclass(frozen=True)
+class _Unconfirmed:
+    """A screened candidate whose trace or compile for the target failed: its
+    screened row kept, flagged with why."""
+
+    row: AdviceRow
+    step: _Step
+
+
+_Record = _Rejected | _Compiled | _Confirmed | _Unconfirmed
+
+
+@dataclasses.dataclass(frozen=True)
+class _State:
+    """The search so far: each decided candidate's record by its index, and the
+    compiles run. Never changed: each step of the search returns a new one."""
+
+    records: Mapping[int, _Record] = dataclasses.field(
+        default_factory=lambda: types.MappingProxyType({})
+    )
     compiles: int = 0
-    started: float = dataclasses.field(default_factory=time.perf_counter)
 
-    def row(
-        self,
-        index: int,
-        verdict: Verdict,
-        reason: str,
-        step: StepPlan | None = None,
-        flags: tuple[str, ...] = (),
-    ) -> None:
-        candidate = self.candidates[index]
-        timed = None
-        if step is not None:
-            try:
-                timed = step.time(self.hardware, devices_per_node=self.devices_per_node)
-            except ValueError as e:  # the hardware lacks a link kind: said, not lost
-                reason = f"{reason}; not timed: {e}"
-        if timed is not None and verdict in (Verdict.FITS, Verdict.TIGHT):
-            reason += "; " + _bound_by(timed)
-        tokens = None
-        if timed is not None and candidate.length is not None and timed.bound_seconds > 0:
-            tokens = candidate.batch * candidate.length / timed.bound_seconds
-        flags = _batch_first(candidate, flags)
-        self.rows[index] = AdviceRow(candidate, verdict, reason, step, timed, tokens, flags)
-        if self.progress:
-            print(_progress_line(self, self.rows[index]), file=sys.stderr, flush=True)
+    def add(self, index: int, record: _Record, compiles: int = 0) -> _State:
+        """This state with `index` decided as `record`, and `compiles` more run."""
+        records = types.MappingProxyType({**self.records, index: record})
+        return _State(records, self.compiles + compiles)
 
-    def flag(self, index: int, flag: str) -> None:
-        """Adds a flag to a row as it stands."""
-        self.rows[index] = self.rows[index]._replace(flags=(*self.rows[index].flags, flag))
+    def counted(self, compiles: int) -> _State:
+        """This state with `compiles` more run."""
+        return _State(self.records, self.compiles + compiles)
 
-    def reject(self, index: int, planned: Plan) -> bool:
-        """Rejects a candidate by the plan of its arguments, before any compile: its
-        batch axes do not divide its batch, or its arrays alone exceed the budget."""
-        rejected = _rejected(self.candidates[index], planned, self.budget)
-        if rejected is not None:
-            flags = tuple(
-                Located(argument_path(row.path), flag) for row in planned.rows for flag in row.flags
-            )
-            self.row(index, *rejected, flags=flags)
-        return rejected is not None
-
-    def judge(self, index: int, step: StepPlan) -> None:
-        """The verdict on a compiled step, from its peak against the budget; its
-        flags, and the collectives its layout does not explain where they are far
-        above it."""
-        traffic = step.unexplained_traffic
-        flags = step.flags if traffic is None else (*step.flags, traffic.sentence)
-        self.row(index, *_verdict(step, self.budget, self.asks), step, flags)
+    @property
+    def rows(self) -> dict[int, AdviceRow]:
+        return {i: record.row for i, record in self.records.items()}
 
     def order(self) -> list[int]:
-        """The candidates' indices, best row first."""
-        return sorted(self.rows, key=lambda i: rank(self.rows[i], i))
+        """The candidates' indices, best row first (`rank`)."""
+        return sorted(self.records, key=lambda i: rank(self.records[i].row, i))
 
     def ranked(self) -> tuple[AdviceRow, ...]:
-        return tuple(self.rows[i] for i in self.order())
+        return tuple(self.records[i].row for i in self.order())
 
     def screened(self, index: int) -> bool:
         """Whether a row's figures are the CPU estimate's."""
-        step = self.rows[index].step
+        step = self.records[index].row.step
         return step is not None and step.backend == Backend.CPU
+
+
+def _recorded(
+    search: _Search, state: _State, index: int, record: _Record, compiles: int = 0
+) -> _State:
+    """`state` with `record`; a decided row (not a flag added to one) reported."""
+    after = state.add(index, record, compiles)
+    if search.report is not None and not isinstance(record, _Unconfirmed):
+        search.report(record.row, len(after.records))
+    return after
+
+
+def _row(
+    search: _Search,
+    index: int,
+    verdict: Verdict,
+    reason: str,
+    step: StepPlan | None = None,
+    flags: tuple[str, ...] = (),
+) -> AdviceRow:
+    """A candidate's row: its verdict and reason, its step timed on the hardware."""
+    candidate = search.candidates[index]
+    timed = None
+    if step is not None:
+        try:
+            timed = step.time(search.hardware, devices_per_node=search.devices_per_node)
+        except ValueError as e:  # the hardware lacks a link kind: said, not lost
+            reason = f"{reason}; not timed: {e}"
+    if timed is not None and verdict in (Verdict.FITS, Verdict.TIGHT):
+        reason += "; " + _bound_by(timed)
+    tokens = None
+    if timed is not None and candidate.length is not None and timed.bound_seconds > 0:
+        tokens = candidate.batch * candidate.length / timed.bound_seconds
+    flags = _batch_first(candidate, flags)
+    return AdviceRow(candidate, verdict, reason, step, timed, tokens, flags)
+
+
+def _flagged(row: AdviceRow, flag: str) -> AdviceRow:
+    """A row as it stands, with one flag more."""
+    return row._replace(flags=(*row.flags, flag))
+
+
+def _rejection(search: _Search, index: int, planned: Plan) -> _Rejected | None:
+    """A candidate its plan rules out before any compile: its batch axes do not
+    divide its batch, or its arrays alone exceed the budget; else None."""
+    rejected = _rejected(search.candidates[index], planned, search.budget)
+    if rejected is None:
+        return None
+    flags = tuple(
+        Located(argument_path(row.path), flag) for row in planned.rows for flag in row.flags
+    )
+    return _Rejected(_row(search, index, *rejected, flags=flags))
+
+
+def _judged(search: _Search, index: int, step: StepPlan) -> AdviceRow:
+    """The row of a compiled step: its verdict from its peak against the budget; its
+    flags, and the collectives its layout does not explain where they are far
+    above it."""
+    traffic = step.unexplained_traffic
+    flags = step.flags if traffic is None else (*step.flags, traffic.sentence)
+    return _row(search, index, *_verdict(step, search.budget, search.asks), step, flags)
+
+
+def _failed(search: _Search, index: int, reason: str) -> _Rejected:
+    return _Rejected(_row(search, index, Verdict.DOES_NOT_COMPILE, reason))
 
 
 def _batch_first(candidate: Candidate, flags: tuple[str, ...]) -> tuple[str, ...]:
@@ -575,10 +649,19 @@ def _unsharded_batch(candidate: Candidate, planned: Plan) -> str | None:
     return None
 
 
-def _progress_line(search: _Search, row: AdviceRow) -> str:
+def _printer(total: int) -> Callable[[AdviceRow, int], None]:
+    """What reports each row decided: its progress line on stderr, timed from now."""
+    started = time.perf_counter()
+
+    def report(row: AdviceRow, done: int) -> None:
+        line = _progress_line(row, done, total, time.perf_counter() - started)
+        print(line, file=sys.stderr, flush=True)
+
+    return report
+
+
+def _progress_line(row: AdviceRow, done: int, total: int, elapsed: float) -> str:
     """``advise [3/12] data 2 x tensor 4, batch 8: fits, bound 1.2 ms (peak ...); about 40 s left``."""
-    done, total = len(search.rows), len(search.candidates)
-    elapsed = time.perf_counter() - search.started
     # the rest at the mean pace of those done so far
     left = _duration(elapsed / done * (total - done))
     left = f"{'' if left.startswith('under') else 'about '}{left} left"
@@ -645,16 +728,15 @@ _KWARGS = ("params", "donate_argnums", "static_argnums", "out_shardings")
 
 def _first_pass(
     search: _Search, index: int, make_step: Callable[[Candidate], Any], screen: TargetChild | None
-) -> _Pending | None:
+) -> _Pending | _Record:
     """Plans the candidate, and traces and exports its step for `screen` (None: the
     CPU estimate; or compiles it here, on a mesh this process has the devices
-    for): a pending compile, or None (a row)."""
+    for): a pending compile, or the candidate's record."""
     candidate = search.candidates[index]
     try:
         returned = make_step(candidate)
     except Exception as e:
-        search.row(index, Verdict.DOES_NOT_COMPILE, f"make_step raised {_message(e)}")
-        return None
+        return _failed(search, index, f"make_step raised {_message(e)}")
     fn, args, kwargs = _step_call(returned)
     mesh = _abstract(candidate)
     try:
@@ -666,27 +748,20 @@ def _first_pass(
             donate_argnums=kwargs.get("donate_argnums", ()),
             static_argnums=kwargs.get("static_argnums", ()),
         )
-        if search.reject(index, planned.plan):
-            return None
-        search.steps[index] = _Step(fn, planned, kwargs.get("out_shardings"))
+        rejected = _rejection(search, index, planned.plan)
+        if rejected is not None:
+            return rejected
+        step = _Step(fn, planned, kwargs.get("out_shardings"))
         at = screen if screen is not None else compiler_for(mesh, None, None)
         traced = trace(
-            fn,
-            planned,
-            mesh,
-            candidate.rules,
-            out_shardings=kwargs.get("out_shardings"),
-            compiler=at,
+            fn, planned, mesh, candidate.rules, out_shardings=step.out_shardings, compiler=at
         )
-        if not isinstance(at, Here):  # exported: its child compiles it in the pool
-            return _Pending(index, traced, at)
-        step = step_plan(traced, at.compile(traced), at)
+        if at.here is None:  # exported: its child compiles it in the pool
+            return _Pending(index, traced, at, step)
+        compiled = step_plan(traced, at.compile(traced), at)
     except Exception as e:
-        search.row(index, Verdict.DOES_NOT_COMPILE, _message(e))
-        return None
-    search.compiles += 1
-    search.judge(index, step)
-    return None
+        return _failed(search, index, _message(e))
+    return _Compiled(_judged(search, index, compiled), step)
 
 
 def _step_call(
@@ -723,134 +798,152 @@ def _abstract(candidate: Candidate) -> AnyMesh:
     return mesh.abstract_mesh if isinstance(mesh, Mesh) else mesh
 
 
-def _second_pass(search: _Search, pending: _Pending, child: _Child) -> None:
-    """The StepPlan of a pending candidate from its subprocess's analysis; a
-    confirming compile that fails keeps the screened row, flagged."""
+def _second_pass(search: _Search, state: _State, pending: _Pending, child: _Child) -> _Record:
+    """A pending candidate's record from its subprocess's analysis; a confirming
+    compile that fails keeps the screened row, flagged."""
     index = pending.index
     try:
         step = step_plan(pending.traced, child.result(), pending.compiler)
     except DoesNotFit as mistake:  # the target's compiler: too big for one chip
-        search.row(index, Verdict.OVER_BUDGET, str(mistake.error("preflight")))
-        return
+        row = _row(search, index, Verdict.OVER_BUDGET, str(mistake.error("preflight")))
+        return _Confirmed(row) if pending.confirming else _Rejected(row)
     except Exception as e:
-        if pending.confirming:
-            search.flag(index, f"not confirmed by {pending.compiler}: {_message(e)}")
-        else:
-            search.row(index, Verdict.DOES_NOT_COMPILE, _message(e))
-        return
-    search.judge(index, step)
+        if not pending.confirming:
+            return _failed(search, index, _message(e))
+        flag = f"not confirmed by {pending.compiler}: {_message(e)}"
+        return _Unconfirmed(_flagged(state.records[index].row, flag), pending.step)
+    row = _judged(search, index, step)
+    return _Confirmed(row) if pending.confirming else _Compiled(row, pending.step)
 
 
 def _run(
     search: _Search,
-    pendings: Iterable[_Pending | None],
+    state: _State,
+    firsts: Iterable[tuple[int, _Pending | _Record]],
     pool: concurrent.futures.ThreadPoolExecutor,
-) -> None:
-    """Starts each pending candidate's compile as it comes (once per distinct step)
-    and finishes every candidate whose compile is done between them, so the
-    progress lines come as candidates finish."""
-    children: dict[tuple[str, Any], _Child] = {}
+) -> _State:
+    """Starts each pending candidate's compile as it comes (once per distinct step,
+    through its compiler's `compile`) and records every candidate whose compile
+    is done between them, so the rows are reported as candidates finish."""
+    children: dict[tuple[str | None, Any], _Child] = {}
     waiting: dict[_Child, list[_Pending]] = {}
 
-    def finish(done: Iterable[_Child]) -> None:
+    def finish(state: _State, done: Iterable[_Child]) -> _State:
         for child in done:
-            while waiting[child]:
-                _second_pass(search, waiting[child].pop(0), child)
+            for pending in waiting.pop(child):
+                record = _second_pass(search, state, pending, child)
+                state = _recorded(search, state, pending.index, record)
+        return state
 
-    for pending in pendings:
-        if pending is not None:
-            payload, compiler = pending.payload, pending.compiler
-            key = (hashlib.sha256(payload).hexdigest(), compiler)
+    for index, first in firsts:
+        if isinstance(first, _Pending):
+            key = (first.traced.digest, first.compiler)
             if key not in children:
-                children[key] = pool.submit(compile_child, payload, compiler)
+                children[key] = pool.submit(first.compiler.compile, first.traced)
                 waiting[children[key]] = []
-                search.compiles += 1
-            waiting[children[key]].append(pending)
-        finish([child for child in waiting if child.done()])
-    finish(concurrent.futures.as_completed(waiting))
+                state = state.counted(1)
+            waiting[children[key]].append(first)
+        else:  # decided here: a step compiled in this process counts
+            state = _recorded(search, state, index, first, int(isinstance(first, _Compiled)))
+        state = finish(state, [child for child in waiting if child.done()])
+    return finish(state, concurrent.futures.as_completed(list(waiting)))
 
 
-def _confirmed(search: _Search, index: int, target: TargetChild) -> _Pending | None:
-    """The candidate's step traced again, exported for the target's compiler (None,
-    the screened row flagged, where it does not trace so)."""
-    candidate, step = search.candidates[index], search.steps[index]
+def _confirmed(
+    search: _Search, state: _State, index: int, target: TargetChild
+) -> _Pending | _Record:
+    """The candidate's step traced again, exported for the target's compiler (its
+    screened row kept, flagged, where it does not trace so)."""
+    record = state.records[index]
+    step = cast(_Compiled, record).step
     try:
         traced = trace(
             step.fn,
             step.planned,
-            _abstract(candidate),
-            candidate.rules,
+            _abstract(search.candidates[index]),
+            search.candidates[index].rules,
             out_shardings=step.out_shardings,
             compiler=target,
         )
     except Exception as e:
-        search.flag(index, f"not confirmed by {target}: {_message(e)}")
-        return None
-    return _Pending(index, traced, target, confirming=True)
+        return _Unconfirmed(_flagged(record.row, f"not confirmed by {target}: {_message(e)}"), step)
+    return _Pending(index, traced, target, step, confirming=True)
 
 
 def _ask(
-    search: _Search, indices: Sequence[int], pool: concurrent.futures.ThreadPoolExecutor
-) -> None:
+    search: _Search,
+    state: _State,
+    indices: Sequence[int],
+    pool: concurrent.futures.ThreadPoolExecutor,
+) -> _State:
     """Compiles the rows at `indices` again for the target and judges them on its
     figures (a row that does not trace or compile so keeps its screened figures,
     flagged)."""
-    if search.asks is not None and indices:
-        _run(search, [_confirmed(search, i, search.asks) for i in indices], pool)
+    if search.asks is None or not indices:
+        return state
+    asks = search.asks
+    return _run(search, state, [(i, _confirmed(search, state, i, asks)) for i in indices], pool)
 
 
-def _over_on_the_estimate(search: _Search) -> list[int]:
+def _over_on_the_estimate(search: _Search, state: _State) -> list[int]:
     """The screened rows over the budget on the CPU estimate alone: the target's
     compiler decides them where it can be asked."""
     if search.asks is None:
         return []
     over = (Verdict.MAY_FIT, Verdict.OVER_BUDGET)
-    return [i for i in search.order() if search.screened(i) and search.rows[i].verdict in over]
+    rows = state.rows
+    return [i for i in state.order() if state.screened(i) and rows[i].verdict in over]
 
 
-def _contenders(search: _Search, tried: set[int]) -> list[int]:
+def _contenders(state: _State, tried: set[int]) -> list[int]:
     """The screened rows that fit (or may) on the CPU estimate and rank above the
     best row the target's figures fit: the ones that could still beat it."""
-    order = search.order()
+    order, rows = state.order(), state.rows
     confirmed = [
         i
         for i in order
-        if not search.screened(i)
-        and search.rows[i].step is not None
-        and search.rows[i].verdict in (Verdict.FITS, Verdict.TIGHT)
+        if not state.screened(i)
+        and rows[i].step is not None
+        and rows[i].verdict in (Verdict.FITS, Verdict.TIGHT)
     ]
     above = order.index(confirmed[0]) if confirmed else len(order)
     return [
         i
         for i in order[:above]
-        if search.screened(i) and search.rows[i].verdict in _HOPEFUL and i not in tried
+        if state.screened(i) and rows[i].verdict in _HOPEFUL and i not in tried
     ]
 
 
 def _confirm(
-    search: _Search, confirm: int, pool: concurrent.futures.ThreadPoolExecutor, jobs: int
-) -> str:
+    search: _Search,
+    state: _State,
+    confirm: int,
+    pool: concurrent.futures.ThreadPoolExecutor,
+    jobs: int,
+) -> tuple[_State, str]:
     """Compiles screened rows for the target, best first, while one could still beat
-    the best the target fits, up to `confirm` of them; what the note says of it."""
+    the best the target fits, up to `confirm` of them; the state after, and what
+    the note says of it."""
     if not confirm or search.asks is None:
-        return ""
+        return state, ""
     tried: set[int] = set()
     while len(tried) < confirm:
-        batch = _contenders(search, tried)[: min(confirm - len(tried), jobs)]
+        batch = _contenders(state, tried)[: min(confirm - len(tried), jobs)]
         if not batch:
             break
         tried.update(batch)
-        _ask(search, batch, pool)
+        state = _ask(search, state, batch, pool)
     if not tried:
-        return f"nothing to confirm: {_why_none_confirmed(search)} (target: {search.asks})"
-    done = [i for i in tried if not search.screened(i)]
-    fit = sum(1 for i in done if search.rows[i].verdict in (Verdict.FITS, Verdict.TIGHT))
+        return state, f"nothing to confirm: {_why_none_confirmed(state)} (target: {search.asks})"
+    rows = state.rows
+    done = [i for i in tried if not state.screened(i)]
+    fit = sum(1 for i in done if rows[i].verdict in (Verdict.FITS, Verdict.TIGHT))
     said = f"{len(done)} of {len(tried)} confirmed: compiled for {search.asks}"
     if len(done) > fit:  # the estimate was low for these: the user must see it first
         said += f"; {len(done) - fit} of them do not fit there (the CPU estimate was low)"
-    left = _contenders(search, tried)
+    left = _contenders(state, tried)
     if left:
-        first = search.order().index(left[0]) + 1
+        first = state.order().index(left[0]) + 1
         said += (
             f"; from row {first} on, the order is the CPU estimate's, unconfirmed: "
             f"{len(left)} row{'' if len(left) == 1 else 's'} there could still beat the "
@@ -858,15 +951,16 @@ def _confirm(
         )
     else:
         said += "; no row on the CPU estimate could beat the best confirmed one"
-    return said
+    return state, said
 
 
-def _why_none_confirmed(search: _Search) -> str:
+def _why_none_confirmed(state: _State) -> str:
     """Why `confirm` found no row to compile for the target, in words."""
-    screened = [i for i in search.rows if search.screened(i)]
-    if not screened and any(row.step is not None for row in search.rows.values()):
+    rows = state.rows
+    screened = [i for i in rows if state.screened(i)]
+    if not screened and any(row.step is not None for row in rows.values()):
         return "every compiled row is already the target's own compile"
-    if any(search.rows[i].verdict in _HOPEFUL for i in screened):
+    if any(rows[i].verdict in _HOPEFUL for i in screened):
         return "no row on the CPU estimate could beat the best the target fits"
     return "no row fits on the CPU estimate"
 
@@ -1051,7 +1145,7 @@ def advise(
     if not _count_or_none(jobs):
         raise Mistake(ValueError, f"jobs is {jobs!r}; expected an int >= 1 (or None).")
     if devices_per_node is not None:
-        _nodes_per_device(devices_per_node, "devices_per_node", "the hardware's")
+        check_devices_per_node(devices_per_node, "devices_per_node", "the hardware's")
     if not isinstance(confirm, int) or isinstance(confirm, bool) or confirm < 0:
         raise Mistake(
             ValueError,
@@ -1069,7 +1163,8 @@ def advise(
     needed = confirm > 0 or screen == "target"
     asks, why = _where_asked(hardware, candidates, devices_per_node, needed)
     first = _screen(asks, screen)
-    search = _Search(hardware, devices_per_node, budget, progress, candidates, asks)
+    report = _printer(len(candidates)) if progress else None
+    search = _Search(hardware, devices_per_node, budget, tuple(candidates), asks, report)
     if progress:
         print(
             _start_line(candidates, workers, confirm, first, asks is not None),
@@ -1077,31 +1172,32 @@ def advise(
             flush=True,
         )
     with _warned_once(), concurrent.futures.ThreadPoolExecutor(workers) as pool:
-        pendings = (_first_pass(search, i, make_step, first) for i in range(len(candidates)))
-        _run(search, pendings, pool)
-        _ask(search, _over_on_the_estimate(search), pool)
-        said = [_screen_note(asks, first, why, screen), _confirm(search, confirm, pool, workers)]
-    said += [_rules_said(search), _nothing_fits(search)]
+        firsts = ((i, _first_pass(search, i, make_step, first)) for i in range(len(candidates)))
+        state = _run(search, _State(), firsts, pool)
+        state = _ask(search, state, _over_on_the_estimate(search, state), pool)
+        state, confirmed = _confirm(search, state, confirm, pool, workers)
+    said = [_screen_note(asks, first, why, screen), confirmed]
+    said += [_rules_said(state), _nothing_fits(state, budget)]
     note = "; ".join(part for part in said if part)
-    return Advice(search.ranked(), search.compiles, hardware, budget, note=note)
+    return Advice(state.ranked(), state.compiles, hardware, budget, note=note)
 
 
-def _rules_said(search: _Search) -> str:
+def _rules_said(state: _State) -> str:
     """The rules' problems (as `validate_rules` says them) of the compiled steps,
     each once."""
     problems = dict.fromkeys(
         problem.sentence
-        for row in search.rows.values()
+        for row in state.rows.values()
         if row.step is not None
         for problem in row.step.rule_problems
     )
     return " ".join(problems)
 
 
-def _nothing_fits(search: _Search) -> str:
+def _nothing_fits(state: _State, budget: int) -> str:
     """Where no compiled row fits, what would: the smallest peak, and whether
     remat, more devices or a smaller batch could bring it under."""
-    compiled = [row for row in search.rows.values() if row.step is not None]
+    compiled = [row for row in state.rows.values() if row.step is not None]
     if not compiled or any(row.verdict in (Verdict.FITS, Verdict.TIGHT) for row in compiled):
         return ""
     closest = [
@@ -1113,9 +1209,9 @@ def _nothing_fits(search: _Search) -> str:
             row.candidate.batch,
         )
         for row in compiled
-        if row.step is not None and row.step.peak_bytes > search.budget
+        if row.step is not None and row.step.peak_bytes > budget
     ]
-    return nothing_fits(closest, search.budget, searched=True) if closest else ""
+    return nothing_fits(closest, budget, searched=True) if closest else ""
 
 
 def _count_or_none(value: object) -> bool:

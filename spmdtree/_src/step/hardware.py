@@ -84,7 +84,7 @@ def _positive(value: object, what: str) -> None:
         raise Mistake(ValueError, f"{what} is {value!r}; expected a number > 0.")
 
 
-def _nodes_per_device(
+def check_devices_per_node(
     devices_per_node: object, what: str, none: str = "every device on one node"
 ) -> None:
     """Refuses a `devices_per_node` that is no int >= 1; `none` is what None means."""
@@ -166,7 +166,7 @@ class Hardware:
                 _positive(figures[1], f"links[{kind!r}] latency")
             links[kind] = (float(figures[0]), float(figures[1]))
         if self.devices_per_node is not None:
-            _nodes_per_device(self.devices_per_node, "devices_per_node")
+            check_devices_per_node(self.devices_per_node, "devices_per_node")
         object.__setattr__(self, "links", Frozen(links))
 
 
@@ -433,7 +433,7 @@ def step_time(
             TypeError, f"hardware is {hw!r}; expected a st.Hardware (st.hardware('h100'))."
         )
     if devices_per_node is not None:
-        _nodes_per_device(devices_per_node, "devices_per_node")
+        check_devices_per_node(devices_per_node, "devices_per_node")
     per_node = hw.devices_per_node if devices_per_node is None else devices_per_node
     by_axes: dict[tuple[str, ...], float] = {}
     for row in collectives:

@@ -41,7 +41,7 @@ from spmdtree._src.resolve import HOST_KINDS
 from spmdtree._src.rules import AnyMesh
 from spmdtree._src.step.chips import CHIPS, Sheet
 from spmdtree._src.step.forms import overstated_bytes
-from spmdtree._src.step.hardware import PRESETS, Hardware, _nodes_per_device
+from spmdtree._src.step.hardware import PRESETS, Hardware, check_devices_per_node
 from spmdtree._src.step.hlo import Reading, read_step
 from spmdtree._src.step.instructions import Module
 from spmdtree._src.step.predict import Schedule, read_schedule
@@ -730,7 +730,7 @@ def compiler_for(
     devices = math.prod(mesh.shape.values())
     if target is not None:
         if devices_per_node is not None:  # GPUs per node, or chips per TPU slice
-            _nodes_per_device(
+            check_devices_per_node(
                 devices_per_node, "devices_per_node", "the hardware's: 8 GPUs a node, one TPU slice"
             )
         chosen, per_node = target_of(target)

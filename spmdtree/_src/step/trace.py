@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import math
 import pickle
 import time
@@ -132,6 +133,14 @@ class Traced:
     def devices(self) -> int:
         """How many devices the step is compiled for."""
         return math.prod(self.mesh.shape.values())
+
+    @property
+    def digest(self) -> str | None:
+        """The exported step's SHA-256, equal for equal steps (what a child would be
+        given twice); None where it was lowered here."""
+        if isinstance(self.stage, Exported):
+            return hashlib.sha256(self.stage.payload).hexdigest()
+        return None
 
 
 def arguments(
