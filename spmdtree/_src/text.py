@@ -431,7 +431,7 @@ def step_table(step: Any) -> str:
             f"  {'on the host':<12}{size_text(step.host_peak_bytes):>11}  offloaded arguments, "
             "outputs and temporaries, not in the peak"
         )
-    if step.backend == "cpu":  # no range claimed: measured, neither side bounds it
+    if step.backend.estimates:  # no range claimed: measured, neither side bounds it
         lines.append(f"{'':<25}an estimate: pass target= for an accelerator's own")
     if step.overstated_bytes:
         lines.append(
@@ -501,7 +501,7 @@ COMPILERS = {"cpu": "cpu est.", "gpu": "XLA GPU", "tpu": "libtpu"}
 
 def _estimates_text(advice: Any) -> str:
     """What the rows marked ``cpu est.`` are, where there are any."""
-    if not any(row.step is not None and row.step.backend == "cpu" for row in advice.rows):
+    if not any(row.step is not None and row.step.backend.estimates for row in advice.rows):
         return ""
     return (
         "cpu est.: the CPU compiler's estimate of the accelerator's figures (it widens bf16 "

@@ -473,7 +473,7 @@ class _State:
     def screened(self, index: int) -> bool:
         """Whether a row's figures are the CPU estimate's."""
         step = self.records[index].row.step
-        return step is not None and step.backend == Backend.CPU
+        return step is not None and step.backend.estimates
 
 
 def _recorded(
@@ -577,7 +577,7 @@ def _verdict(step: StepPlan, budget: int, asks: TargetChild | None) -> tuple[Ver
         return Verdict.FITS, f"peak {peak} of {said} budget"
     if step.peak_bytes <= budget:
         return Verdict.TIGHT, f"peak {peak} of {said} budget, within {TIGHT_MARGIN:.0%} of it"
-    if step.backend != Backend.CPU:
+    if not step.backend.estimates:
         return Verdict.OVER_BUDGET, f"peak {peak} > {said} budget"
     high = (
         f"the CPU estimate, which ran {CPU_OVER} an accelerator's on models that unroll their "

@@ -319,6 +319,18 @@ class Backend(enum.StrEnum):
         ``"gpu"``) as its backend: the one place ``"cuda"`` becomes ``"gpu"``."""
         return cls.GPU if platform == "cuda" else cls(platform)
 
+    @property
+    def estimates(self) -> bool:
+        """Whether its figures are the CPU compiler's estimate of an accelerator's
+        (new in 0.5).
+
+        Example:
+            >>> import spmdtree as st
+            >>> st.Backend.CPU.estimates, st.Backend.TPU.estimates
+            (True, False)
+        """
+        return self is Backend.CPU
+
 
 @dataclasses.dataclass(frozen=True)
 class Memory:
