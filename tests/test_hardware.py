@@ -131,17 +131,37 @@ def _fsdp_rows(per_device, d, f, x, itemsize=2):
     return [gather, scatter], 4 * per_device * d * f
 
 
-@pytest.mark.parametrize("name", ["tpu-v5e", "tpu-v5p", "tpu-v6e"])
-def test_fsdp_is_compute_bound_above_c_over_w_per_device_and_collective_bound_below(name):
-    # T_math = 4 b d f / C, T_comm = 2 x (x-1)/x x 2 d f / W (+ hops): compute-bound
-    # when b > (x-1)/x x C/W, the book's rule with its (x-1)/x. For v5p, x = 8,
-    # d = f = 8192: 7/8 x 2550 = 2231, + 2 x 7 x 1 us x C / (4 d f) = 24 for the hops.
+@pytest.mark.parametrize("name, axes", [("tpu-v5e", 2), ("tpu-v5p", 3), ("tpu-v6e", 2)])
+def test_fsdp_is_compute_bound_above_c_over_w_per_device_and_collective_bound_below(name, axes):
+    # T_math = 4 b d f / C, T_comm = 2 x (x-1)/x x 2 d f / (W x axes) (+ hops):
+    # compute-bound when b > (x-1)/x x C / (W x axes), the book's rule with its
+    # (x-1)/x, FSDP over several torus axes dividing the critical batch by their
+    # number (0.5; 0.4 timed every group on one axis). 8 chips are a 2 x 4 slice
+    # (v5e, v6e: 2 axes) or a 2 x 2 x 2 one (v5p: 3). For v5p, x = 8, d = f = 8192:
+    # 7/8 x 2550 / 3 = 744, + 2 x 7 x 1 us x C / (4 d f) = 24 for the hops.
     hw = st.hardware(name)
-    critical = hw.flops_per_second / hw.links["ici"][0]
+    critical = hw.flops_per_second / (hw.links["ici"][0] * axes)
     for per_device, compute_bound in [(1.05 * critical, True), (0.8 * critical, False)]:
         rows, flops = _fsdp_rows(int(per_device), 8192, 8192, 8)
         t = timed(rows, {"fsdp": 8}, flops=flops, hw=hw)
         assert (t.compute_seconds > t.comm_seconds) is compute_bound, (name, per_device)
+
+
+def test_a_group_over_both_axes_of_a_v5e_256_torus_sends_over_both():
+    # v5e-256 is a 16 x 16 torus. A mesh axis of 16 lies along one torus axis; the
+    # whole 256 (FSDP over the slice) spans both, so its bytes go at twice one
+    # axis's bandwidth (the scaling book: V / (W_ici x axes)).
+    v5e, b = st.hardware("tpu-v5e"), 64 * 2**20
+    whole = st.Collective("all-gather", 1, b, axes=("fsdp",), group=256)
+    one = st.Collective("all-gather", 1, b, axes=("data",), group=16)
+    across = timed([whole], {"fsdp": 256}, hw=v5e).comm_seconds
+    along = timed([one], {"data": 16, "fsdp": 16}, hw=v5e).comm_seconds
+    assert across == pytest.approx(255 / 256 * b / (2 * 9e10) + 255 * 1e-6)
+    assert along == pytest.approx(15 / 16 * b / 9e10 + 15 * 1e-6)
+    # A GPU node is no torus: H100s' 8 NVLink devices at the one figure.
+    gather = st.Collective("all-gather", 1, b, axes=("fsdp",), group=8)
+    h100 = timed([gather], {"fsdp": 8}, hw=st.hardware("h100"))
+    assert h100.comm_seconds == pytest.approx(7 / 8 * b / 450e9 + 7 * 2e-6)
 
 
 def test_fsdp_step_preflighted_matches_the_rows_by_hand():

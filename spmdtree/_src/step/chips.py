@@ -13,6 +13,7 @@ This module is data only: it imports nothing of spmdtree's.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -180,3 +181,42 @@ CHIPS = {
         slice_limit=256,
     ),
 }
+
+
+def slice_dims(chips: int, count: int) -> list[int]:
+    """A TPU slice's torus dimensions for a power of two of chips, in `count`
+    dimensions: ``2x1x1``, ``2x2x1``, ``2x2x2``, ``2x2x4``, ``2x4x4``, ... (the
+    smallest dimension doubled, the last of ties first).
+
+    Example:
+        >>> slice_dims(256, 2), slice_dims(64, 3), slice_dims(2, 3)
+        ([16, 16], [4, 4, 4], [2, 1, 1])
+    """
+    if chips < 4:
+        return [chips] + [1] * (count - 1)
+    dims = [2, 2] + [1] * (count - 2)
+    while math.prod(dims) < chips:
+        smallest = min(dims)
+        dims[max(i for i, d in enumerate(dims) if d == smallest)] *= 2
+    return dims
+
+
+def torus_axes(group: int, dims: list[int]) -> int:
+    """How many of a torus's axes a collective's group of `group` chips spans: the
+    fewest of its `dims`, the longest first, that hold the group (a mesh axis is
+    laid along whole torus axes). Each axis spanned adds its links' bandwidth (the
+    JAX scaling book, "How to Think About TPUs": an all-gather over several axes
+    takes V / (W_ici x axes)).
+
+    Example:
+        >>> torus_axes(256, [16, 16]), torus_axes(16, [16, 16]), torus_axes(32, [16, 16])
+        (2, 1, 2)
+        >>> torus_axes(64, [4, 4, 4]), torus_axes(1, [4, 4, 4])
+        (3, 1)
+    """
+    held, axes = 1, 0
+    for side in sorted((d for d in dims if d > 1), reverse=True):
+        if held >= group:
+            break
+        held, axes = held * side, axes + 1
+    return max(axes, 1)

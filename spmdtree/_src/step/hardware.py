@@ -19,7 +19,7 @@ from typing import Any, Protocol, TypeVar
 import numpy as np
 
 from spmdtree._src.errors import Mistake, public
-from spmdtree._src.step.chips import CHIPS
+from spmdtree._src.step.chips import CHIPS, slice_dims, torus_axes
 from spmdtree._src.step.predict import COSTS, Schedule, predict
 
 #: The link kinds, fastest first: within a node or slice, then across.
@@ -390,14 +390,18 @@ def collective_seconds(
     Think About GPUs", cross-node collectives) times a 2-node all-gather of B
     bytes so: max(B (8-1)/8 / 450e9 within the node, B (2-1)/2 / 400e9 of
     node egress across), 130 us for 64 MiB on H100s (a sum would say 214 us).
+
+    On a TPU preset the ICI figure is one torus axis's (both directions): a group
+    that spans several axes of its slice's torus (`chips.torus_axes`: a v5e-256's
+    256 chips span both of its 16 x 16) sends over each, so its bandwidth is that
+    many times the figure (the scaling book's V / (W_ici x axes); new in 0.5).
     """
     if row.group <= 1:
         return 0.0
     names = list(shape)
     varying = [names.index(a) for a in row.axes if a in names]
-    span = nodes_spanned(
-        list(shape.values()), varying, devices_per_node or math.prod(shape.values())
-    )
+    per_node = devices_per_node or math.prod(shape.values())
+    span = nodes_spanned(list(shape.values()), varying, per_node)
     g_dcn = float(min(span, row.group))
     g = {"ici": row.group / g_dcn, "dcn": g_dcn}
     seconds = 0.0
@@ -412,8 +416,19 @@ def collective_seconds(
                 f"{hw.name!r} has no {kind!r} link. Add one to its links.",
             )
         bandwidth, latency = hw.links[kind]
+        if kind == "ici":
+            bandwidth *= _torus_axes(hw, g["ici"], per_node)
         seconds = max(seconds, sent / bandwidth + row.count * latency * (g[kind] - 1))
     return seconds
+
+
+def _torus_axes(hw: Hardware, group: float, slice_chips: int) -> int:
+    """How many torus axes of a TPU preset's slice of `slice_chips` an ICI group of
+    `group` chips spans; 1 on anything else (a GPU node, a hardware of one's own)."""
+    sheet = CHIPS.get(hw.name)
+    if sheet is None or sheet.platform != "tpu" or not sheet.dimensions:
+        return 1
+    return torus_axes(round(group), slice_dims(slice_chips, sheet.dimensions))
 
 
 def step_time(

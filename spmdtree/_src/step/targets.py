@@ -39,7 +39,7 @@ from jax.sharding import AbstractDevice, Mesh
 from spmdtree._src.errors import Mistake
 from spmdtree._src.resolve import HOST_KINDS
 from spmdtree._src.rules import AnyMesh
-from spmdtree._src.step.chips import CHIPS, Sheet
+from spmdtree._src.step.chips import CHIPS, Sheet, slice_dims
 from spmdtree._src.step.forms import overstated_bytes
 from spmdtree._src.step.hardware import PRESETS, Hardware, check_devices_per_node
 from spmdtree._src.step.hlo import Reading, read_step
@@ -196,7 +196,7 @@ class Placement:
     @property
     def dims(self) -> list[int]:
         """A TPU slice's topology dimensions."""
-        return _tpu_dims(self.per_node, self.target.dimensions)
+        return slice_dims(self.per_node, self.target.dimensions)
 
     def __str__(self) -> str:
         kind = "node" if self.target.platform == "cuda" else "slice"
@@ -239,19 +239,6 @@ def place(target: Target, devices: int, per_node: int | None) -> Placement:
 
 def _power_of_two(n: int) -> bool:
     return n >= 1 and n & (n - 1) == 0
-
-
-def _tpu_dims(chips: int, count: int) -> list[int]:
-    """A slice's topology for a power of two of chips: ``2x1x1``, ``2x2x1``,
-    ``2x2x2``, ``2x2x4``, ``2x4x4``, ... (the smallest dimension doubled, the last
-    of ties first)."""
-    if chips < 4:
-        return [chips] + [1] * (count - 1)
-    dims = [2, 2] + [1] * (count - 2)
-    while math.prod(dims) < chips:
-        smallest = min(dims)
-        dims[max(i for i, d in enumerate(dims) if d == smallest)] *= 2
-    return dims
 
 
 class CompilerMissing(Mistake):
