@@ -679,6 +679,9 @@ def test_a_step_with_a_pallas_kernel_compiles_for_the_target(preset):
     with jax.set_mesh(mesh):
         compiled = jax.jit(flash).lower(placed, placed, placed).compile()
     assert "__gpu$xla.gpu.triton" in compiled.as_text()
+    # Triton's call keeps no cost estimate: its FLOPs are not counted, and it says so.
+    assert ours.flops == 0
+    assert [str(f) for f in ours.flags if "hand-written kernel" in str(f)], ours.flags
     memory = compiled.memory_analysis()
     assert ours.argument_bytes == memory.argument_size_in_bytes == 3 * 512 * 2 * 64 * 2
     assert ours.peak_bytes == (
@@ -687,3 +690,52 @@ def test_a_step_with_a_pallas_kernel_compiles_for_the_target(preset):
         - memory.alias_size_in_bytes
         + memory.temp_size_in_bytes
     )
+
+
+def _doubled(x_ref, o_ref):
+    o_ref[...] = x_ref[...] * 2
+
+
+def _pallas_step(cost_estimate):
+    """A Pallas kernel (Mosaic on TPU) over a (1024, 1024) f32 array."""
+    from jax.experimental import pallas as pl
+
+    def step(x):
+        shape = jax.ShapeDtypeStruct(x.shape, x.dtype)
+        call = pl.pallas_call(
+            _doubled, out_shape=shape, cost_estimate=cost_estimate, name="doubled"
+        )
+        return call(x)
+
+    return step
+
+
+@pytest.mark.parametrize("preset", [needs("tpu-v5e")])
+def test_a_pallas_kernels_cost_estimate_times_it_and_none_is_said(preset):
+    # A hand-written kernel holds no dots the module shows: its author's cost
+    # estimate is all there is. With one, the step's FLOPs and the predicted time
+    # are the estimate's (FLOPs at v5e's peak, bytes at 90% of its 819 GB/s, the
+    # larger plus 5% of the smaller); without one, the kernel is timed by its
+    # operand and result bytes, and a flag says its FLOPs are left out.
+    from jax.experimental import pallas as pl
+
+    x = jax.ShapeDtypeStruct((1024, 1024), jnp.float32)
+    mesh = AbstractMesh((1,), ("data",), axis_types=(AxisType.Auto,))
+    hw = st.hardware(preset)
+    flops, size = 10**12, 10**9
+    estimate = pl.CostEstimate(flops=flops, transcendentals=0, bytes_accessed=size)
+    given = st.preflight(_pallas_step(estimate), x, mesh=mesh, target=preset)
+    assert given.flops == flops
+    compute, memory = flops / 197e12, size / (819e9 * 0.9)
+    t = given.time(hw)
+    assert t.predicted_by_class["matmul"] == pytest.approx(compute + 0.05 * memory, rel=1e-3)
+    assert not [f for f in given.flags if "cost estimate" in str(f)]
+
+    bare = st.preflight(_pallas_step(None), x, mesh=mesh, target=preset)
+    assert bare.flops == 0
+    (flag,) = [str(f) for f in bare.flags if "cost estimate" in str(f)]
+    assert flag.startswith("1 hand-written kernel with no cost estimate (")
+    assert "(doubled)" in flag, flag  # the kernel's name, as pallas_call gave it
+    t = bare.time(hw)
+    assert t.predicted_by_class["matmul"] == 0
+    assert t.predicted_by_class["memory"] >= 2 * 1024 * 1024 * 4 / (819e9 * 0.9)

@@ -939,9 +939,44 @@ MUTANTS.update(
                 "return self.per_node",
             )
         ],
+        "torus-one-axis": [
+            (
+                "_src/step/hardware.py",
+                'bandwidth *= _torus_axes(hw, g["ici"], per_node)',
+                "bandwidth *= 1",
+            )
+        ],
+        "torus-counts-every-axis": [
+            (
+                "_src/step/chips.py",
+                "        if held >= group:\n            break\n",
+                "",
+            )
+        ],
+        "kernel-estimate-ignored": [
+            (
+                "_src/step/opcodes.py",
+                "return estimate[0] if estimate is not None else 0",
+                "return 0",
+            )
+        ],
+        "kernel-bytes-not-the-estimates": [
+            (
+                "_src/step/predict.py",
+                "if estimate is not None and estimate[1]:",
+                "if False:",
+            )
+        ],
+        "opaque-kernel-unsaid": [
+            (
+                "_src/step/hlo.py",
+                "return Tally(opaque=frozenset([ins.name.rsplit(\".\", 1)[0]]))",
+                "return Tally()",
+            )
+        ],
         "tpu-slice-grows-the-first-of-ties": [
             (
-                "_src/step/targets.py",
+                "_src/step/chips.py",
                 "dims[max(i for i, d in enumerate(dims) if d == smallest)] *= 2",
                 "dims[min(i for i, d in enumerate(dims) if d == smallest)] *= 2",
             )

@@ -23,7 +23,7 @@ from spmdtree._src.step.forms import Flow, Written, fused_scatter, held, parts
 from spmdtree._src.step.groups import collective_axes, group_axes
 from spmdtree._src.step.instructions import Instr, Module, Op
 from spmdtree._src.step.loops import trip_count
-from spmdtree._src.step.opcodes import DONES, KIND, flops
+from spmdtree._src.step.opcodes import DONES, KIND, flops, is_kernel_call, kernel_estimate
 
 #: The collectives counted, in the order rows are listed.
 KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
@@ -180,8 +180,9 @@ class Tally:
     """What one run of a computation does, its callees included: flops, collective
     rows ``(kind, axes, group, written_as) -> (count, bytes)``, the kinds inside loops of unknown
     trip count, rows over groups that are not whole axes, the all-reduces read as
-    reduce-scatters (by computation and name, with their whole size) and the
-    collectives counted at a narrower width."""
+    reduce-scatters (by computation and name, with their whole size), the
+    collectives counted at a narrower width and the hand-written kernels with no
+    cost estimate (by name, its number left out)."""
 
     flops: int = 0
     rows: Mapping[Key, tuple[int, int]] = dataclasses.field(default_factory=dict)
@@ -189,6 +190,7 @@ class Tally:
     partial: frozenset[Key] = frozenset()
     scattered: Mapping[tuple[str, str], int] = dataclasses.field(default_factory=dict)
     widened: frozenset[tuple[str, str]] = frozenset()
+    opaque: frozenset[str] = frozenset()
 
     def __add__(self, other: Tally) -> Tally:
         rows = dict(self.rows)
@@ -202,6 +204,7 @@ class Tally:
             self.partial | other.partial,
             {**self.scattered, **other.scattered},
             self.widened | other.widened,
+            self.opaque | other.opaque,
         )
 
     def times(self, n: int) -> Tally:
@@ -209,7 +212,7 @@ class Tally:
         return dataclasses.replace(self, flops=self.flops * n, rows=rows)
 
     def __bool__(self) -> bool:
-        return bool(self.flops or self.rows or self.unknown or self.scattered)
+        return bool(self.flops or self.rows or self.unknown or self.scattered or self.opaque)
 
     @property
     def cost(self) -> tuple[int, int]:
@@ -256,6 +259,8 @@ class Reader:
         kind = KIND.get(ins.op)
         if ins.op == Op.kSend and _MEGASCALE in ins.frontend:
             return self._across_slices(ins)
+        if is_kernel_call(ins) and kernel_estimate(ins) is None:
+            return Tally(opaque=frozenset([ins.name.rsplit(".", 1)[0]]))
         if kind is None:
             return Tally(flops=computed) if computed else Tally()
         start = self.mod.by_name[comp].get(ins.operands[0], ins) if ins.op in DONES else ins
@@ -389,8 +394,27 @@ def read_step(
     most = held(mod, dict(total.scattered), mod.entry) if total.scattered else 0
     order = sorted(total.rows, key=lambda k: (KINDS.index(k[0]), *k[1:]))
     found = tuple(Collective(k, *total.rows[(k, a, g, w)], a, g, w) for k, a, g, w in order)
-    flags = _flags(total.unknown, total.partial, len(total.scattered), len(total.widened))
+    flags = [
+        *_flags(total.unknown, total.partial, len(total.scattered), len(total.widened)),
+        *_opaque(total.opaque),
+    ]
     return Reading(found, tuple(flags), total.flops, most)
+
+
+def _opaque(names: frozenset[str]) -> Iterator[str]:
+    """The sentence for hand-written kernels whose cost the module does not hold."""
+    if not names:
+        return
+    listed = sorted(names)
+    shown = ", ".join(listed[:2]) + (f" and {len(listed) - 2} more" if len(listed) > 2 else "")
+    many = len(listed) > 1
+    yield (
+        f"{len(listed)} hand-written kernel{'s' if many else ''} with no cost estimate "
+        f"({shown}): the module holds none of {'their' if many else 'its'} FLOPs, so the "
+        f"step's FLOPs leave {'them' if many else 'it'} out and the predicted time counts "
+        f"{'their' if many else 'its'} bytes alone (on TPU, pallas_call's cost_estimate= is read "
+        "where given; Triton's calls do not keep it)"
+    )
 
 
 def _flags(

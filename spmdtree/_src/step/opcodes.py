@@ -194,11 +194,49 @@ def conv_flops(mod: Module, comp: str, ins: Instr) -> int:
     return _conv_flops(_result(ins), lhs, rhs, ins)
 
 
+#: The custom calls that run a kernel written outside the compiler: Pallas's, through
+#: Mosaic on TPU, through Triton or Mosaic GPU on GPU. The module holds none of their
+#: dots; only the cost estimate their author gave ``pallas_call`` says what they do
+#: (Mosaic's backend config carries it; Triton's and Mosaic GPU's calls drop it).
+_KERNEL_CALLS = ("tpu_custom_call", "__gpu$xla.gpu.triton", "mosaic_gpu")
+
+
+def is_kernel_call(ins: Instr) -> bool:
+    """Whether `ins` runs a hand-written kernel (`_KERNEL_CALLS`)."""
+    return ins.op == Op.kCustomCall and ins.target.startswith(_KERNEL_CALLS)
+
+
+def kernel_estimate(ins: Instr) -> tuple[int, int] | None:
+    """A hand-written kernel's own cost estimate, (FLOPs, bytes accessed), as its
+    author gave ``pallas_call(cost_estimate=...)``; None where it has none (new in
+    0.5).
+
+    Example:
+        >>> import dataclasses
+        >>> config = {"custom_call_config": {"cost_estimate": {"flops": "4096", "bytes_accessed": "512"}}}
+        >>> call = Instr("k", Op.kCustomCall, (), False, (), False, (), config=config,
+        ...     target="tpu_custom_call")
+        >>> kernel_estimate(call), kernel_estimate(dataclasses.replace(call, config={}))
+        ((4096, 512), None)
+    """
+    found = config_field(ins.config, "cost_estimate") if is_kernel_call(ins) else None
+    if not isinstance(found, dict):
+        return None
+    try:
+        return int(found.get("flops", 0)), int(found.get("bytes_accessed", 0))
+    except (TypeError, ValueError):
+        return None
+
+
 def custom_flops(mod: Module, comp: str, ins: Instr) -> int:
     """The FLOPs of a library call: a cuBLAS matmul (its dims in its backend config),
     a cuDNN convolution (its window; the backward ones laid out by which operand is
-    the forward's output) or cuDNN fused attention."""
+    the forward's output) or cuDNN fused attention; a hand-written kernel's as its
+    cost estimate says (none without one; new in 0.5)."""
     name = ins.target
+    if is_kernel_call(ins):
+        estimate = kernel_estimate(ins)
+        return estimate[0] if estimate is not None else 0
     types = _operands(mod, comp, ins)
     result = _result(ins)
     if "gemm" in name.lower() or "matmul" in name.lower():

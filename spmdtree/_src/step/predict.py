@@ -47,7 +47,7 @@ from spmdtree._src.step.groups import collective_axes
 from spmdtree._src.step.hlo import Collective
 from spmdtree._src.step.instructions import Instr, Module, Op, bits, config_field
 from spmdtree._src.step.loops import trip_count
-from spmdtree._src.step.opcodes import DONES, STARTS, SYNC
+from spmdtree._src.step.opcodes import DONES, STARTS, SYNC, is_kernel_call, kernel_estimate
 
 #: The classes a step's time is split into; `Prediction` has one field each.
 CLASSES = ("matmul", "attention", "memory", "collectives", "launch")
@@ -573,9 +573,13 @@ class _Reader:
     def _bytes(self, comp: str, ins: Instr) -> int:
         """What a kernel reads and writes: its operands (a sliced one as its slice, an
         updated one in place as nothing) and its result (an in-place update as the
-        update; a library call's workspace left out)."""
+        update; a library call's workspace left out); a hand-written kernel's as its
+        cost estimate gives them, where it has one."""
         if ins.op == Op.kFusion:
             return _fusion_bytes(self.mod, comp, ins)
+        estimate = kernel_estimate(ins)
+        if estimate is not None and estimate[1]:  # a hand-written kernel's own figure
+            return estimate[1]
         given = [self.mod.by_name[comp][o] for o in ins.operands if o in self.mod.by_name[comp]]
         if ins.op in _SLICING:
             return 2 * ins.bytes
@@ -586,9 +590,10 @@ class _Reader:
 
 def _result_bytes(ins: Instr) -> int:
     """The bytes an instruction's result writes; a library call's workspace (a
-    cuBLAS call's second result, 32 MiB of s8 on jax 0.12) left out."""
+    cuBLAS call's second result, 32 MiB of s8 on jax 0.12) left out (a hand-written
+    kernel's results are all its own)."""
     result = ins.arrays
-    if ins.op == Op.kCustomCall and ins.is_tuple and result:
+    if ins.op == Op.kCustomCall and ins.is_tuple and result and not is_kernel_call(ins):
         result = result[:1]
     return sum(array.bytes for array in result)
 
@@ -611,9 +616,12 @@ def _highest(ins: Instr) -> bool:
 
 
 def _attention_named(ins: Instr) -> bool:
-    """Whether an instruction's name scope says attention (``attention``, ``attn``)."""
+    """Whether an instruction's name scope says attention (``attention``, ``attn``),
+    or a hand-written kernel's name does (``flash_attention``, ``flash_mha_bwd_dq``)."""
     name = ins.op_name.lower()
-    return "attention" in name or "attn" in name
+    if is_kernel_call(ins):
+        name += " " + ins.name.lower()
+    return any(word in name for word in ("attention", "attn", "mha"))
 
 
 def _gemm_shape(mod: Module, comp: str, ins: Instr, flops: int) -> tuple[int, int, int, int]:

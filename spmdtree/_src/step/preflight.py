@@ -72,7 +72,8 @@ class StepPlan:
             reduce-scatters), then the warnings raised while tracing.
         flops: floating-point operations per device per step: every dot and
             convolution, times its loops' trip counts; elementwise work left
-            out (new in 0.3).
+            out (new in 0.3); a Pallas kernel's as its cost estimate gives them
+            (a flag names the kernels without one; new in 0.5).
         overstated_bytes: on a CPU compile, how much of its peak is whole
             reductions an accelerator holds as reduce-scattered shards (new in
             0.3; 0 where there are none, and on accelerators). Part of why the
