@@ -970,7 +970,7 @@ MUTANTS.update(
         "opaque-kernel-unsaid": [
             (
                 "_src/step/hlo.py",
-                "return Tally(opaque=frozenset([ins.name.rsplit(\".\", 1)[0]]))",
+                'return Tally(opaque=frozenset([ins.name.rsplit(".", 1)[0]]))',
                 "return Tally()",
             )
         ],
