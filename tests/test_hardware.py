@@ -131,20 +131,52 @@ def _fsdp_rows(per_device, d, f, x, itemsize=2):
     return [gather, scatter], 4 * per_device * d * f
 
 
-@pytest.mark.parametrize("name, axes", [("tpu-v5e", 2), ("tpu-v5p", 3), ("tpu-v6e", 2)])
-def test_fsdp_is_compute_bound_above_c_over_w_per_device_and_collective_bound_below(name, axes):
-    # T_math = 4 b d f / C, T_comm = 2 x (x-1)/x x 2 d f / (W x axes) (+ hops):
-    # compute-bound when b > (x-1)/x x C / (W x axes), the book's rule with its
-    # (x-1)/x, FSDP over several torus axes dividing the critical batch by their
-    # number (0.5; 0.4 timed every group on one axis). 8 chips are a 2 x 4 slice
-    # (v5e, v6e: 2 axes) or a 2 x 2 x 2 one (v5p: 3). For v5p, x = 8, d = f = 8192:
-    # 7/8 x 2550 / 3 = 744, + 2 x 7 x 1 us x C / (4 d f) = 24 for the hops.
+@pytest.mark.parametrize("name, links", [("tpu-v5e", 1.0), ("tpu-v5p", 1.5), ("tpu-v6e", 1.0)])
+def test_fsdp_is_compute_bound_above_c_over_w_per_device_and_collective_bound_below(name, links):
+    # T_math = 4 b d f / C, T_comm = 2 x (x-1)/x x 2 d f / (W x links) (+ hops):
+    # compute-bound when b > (x-1)/x x C / (W x links), the book's rule with its
+    # (x-1)/x. FSDP over several torus axes divides the critical batch by their
+    # number, and an axis without wraparound links counts half (0.5; 0.4 timed
+    # every group on one wrapped axis). 8 chips are a 2 x 4 slice (v5e, v6e: 2
+    # axes, neither 16 long, so no wraparound: 2 x 1/2) or a 2 x 2 x 2 one (v5p:
+    # 3 axes, not whole cubes: 3 x 1/2). For v5p, x = 8, d = f = 8192:
+    # 7/8 x 2550 / 1.5 = 1488, + 2 x 7 x 1 us x C / (4 d f) = 24 for the hops.
     hw = st.hardware(name)
-    critical = hw.flops_per_second / (hw.links["ici"][0] * axes)
+    critical = hw.flops_per_second / (hw.links["ici"][0] * links)
     for per_device, compute_bound in [(1.05 * critical, True), (0.8 * critical, False)]:
         rows, flops = _fsdp_rows(int(per_device), 8192, 8192, 8)
         t = timed(rows, {"fsdp": 8}, flops=flops, hw=hw)
         assert (t.compute_seconds > t.comm_seconds) is compute_bound, (name, per_device)
+
+
+def test_an_all_gather_on_a_v5e_4x4_is_the_books_worked_example_without_wraparound():
+    # The scaling book ("Sharded Matrices", its v5e 4 x 4 question): A[E_Y, F] in
+    # bf16, 2048 x 8192, gathered over Y of 4. "TPU v5e only has a wraparound
+    # connection when one axis has size 16 ... T = 3 x 8.4e6 / 4.5e10 = 560 us"
+    # (one direction's 4.5e10), where a ring would take 34e6 / 9e10 = 377 us.
+    v5e, b = st.hardware("tpu-v5e"), 2048 * 8192 * 2
+    gather = st.Collective("all-gather", 1, b, axes=("y",), group=4)
+    t = timed([gather], {"x": 4, "y": 4}, hw=v5e).comm_seconds
+    assert t == pytest.approx(3 * (b / 4) / 4.5e10 + 3 * 1e-6)
+    assert t == pytest.approx(563e-6, rel=0.01)
+    # The same gather along an axis of a v5e-256 (16 x 16, wrapped): the ring's
+    # two directions, and a group of 16 along it.
+    ring = st.Collective("all-gather", 1, b, axes=("y",), group=16)
+    assert timed([ring], {"x": 16, "y": 16}, hw=v5e).comm_seconds == pytest.approx(
+        15 / 16 * b / 9e10 + 15 * 1e-6
+    )
+
+
+@pytest.mark.parametrize(
+    "chips, links",
+    # v5p: wraparounds only on whole 4 x 4 x 4 cubes ("a 2x2x4 won't have any").
+    [(16, 1.5), (32, 1.5), (64, 3.0), (128, 3.0)],
+)
+def test_fsdp_over_a_whole_v5p_slice_sends_round_its_wraparounds_only_on_whole_cubes(chips, links):
+    v5p, b = st.hardware("tpu-v5p"), 2**30
+    gather = st.Collective("all-gather", 1, b, axes=("fsdp",), group=chips)
+    t = timed([gather], {"fsdp": chips}, hw=v5p).comm_seconds
+    assert t == pytest.approx((chips - 1) / chips * b / (1.8e11 * links) + (chips - 1) * 1e-6)
 
 
 def test_a_group_over_both_axes_of_a_v5e_256_torus_sends_over_both():

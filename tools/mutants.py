@@ -942,8 +942,29 @@ MUTANTS.update(
         "torus-one-axis": [
             (
                 "_src/step/hardware.py",
-                'bandwidth *= _torus_axes(hw, g["ici"], per_node)',
+                'bandwidth *= _torus_links(hw, g["ici"], per_node)',
                 "bandwidth *= 1",
+            )
+        ],
+        "torus-wraps-everywhere": [
+            (
+                "_src/step/chips.py",
+                "whole = [side > 0 and d % side == 0 for d in dims]",
+                "whole = [True for d in dims]",
+            )
+        ],
+        "torus-cubes-per-axis": [
+            (
+                "_src/step/chips.py",
+                "return [all(whole)] * len(dims) if cubes else whole",
+                "return whole",
+            )
+        ],
+        "torus-line-is-a-ring": [
+            (
+                "_src/step/chips.py",
+                "sum(1.0 if wraps[i] else 0.5 for i in axes)",
+                "sum(1.0 for i in axes)",
             )
         ],
         "torus-counts-every-axis": [

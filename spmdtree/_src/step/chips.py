@@ -47,6 +47,11 @@ class Sheet:
             its generation as libtpu names it, libtpu's ``device_kind`` and
             TensorCores per device, its slices' torus dimensions, and the most
             chips a slice holds (None: no limit spmdtree checks).
+        wraparound, cubes: the side a TPU slice's torus axis needs for its
+            wraparound links (16 on v5e and v6e: a whole axis of the pod; 4 on
+            v5p), and whether they come from optical switches that join whole
+            cubes only (v5p: every axis a multiple of 4, or no axis wraps;
+            new in 0.5).
     """
 
     name: str
@@ -68,6 +73,8 @@ class Sheet:
     tensor_cores: int = 0
     dimensions: int = 0
     slice_limit: int | None = None
+    wraparound: int = 0
+    cubes: bool = False
 
 
 def _gpu(name: str, **facts: Any) -> Sheet:
@@ -106,7 +113,9 @@ def _tpu(name: str, **facts: Any) -> Sheet:
 #: GB/s, v5p 2,765 GB/s, v6e 1,640 GB/s) and ICI/DCN from Google Cloud's
 #: system-architecture pages; no public achievable matmul share (1.0); the pods: v5e
 #: and v6e 256 chips in a 2D torus, v5p a 3D torus; libtpu's device kinds and
-#: TensorCores measured with libtpu 0.0.50.1 (v5p's two are one megacore).
+#: TensorCores measured with libtpu 0.0.50.1 (v5p's two are one megacore); wraparound
+#: links from the scaling book's "How to Think About TPUs": an axis of 16 on v5e and
+#: v6e, whole 4x4x4 cubes on v5p ("a 2x2x4 won't have any wraparounds").
 CHIPS = {
     "h100": _gpu(
         "h100",
@@ -156,6 +165,7 @@ CHIPS = {
         tensor_cores=1,
         dimensions=2,
         slice_limit=256,
+        wraparound=16,
     ),
     "tpu-v5p": _tpu(
         "tpu-v5p",
@@ -167,6 +177,8 @@ CHIPS = {
         device_kind="TPU v5",
         tensor_cores=2,
         dimensions=3,
+        wraparound=4,
+        cubes=True,
     ),
     "tpu-v6e": _tpu(
         "tpu-v6e",
@@ -179,6 +191,7 @@ CHIPS = {
         tensor_cores=1,
         dimensions=2,
         slice_limit=256,
+        wraparound=16,
     ),
 }
 
@@ -214,9 +227,47 @@ def torus_axes(group: int, dims: list[int]) -> int:
         >>> torus_axes(64, [4, 4, 4]), torus_axes(1, [4, 4, 4])
         (3, 1)
     """
-    held, axes = 1, 0
-    for side in sorted((d for d in dims if d > 1), reverse=True):
+    return max(len(_spanned(group, dims)), 1)
+
+
+def _spanned(group: int, dims: list[int]) -> list[int]:
+    """The indices of the axes of `dims` a group of `group` chips spans, longest first."""
+    held, axes = 1, list[int]()
+    for i in sorted((i for i, d in enumerate(dims) if d > 1), key=lambda i: -dims[i]):
         if held >= group:
             break
-        held, axes = held * side, axes + 1
-    return max(axes, 1)
+        held, axes = held * dims[i], [*axes, i]
+    return axes
+
+
+def wrapped(dims: list[int], side: int, cubes: bool) -> list[bool]:
+    """Which axes of a TPU slice's torus `dims` have wraparound links: each axis a
+    multiple of `side` long, or, where the wraparounds join whole `cubes` (v5p's
+    optical switches), every axis if all are and none otherwise (the scaling book,
+    "How to Think About TPUs": "a 2x2x4 won't have any wraparounds", "a TPU v5e
+    8x16 will have a wraparound on the longer axis"; new in 0.5).
+
+    Example:
+        >>> wrapped([8, 16], 16, False), wrapped([2, 2, 4], 4, True), wrapped([4, 4, 8], 4, True)
+        ([False, True], [False, False, False], [True, True, True])
+    """
+    whole = [side > 0 and d % side == 0 for d in dims]
+    return [all(whole)] * len(dims) if cubes else whole
+
+
+def torus_links(group: int, dims: list[int], wraps: list[bool]) -> float:
+    """How many times one axis's ICI figure (both directions, round its wraparound)
+    a group of `group` chips sends at: each axis of `dims` it spans adds 1 where the
+    axis wraps round (`wraps`) and 1/2 where it does not, a line sending each byte
+    one way along it (the scaling book: a slice "with no wraparounds ... typically
+    doubles the time of most communication"). A group along part of a wrapped axis
+    is timed as a ring too; how the device order lays it is not read. New in 0.5.
+
+    Example:
+        >>> torus_links(256, [16, 16], [True, True]), torus_links(8, [2, 4], [False, False])
+        (2.0, 1.0)
+        >>> torus_links(2, [2, 4], [False, False]), torus_links(128, [8, 16], [False, True])
+        (0.5, 1.5)
+    """
+    axes = _spanned(group, dims)
+    return sum(1.0 if wraps[i] else 0.5 for i in axes) if axes else 1.0

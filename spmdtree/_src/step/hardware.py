@@ -19,7 +19,7 @@ from typing import Any, Protocol, TypeVar
 import numpy as np
 
 from spmdtree._src.errors import Mistake, public
-from spmdtree._src.step.chips import CHIPS, slice_dims, torus_axes
+from spmdtree._src.step.chips import CHIPS, slice_dims, torus_links, wrapped
 from spmdtree._src.step.predict import COSTS, Schedule, predict
 
 #: The link kinds, fastest first: within a node or slice, then across.
@@ -391,10 +391,13 @@ def collective_seconds(
     bytes so: max(B (8-1)/8 / 450e9 within the node, B (2-1)/2 / 400e9 of
     node egress across), 130 us for 64 MiB on H100s (a sum would say 214 us).
 
-    On a TPU preset the ICI figure is one torus axis's (both directions): a group
-    that spans several axes of its slice's torus (`chips.torus_axes`: a v5e-256's
-    256 chips span both of its 16 x 16) sends over each, so its bandwidth is that
-    many times the figure (the scaling book's V / (W_ici x axes); new in 0.5).
+    On a TPU preset the ICI figure is one torus axis's (both directions, round
+    its wraparound): a group that spans several axes of its slice's torus (a
+    v5e-256's 256 chips span both of its 16 x 16) sends over each, so its
+    bandwidth is that many times the figure (the scaling book's V / (W_ici x
+    axes)), and an axis without wraparound links (a v5e axis shorter than 16, a
+    v5p slice that is not whole 4x4x4 cubes) is a line that adds half the
+    figure (`chips.torus_links`; new in 0.5).
     """
     if row.group <= 1:
         return 0.0
@@ -417,18 +420,20 @@ def collective_seconds(
             )
         bandwidth, latency = hw.links[kind]
         if kind == "ici":
-            bandwidth *= _torus_axes(hw, g["ici"], per_node)
+            bandwidth *= _torus_links(hw, g["ici"], per_node)
         seconds = max(seconds, sent / bandwidth + row.count * latency * (g[kind] - 1))
     return seconds
 
 
-def _torus_axes(hw: Hardware, group: float, slice_chips: int) -> int:
-    """How many torus axes of a TPU preset's slice of `slice_chips` an ICI group of
-    `group` chips spans; 1 on anything else (a GPU node, a hardware of one's own)."""
+def _torus_links(hw: Hardware, group: float, slice_chips: int) -> float:
+    """How many times its ICI figure an ICI group of `group` chips sends at on a TPU
+    preset's slice of `slice_chips` (`chips.torus_links`); 1 on anything else (a
+    GPU node, a hardware of one's own)."""
     sheet = CHIPS.get(hw.name)
     if sheet is None or sheet.platform != "tpu" or not sheet.dimensions:
-        return 1
-    return torus_axes(round(group), slice_dims(slice_chips, sheet.dimensions))
+        return 1.0
+    dims = slice_dims(slice_chips, sheet.dimensions)
+    return torus_links(round(group), dims, wrapped(dims, sheet.wraparound, sheet.cubes))
 
 
 def step_time(
