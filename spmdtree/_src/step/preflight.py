@@ -105,7 +105,10 @@ class StepPlan:
             it on some steps, and are shown beside it (new in 0.5).
         compiler_seconds: the compiler's own time estimate where it gives one
             (libtpu's ``cost_analysis()["optimal_seconds"]``), else 0.0; shown
-            beside the prediction as a cross-check (new in 0.5).
+            beside the prediction as a cross-check (new in 0.5). A negative
+            figure is no figure either: libtpu gave -3.0 s for a step of jax's
+            Pallas flash-attention kernels, whose backward carries no cost
+            estimate.
         host_argument_bytes: the arguments offloaded to the host's memory (a
             host `memory_kind`), per device, not in `argument_bytes` (new in
             0.5). libtpu says them; the CPU (one memory) and XLA GPU count them
