@@ -294,6 +294,56 @@ ENTRY %main (a: f32[8,1024,1024], i: s32[]) -> f32[8,1024,1024] {
     assert timed.predicted_seconds == pytest.approx(sum(kernel(0, size) for size in sizes))
 
 
+def test_a_fusion_carrying_a_fused_gather_and_nested_slices_reads_only_its_blocks():
+    # libtpu's async collective fusions, as in MaxText's blocked attention: the
+    # block's scores fused with the next layer's FSDP all-gather, whose shard and
+    # gathered buffer the fusion carries through (aliased, in place), and the
+    # query block, the mask block taken by nested fusions (one slicing inside, one
+    # an elementwise layout copy its slice is taken of). The kernel reads the two
+    # blocks and writes the scores; the gather's bytes are the collective's.
+    fused = """HloModule m, is_scheduled=true
+%take (p: f32[4,1024,1024], i: s32[]) -> f32[1,1024,1024] {
+  %p = f32[4,1024,1024] parameter(0)
+  %i = s32[] parameter(1)
+  %z = s32[] constant(0)
+  ROOT %s = f32[1,1024,1024] dynamic-slice(%p, %i, %z, %z), dynamic_slice_sizes={1,1024,1024}
+}
+%relayout (m: f32[4,1024,1024]) -> f32[4,1024,1024] {
+  %m = f32[4,1024,1024] parameter(0)
+  ROOT %c = f32[4,1024,1024] copy(%m)
+}
+%scores (q: f32[4,1024,1024], m: f32[4,1024,1024], i: s32[], w: bf16[64,1024], g: bf16[512,1024]) -> (f32[1,1024,1024], bf16[64,1024], bf16[512,1024], bf16[512,1024]) {
+  %q = f32[4,1024,1024] parameter(0)
+  %m = f32[4,1024,1024] parameter(1)
+  %i = s32[] parameter(2)
+  %w = bf16[64,1024] parameter(3)
+  %g = bf16[512,1024] parameter(4)
+  %z = s32[] constant(0)
+  %qb = f32[1,1024,1024] fusion(%q, %i), kind=kLoop, calls=%take
+  %mc = f32[4,1024,1024] fusion(%m), kind=kLoop, calls=%relayout
+  %mb = f32[1,1024,1024] dynamic-slice(%mc, %i, %z, %z), dynamic_slice_sizes={1,1024,1024}
+  %e = f32[1,1024,1024] add(%qb, %mb)
+  %ag = bf16[512,1024] all-gather(%w), replica_groups={}, dimensions={0}
+  ROOT %t = (f32[1,1024,1024], bf16[64,1024], bf16[512,1024], bf16[512,1024]) tuple(%e, %w, %g, %ag)
+}
+ENTRY %main (q: f32[4,1024,1024], m: f32[4,1024,1024], i: s32[], w: bf16[64,1024], g: bf16[512,1024]) -> (f32[1,1024,1024], bf16[64,1024], bf16[512,1024], bf16[512,1024]) {
+  %q = f32[4,1024,1024] parameter(0)
+  %m = f32[4,1024,1024] parameter(1)
+  %i = s32[] parameter(2)
+  %w = bf16[64,1024] parameter(3)
+  %g = bf16[512,1024] parameter(4)
+  ROOT %f = (f32[1,1024,1024], bf16[64,1024], bf16[512,1024], bf16[512,1024]) fusion(%q, %m, %i, %w, %g), kind=kOutput, calls=%scores, output_to_operand_aliasing={{1}: (3, {}), {2}: (4, {}), {3}: (4, {})}
+}"""
+    schedule = predict.read_schedule(fused, (), platform="tpu")
+    block = 2**22  # one f32[1,1024,1024] block
+    (kernel,) = [e for e in schedule.events if isinstance(e, predict.Kernel)]
+    assert kernel.bytes == 3 * block + 4  # query and mask blocks, the scores, the index
+    # Read whole, as 0.5 first did, the fusion would count 4 + 4 + 1 blocks of the
+    # inputs and both carried buffers twice: over three times these bytes.
+    carried = 2 * (64 * 1024 * 2 + 2 * 512 * 1024 * 2)
+    assert 3 * kernel.bytes < 8 * block + block + carried
+
+
 def test_a_convolution_tiles_its_output_features_where_its_dim_labels_put_them():
     # libtpu writes a dot as a convolution; here its output features (f, 4096) come
     # first and a position dimension of 8 last: tiled by features x positions, the

@@ -946,6 +946,42 @@ MUTANTS.update(
                 "bandwidth *= 1",
             )
         ],
+        "fused-collective-read": [
+            (
+                "_src/step/predict.py",
+                "    if user.op in SYNC:\n        return True\n",
+                "",
+            )
+        ],
+        "carried-buffer-read": [
+            (
+                "_src/step/predict.py",
+                "return user.op == Op.kTuple and user.root",
+                "return False",
+            )
+        ],
+        "carried-buffer-written": [
+            (
+                "_src/step/predict.py",
+                "    if root.op == Op.kParameter or root.op in SYNC:\n        return 0\n",
+                "",
+            )
+        ],
+        "nested-fusion-read-whole": [
+            (
+                "_src/step/predict.py",
+                "        elif user.op == Op.kFusion:\n"
+                "            total += _nested_read(mod, comp, user, j, whole)\n",
+                "",
+            )
+        ],
+        "nested-copy-read-whole": [
+            (
+                "_src/step/predict.py",
+                "return min(inner, whole * demanded // user.bytes)",
+                "return inner",
+            )
+        ],
         "torus-wraps-everywhere": [
             (
                 "_src/step/chips.py",

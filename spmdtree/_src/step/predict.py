@@ -23,7 +23,8 @@ The per-kernel model (`Costs`; every figure's source is listed with it):
   the last wave idle (NVIDIA, "Matrix Multiplication Background User's
   Guide", tile and wave quantization); on a TPU the tile is the MXU's;
 - every kernel's bytes (operands read + result written, a slice of an
-  operand counted as the slice, an in-place update as the update) over the
+  operand counted as the slice, an in-place update as the update, a buffer
+  a fusion carries in place and a fused collective's bytes as nothing) over the
   HBM bandwidth times an efficiency; a kernel takes the larger of its
   compute and memory times plus 5% of the smaller (XLA GPU's own
   performance model overlaps them so: ``kMemoryComputeParallelism = 0.95``);
@@ -687,7 +688,11 @@ def _fusion_bytes(mod: Module, comp: str, ins: Instr) -> int:
 
 def _read(mod: Module, comp: str, name: str, whole: int) -> int:
     """The bytes of value `name` that its users read: the slices of it that slicing
-    users take, nothing where it is the buffer an in-place update writes into;
+    users take; nothing where it is the buffer an in-place update writes into, the
+    operand of a collective fused into the kernel (libtpu's async collective
+    fusions: the collective's traffic, timed on the links) or passed straight to the
+    result (a buffer the fusion carries in place); what a nested fusion reads of
+    it, and no more of an elementwise one than the slices its result is read as;
     else the whole. Bitcasts are followed."""
     total = 0
     for user, j in mod.users[comp].get(name, []):
@@ -695,19 +700,56 @@ def _read(mod: Module, comp: str, name: str, whole: int) -> int:
             total += _read(mod, comp, user.name, whole)
         elif user.op in _SLICING and j == 0:
             total += user.bytes
-        elif user.op == Op.kDynamicUpdateSlice and j == 0:
+        elif _untouched(user, j):
             continue
+        elif user.op == Op.kFusion:
+            total += _nested_read(mod, comp, user, j, whole)
         else:
             return whole
     return min(total, whole)
 
 
+def _untouched(user: Instr, j: int) -> bool:
+    """Whether a fusion's kernel leaves alone the value `user` takes as operand `j`:
+    the buffer an in-place update writes into, a fused collective's operand, a
+    buffer passed straight to the result (carried in place)."""
+    if user.op == Op.kDynamicUpdateSlice and j == 0:
+        return True
+    if user.op in SYNC:
+        return True
+    return user.op == Op.kTuple and user.root
+
+
+def _nested_read(mod: Module, comp: str, user: Instr, j: int, whole: int) -> int:
+    """What fusion `user`, nested in a fusion, reads of its operand `j` (of `whole`
+    bytes): what its own computation reads of that parameter, and, where its result
+    has as many elements as the operand (a copy, a layout change, an elementwise
+    map), no more than the share of its result that its users read."""
+    callee = dict(user.callees).get("calls", "")
+    param = mod.param(callee, j)
+    inner = whole if param is None else _read(mod, callee, param, whole)
+    operand = mod.by_name[comp].get(user.operands[j])
+    if operand is None or not user.bytes or _elements(user) != _elements(operand):
+        return inner
+    demanded = _read(mod, comp, user.name, user.bytes)
+    return min(inner, whole * demanded // user.bytes)
+
+
+def _elements(ins: Instr) -> int:
+    """The elements of an instruction's result (a tuple's summed)."""
+    return sum(math.prod(a.dims) for a in ins.arrays)
+
+
 def _written(mod: Module, comp: str, root: Instr) -> int:
     """The bytes a fusion's result writes: a tuple's elements each; an in-place
-    update as its update."""
+    update as its update; nothing for a parameter passed through (a buffer carried
+    in place) or a fused collective's result (written by the collective, timed on
+    the links)."""
     if root.op == Op.kTuple:
         parts = [mod.by_name[comp][o] for o in root.operands if o in mod.by_name[comp]]
         return sum(_written(mod, comp, part) for part in parts)
+    if root.op == Op.kParameter or root.op in SYNC:
+        return 0
     if root.op == Op.kBitcast and root.operands and root.operands[0] in mod.by_name[comp]:
         return _written(mod, comp, mod.by_name[comp][root.operands[0]])
     if root.op == Op.kDynamicUpdateSlice and len(root.operands) > 1:
