@@ -20,7 +20,8 @@ the compiled schedule) turned into the published unit:
 
 Attention is written in blocks (`blocked_attention`: an online softmax over key
 blocks, the masked-out blocks skipped, the backward recomputing each block's
-probabilities from the saved log-sum-exp), so the step holds what a flash
+probabilities from the saved log-sum-exp; grouped queries as rows of their
+key-value head, the diagonal blocks masked in a loop of their own), so the step holds what a flash
 kernel holds; its scores still go through memory between XLA's kernels, which a
 flash kernel keeps on chip.
 
@@ -59,116 +60,148 @@ BF16 = jnp.bfloat16
 
 
 # --- blocked (flash-like) causal attention -----------------------------------------------
+#
+# Inside, each kv head's queries are its group's rows, position-major (batch, kv heads,
+# length x group, head dim), as a flash kernel's grouped-query layout holds them: each
+# block pair is then one plain batched matmul whose f32 scores XLA never transposes.
 
 
-def _pairs(blocks: int) -> tuple[jax.Array, jax.Array]:
-    """The (query block, key block) pairs a causal mask leaves, query-major."""
-    pairs = [(i, j) for i in range(blocks) for j in range(i + 1)]
-    return jnp.array([i for i, _ in pairs]), jnp.array([j for _, j in pairs])
+def _pairs(blocks: int, diagonal: bool) -> list[tuple[int, int]]:
+    """The (query block, key block) pairs a causal mask leaves, query-major: the
+    diagonal ones (masked by one triangle) or the ones below it (not masked)."""
+    return [(i, j) for i in range(blocks) for j in range(i + 1) if (i == j) == diagonal]
 
 
-def _scores(qi: jax.Array, kj: jax.Array, i: jax.Array, j: jax.Array, block: int) -> jax.Array:
-    """One block pair's scaled, causally masked scores, f32: (batch, kv, group, q, k)."""
-    s = jnp.einsum("bqhgd,bkhd->bhgqk", qi, kj, preferred_element_type=jnp.float32)
+def _scores(qi: jax.Array, kj: jax.Array, group: int, diagonal: bool) -> jax.Array:
+    """One block pair's scaled scores, f32: (batch, kv, rows, keys), a diagonal pair's
+    causally masked. The two kinds of pair run as two loops, so that the mask is one
+    triangle that does not change from pair to pair: JAX's partial evaluation hoists
+    whatever a loop body computes from the pair's index alone out of the layers' scan,
+    stacked for every pair (64 MiB of mask per pair of the 8B step, read back in
+    every layer)."""
+    s = jnp.einsum("bhrd,bhkd->bhrk", qi, kj, preferred_element_type=jnp.float32)
     s = s / math.sqrt(qi.shape[-1])
-    # Only a diagonal pair (i == j) is masked, by one triangle the same for each.
-    below = jnp.arange(block)[:, None] >= jnp.arange(block)[None, :]
-    return jnp.where(below | (j < i), s, -1e30)
+    if not diagonal:
+        return s
+    rows, keys = s.shape[-2:]
+    below = jnp.arange(rows)[:, None] // group >= jnp.arange(keys)[None, :]
+    return jnp.where(below, s, -1e30)
 
 
-def _take(x: jax.Array, index: jax.Array, block: int, axis: int) -> jax.Array:
-    return jax.lax.dynamic_slice_in_dim(x, index * block, block, axis)
+def _over_pairs(blocks: int, pair: Callable[..., Any], carry: Any) -> Any:
+    """`carry` through ``pair(i, j, diagonal, carry)`` for every pair the causal mask
+    leaves: the ones below the diagonal, then the diagonal's."""
+    for diagonal in (False, True):
+        pairs = _pairs(blocks, diagonal)
+        if not pairs:  # one block: none below the diagonal
+            continue
+        rows, cols = (jnp.array(side, jnp.int32) for side in zip(*pairs, strict=True))
+
+        def step(p, c, rows=rows, cols=cols, diagonal=diagonal):
+            return pair(rows[p], cols[p], diagonal, c)
+
+        carry = jax.lax.fori_loop(0, len(pairs), step, carry)
+    return carry
 
 
-def _put(x: jax.Array, update: jax.Array, index: jax.Array, block: int, axis: int) -> jax.Array:
-    return jax.lax.dynamic_update_slice_in_dim(x, update, index * block, axis)
+def _take(x: jax.Array, index: jax.Array, size: int) -> jax.Array:
+    """Block `index` of `size` along axis 2 (rows or keys)."""
+    return jax.lax.dynamic_slice_in_dim(x, index * size, size, 2)
+
+
+def _put(x: jax.Array, update: jax.Array, index: jax.Array) -> jax.Array:
+    return jax.lax.dynamic_update_slice_in_dim(x, update, index * update.shape[2], 2)
 
 
 def _attention_forward(
-    q: jax.Array, k: jax.Array, v: jax.Array, block: int
+    q: jax.Array, k: jax.Array, v: jax.Array, block: int, group: int
 ) -> tuple[jax.Array, jax.Array]:
-    """The output and the log-sum-exp of the scores (batch, kv, group, length)."""
-    b, n, h, g, d = q.shape
-    rows, cols = _pairs(n // block)
+    """The output (batch, kv, rows, head dim) and the scores' log-sum-exp (batch, kv, rows)."""
+    b, h, n, d = q.shape
 
-    def pair(p, carry):
+    def pair(i, j, diagonal, carry):
         m, total, acc = carry
-        i, j = rows[p], cols[p]
-        s = _scores(_take(q, i, block, 1), _take(k, j, block, 1), i, j, block)
-        m_old, total_old = _take(m, i, block, 3), _take(total, i, block, 3)
+        s = _scores(_take(q, i, block * group), _take(k, j, block), group, diagonal)
+        m_old, total_old = _take(m, i, block * group), _take(total, i, block * group)
         m_new = jnp.maximum(m_old, s.max(-1))
         probs = jnp.exp(s - m_new[..., None])
         fix = jnp.exp(m_old - m_new)
         total_new = total_old * fix + probs.sum(-1)
         pv = jnp.einsum(
-            "bhgqk,bkhd->bqhgd",
+            "bhrk,bhkd->bhrd",
             probs.astype(v.dtype),
-            _take(v, j, block, 1),
+            _take(v, j, block),
             preferred_element_type=jnp.float32,
         )
-        acc_i = _take(acc, i, block, 1) * jnp.moveaxis(fix, 3, 1)[..., None] + pv
-        return (
-            _put(m, m_new, i, block, 3),
-            _put(total, total_new, i, block, 3),
-            _put(acc, acc_i, i, block, 1),
-        )
+        acc_i = _take(acc, i, block * group) * fix[..., None] + pv
+        return _put(m, m_new, i), _put(total, total_new, i), _put(acc, acc_i, i)
 
-    m = jnp.full((b, h, g, n), -1e30, jnp.float32)
-    total = jnp.zeros((b, h, g, n), jnp.float32)
-    acc = jnp.zeros((b, n, h, g, d), jnp.float32)
-    m, total, acc = jax.lax.fori_loop(0, rows.shape[0], pair, (m, total, acc))
-    out = acc / jnp.moveaxis(total, 3, 1)[..., None]
-    return out.astype(q.dtype), m + jnp.log(total)
+    m = jnp.full((b, h, n), -1e30, jnp.float32)
+    total = jnp.zeros((b, h, n), jnp.float32)
+    acc = jnp.zeros((b, h, n, d), jnp.float32)
+    m, total, acc = _over_pairs(k.shape[2] // block, pair, (m, total, acc))
+    return (acc / total[..., None]).astype(q.dtype), m + jnp.log(total)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, block: int) -> jax.Array:
-    """Causal grouped-query attention in blocks of `block` positions, as a flash kernel
-    computes it: q (batch, length, kv heads, group, head dim), k and v (batch,
-    length, kv heads, head dim). Only the pairs of blocks the causal mask keeps
-    are computed; the backward recomputes each pair's probabilities from the
-    saved log-sum-exp (FlashAttention-2's algorithm, in XLA's kernels)."""
-    return _attention_forward(q, k, v, block)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _grouped(q: jax.Array, k: jax.Array, v: jax.Array, block: int, group: int) -> jax.Array:
+    return _attention_forward(q, k, v, block, group)[0]
 
 
-def _attention_fwd(q, k, v, block):
-    out, lse = _attention_forward(q, k, v, block)
+def _grouped_fwd(q, k, v, block, group):
+    out, lse = _attention_forward(q, k, v, block, group)
     # Named as torchtitan's selective checkpointing saves a flash kernel's outputs
     # (the attention and its log-sum-exp): the backward does not rerun the forward.
     out, lse = checkpoint_name(out, "saved"), checkpoint_name(lse, "saved")
     return out, (q, k, v, out, lse)
 
 
-def _attention_bwd(block, residuals, grad):
+def _grouped_bwd(block, group, residuals, grad):
     q, k, v, out, lse = residuals
-    rows, cols = _pairs(q.shape[1] // block)
-    delta = jnp.einsum("bqhgd,bqhgd->bhgq", grad, out, preferred_element_type=jnp.float32)
+    delta = jnp.einsum("bhrd,bhrd->bhr", grad, out, preferred_element_type=jnp.float32)
+    size = block * group
 
-    def pair(p, carry):
+    def pair(i, j, diagonal, carry):
         dq, dk, dv = carry
-        i, j = rows[p], cols[p]
-        qi, kj, vj, gi = (_take(x, idx, block, 1) for x, idx in ((q, i), (k, j), (v, j), (grad, i)))
-        s = _scores(qi, kj, i, j, block)
-        probs = jnp.exp(s - _take(lse, i, block, 3)[..., None])
-        dv_j = jnp.einsum("bhgqk,bqhgd->bkhd", probs.astype(v.dtype), gi)
-        dp = jnp.einsum("bqhgd,bkhd->bhgqk", gi, vj, preferred_element_type=jnp.float32)
-        ds = (probs * (dp - _take(delta, i, block, 3)[..., None]) / math.sqrt(q.shape[-1])).astype(
-            q.dtype
+        qi, gi, kj, vj = (
+            _take(q, i, size),
+            _take(grad, i, size),
+            _take(k, j, block),
+            _take(v, j, block),
         )
-        dq_i = jnp.einsum("bhgqk,bkhd->bqhgd", ds, kj, preferred_element_type=jnp.float32)
-        dk_j = jnp.einsum("bhgqk,bqhgd->bkhd", ds, qi, preferred_element_type=jnp.float32)
+        s = _scores(qi, kj, group, diagonal)
+        probs = jnp.exp(s - _take(lse, i, size)[..., None])
+        dv_j = jnp.einsum("bhrk,bhrd->bhkd", probs.astype(v.dtype), gi)
+        dp = jnp.einsum("bhrd,bhkd->bhrk", gi, vj, preferred_element_type=jnp.float32)
+        ds = probs * (dp - _take(delta, i, size)[..., None]) / math.sqrt(q.shape[-1])
+        ds = ds.astype(q.dtype)
+        dq_i = jnp.einsum("bhrk,bhkd->bhrd", ds, kj, preferred_element_type=jnp.float32)
+        dk_j = jnp.einsum("bhrk,bhrd->bhkd", ds, qi, preferred_element_type=jnp.float32)
         return (
-            _put(dq, _take(dq, i, block, 1) + dq_i, i, block, 1),
-            _put(dk, _take(dk, j, block, 1) + dk_j, j, block, 1),
-            _put(dv, _take(dv, j, block, 1) + dv_j, j, block, 1),
+            _put(dq, _take(dq, i, size) + dq_i, i),
+            _put(dk, _take(dk, j, block) + dk_j, j),
+            _put(dv, _take(dv, j, block) + dv_j, j),
         )
 
     zeros = (jnp.zeros(x.shape, jnp.float32) for x in (q, k, v))
-    dq, dk, dv = jax.lax.fori_loop(0, rows.shape[0], pair, tuple(zeros))
+    dq, dk, dv = _over_pairs(k.shape[2] // block, pair, tuple(zeros))
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
-blocked_attention.defvjp(_attention_fwd, _attention_bwd)
+_grouped.defvjp(_grouped_fwd, _grouped_bwd)
+
+
+def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, block: int) -> jax.Array:
+    """Causal grouped-query attention in blocks of `block` positions, as a flash kernel
+    computes it: q (batch, length, kv heads, group, head dim), k and v (batch,
+    length, kv heads, head dim). Only the pairs of blocks the causal mask keeps
+    are computed; the backward recomputes each pair's probabilities from the
+    saved log-sum-exp (FlashAttention-2's algorithm, in XLA's kernels)."""
+    b, n, h, g, d = q.shape
+    rows = jnp.transpose(q, (0, 2, 1, 3, 4)).reshape(b, h, n * g, d)
+    keys, values = (jnp.transpose(x, (0, 2, 1, 3)) for x in (k, v))
+    out = _grouped(rows, keys, values, block, g)
+    return jnp.transpose(out.reshape(b, h, n, g, d), (0, 2, 1, 3, 4))
 
 
 # --- the steps ---------------------------------------------------------------------------
