@@ -235,8 +235,8 @@ def parts(
         width = bits(array.dtype)
         if kind == "all-reduce":
             got = flow.slices(comp, ins.name, index if tuple_ else None, set())
-            cut = max(got, key=lambda a: math.prod(a.dims), default=None) if got else None
-            if cut and math.prod(cut.dims) * group == math.prod(dims):
+            cut = max(got, key=lambda a: a.elements, default=None) if got else None
+            if cut and cut.elements * group == math.prod(dims):
                 shard, cut_bits = cut.bytes, bits(cut.dtype)
                 # the slice at the program's width (newer CPU pipelines slice after
                 # converting back; older ones before)

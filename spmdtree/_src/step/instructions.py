@@ -62,9 +62,19 @@ class Array(NamedTuple):
     dims: tuple[int, ...]
 
     @property
+    def elements(self) -> int:
+        """How many elements it holds.
+
+        Example:
+            >>> Array("bf16", (8, 2)).elements, Array("f32", ()).elements
+            (16, 1)
+        """
+        return math.prod(self.dims)
+
+    @property
     def bytes(self) -> int:
         """Its bytes (a sub-byte type's elements a byte each)."""
-        return math.prod(self.dims) * max(bits(self.dtype) // 8, 1)
+        return self.elements * max(bits(self.dtype) // 8, 1)
 
 
 def arrays(type_: str) -> tuple[Array, ...]:

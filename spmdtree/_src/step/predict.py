@@ -737,7 +737,7 @@ def _nested_read(mod: Module, comp: str, user: Instr, j: int, whole: int) -> int
 
 def _elements(ins: Instr) -> int:
     """The elements of an instruction's result (a tuple's summed)."""
-    return sum(math.prod(a.dims) for a in ins.arrays)
+    return sum(a.elements for a in ins.arrays)
 
 
 def _written(mod: Module, comp: str, root: Instr) -> int:
