@@ -21,9 +21,9 @@ the compiled schedule) turned into the published unit:
 Attention is written in blocks (`blocked_attention`: an online softmax over key
 blocks, the masked-out blocks skipped, the backward recomputing each block's
 probabilities from the saved log-sum-exp; grouped queries as rows of their
-key-value head, the diagonal blocks masked in a loop of their own), so the step holds what a flash
-kernel holds; its scores still go through memory between XLA's kernels, which a
-flash kernel keeps on chip.
+key-value head, the diagonal blocks masked in a loop of their own), so the step
+holds what a flash kernel holds; its scores still go through memory between
+XLA's kernels, which a flash kernel keeps on chip.
 
 Run: python benchmarks/validate.py [--quick] [--only torchtitan maxtext]
 Exit status 1 if a ratio is outside +-20% (never with --quick: tiny models,
@@ -110,6 +110,7 @@ def _take(x: jax.Array, index: jax.Array, size: int) -> jax.Array:
 
 
 def _put(x: jax.Array, update: jax.Array, index: jax.Array) -> jax.Array:
+    """`x` with block `index` along axis 2 replaced by `update` (its size the block's)."""
     return jax.lax.dynamic_update_slice_in_dim(x, update, index * update.shape[2], 2)
 
 
@@ -118,11 +119,12 @@ def _attention_forward(
 ) -> tuple[jax.Array, jax.Array]:
     """The output (batch, kv, rows, head dim) and the scores' log-sum-exp (batch, kv, rows)."""
     b, h, n, d = q.shape
+    size = block * group  # a query block's rows
 
     def pair(i, j, diagonal, carry):
         m, total, acc = carry
-        s = _scores(_take(q, i, block * group), _take(k, j, block), group, diagonal)
-        m_old, total_old = _take(m, i, block * group), _take(total, i, block * group)
+        s = _scores(_take(q, i, size), _take(k, j, block), group, diagonal)
+        m_old, total_old = _take(m, i, size), _take(total, i, size)
         m_new = jnp.maximum(m_old, s.max(-1))
         probs = jnp.exp(s - m_new[..., None])
         fix = jnp.exp(m_old - m_new)
@@ -133,7 +135,7 @@ def _attention_forward(
             _take(v, j, block),
             preferred_element_type=jnp.float32,
         )
-        acc_i = _take(acc, i, block * group) * fix[..., None] + pv
+        acc_i = _take(acc, i, size) * fix[..., None] + pv
         return _put(m, m_new, i), _put(total, total_new, i), _put(acc, acc_i, i)
 
     m = jnp.full((b, h, n), -1e30, jnp.float32)
@@ -159,7 +161,7 @@ def _grouped_fwd(q, k, v, block, group):
 def _grouped_bwd(block, group, residuals, grad):
     q, k, v, out, lse = residuals
     delta = jnp.einsum("bhrd,bhrd->bhr", grad, out, preferred_element_type=jnp.float32)
-    size = block * group
+    size = block * group  # a query block's rows
 
     def pair(i, j, diagonal, carry):
         dq, dk, dv = carry

@@ -28,7 +28,8 @@ def reference(q, k, v):
 
 @pytest.mark.parametrize(
     ("length", "group", "block"),
-    [(64, 3, 16), (32, 1, 8), (16, 2, 16)],  # grouped; one head per kv head; one block pair
+    [(64, 3, 16), (32, 1, 8), (16, 2, 16)],
+    ids=["grouped", "one head per kv head", "one block pair"],
 )
 def test_blocked_attention_and_its_gradients_are_causal_attention(length, group, block):
     keys = jax.random.split(jax.random.key(0), 4)
@@ -39,7 +40,9 @@ def test_blocked_attention_and_its_gradients_are_causal_attention(length, group,
     def loss(attend):
         return lambda q, k, v: jnp.sum(attend(q, k, v) * cotangent)
 
-    blocked = lambda q, k, v: validate.blocked_attention(q, k, v, block)  # noqa: E731
+    def blocked(q, k, v):
+        return validate.blocked_attention(q, k, v, block)
+
     np.testing.assert_allclose(blocked(q, k, v), reference(q, k, v), atol=1e-5)
     got = jax.grad(loss(blocked), (0, 1, 2))(q, k, v)
     want = jax.grad(loss(reference), (0, 1, 2))(q, k, v)
