@@ -629,7 +629,7 @@ def _predict(size: str, shape_text: str, batch: int, length: int) -> None:
     from spmdtree._src.step import hardware, hlo, predict, targets
 
     shape = tuple(int(n) for n in shape_text.split(","))
-    placement = targets.place(targets.TARGETS["h100"], math.prod(shape), 8)
+    placement = targets.place(targets.target_for(st.hardware("h100")), math.prod(shape), 8)
     types = (AxisType.Auto,) * len(shape)
     mesh = targets.target_mesh(placement, shape, advised.example.AXES, types)
     lowered = _lowered(size, batch, length, mesh)

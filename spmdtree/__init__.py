@@ -78,13 +78,15 @@ from spmdtree._src.step.advise import Candidate as Candidate
 from spmdtree._src.step.advise import Verdict as Verdict
 from spmdtree._src.step.advise import advise as advise
 from spmdtree._src.step.advise import layouts as layouts
+from spmdtree._src.step.chips import GpuChip as GpuChip
+from spmdtree._src.step.chips import TpuChip as TpuChip
 from spmdtree._src.step.diagnose import Traffic as Traffic
 from spmdtree._src.step.hardware import Hardware as Hardware
 from spmdtree._src.step.hardware import StepTime as StepTime
 from spmdtree._src.step.hardware import hardware as hardware
-from spmdtree._src.step.hlo import Collective as Collective
 from spmdtree._src.step.preflight import StepPlan as StepPlan
 from spmdtree._src.step.preflight import preflight as preflight
+from spmdtree._src.step.schedule import Collective as Collective
 from spmdtree._src.step.targets import Backend as Backend
 from spmdtree._src.step.targets import Memory as Memory
 from spmdtree._src.tactics import UnmatchedWarning as UnmatchedWarning
@@ -102,7 +104,7 @@ from spmdtree._src.trees import remove_axis as remove_axis
 from spmdtree._src.trees import replace_boxed as replace_boxed
 from spmdtree._src.trees import unbox as unbox
 
-__version__ = "0.5.0"
+__version__ = "0.6.0"
 
 __all__ = [
     "PARTITION_NAME",
@@ -115,6 +117,7 @@ __all__ = [
     "Candidate",
     "Collective",
     "DiffRow",
+    "GpuChip",
     "Hardware",
     "LogicallyPartitioned",
     "Memory",
@@ -130,6 +133,7 @@ __all__ = [
     "RulesFallback",
     "StepPlan",
     "StepTime",
+    "TpuChip",
     "Traffic",
     "UnmatchedWarning",
     "UnshardedWarning",

@@ -277,19 +277,37 @@ def test_a_real_step_computes_its_flops_at_the_peak():
 
 
 def test_presets():
-    for name in ("h100", "h200", "b200", "tpu-v5e", "tpu-v5p", "tpu-v6e"):
+    for name in ("a100", "h100", "h200", "b200", "tpu-v5e", "tpu-v5p", "tpu-v6e"):
         hw = st.hardware(name)
         assert hw.name == name and set(hw.links) == {"ici", "dcn"}
         assert hw.links["ici"][0] > hw.links["dcn"][0]
         assert hw.devices_per_node == (None if name.startswith("tpu") else 8)
     assert st.hardware("h200").memory_bytes > st.hardware("h100").memory_bytes
     assert st.hardware("b200").flops_per_second > st.hardware("h100").flops_per_second
+    assert st.hardware("a100").flops_per_second < st.hardware("h100").flops_per_second
+
+
+def test_a_chip_that_is_no_chip_is_a_type_error():
+    with pytest.raises(TypeError, match=r"Hardware: chip is 'h100'; expected a st.GpuChip"):
+        st.Hardware("x", 1, 1e12, {"ici": ICI}, chip="h100")
 
 
 @pytest.mark.parametrize(
     "build, said",
     [
-        (lambda: st.hardware("a100"), "'h100', 'h200', 'b200', 'tpu-v5e', 'tpu-v5p', 'tpu-v6e'"),
+        (
+            lambda: st.hardware("mi300x"),
+            "'a100', 'h100', 'h200', 'b200', 'tpu-v5e', 'tpu-v5p', 'tpu-v6e'",
+        ),
+        (
+            lambda: st.Hardware("x", 1, 1e12, {"ici": ICI}, matmul_efficiency=1.5),
+            "matmul_efficiency is 1.5; expected a share of the peak, 0 to 1",
+        ),
+        (lambda: st.Hardware("x", 1, 1e12, {"ici": ICI}, cores=2.5), "cores is 2.5; expected an int"),
+        (
+            lambda: st.Hardware("x", 1, 1e12, {"ici": ICI}, hbm_bytes_per_second=0),
+            "hbm_bytes_per_second is 0",
+        ),
         (lambda: st.Hardware("x", 0, 1e12, {"ici": ICI}), "memory_bytes is 0"),
         (lambda: st.Hardware("x", 1, -1.0, {"ici": ICI}), "flops_per_second is -1.0"),
         (lambda: st.Hardware("x", 1, 1e12, {"ici": (0, 1e-6)}), r"links\['ici'\] bandwidth is 0"),
@@ -310,6 +328,9 @@ def test_presets():
     ],
     ids=[
         "preset",
+        "share-over-one",
+        "cores-fraction",
+        "no-bandwidth",
         "memory",
         "flops",
         "bandwidth",

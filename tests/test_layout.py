@@ -233,3 +233,27 @@ def test_an_unpinned_argument_is_refused_for_libtpu_before_it_compiles():
         r"compile for an argument\. Offload it to the host with memory_kind='pinned_host'\.$",
     ):
         st.preflight(moved_to_device, unpinned_argument(), mesh=mesh, target="tpu-v5p")
+
+
+@pytest.mark.target
+@pytest.mark.skipif(not has_compiler("tpu"), reason="needs pip install 'spmdtree[tpu]'")
+@pytest.mark.parametrize("screen", ["auto", "target"])
+def test_advise_refuses_an_unpinned_argument_for_libtpu_as_preflight_does(screen):
+    # 0.5's advise rebuilt preflight's stages without this check: its libtpu compile
+    # failed inside, with libtpu's INTERNAL error, where preflight says what to do.
+    mesh = AbstractMesh((2, 4), ("data", "model"))
+    with pytest.raises(ValueError) as preflighted:
+        st.preflight(moved_to_device, unpinned_argument(), mesh=mesh, target="tpu-v5p")
+    said = str(preflighted.value).removeprefix("preflight: ")
+    candidate = st.Candidate(mesh, None, batch=64)
+    advice = st.advise(
+        lambda c: (moved_to_device, (unpinned_argument(),), {}),
+        [candidate],
+        hardware=st.hardware("tpu-v5p"),
+        screen=screen,
+        progress=False,
+    )
+    (row,) = advice.rows
+    assert row.verdict == st.Verdict.DOES_NOT_COMPILE and advice.compiles == 0
+    assert said in row.reason
+    assert "INTERNAL" not in row.reason

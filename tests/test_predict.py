@@ -10,6 +10,7 @@ per-hop latency x (group - 1) plus 5 us. The steps are compiled by XLA GPU for
 cannot show a case, a small scheduled HLO text does.
 """
 
+import dataclasses
 import doctest
 import functools
 import importlib.util
@@ -24,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 import spmdtree as st
 from spmdtree._src.step import hlo, predict
 from spmdtree._src.step.hardware import step_time
-from spmdtree._src.step.targets import TARGETS, compile_options
+from spmdtree._src.step.targets import compile_options, target_for
 
 PEAK = 989e12  # H100 SXM dense bf16 (data sheet)
 MAMF = 794.5 / 989  # maximum achievable matmul FLOPS, H100 SXM (ml-engineering's table)
@@ -72,7 +73,7 @@ def h100s(n):
     from jax.experimental import topologies
 
     return topologies.get_topology_desc(
-        platform="cuda", target_config=TARGETS["h100"].chip.target_config(), topology=f"1x1x{n}"
+        platform="cuda", target_config=target_for(st.hardware("h100")).chip.target_config(), topology=f"1x1x{n}"
     ).devices
 
 
@@ -355,7 +356,7 @@ def test_a_convolution_tiles_its_output_features_where_its_dim_labels_put_them()
         "  %x = bf16[8,1024,1024] parameter(0)\n  %w = bf16[1024,4096,1] parameter(1)\n"
         f"  ROOT {conv}\n}}"
     )
-    tpu = predict.COSTS["tpu-v5e"]
+    tpu = st.hardware("tpu-v5e").costs()
     (event,) = predict.read_schedule(module, (), platform="tpu").events
     assert isinstance(event, predict.Kernel) and event.kind == "matmul"
     assert event.flops == 2 * (1024 * 8) * 4096 * 1024
@@ -402,18 +403,52 @@ def test_a_schedule_crosses_a_process_boundary_as_json():
     assert predict.Schedule.from_json(schedule.to_json()) == schedule
 
 
-def test_a_step_time_without_a_schedule_or_cost_model_predicts_nothing():
+def test_a_step_time_without_a_schedule_predicts_nothing():
     row = hlo.Collective("all-reduce", 1, 2**20, ("data",), 8)
     schedule = predict.Schedule((predict.Start(0, row, True), predict.Done(0)), "cuda")
-    mine = st.Hardware("mine", 2**30, 1e15, {"ici": (1e11, 0.0)})
-    for timed in (
-        step_time([row], 0, {"data": 8}, st.hardware("h100"), 8),
-        step_time([row], 0, {"data": 8}, mine, 8, schedule=schedule),
-    ):
-        assert timed.predicted_seconds is None and timed.predicted_by_class is None
+    timed = step_time([row], 0, {"data": 8}, st.hardware("h100"), 8)
+    assert timed.predicted_seconds is None and timed.predicted_by_class is None
     timed = step_time([row], 0, {"data": 8}, st.hardware("h100"), 8, schedule=schedule)
     assert timed.predicted_seconds == pytest.approx(ring("all-reduce", 2**20))
     assert timed.bound_seconds == pytest.approx(ring("all-reduce", 2**20) - NCCL)
+    assert timed.flags == ()  # a preset leaves nothing to the defaults
+
+
+def test_a_hardware_of_ones_own_predicts_from_its_own_figures():
+    # 0.5 looked the model up by the hardware's name: a user's own got no prediction,
+    # and a preset's figures under another name none either.
+    row = hlo.Collective("all-reduce", 1, 2**20, ("data",), 8)
+    kernel = predict.Kernel("matmul", 10**12, 10**9, 1, 4096, 4096, 4096, "bf16")
+    schedule = predict.Schedule((kernel, predict.Start(0, row, True), predict.Done(0)), "cuda")
+    h100 = st.hardware("h100")
+    renamed = dataclasses.replace(h100, name="mine")
+    preset = step_time([row], 10**12, {"data": 8}, h100, 8, schedule=schedule)
+    same = step_time([row], 10**12, {"data": 8}, renamed, 8, schedule=schedule)
+    assert same == preset and same.flags == ()
+    # a preset's name on other figures times those figures
+    slower = dataclasses.replace(h100, matmul_efficiency=h100.matmul_efficiency / 2)
+    halved = step_time([row], 10**12, {"data": 8}, slower, 8, schedule=schedule)
+    assert halved.predicted_by_class["matmul"] == pytest.approx(
+        2 * preset.predicted_by_class["matmul"], rel=0.05
+    )
+    # one built from scratch: its defaults, said
+    mine = st.Hardware("mine", 2**30, 1e15, {"ici": (1e11, 0.0)})
+    timed = step_time([row], 10**12, {"data": 8}, mine, 8, schedule=schedule)
+    assert timed.predicted_seconds is not None and timed.predicted_seconds > 0
+    (said,) = timed.flags
+    assert "hardware 'mine' leaves out hbm_bytes_per_second, memory_efficiency" in said
+    assert "takes their defaults" in said
+    # the defaults as documented: 0.8 of the peak on one core, no launch overhead
+    compute = 10**12 / (1e15 * 0.8 * predict.wave_efficiency(1, 4096, 4096, mine.costs()))
+    memory = 10**9 / (1e15 / 300 * 0.9)
+    assert timed.predicted_by_class["matmul"] == pytest.approx(
+        max(compute, memory) + 0.05 * min(compute, memory), rel=1e-9
+    )
+    assert timed.predicted_by_class["launch"] == 0.0
+    given = dataclasses.replace(mine, hbm_bytes_per_second=2e12)
+    assert "hbm_bytes_per_second" not in step_time(
+        [row], 10**12, {"data": 8}, given, 8, schedule=schedule
+    ).flags[0]
 
 
 def test_step_time_refuses_a_prediction_that_is_no_time():
@@ -425,7 +460,7 @@ def test_step_time_refuses_a_prediction_that_is_no_time():
 
 @pytest.mark.parametrize("preset", ["h100", "h200", "b200"])
 def test_a_gpu_cost_model_has_its_chips_bandwidth_and_sms(preset):
-    chip, costs = TARGETS[preset].chip, predict.COSTS[preset]
+    chip, costs = target_for(st.hardware(preset)).chip, st.hardware(preset).costs()
     assert (costs.hbm_bytes_per_second, costs.cores) == (chip.bandwidth, chip.sms)
 
 

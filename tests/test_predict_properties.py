@@ -181,7 +181,7 @@ def test_the_walk_is_the_two_stream_simulation_with_every_iteration_run(events):
     hs.sampled_from(["h100", "b200", "tpu-v5e", "tpu-v6e"]),
 )
 def test_a_matmuls_wave_efficiency_is_the_share_of_tile_slots_it_fills(batch, m, n, chip):
-    costs = predict.COSTS[chip]
+    costs = st.hardware(chip).costs()
     want = tile_slots(batch, m, n, costs.cores, costs.tile)
     assert predict.wave_efficiency(batch, m, n, costs) == pytest.approx(want, rel=1e-12)
     assert 0 < want <= 1

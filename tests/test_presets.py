@@ -16,8 +16,8 @@ import pytest
 import spmdtree as st
 
 # The chips' descriptions (what XLA's GPU compiler and libtpu are given) have no
-# public name: read where preflight keeps them.
-from spmdtree._src.step.targets import TARGETS
+# public name: read where preflight builds them from a Hardware.
+from spmdtree._src.step.targets import target_for
 
 DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs" / "planning.md"
 GIB, MIB = 2**30, 2**20
@@ -108,7 +108,21 @@ NVLINK4, NVLINK5 = (
     1800,
 )  # GB/s per GPU, both ways (nvidia.com/en-us/data-center/h100/, /dgx-b200/)
 CONNECTX7 = 400 / 8  # GB/s: one 400 Gb/s NIC per GPU (DGX H100, DGX B200)
+NVLINK3 = 600  # GB/s per GPU, both ways (12 links; nvidia.com/en-us/data-center/a100/)
+HDR = 200 / 8  # GB/s: one 200 Gb/s HDR InfiniBand port per GPU (DGX A100)
 SOURCES = {
+    "a100": {
+        # CUDA's deviceQuery on an A100-SXM4-80GB: "Total amount of global memory:
+        # 81158 MBytes (85100068864 bytes)"; XLA's a100_sxm_80.txtpb: device_memory_size:
+        # 85100068864
+        "memory": (85100068864, "B"),
+        # https://www.nvidia.com/en-us/data-center/a100/: "BFLOAT16 Tensor Core 312
+        # TFLOPS | 624 TFLOPS*" (* with sparsity)
+        "peak": (312, "TFLOP/s"),
+        "ici": (NVLINK3 / 2, "GB/s"),
+        "dcn": (HDR, "GB/s"),
+        "per node": 8,  # DGX A100: 8 GPUs
+    },
     "h100": {
         # CUDA's deviceQuery on an H100 80GB HBM3: "Total amount of global memory:
         # 81106 MBytes (85045477376 bytes)"
@@ -202,6 +216,11 @@ def test_the_docs_cite_every_source_address_this_file_checks_against():
 #: What NVIDIA's sources state of each GPU: SMs, HBM bandwidth (TB/s), boost clock
 #: (GHz), L2 (MiB), compute capability.
 CHIP_SOURCES = {
+    # XLA's a100_sxm_80.txtpb (openxla/xla, xla/backends/gpu/target_config/specs):
+    # core_count: 108, memory_bandwidth: 2039040000000, clock_rate_ghz: 1.41,
+    # l2_cache_size: 41943040, cuda_compute_capability { major: 8 }; the data sheet's
+    # "2,039GB/s"
+    "a100": (108, 2.039, 1.41, 40, (8, 0)),
     # NVIDIA H100 data sheet (SXM5): 132 SMs, 3.35 TB/s; CUDA's deviceQuery: "(132)
     # Multiprocessors", "GPU Max Clock rate: 1980 MHz (1.98 GHz)", "L2 Cache Size:
     # 52428800 bytes", "CUDA Capability Major/Minor version number: 9.0"
@@ -217,7 +236,7 @@ CHIP_SOURCES = {
 @pytest.mark.parametrize("name", list(CHIP_TABLE))
 def test_each_chips_description_is_the_docs_table_and_its_sources(name):
     _, capability, sms, memory, bandwidth, clock, l2 = CHIP_TABLE[name]
-    chip = TARGETS[name].chip
+    chip = target_for(st.hardware(name)).chip
     assert chip.capability == tuple(int(v) for v in capability.split("."))
     assert chip.sms == int(sms)
     assert chip.memory_bytes == int(figure(memory)[0])
@@ -236,8 +255,9 @@ def test_each_chips_description_is_the_docs_table_and_its_sources(name):
 @pytest.mark.parametrize("name", [n for n in PRESET_TABLE if not n.startswith("tpu")])
 def test_a_gpu_presets_memory_is_what_its_compiler_is_told(name):
     # one figure for one chip: the roofline's budget and XLA GPU's device memory
-    assert st.hardware(name).memory_bytes == TARGETS[name].chip.memory_bytes
-    assert SOURCES[name]["memory"][0] == TARGETS[name].chip.memory_bytes
+    chip = target_for(st.hardware(name)).chip
+    assert st.hardware(name).memory_bytes == chip.memory_bytes
+    assert SOURCES[name]["memory"][0] == chip.memory_bytes
 
 
 #: Google's pages: the v5e and v6e pods are 256 chips in a 2D torus, v5p's a 3D
@@ -247,9 +267,9 @@ TPU_SOURCES = {"tpu-v5e": (2, 256), "tpu-v6e": (2, 256), "tpu-v5p": (3, 8960)}
 
 @pytest.mark.parametrize("name", list(TPU_SOURCES))
 def test_a_tpu_targets_slice_is_its_generations_torus(name):
-    target = TARGETS[name]
+    target = target_for(st.hardware(name))
     dimensions, pod = TPU_SOURCES[name]
-    assert target.platform == "tpu" and target.chip == name.removeprefix("tpu-")
+    assert target.platform == "tpu" and target.chip.generation == name.removeprefix("tpu-")
     assert target.dimensions == dimensions
     # a slice is at most a pod (spmdtree checks the 2D pods; a v5p job may be a whole pod)
     assert target.slice_limit in (pod, None) and (target.slice_limit is None) is (pod > 256)
@@ -257,15 +277,16 @@ def test_a_tpu_targets_slice_is_its_generations_torus(name):
 
 
 def test_every_preset_has_a_target_and_the_same_name():
-    assert set(TARGETS) == set(PRESET_TABLE)
-    assert all(TARGETS[name].name == name for name in TARGETS)
-    assert {n for n, t in TARGETS.items() if t.platform == "cuda"} == set(CHIP_TABLE)
+    targets = {name: target_for(st.hardware(name)) for name in PRESET_TABLE}
+    assert all(targets[name] is not None and targets[name].name == name for name in targets)
+    assert {n for n, t in targets.items() if t.platform == "cuda"} == set(CHIP_TABLE)
 
 
 # --- the prediction's cost model: every figure its table's and its source's -------------
 
-# The per-kernel model's figures have no public name: read where the prediction keeps them.
-from spmdtree._src.step.predict import COSTS  # noqa: E402
+# The per-kernel model's figures are the presets' own fields (0.6), as the prediction
+# reads them (`Hardware.costs`).
+COSTS = {name: st.hardware(name).costs() for name in PRESET_TABLE}
 
 COST_TABLE = table("| preset | HBM bandwidth | matmul cores |")
 
@@ -279,6 +300,8 @@ COST_TABLE = table("| preset | HBM bandwidth | matmul cores |")
 #: (https://github.com/openxla/xla/blob/main/xla/service/gpu/model/gpu_performance_model_base.h);
 #: the H100 data sheet's TF32 494.7 and FP32 67 of 989.4 TFLOPS.
 COST_SOURCES = {
+    # ml-engineering's MAMF table: "NVIDIA A100 SXM | 271.2 | 312 | 86.9%"
+    "a100": (2.039e12, 108, 128, 271.2 / 312, 1e-6, 5e-6),
     "h100": (3.35e12, 132, 128, 794.5 / 989, 1e-6, 5e-6),
     "h200": (4.8e12, 132, 128, 794.5 / 989, 1e-6, 5e-6),
     "b200": (8e12, 148, 128, 1745 / 2250, 1e-6, 5e-6),
@@ -286,6 +309,11 @@ COST_SOURCES = {
     "tpu-v5p": (2765e9, 1, 128, 1.0, 0.0, 0.0),
     "tpu-v6e": (1640e9, 1, 256, 1.0, 0.0, 0.0),
 }
+
+
+#: The A100 data sheet (nvidia.com/en-us/data-center/a100/): "Tensor Float 32 (TF32) 156
+#: TFLOPS", "FP32 19.5 TFLOPS", of its 312 bf16.
+F32_SOURCES = {"a100": (156 / 312, 19.5 / 312)}
 
 
 def ratio(cell):
@@ -325,46 +353,54 @@ def test_every_cost_model_figure_is_the_docs_table_and_its_source(name):
         source_latency,
     )
     if name in CHIP_TABLE:  # a GPU: its SMs and bandwidth are its chip description's too
-        chip = TARGETS[name].chip
+        chip = target_for(st.hardware(name)).chip
         assert (costs.cores, costs.hbm_bytes_per_second) == (chip.sms, chip.bandwidth)
-        assert costs.f32_speed == pytest.approx(494.7 / 989.4, rel=1e-3)
-        assert costs.f32_highest_speed == pytest.approx(67 / 989, rel=1e-12)
+        # the data sheets: the H100's TF32 494.7 and FP32 67 of 989.4 TFLOPS, the
+        # A100's 156 and 19.5 of 312
+        tf32, fp32 = F32_SOURCES.get(name, (494.7 / 989.4, 67 / 989))
+        assert costs.f32_speed == pytest.approx(tf32, rel=1e-3)
+        assert costs.f32_highest_speed == pytest.approx(fp32, rel=1e-12)
 
 
-# --- one source: every table is built from the chips' sheets ------------------------------
+# --- one source: every table is built from the chips' one table -------------------------
 
 from spmdtree._src.step.chips import CHIPS  # noqa: E402
-from spmdtree._src.step.targets import TPU_DEVICES  # noqa: E402
 
 
 @pytest.mark.parametrize("name", list(PRESET_TABLE))
-def test_every_table_says_what_the_chips_sheet_says(name):
-    # A figure is written once, in chips.CHIPS: the roofline's preset, the compiler's
-    # target and the model's costs each read it there (0.4: the H100's memory was 80
-    # GiB in one table and 81,106 MiB in another).
-    sheet, hardware, target, costs = CHIPS[name], st.hardware(name), TARGETS[name], COSTS[name]
+def test_every_table_says_what_the_chips_table_says(name):
+    # A figure is written once, in chips.CHIPS: the preset is built from it alone, and
+    # the compiler's target and the model's costs are read off the preset (0.4: the
+    # H100's memory was 80 GiB in one table and 81,106 MiB in another; 0.6: nothing is
+    # looked up by the hardware's name).
+    figures, hardware = CHIPS[name], st.hardware(name)
+    target, costs = target_for(hardware), hardware.costs()
     assert set(CHIPS) == set(PRESET_TABLE)
-    assert (hardware.memory_bytes, hardware.flops_per_second) == (
-        sheet.memory_bytes,
-        sheet.flops_per_second,
-    )
-    assert dict(hardware.links) == dict(sheet.links)
-    assert hardware.devices_per_node == sheet.devices_per_node
-    assert costs.hbm_bytes_per_second == sheet.hbm_bytes_per_second
-    assert costs.matmul_efficiency == sheet.matmul_efficiency
-    assert costs.tile == (sheet.tile, sheet.tile)
-    assert target.platform == sheet.platform
-    if sheet.platform == "cuda":
+    assert hardware == st.Hardware(name, **figures)
+    assert hardware.left_out == ()
+    assert costs.hbm_bytes_per_second == figures["hbm_bytes_per_second"]
+    assert costs.matmul_efficiency == figures["matmul_efficiency"]
+    assert costs.tile == (figures["tile"], figures["tile"])
+    assert costs.cores == figures["cores"]
+    if isinstance(figures["chip"], st.GpuChip):
         chip = target.chip
+        assert target.platform == "cuda"
         assert (chip.memory_bytes, chip.bandwidth, chip.sms) == (
-            sheet.memory_bytes,
-            sheet.hbm_bytes_per_second,
-            sheet.sms,
+            figures["memory_bytes"],
+            figures["hbm_bytes_per_second"],
+            figures["cores"],
         )
-        assert f'device_description_str: "{sheet.description}"' in chip.target_config()
-        assert costs.cores == sheet.sms
+        assert f'device_description_str: "{figures["chip"].description}"' in chip.target_config()
     else:
-        assert target.chip == sheet.generation == name.removeprefix("tpu-")
-        assert TPU_DEVICES[sheet.generation] == (sheet.device_kind, sheet.tensor_cores)
-        assert (target.dimensions, target.slice_limit) == (sheet.dimensions, sheet.slice_limit)
+        assert target.platform == "tpu" and target.chip is figures["chip"]
+        assert target.chip.generation == name.removeprefix("tpu-")
         assert costs.cores == 1
+
+
+@pytest.mark.parametrize("name", list(PRESET_TABLE))
+def test_a_preset_under_another_name_is_the_same_chip(name):
+    import dataclasses
+
+    mine = dataclasses.replace(st.hardware(name), name="mine")
+    assert mine.costs() == st.hardware(name).costs()
+    assert target_for(mine).chip == target_for(st.hardware(name)).chip

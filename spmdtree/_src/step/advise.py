@@ -32,17 +32,23 @@ from spmdtree._src.plan import Plan
 from spmdtree._src.rules import AnyMesh, Rules
 from spmdtree._src.step.diagnose import Closest, nothing_fits
 from spmdtree._src.step.hardware import PRESETS, Hardware, StepTime, check_devices_per_node
-from spmdtree._src.step.preflight import StepPlan, step_plan
+from spmdtree._src.step.preflight import (
+    Keywords,
+    StepPlan,
+    plan_arguments,
+    step_plan,
+    trace_for,
+)
 from spmdtree._src.step.targets import (
-    TARGETS,
     Analysis,
     Backend,
     CpuChild,
     DoesNotFit,
     TargetChild,
     compiler_for,
+    target_for,
 )
-from spmdtree._src.step.trace import Arguments, Traced, arguments, trace
+from spmdtree._src.step.trace import Arguments, Traced
 from spmdtree._src.text import (
     LeftUnsharded,
     Located,
@@ -248,7 +254,7 @@ class Advice:
     def platform(self) -> str:
         """The hardware's platform as `jax.devices()` names it (``"gpu"``,
         ``"tpu"``), or ``""`` for hardware spmdtree knows no compiler of (new in 0.5)."""
-        target = TARGETS.get(self.hardware.name)
+        target = target_for(self.hardware)
         return "" if target is None else Backend.of(target.platform)
 
     def __str__(self) -> str:
@@ -369,7 +375,7 @@ class _Step:
 
     fn: Callable[..., Any]
     planned: Arguments
-    out_shardings: Any
+    keywords: Keywords
 
 
 @dataclasses.dataclass(frozen=True)
@@ -722,10 +728,6 @@ def _message(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
 
-#: What make_step's kwargs may hold: preflight's own, but the mesh and rules.
-_KWARGS = ("params", "donate_argnums", "static_argnums", "out_shardings")
-
-
 def _first_pass(
     search: _Search, index: int, make_step: Callable[[Candidate], Any], screen: TargetChild | None
 ) -> _Pending | _Record:
@@ -737,25 +739,17 @@ def _first_pass(
         returned = make_step(candidate)
     except Exception as e:
         return _failed(search, index, f"make_step raised {_message(e)}")
-    fn, args, kwargs = _step_call(returned)
+    fn, args, keywords = _step_call(returned)
     mesh = _abstract(candidate)
     try:
-        planned = arguments(
-            args,
-            mesh,
-            candidate.rules,
-            params=kwargs.get("params"),
-            donate_argnums=kwargs.get("donate_argnums", ()),
-            static_argnums=kwargs.get("static_argnums", ()),
-        )
+        planned = plan_arguments(args, mesh, candidate.rules, keywords)
         rejected = _rejection(search, index, planned.plan)
         if rejected is not None:
             return rejected
-        step = _Step(fn, planned, kwargs.get("out_shardings"))
+        step = _Step(fn, planned, keywords)
         at = screen if screen is not None else compiler_for(mesh, None, None)
-        traced = trace(
-            fn, planned, mesh, candidate.rules, out_shardings=step.out_shardings, compiler=at
-        )
+        meets = (at,) if search.asks is None else (at, search.asks)
+        traced = trace_for(fn, planned, mesh, candidate.rules, keywords, meets)
         if at.here is None:  # exported: its child compiles it in the pool
             return _Pending(index, traced, at, step)
         compiled = step_plan(traced, at.compile(traced), at)
@@ -764,10 +758,9 @@ def _first_pass(
     return _Compiled(_judged(search, index, compiled), step)
 
 
-def _step_call(
-    returned: object,
-) -> tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]:
-    """`make_step`'s return, checked: ``(fn, args, kwargs)``, kwargs without mesh or rules."""
+def _step_call(returned: object) -> tuple[Callable[..., Any], tuple[Any, ...], Keywords]:
+    """`make_step`'s return, checked: ``(fn, args, kwargs)``, kwargs preflight's own
+    keywords but the mesh and rules (`Keywords`)."""
     shape = (
         "(fn, args, kwargs): the step, a tuple of its arguments and a dict of preflight's "
         "other keywords (such as donate_argnums), e.g. `return step, (params, batch), {}`"
@@ -783,13 +776,13 @@ def _step_call(
     if not callable(fn) or not isinstance(args, (tuple, list)) or not isinstance(kwargs, Mapping):
         got = ", ".join(type(value).__name__ for value in returned)
         raise Mistake(TypeError, f"make_step returned ({got}); it must return {shape}.")
-    odd = sorted(set(kwargs) - set(_KWARGS))
+    odd = sorted(set(kwargs) - set(Keywords.names()))
     if odd:
         said = "advise passes each candidate's mesh and rules itself. Leave them out."
         if not {"mesh", "rules"} & set(odd):
-            said = f"preflight takes only {', '.join(_KWARGS)} there."
+            said = f"preflight takes only {', '.join(Keywords.names())} there."
         raise Mistake(ValueError, f"make_step returned kwargs with {odd}; {said}")
-    return fn, tuple(args), dict(kwargs)
+    return fn, tuple(args), Keywords(**kwargs)
 
 
 def _abstract(candidate: Candidate) -> AnyMesh:
@@ -857,13 +850,9 @@ def _confirmed(
     record = state.records[index]
     step = cast(_Compiled, record).step
     try:
-        traced = trace(
-            step.fn,
-            step.planned,
-            _abstract(search.candidates[index]),
-            search.candidates[index].rules,
-            out_shardings=step.out_shardings,
-            compiler=target,
+        candidate = search.candidates[index]
+        traced = trace_for(
+            step.fn, step.planned, _abstract(candidate), candidate.rules, step.keywords, (target,)
         )
     except Exception as e:
         return _Unconfirmed(_flagged(record.row, f"not confirmed by {target}: {_message(e)}"), step)
@@ -975,9 +964,11 @@ def _where_asked(
     mesh = candidates[0].mesh
     if needed:
         return compiler_for(mesh, hardware, devices_per_node), ""
-    if hardware.name not in TARGETS:
-        presets = ", ".join(map(repr, TARGETS))
-        return None, f"spmdtree knows no compiler for the {hardware.name} (the presets': {presets})"
+    if hardware.chip is None:
+        return None, (
+            f"the {hardware.name} has no chip= (a st.GpuChip or st.TpuChip), so spmdtree "
+            "knows no compiler for it"
+        )
     try:
         return compiler_for(mesh, hardware, devices_per_node), ""
     except Mistake as mistake:

@@ -1,11 +1,14 @@
 """Each preset's chip: every fact spmdtree knows of it, written once (new in 0.5).
 
-Three tables are built from `CHIPS`, so that a figure changes in one place: the
-roofline's `Hardware` presets (`hardware.PRESETS`), the targets' compiler
-descriptions (`targets.TARGETS`, `targets.TPU_DEVICES`) and the per-kernel
-model's figures (`predict.COSTS`). docs/planning.md ("Hardware and time", "The
-compilers' targets", "Predicted step time") lists each figure's source, and
-tests/test_presets.py checks each figure against that table and the source.
+`CHIPS` is the one table of the presets: each row the keyword arguments of a
+`Hardware` (the roofline's figures, the per-kernel model's, and what its
+compiler is told: a `GpuChip` or a `TpuChip`). A `Hardware` carries them
+whole from there on (0.6): the compiler's target and the model's costs are
+read off the hardware itself, never looked up by its name. docs/planning.md
+("Hardware and time", "The compilers' targets", "Predicted step time") lists
+each figure's source, and tests/test_presets.py checks each figure against
+that table and the source. The torus below (`slice_dims`, `torus_links`) is a
+`TpuChip`'s.
 
 This module is data only: it imports nothing of spmdtree's.
 """
@@ -19,179 +22,197 @@ from typing import Any
 
 GB = 10**9
 GIB = 2**30
+MIB = 2**20
 
 #: A GPU node's links: NVLink within a node of 8, InfiniBand across; latencies rough.
 _GPU_LINKS = {"ici": (450e9, 2e-6), "dcn": (50e9, 5e-6)}
 
 
 @dataclasses.dataclass(frozen=True)
-class Sheet:
-    """One preset's chip: its memory, peak, links and memory bandwidth, the
-    per-kernel model's figures, and what its compiler is told (an NVIDIA GPU's
-    target description, or the TPU generation libtpu names).
+class GpuChip:
+    """What XLA's GPU compiler is told of an NVIDIA GPU beyond a `Hardware`'s figures
+    (new in 0.6): its device description, compute capability, boost clock, L2 and
+    per-SM limits. Its SMs are the hardware's `cores`, its memory and bandwidth the
+    hardware's.
 
     Attributes:
-        name: the preset (``"h100"``, ``"tpu-v5p"``).
-        platform: ``"cuda"`` (XLA GPU) or ``"tpu"`` (libtpu).
-        memory_bytes: memory per device.
-        flops_per_second: the dense bf16 peak per device.
-        hbm_bytes_per_second: the memory bandwidth (data sheet).
-        links: ``"ici"``/``"dcn"`` to (bytes per second per device, latency per hop).
-        devices_per_node: a GPU node's devices (None: a TPU slice is one node).
-        matmul_efficiency: the largest share of the peak a matmul reaches.
-        tile: a matmul tile's side (cuBLAS's 128; the MXU's 128, or 256 on v6e).
-        description, capability, sms, clock_ghz, l2_bytes: a GPU's, as XLA's GPU
-            target description reads them (its name, compute capability, SMs,
-            boost clock and L2 cache).
-        generation, device_kind, tensor_cores, dimensions, slice_limit: a TPU's:
-            its generation as libtpu names it, libtpu's ``device_kind`` and
-            TensorCores per device, its slices' torus dimensions, and the most
-            chips a slice holds (None: no limit spmdtree checks).
-        wraparound, cubes: the side a TPU slice's torus axis needs for its
-            wraparound links (16 on v5e and v6e: a whole axis of the pod; 4 on
-            v5p), and whether they come from optical switches that join whole
-            cubes only (v5p: every axis a multiple of 4, or no axis wraps;
-            new in 0.5).
+        description: the device's name as CUDA reports it (``"NVIDIA H100 80GB HBM3"``).
+        capability: its compute capability, ``(major, minor)``.
+        clock_ghz: its boost clock.
+        l2_bytes: its L2 cache.
+        shared_per_sm, shared_per_block_optin: shared memory per SM and the most a
+            block may opt in to (the CUDA programming guide's limits per compute
+            capability: 228 KiB and 227 KiB on 9.0 and 10.0, 164 KiB and 163 KiB on
+            8.0).
+        fpus_per_sm: FP32 units per SM (128 on 9.0 and 10.0, 64 on 8.0).
+
+    Example:
+        >>> GpuChip("NVIDIA A100-SXM4-80GB", (8, 0), 1.41, 40 * 2**20).capability
+        (8, 0)
     """
 
-    name: str
-    platform: str
-    memory_bytes: int
-    flops_per_second: float
-    hbm_bytes_per_second: int
-    links: Mapping[str, tuple[float, float]] = dataclasses.field(hash=False)
-    devices_per_node: int | None
-    matmul_efficiency: float
-    tile: int
-    description: str = ""
-    capability: tuple[int, int] = (0, 0)
-    sms: int = 0
-    clock_ghz: float = 0.0
-    l2_bytes: int = 0
-    generation: str = ""
-    device_kind: str = ""
-    tensor_cores: int = 0
-    dimensions: int = 0
-    slice_limit: int | None = None
+    description: str
+    capability: tuple[int, int]
+    clock_ghz: float
+    l2_bytes: int
+    shared_per_sm: int = 233_472
+    shared_per_block_optin: int = 232_448
+    fpus_per_sm: int = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuChip:
+    """A TPU generation as libtpu names it, and its slices' torus (new in 0.6).
+
+    Attributes:
+        generation: libtpu's name for it (``"v5p"``).
+        device_kind: libtpu's ``device_kind`` (``"TPU v5"``).
+        tensor_cores: TensorCores per device as libtpu's topology gives them.
+        dimensions: its slices' torus dimensions (2 or 3).
+        wraparound: the side a torus axis needs for its wraparound links (16 on
+            v5e and v6e: a whole axis of the pod; 4 on v5p); 0: none wraps.
+        cubes: whether the wraparounds come from optical switches that join whole
+            cubes only (v5p: every axis a multiple of 4, or no axis wraps).
+        slice_limit: the most chips one slice holds (None: no limit checked).
+
+    Example:
+        >>> TpuChip("v5e", "TPU v5 lite", 1, 2, wraparound=16, slice_limit=256).dimensions
+        2
+    """
+
+    generation: str
+    device_kind: str
+    tensor_cores: int
+    dimensions: int
     wraparound: int = 0
     cubes: bool = False
+    slice_limit: int | None = None
 
 
-def _gpu(name: str, **facts: Any) -> Sheet:
-    """An NVIDIA GPU in nodes of 8 (NVLink within, InfiniBand across, unless given)."""
-    return Sheet(
-        **{"links": _GPU_LINKS, **facts},
-        name=name,
-        platform="cuda",
-        devices_per_node=8,
-        tile=128,
-    )
-
-
-def _tpu(name: str, **facts: Any) -> Sheet:
-    """A TPU generation, its preset named ``tpu-`` and libtpu's name for it."""
-    return Sheet(
+def _gpu(**facts: Any) -> dict[str, Any]:
+    """An NVIDIA GPU's figures in nodes of 8 (NVLink within, InfiniBand across, unless
+    given): cuBLAS's 128 x 128 tile over its SMs, XLA GPU's launch overheads, memory
+    kernels at 0.9 of the bandwidth, f32 matmuls as TF32 at half the bf16 rate."""
+    return {
+        "links": _GPU_LINKS,
+        "devices_per_node": 8,
+        "tile": 128,
+        "memory_efficiency": 0.9,
+        "launch_seconds": 1e-6,
+        "collective_latency_seconds": 5e-6,
+        "f32_speed": 0.5,
         **facts,
-        name=name,
-        platform="tpu",
-        devices_per_node=None,
-        matmul_efficiency=1.0,
-        generation=name.removeprefix("tpu-"),
-    )
+    }
 
 
-#: The chips, by preset name.
+def _tpu(**facts: Any) -> dict[str, Any]:
+    """A TPU generation's figures: one slice unless told, its MXU's tile stream (one
+    core, no launch), no public matmul share (1.0), f32 in one bf16 pass (six at the
+    highest precision)."""
+    return {
+        "devices_per_node": None,
+        "matmul_efficiency": 1.0,
+        "cores": 1,
+        "memory_efficiency": 0.9,
+        "launch_seconds": 0.0,
+        "collective_latency_seconds": 0.0,
+        "f32_speed": 1.0,
+        "f32_highest_speed": 1 / 6,
+        **facts,
+    }
+
+
+#: The chips, by preset name: every figure of each, as the keyword arguments of its
+#: `Hardware` (hardware.py builds the presets from this table and nothing else).
 #: GPUs: SMs, HBM bandwidth and boost clock from NVIDIA's data sheets (H100 SXM5 80 GB:
 #: 132 SMs, 3.35 TB/s; H200 SXM 141 GB: 4.8 TB/s; B200: 148 SMs, 8 TB/s, each of DGX
-#: B200's 64), L2 and clock from CUDA's device query; memory in bytes as CUDA's device
-#: query reports it (H100: 81,106 MiB) or nvidia-smi's total (H200 143,771 MiB, B200
-#: 183,359 MiB): a data sheet's "80 GB" read as 80 GiB is more than an H100 has. The
-#: bf16 dense peaks: 989 TFLOP/s (H100, H200), 2.25 PFLOP/s (B200). The largest
-#: matmul share from Stas Bekman's MAMF table (ml-engineering, compute/accelerator:
-#: H100 SXM 794.5 of 989 TFLOPS bf16, "H200 is the same", B200 1,745 of 2,250).
-#: TPUs: memory as the data sheet's GB read as GiB, peaks, HBM bandwidth (v5e 819
+#: B200's 64; A100 SXM4 80 GB: 108 SMs, 2,039 GB/s, 1.41 GHz, 40 MB L2, 312 TFLOP/s bf16,
+#: 156 TF32 and 19.5 FP32, NVLink 3 at 600 GB/s both ways and DGX A100's eight 200 Gb/s
+#: HDR InfiniBand ports, 25 GB/s per GPU), L2 and clock from CUDA's device query; memory
+#: in bytes as CUDA's device query reports it (H100: 81,106 MiB; A100: 81,158 MiB, XLA's own a100_sxm_80 spec too) or
+#: nvidia-smi's total (H200 143,771 MiB, B200 183,359 MiB): a data sheet's "80 GB" read
+#: as 80 GiB is more than an H100 has. The bf16 dense peaks: 989 TFLOP/s (H100, H200),
+#: 2.25 PFLOP/s (B200), 312 TFLOP/s (A100). The largest matmul share from Stas Bekman's
+#: MAMF table (ml-engineering, compute/accelerator: H100 SXM 794.5 of 989 TFLOPS bf16,
+#: "H200 is the same", B200 1,745 of 2,250, A100 SXM 271.2 of 312). f32 matmuls: the
+#: H100 data sheet's TF32 494.7 and FP32 67 of 989.4 TFLOPS (the A100's 156 and 19.5 of
+#: 312). TPUs: memory as the data sheet's GB read as GiB, peaks, HBM bandwidth (v5e 819
 #: GB/s, v5p 2,765 GB/s, v6e 1,640 GB/s) and ICI/DCN from Google Cloud's
-#: system-architecture pages; no public achievable matmul share (1.0); the pods: v5e
-#: and v6e 256 chips in a 2D torus, v5p a 3D torus; libtpu's device kinds and
-#: TensorCores measured with libtpu 0.0.50.1 (v5p's two are one megacore); wraparound
-#: links from the scaling book's "How to Think About TPUs": an axis of 16 on v5e and
-#: v6e, whole 4x4x4 cubes on v5p ("a 2x2x4 won't have any wraparounds").
-CHIPS = {
+#: system-architecture pages; the pods: v5e and v6e 256 chips in a 2D torus, v5p a 3D
+#: torus; libtpu's device kinds and TensorCores measured with libtpu 0.0.50.1 (v5p's two
+#: are one megacore); wraparound links from the scaling book's "How to Think About
+#: TPUs": an axis of 16 on v5e and v6e, whole 4x4x4 cubes on v5p ("a 2x2x4 won't have
+#: any wraparounds"). docs/planning.md lists each figure with its source.
+CHIPS: dict[str, Mapping[str, Any]] = {
+    "a100": _gpu(
+        memory_bytes=85_100_068_864,
+        flops_per_second=312e12,
+        hbm_bytes_per_second=2_039 * GB,
+        matmul_efficiency=271.2 / 312,
+        cores=108,
+        f32_highest_speed=19.5 / 312,
+        links={"ici": (300e9, 2e-6), "dcn": (25e9, 5e-6)},
+        chip=GpuChip(
+            "NVIDIA A100-SXM4-80GB",
+            (8, 0),
+            1.41,
+            40 * MIB,
+            shared_per_sm=167_936,
+            shared_per_block_optin=166_912,
+            fpus_per_sm=64,
+        ),
+    ),
     "h100": _gpu(
-        "h100",
         memory_bytes=85_045_477_376,
         flops_per_second=989e12,
         hbm_bytes_per_second=3_350 * GB,
         matmul_efficiency=794.5 / 989,
-        description="NVIDIA H100 80GB HBM3",
-        capability=(9, 0),
-        sms=132,
-        clock_ghz=1.98,
-        l2_bytes=50 * 2**20,
+        cores=132,
+        f32_highest_speed=67 / 989,
+        chip=GpuChip("NVIDIA H100 80GB HBM3", (9, 0), 1.98, 50 * MIB),
     ),
     "h200": _gpu(
-        "h200",
         memory_bytes=150_754_820_096,
         flops_per_second=989e12,
         hbm_bytes_per_second=4_800 * GB,
         matmul_efficiency=794.5 / 989,
-        description="NVIDIA H200",
-        capability=(9, 0),
-        sms=132,
-        clock_ghz=1.98,
-        l2_bytes=50 * 2**20,
+        cores=132,
+        f32_highest_speed=67 / 989,
+        chip=GpuChip("NVIDIA H200", (9, 0), 1.98, 50 * MIB),
     ),
     "b200": _gpu(
-        "b200",
         memory_bytes=192_265_846_784,
         flops_per_second=2.25e15,
         hbm_bytes_per_second=8_000 * GB,
         matmul_efficiency=1745 / 2250,
-        description="NVIDIA B200",
-        capability=(10, 0),
-        sms=148,
-        clock_ghz=1.965,
-        l2_bytes=126 * 2**20,
+        cores=148,
+        f32_highest_speed=67 / 989,
         links={"ici": (900e9, 2e-6), "dcn": (50e9, 5e-6)},
+        chip=GpuChip("NVIDIA B200", (10, 0), 1.965, 126 * MIB),
     ),
     "tpu-v5e": _tpu(
-        "tpu-v5e",
         memory_bytes=16 * GIB,
         flops_per_second=1.97e14,
         hbm_bytes_per_second=819 * GB,
         links={"ici": (9e10, 1e-6), "dcn": (3.125e9, 1e-5)},
         tile=128,
-        device_kind="TPU v5 lite",
-        tensor_cores=1,
-        dimensions=2,
-        slice_limit=256,
-        wraparound=16,
+        chip=TpuChip("v5e", "TPU v5 lite", 1, 2, wraparound=16, slice_limit=256),
     ),
     "tpu-v5p": _tpu(
-        "tpu-v5p",
         memory_bytes=95 * GIB,
         flops_per_second=4.59e14,
         hbm_bytes_per_second=2_765 * GB,
         links={"ici": (1.8e11, 1e-6), "dcn": (6.25e9, 1e-5)},
         tile=128,
-        device_kind="TPU v5",
-        tensor_cores=2,
-        dimensions=3,
-        wraparound=4,
-        cubes=True,
+        chip=TpuChip("v5p", "TPU v5", 2, 3, wraparound=4, cubes=True),
     ),
     "tpu-v6e": _tpu(
-        "tpu-v6e",
         memory_bytes=32 * GIB,
         flops_per_second=9.18e14,
         hbm_bytes_per_second=1_640 * GB,
         links={"ici": (1.8e11, 1e-6), "dcn": (12.5e9, 1e-5)},
         tile=256,
-        device_kind="TPU v6 lite",
-        tensor_cores=1,
-        dimensions=2,
-        slice_limit=256,
-        wraparound=16,
+        chip=TpuChip("v6e", "TPU v6 lite", 1, 2, wraparound=16, slice_limit=256),
     ),
 }
 

@@ -19,8 +19,9 @@ from typing import Any, Protocol, TypeVar
 import numpy as np
 
 from spmdtree._src.errors import Mistake, public
-from spmdtree._src.step.chips import CHIPS, slice_dims, torus_links, wrapped
-from spmdtree._src.step.predict import COSTS, Schedule, predict
+from spmdtree._src.step.chips import CHIPS, GpuChip, TpuChip, slice_dims, torus_links, wrapped
+from spmdtree._src.step.predict import Costs, predict
+from spmdtree._src.step.schedule import Schedule
 
 #: The link kinds, fastest first: within a node or slice, then across.
 LINKS = ("ici", "dcn")
@@ -99,9 +100,50 @@ def check_devices_per_node(
         )
 
 
+#: What a `Hardware` that leaves out a figure of the per-kernel model is predicted
+#: with (new in 0.6; a prediction built on any of them says so in its flags): memory
+#: kernels at 1 byte per 300 FLOPs of the peak at 0.9 of it (an H100's 989 TFLOP/s over
+#: 3.35 TB/s is 295 FLOPs a byte, a TPU v5e's 240), matmuls at 0.8 of the peak (an
+#: H100's and a B200's largest measured shares are 0.80 and 0.78) on one core (no wave
+#: quantization) in tiles of 128, f32 matmuls at the bf16 rate (1/6 at the highest
+#: precision: six bf16 passes), no launch overhead and no latency per collective beyond
+#: the links' own.
+DEFAULTS: Mapping[str, float] = {
+    "flops_per_byte": 300.0,
+    "memory_efficiency": 0.9,
+    "matmul_efficiency": 0.8,
+    "cores": 1,
+    "tile": 128,
+    "f32_speed": 1.0,
+    "f32_highest_speed": 1 / 6,
+    "launch_seconds": 0.0,
+    "collective_latency_seconds": 0.0,
+}
+
+#: The per-kernel model's fields of a `Hardware`, each None where left out.
+MODEL_FIELDS = (
+    "hbm_bytes_per_second",
+    "memory_efficiency",
+    "matmul_efficiency",
+    "cores",
+    "tile",
+    "f32_speed",
+    "f32_highest_speed",
+    "launch_seconds",
+    "collective_latency_seconds",
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class Hardware:
-    """One kind of accelerator and its links: the figures a roofline needs.
+    """One kind of accelerator and its links: every figure the roofline bound and the
+    predicted step time use, carried whole (0.6: nothing is looked up by `name`).
+
+    The first five fields are the roofline's (0.3); the rest, keyword-only and new
+    in 0.6, are the per-kernel model's (docs/planning.md, "Predicted step time")
+    and what the accelerator's compiler is told. A field of the model left out
+    (None) takes its documented default (`DEFAULTS`), and a prediction built on
+    one says so in `StepTime.flags`. The presets (`hardware`) give every figure.
 
     Attributes:
         name: what tables call it.
@@ -115,16 +157,37 @@ class Hardware:
         devices_per_node: how many consecutive devices (in the mesh's
             row-major order) share the fast link; None: every device does (one
             node, or one TPU slice).
+        hbm_bytes_per_second: the memory bandwidth (default: the peak / 300).
+        memory_efficiency: the share of it a memory-bound kernel sustains (0.9).
+        matmul_efficiency: the largest share of the peak a matmul reaches (0.8).
+        cores: the units a matmul's tiles are spread over: a GPU's SMs, 1 on a
+            TPU (default 1: no wave quantization).
+        tile: a matmul tile's side (cuBLAS's 128, the MXU's 128 or 256; 128).
+        f32_speed: an f32 matmul's rate over the bf16 one at the default
+            precision (a GPU's TF32: 0.5; default 1.0).
+        f32_highest_speed: the same at the highest precision (1/6).
+        launch_seconds: the overhead each kernel adds (XLA GPU's 1 us; 0).
+        collective_latency_seconds: what each collective adds beyond the links'
+            per-hop latency (XLA GPU's 5 us; 0).
+        chip: what its compiler is told, for ``preflight(..., target=)``: a
+            `GpuChip` (XLA GPU's target description) or a `TpuChip` (libtpu's
+            generation and its slices' torus, which the links' time reads too);
+            None: no compiler target, and links timed as one ring.
 
     Raises:
         ValueError: for a figure <= 0 (a latency < 0), a link kind other than
             ``"ici"``/``"dcn"``, or `devices_per_node` < 1.
+        TypeError: for a `chip` that is no `GpuChip` or `TpuChip`.
 
     Example:
-        >>> import spmdtree as st
+        >>> import dataclasses, spmdtree as st
         >>> gpu = st.Hardware("mine", 80 * 2**30, 1e15, {"ici": (400e9, 2e-6), "dcn": (50e9, 5e-6)}, 8)
-        >>> gpu.links["dcn"]
-        (50000000000.0, 5e-06)
+        >>> gpu.links["dcn"], gpu.hbm_bytes_per_second
+        ((50000000000.0, 5e-06), None)
+        >>> gpu.left_out[:2]
+        ('hbm_bytes_per_second', 'memory_efficiency')
+        >>> dataclasses.replace(st.hardware("h100"), name="mine").left_out  # a preset's figures
+        ()
         >>> st.Hardware("bad", 1, 1e15, {"nvlink": (1e9, 0.0)})
         Traceback (most recent call last):
         ...
@@ -136,6 +199,17 @@ class Hardware:
     flops_per_second: float
     links: Mapping[str, tuple[float, float]] = dataclasses.field(hash=False)
     devices_per_node: int | None = None
+    _: dataclasses.KW_ONLY
+    hbm_bytes_per_second: float | None = None
+    memory_efficiency: float | None = None
+    matmul_efficiency: float | None = None
+    cores: int | None = None
+    tile: int | None = None
+    f32_speed: float | None = None
+    f32_highest_speed: float | None = None
+    launch_seconds: float | None = None
+    collective_latency_seconds: float | None = None
+    chip: GpuChip | TpuChip | None = None
 
     @functools.partial(public, name="Hardware")
     def __post_init__(self) -> None:
@@ -167,26 +241,76 @@ class Hardware:
             links[kind] = (float(figures[0]), float(figures[1]))
         if self.devices_per_node is not None:
             check_devices_per_node(self.devices_per_node, "devices_per_node")
+        self._check_model()
+        if self.chip is not None and not isinstance(self.chip, (GpuChip, TpuChip)):
+            raise Mistake(
+                TypeError,
+                f"chip is {self.chip!r}; expected a st.GpuChip, a st.TpuChip or None.",
+            )
         object.__setattr__(self, "links", Frozen(links))
 
+    def _check_model(self) -> None:
+        """The model's figures: each > 0 (latencies >= 0), the shares at most 1
+        where a share is meant, cores and tile whole numbers."""
+        for what in MODEL_FIELDS:
+            value = getattr(self, what)
+            if value is None or (what.endswith("_seconds") and value == 0):
+                continue
+            _positive(value, what)
+            if what in ("cores", "tile") and (
+                not isinstance(value, (int, np.integer)) or isinstance(value, bool)
+            ):
+                raise Mistake(ValueError, f"{what} is {value!r}; expected an int >= 1.")
+            if what.endswith("_efficiency") and value > 1:
+                raise Mistake(
+                    ValueError, f"{what} is {value!r}; expected a share of the peak, 0 to 1."
+                )
 
-#: The presets, built from `chips.CHIPS` (every figure's source is listed there and in
-#: docs/planning.md, "Hardware and time"). A GPU's memory is what the device reports,
-#: the bytes its compiler target is given too; a TPU's is its data sheet's GB read as
-#: GiB. Latencies are rough.
-PRESETS = {
-    name: Hardware(name, s.memory_bytes, s.flops_per_second, s.links, s.devices_per_node)
-    for name, s in CHIPS.items()
-}
+    @property
+    def left_out(self) -> tuple[str, ...]:
+        """The per-kernel model's fields this hardware leaves to their defaults
+        (`DEFAULTS`), in field order (new in 0.6).
+
+        Example:
+            >>> import spmdtree as st
+            >>> st.hardware("tpu-v5e").left_out
+            ()
+        """
+        return tuple(what for what in MODEL_FIELDS if getattr(self, what) is None)
+
+    def costs(self) -> Costs:
+        """The per-kernel model's figures (`predict.Costs`), each left-out one at its
+        default."""
+        figure = {
+            what: DEFAULTS[what] if getattr(self, what) is None else getattr(self, what)
+            for what in MODEL_FIELDS[1:]
+        }
+        hbm = self.hbm_bytes_per_second or self.flops_per_second / DEFAULTS["flops_per_byte"]
+        tile = int(figure.pop("tile"))
+        return Costs(
+            hbm_bytes_per_second=float(hbm),
+            cores=int(figure.pop("cores")),
+            tile=(tile, tile),
+            **figure,
+        )
+
+
+#: The presets, built from `chips.CHIPS` alone (every figure's source is listed there
+#: and in docs/planning.md, "Hardware and time"). A GPU's memory is what the device
+#: reports, the bytes its compiler target is given too; a TPU's is its data sheet's GB
+#: read as GiB. Latencies are rough.
+PRESETS = {name: Hardware(name, **figures) for name, figures in CHIPS.items()}
 
 
 @public
 def hardware(name: str) -> Hardware:
-    """A preset `Hardware`: ``"h100"``, ``"h200"``, ``"b200"``, ``"tpu-v5e"``,
-    ``"tpu-v5p"`` or ``"tpu-v6e"``.
+    """A preset `Hardware`: ``"a100"``, ``"h100"``, ``"h200"``, ``"b200"``,
+    ``"tpu-v5e"``, ``"tpu-v5p"`` or ``"tpu-v6e"`` (``"a100"`` new in 0.6).
 
     The figures are the vendors' data sheets and the JAX team's scaling book
-    (docs/planning.md lists each with its source); latencies are rough.
+    (docs/planning.md lists each with its source); latencies are rough. A preset
+    gives every figure of the model (`Hardware.left_out` is empty), and its
+    `chip` is what its compiler is told.
 
     Args:
         name: the preset's name.
@@ -200,8 +324,8 @@ def hardware(name: str) -> Hardware:
     Example:
         >>> import spmdtree as st
         >>> h100 = st.hardware("h100")
-        >>> h100.flops_per_second, h100.devices_per_node, h100.links["ici"][0]
-        (989000000000000.0, 8, 450000000000.0)
+        >>> h100.flops_per_second, h100.devices_per_node, h100.links["ici"][0], h100.cores
+        (989000000000000.0, 8, 450000000000.0, 132)
     """
     if name not in PRESETS:
         raise Mistake(
@@ -237,6 +361,9 @@ class StepTime:
             ``attention``, ``memory`` (memory-bound kernels), ``collectives``
             (exposed) and ``launch`` (kernel launches), summing to
             `predicted_seconds`; a read-only dict, or None likewise (new in 0.5).
+        flags: what the prediction rests on beyond the compiled schedule: the
+            model's defaults it took for figures the hardware leaves out, loops
+            of unknown trip count timed once (new in 0.6).
 
     Raises:
         ValueError: for a `flops_per_second` <= 0, or a prediction < 0.
@@ -258,6 +385,7 @@ class StepTime:
     predicted_seconds: float | None = None
     exposed_comm_seconds: float | None = None
     predicted_by_class: Mapping[str, float] | None = dataclasses.field(default=None, hash=False)
+    flags: tuple[str, ...] = ()
 
     @functools.partial(public, name="StepTime")
     def __post_init__(self) -> None:
@@ -426,14 +554,14 @@ def collective_seconds(
 
 
 def _torus_links(hw: Hardware, group: float, slice_chips: int) -> float:
-    """How many times its ICI figure an ICI group of `group` chips sends at on a TPU
-    preset's slice of `slice_chips` (`chips.torus_links`); 1 on anything else (a
-    GPU node, a hardware of one's own)."""
-    sheet = CHIPS.get(hw.name)
-    if sheet is None or sheet.platform != "tpu" or not sheet.dimensions:
+    """How many times its ICI figure an ICI group of `group` chips sends at on a slice
+    of `slice_chips` of a TPU's torus (`chips.torus_links`); 1 on anything else (a GPU
+    node, a hardware with no `TpuChip`)."""
+    chip = hw.chip
+    if not isinstance(chip, TpuChip) or not chip.dimensions:
         return 1.0
-    dims = slice_dims(slice_chips, sheet.dimensions)
-    return torus_links(round(group), dims, wrapped(dims, sheet.wraparound, sheet.cubes))
+    dims = slice_dims(slice_chips, chip.dimensions)
+    return torus_links(round(group), dims, wrapped(dims, chip.wraparound, chip.cubes))
 
 
 def step_time(
@@ -446,8 +574,8 @@ def step_time(
 ) -> StepTime:
     """The `StepTime` of a step with these FLOPs per device and collectives on a
     mesh of this shape (axis name -> size), on `hw`; with the compiled module's
-    `schedule` (`predict.read_schedule`) and a preset's cost model
-    (`predict.COSTS`, by `hw.name`), its predicted time too (new in 0.5)."""
+    `schedule` (`predict.read_schedule`), its predicted time too, timed by the
+    hardware's own figures (new in 0.5; 0.6: any `Hardware`, its defaults said)."""
     if not isinstance(hw, Hardware):
         raise Mistake(
             TypeError, f"hardware is {hw!r}; expected a st.Hardware (st.hardware('h100'))."
@@ -459,16 +587,25 @@ def step_time(
     for row in collectives:
         seconds = collective_seconds(row, shape, hw, per_node)
         by_axes[tuple(row.axes)] = by_axes.get(tuple(row.axes), 0.0) + seconds
-    costs = COSTS.get(hw.name)
-    if schedule is None or costs is None:
-        return StepTime(flops / hw.flops_per_second, by_axes, hw.flops_per_second)
+    bound = StepTime(flops / hw.flops_per_second, by_axes, hw.flops_per_second)
+    if schedule is None:
+        return bound
     timed = functools.cache(lambda row: collective_seconds(row, shape, hw, per_node))
-    said = predict(schedule, costs, hw.flops_per_second, timed)
-    return StepTime(
-        flops / hw.flops_per_second,
-        by_axes,
-        hw.flops_per_second,
+    said = predict(schedule, hw.costs(), hw.flops_per_second, timed)
+    return dataclasses.replace(
+        bound,
         predicted_seconds=said.seconds,
         exposed_comm_seconds=said.exposed_comm_seconds,
         predicted_by_class=said.by_class,
+        flags=(*_defaults_said(hw), *schedule.flags),
     )
+
+
+def _defaults_said(hw: Hardware) -> Iterator[str]:
+    """The sentence for a prediction built on the model's defaults."""
+    if hw.left_out:
+        yield (
+            f"hardware {hw.name!r} leaves out {', '.join(hw.left_out)}: the prediction "
+            "takes their defaults (st.Hardware's docstring lists them); give the chip's "
+            "own figures for a prediction of it"
+        )

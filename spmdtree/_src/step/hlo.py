@@ -14,106 +14,21 @@ algorithm, and the step's FLOPs, per executed step.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import math
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, NamedTuple, cast
+from typing import Any, cast
 
-from spmdtree._src.step.forms import Flow, Written, fused_scatter, held, parts
-from spmdtree._src.step.groups import collective_axes, group_axes
-from spmdtree._src.step.instructions import Instr, Module, Op
-from spmdtree._src.step.loops import trip_count
-from spmdtree._src.step.opcodes import DONES, KIND, flops, is_kernel_call, kernel_estimate
-
-#: The collectives counted, in the order rows are listed.
-KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
-
-#: What a row's label says of each form.
-_WRITTEN: dict[str, str] = {
-    "all-reduce-scatter": "written as libtpu's all-reduce-scatter fusion",
-    "zero-filled all-reduce": "an all-gather written as an all-reduce of zero-filled buffers",
-}
-
-
-class Collective(NamedTuple):
-    """One kind of collective over one set of mesh axes in a compiled step, per executed step.
-
-    Attributes:
-        kind: ``all-gather``, ``all-reduce``, ``reduce-scatter``,
-            ``all-to-all`` or ``collective-permute``.
-        count: how many run per step (an op in a loop counts once per
-            iteration where the trip count is known).
-        bytes: the size of their results on one device, summed over `count`.
-        axes: the mesh axes whose coordinates vary within a device group (in
-            mesh order); for a collective-permute, the axes along which source
-            and target differ.
-        group: how many devices take part in each group (2 for a
-            collective-permute).
-        written_as: the form the compiler wrote these in, where it is not the
-            op `kind` names (new in 0.5; rows differ by it): ``""``, the op
-            itself; ``"all-reduce-scatter"``, libtpu's fusion of an all-reduce
-            with each device's slice of its result (a ``kind=kCustom`` fusion
-            of a computation named ``all-reduce-scatter``), counted as the
-            reduce-scatter of its operand to that shard (not as the whole
-            all-reduce inside); ``"zero-filled all-reduce"``, an all-gather
-            written as an all-reduce of buffers of zeros each device has written
-            its shard into, counted as the all-reduce it runs.
-
-    Example:
-        >>> import spmdtree as st
-        >>> row = st.Collective("all-gather", 1, 4096, axes=("fsdp",), group=8)
-        >>> row.wire_bytes  # each device sends 7/8 of the gathered result
-        3584
-        >>> st.Collective("all-reduce", 2, 4096).bytes
-        4096
-        >>> st.Collective("reduce-scatter", 1, 512, ("fsdp",), 8, "all-reduce-scatter").label
-        "reduce-scatter (written as libtpu's all-reduce-scatter fusion)"
-    """
-
-    kind: str
-    count: int  # type: ignore[assignment]  # the field shadows tuple.count, as named
-    bytes: int
-    axes: tuple[str, ...] = ()
-    group: int = 1
-    written_as: Written = ""
-
-    @property
-    def label(self) -> str:
-        """The kind, with the form it was written in where that is not the op itself.
-
-        Example:
-            >>> import spmdtree as st
-            >>> st.Collective("all-reduce", 1, 4096, ("fsdp",), 8, "zero-filled all-reduce").label
-            'all-reduce (an all-gather written as an all-reduce of zero-filled buffers)'
-            >>> st.Collective("all-reduce", 1, 4096).label
-            'all-reduce'
-        """
-        form = _WRITTEN.get(self.written_as)
-        return f"{self.kind} ({form})" if form else self.kind
-
-    @property
-    def wire_bytes(self) -> int:
-        """What each device sends per step by the ring algorithm.
-
-        all-gather ``(g-1)/g x result``, reduce-scatter ``(g-1) x result``,
-        all-reduce ``2(g-1)/g x size``, all-to-all ``(g-1)/g x size``,
-        collective-permute its size (g the group).
-
-        Example:
-            >>> import spmdtree as st
-            >>> st.Collective("all-reduce", 1, 1024, axes=("data",), group=4).wire_bytes
-            1536
-            >>> st.Collective("reduce-scatter", 1, 1024, axes=("data",), group=4).wire_bytes
-            3072
-        """
-        g = self.group
-        if self.kind == "collective-permute":
-            return self.bytes
-        if self.kind == "reduce-scatter":
-            return (g - 1) * self.bytes
-        if self.kind == "all-reduce":
-            return 2 * (g - 1) * self.bytes // g
-        return (g - 1) * self.bytes // g
+from spmdtree._src.step.forms import Written
+from spmdtree._src.step.schedule import (
+    KINDS,
+    Branches,
+    Collective,
+    Event,
+    Kernel,
+    Loop,
+    Schedule,
+    Start,
+    read_schedule,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,18 +73,7 @@ class Reading:
         )
 
 
-#: A multi-slice TPU job's transfer across slices: a host-transfer ``send`` for the
-#: megascale runtime, whose frontend attribute says what collective it is part of.
-_MEGASCALE = "_xla_megascale_transfer_type"
-_MEGASCALE_KINDS = {
-    "ALL_REDUCE": "all-reduce",
-    "ALL_GATHER": "all-gather",
-    "REDUCE_SCATTER": "reduce-scatter",
-    "ALL_TO_ALL": "all-to-all",
-}
-
-
-# --- the reading -----------------------------------------------------------------------
+# --- the reading: a fold of the schedule ----------------------------------------------
 
 #: A row: its kind, mesh axes, group size and the form it was written in.
 Key = tuple[str, tuple[str, ...], int, Written]
@@ -177,19 +81,15 @@ Key = tuple[str, tuple[str, ...], int, Written]
 
 @dataclasses.dataclass(frozen=True)
 class Tally:
-    """What one run of a computation does, its callees included: flops, collective
-    rows ``(kind, axes, group, written_as) -> (count, bytes)``, the kinds inside loops of unknown
-    trip count, rows over groups that are not whole axes, the all-reduces read as
-    reduce-scatters (by computation and name, with their whole size), the
-    collectives counted at a narrower width and the hand-written kernels with no
-    cost estimate (by name, its number left out)."""
+    """What some events do, per run: flops, collective rows ``(kind, axes, group,
+    written_as) -> (count, bytes)``, the kinds inside loops of unknown trip count,
+    rows over groups that are not whole axes, and the hand-written kernels with no
+    cost estimate (by name)."""
 
     flops: int = 0
     rows: Mapping[Key, tuple[int, int]] = dataclasses.field(default_factory=dict)
     unknown: frozenset[str] = frozenset()
     partial: frozenset[Key] = frozenset()
-    scattered: Mapping[tuple[str, str], int] = dataclasses.field(default_factory=dict)
-    widened: frozenset[tuple[str, str]] = frozenset()
     opaque: frozenset[str] = frozenset()
 
     def __add__(self, other: Tally) -> Tally:
@@ -202,8 +102,6 @@ class Tally:
             rows,
             self.unknown | other.unknown,
             self.partial | other.partial,
-            {**self.scattered, **other.scattered},
-            self.widened | other.widened,
             self.opaque | other.opaque,
         )
 
@@ -211,110 +109,62 @@ class Tally:
         rows = {key: (count * n, size * n) for key, (count, size) in self.rows.items()}
         return dataclasses.replace(self, flops=self.flops * n, rows=rows)
 
-    def __bool__(self) -> bool:
-        return bool(self.flops or self.rows or self.unknown or self.scattered or self.opaque)
-
     @property
     def cost(self) -> tuple[int, int]:
         """What a branch costs, to choose the costlier: its flops, then its bytes."""
         return self.flops, sum(size for _, size in self.rows.values())
 
 
-class Reader:
-    """Tallies a module's computations, each once, from its entry down."""
+def tally(events: Sequence[Event]) -> Tally:
+    """What `events` run, summed: a loop's body times its trips (once where they are
+    unknown, its kinds noted), a conditional's costlier branch."""
+    total = Tally()
+    for event in events:
+        total = total + _tally(event)
+    return total
 
-    def __init__(
-        self, mod: Module, shape: Sequence[tuple[str, int]], cpu: bool, slice_size: int | None
-    ) -> None:
-        self.mod, self.shape, self.cpu, self.slice_size = mod, tuple(shape), cpu, slice_size
-        self.flow = Flow(mod)
-        self.tally = functools.cache(self._tally)
 
-    def _tally(self, comp: str) -> Tally:
-        total = Tally()
-        for ins in self.mod.comps.get(comp, []):
-            scatter = self._fused_scatter(ins)
-            for part in (scatter,) if scatter else (self._own(comp, ins), self._calls(comp, ins)):
-                total = total + part if part else total
-        return total
+def _tally(event: Event) -> Tally:
+    if isinstance(event, Kernel):
+        return Tally(flops=event.flops, opaque=frozenset([event.opaque] if event.opaque else []))
+    if isinstance(event, Start):
+        row = event.row
+        key: Key = (row.kind, row.axes, row.group, row.written_as)
+        return Tally(
+            rows={key: (row.count, row.bytes)}, partial=frozenset([key] if event.partial else [])
+        )
+    if isinstance(event, Loop):
+        inner = tally(event.body)
+        if not event.known:
+            return dataclasses.replace(inner, unknown=inner.unknown | {k for k, *_ in inner.rows})
+        return inner.times(event.trips)
+    if isinstance(event, Branches):
+        return max(
+            (tally(option) for option in event.options), key=lambda t: t.cost, default=Tally()
+        )
+    return Tally()
 
-    def _fused_scatter(self, ins: Instr) -> Tally | None:
-        """libtpu's all-reduce-scatter fusion `ins` as the reduce-scatter it is (one op,
-        a tuple of them too), its bytes its result (the shards), or None if `ins` is not
-        one (or a shard times the group is not the whole reduced)."""
-        found = fused_scatter(self.mod, ins)
-        if found is None:
-            return None
-        inner, pairs = found
-        axes, group, whole = self._axes("all-reduce", inner)
-        if any(math.prod(s) * group != math.prod(w) for s, w in pairs):
-            return None
-        key: Key = ("reduce-scatter", axes, group, "all-reduce-scatter")
-        rows = {key: (1, ins.bytes)}
-        return Tally(rows=rows, partial=frozenset() if whole else frozenset([key]))
 
-    def _own(self, comp: str, ins: Instr) -> Tally:
-        """The flops and collectives of `ins` itself."""
-        computed = flops(self.mod, comp, ins)
-        kind = KIND.get(ins.op)
-        if ins.op == Op.kSend and _MEGASCALE in ins.frontend:
-            return self._across_slices(ins)
-        if is_kernel_call(ins) and kernel_estimate(ins) is None:
-            return Tally(opaque=frozenset([ins.name.rsplit(".", 1)[0]]))
-        if kind is None:
-            return Tally(flops=computed) if computed else Tally()
-        start = self.mod.by_name[comp].get(ins.operands[0], ins) if ins.op in DONES else ins
-        axes, group, whole = self._axes(kind, start)
-        rows: dict[Key, tuple[int, int]] = {}
-        scattered: dict[tuple[str, str], int] = {}
-        widened: set[tuple[str, str]] = set()
-        for part in parts(self.flow, comp, ins, start, kind, group, self.cpu):
-            key: Key = (part.kind, axes, group, part.written_as)
-            was = rows.get(key, (0, 0))
-            rows[key] = (was[0] + 1, was[1] + part.bytes)
-            if part.held:
-                scattered[(comp, ins.name)] = scattered.get((comp, ins.name), 0) + part.held
-            if part.widened:
-                widened.add((comp, ins.name))
-        partial = frozenset() if whole else frozenset(rows)
-        # a tuple-shaped collective is one op per kind it is read as
-        rows = {key: (1, size) for key, (_, size) in rows.items()}
-        return Tally(computed, rows, frozenset(), partial, scattered, frozenset(widened))
+def reading_of(schedule: Schedule) -> Reading:
+    """The `Reading` of a compiled step: a fold of its `Schedule` (the one walk of its
+    module), so that the reading and the prediction see the same step (new in 0.6).
 
-    def _axes(self, kind: str, ins: Instr) -> tuple[tuple[str, ...], int, bool]:
-        """A collective's mesh axes, group size, and whether its groups are whole axes."""
-        return collective_axes(kind, ins.groups, ins.pairs, self.shape)
-
-    def _across_slices(self, ins: Instr) -> Tally:
-        """A transfer across TPU slices (a megascale ``send``): the collective it is
-        part of, over the devices at the same place in each slice, its bytes the
-        array sent."""
-        kind = _MEGASCALE_KINDS.get(ins.frontend.get(_MEGASCALE, ""), "collective-permute")
-        devices = math.prod(size for _, size in self.shape) if self.shape else 1
-        per = self.slice_size or devices
-        groups = [list(range(p, devices, per)) for p in range(per)]
-        axes, group, whole = group_axes(groups, self.shape) if self.shape else ((), 1, True)
-        size = ins.arrays[0].bytes if ins.arrays else 0
-        key: Key = (kind, axes, group, "")
-        return Tally(rows={key: (1, size)}, partial=frozenset() if whole else frozenset([key]))
-
-    def _calls(self, comp: str, ins: Instr) -> Tally:
-        """What the computations `ins` calls do, as often as it runs them."""
-        if ins.op == Op.kConditional:
-            branches = [self.tally(c) for _, c in ins.callees]
-            return max(branches, key=lambda t: t.cost, default=Tally())
-        total = Tally()
-        loop = ins.op == Op.kWhile
-        trips = trip_count(self.mod, comp, ins) if loop else 1
-        for role, callee in ins.callees:
-            if role == "condition":
-                continue
-            inner = self.tally(callee)
-            if trips is None:  # a loop of unknown trip count: once, flagged
-                kinds = frozenset(kind for kind, *_ in inner.rows)
-                inner = dataclasses.replace(inner, unknown=inner.unknown | kinds)
-            total = total + inner.times(trips or 1)
-        return total
+    Example:
+        >>> from spmdtree._src.step.schedule import Done, Kernel, Loop
+        >>> row = Collective("all-reduce", 1, 1024, ("fsdp",), 4)
+        >>> events = (Loop(6, (Kernel("matmul", 8192, 2048), Start(0, row, True), Done(0))),)
+        >>> read = reading_of(Schedule(events, "tpu"))
+        >>> read.flops, read.collectives
+        (49152, (Collective(kind='all-reduce', count=6, bytes=6144, axes=('fsdp',), group=4, written_as=''),))
+    """
+    total = tally(schedule.events)
+    order = sorted(total.rows, key=lambda k: (KINDS.index(k[0]), *k[1:]))
+    found = tuple(Collective(k, *total.rows[(k, a, g, w)], a, g, w) for k, a, g, w in order)
+    flags = [
+        *_flags(total.unknown, total.partial, schedule.scattered, schedule.widened),
+        *_opaque(total.opaque),
+    ]
+    return Reading(found, tuple(flags), total.flops, schedule.held_bytes)
 
 
 def read_step(
@@ -387,18 +237,8 @@ def read_step(
         >>> Reading.from_json(read.to_json()) == read
         True
     """
-    mod = Module.of(module)
-    if mod.entry is None:
-        return Reading()
-    total = Reader(mod, shape, platform == "cpu", slice_size).tally(mod.entry)
-    most = held(mod, dict(total.scattered), mod.entry) if total.scattered else 0
-    order = sorted(total.rows, key=lambda k: (KINDS.index(k[0]), *k[1:]))
-    found = tuple(Collective(k, *total.rows[(k, a, g, w)], a, g, w) for k, a, g, w in order)
-    flags = [
-        *_flags(total.unknown, total.partial, len(total.scattered), len(total.widened)),
-        *_opaque(total.opaque),
-    ]
-    return Reading(found, tuple(flags), total.flops, most)
+    schedule = read_schedule(module, shape, platform=platform, slice_size=slice_size)
+    return reading_of(schedule)
 
 
 def _opaque(names: frozenset[str]) -> Iterator[str]:

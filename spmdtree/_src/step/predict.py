@@ -1,14 +1,11 @@
-"""A predicted step time: the compiled module's schedule, each instruction timed by a model.
+"""A predicted step time: the compiled module's schedule, each event timed by a model.
 
 A roofline bound (`StepTime.bound_seconds`) assumes peak FLOPs and perfect
-overlap, and most layouts tie at it. The compiled module says more: XLA GPU
-and libtpu print it in the order the device runs it (``is_scheduled=true``),
-and an async collective's start and done sit where the scheduler put them.
-`read_schedule` turns that order into a `Schedule`, hardware-free and small
-(it crosses a process boundary as JSON): one `Kernel` per device kernel, with
-its FLOPs, bytes and matmul shape; a `Start` and a `Done` per collective; a
-`Loop` per ``while`` with its trip count; a `Branches` per conditional.
-`predict` walks it on two clocks: the compute stream runs kernels in order;
+overlap, and most layouts tie at it. The compiled module says more: its
+`Schedule` (`schedule.read_schedule`, the one walk of the module: each kernel
+with its FLOPs, bytes and matmul shape, each collective's start and done
+where the scheduler put them, loops and branches). `predict` walks it on two
+clocks: the compute stream runs kernels in order;
 the collective stream runs collectives one at a time (XLA GPU's default); a
 done waits for its collective, so only the part of a collective that the
 compute between its start and done does not cover is exposed.
@@ -38,126 +35,20 @@ The per-kernel model (`Costs`; every figure's source is listed with it):
 from __future__ import annotations
 
 import dataclasses
-import math
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable, Sequence
 
-from spmdtree._src.step import opcodes
-from spmdtree._src.step.chips import CHIPS, Sheet
-from spmdtree._src.step.groups import collective_axes
-from spmdtree._src.step.hlo import Collective
-from spmdtree._src.step.instructions import Instr, Module, Op, bits, config_field
-from spmdtree._src.step.loops import trip_count
-from spmdtree._src.step.opcodes import DONES, STARTS, SYNC, is_kernel_call, kernel_estimate
+from spmdtree._src.step.instructions import bits
+from spmdtree._src.step.schedule import Branches as Branches
+from spmdtree._src.step.schedule import Collective, Event
+from spmdtree._src.step.schedule import Done as Done
+from spmdtree._src.step.schedule import Kernel as Kernel
+from spmdtree._src.step.schedule import Loop as Loop
+from spmdtree._src.step.schedule import Schedule as Schedule
+from spmdtree._src.step.schedule import Start as Start
+from spmdtree._src.step.schedule import read_schedule as read_schedule
 
 #: The classes a step's time is split into; `Prediction` has one field each.
 CLASSES = ("matmul", "attention", "memory", "collectives", "launch")
-
-
-class Kernel(NamedTuple):
-    """One device kernel: its class (``matmul``, ``attention`` or ``memory``), the
-    FLOPs of its dots, the bytes it reads and writes, and its largest matmul's
-    shape (batch, m, n, k; zeros where it has none) and operands' element type
-    (``bf16``, ``f32``; ``f32/highest`` at the highest precision)."""
-
-    kind: str
-    flops: int
-    bytes: int
-    batch: int = 0
-    m: int = 0
-    n: int = 0
-    k: int = 0
-    dtype: str = ""
-
-
-class Start(NamedTuple):
-    """A collective begins: `ident` pairs it with its `Done`; `sync` where it runs
-    on the compute stream (a synchronous collective, or one XLA marked
-    ``is_sync``)."""
-
-    ident: int
-    row: Collective
-    sync: bool
-
-
-class Done(NamedTuple):
-    """The compute stream waits here for collective `ident` to finish."""
-
-    ident: int
-
-
-class Loop(NamedTuple):
-    """A ``while``: its body (condition included) runs `trips` times."""
-
-    trips: int
-    body: tuple[Event, ...]
-
-
-class Branches(NamedTuple):
-    """A conditional: one of its branches runs (timed as the slowest)."""
-
-    options: tuple[tuple[Event, ...], ...]
-
-
-Event = Kernel | Start | Done | Loop | Branches
-
-
-@dataclasses.dataclass(frozen=True)
-class Schedule:
-    """A compiled step's events in the order its device runs them (`read_schedule`).
-
-    Attributes:
-        events: the entry computation's `Kernel`, `Start`, `Done`, `Loop` and
-            `Branches` records, in schedule order.
-        platform: the compiler's platform (``"cuda"``, ``"tpu"``, ``"cpu"``).
-        flags: what the schedule does not cover (a loop of unknown trip count,
-            timed once).
-    """
-
-    events: tuple[Event, ...]
-    platform: str
-    flags: tuple[str, ...] = ()
-
-    def to_json(self) -> dict[str, Any]:
-        """The schedule as plain JSON values (each event a tagged list)."""
-        return {
-            "events": [_event_json(e) for e in self.events],
-            "platform": self.platform,
-            "flags": list(self.flags),
-        }
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> Schedule:
-        """The schedule `to_json` gave."""
-        events = tuple(_event_from(e) for e in data["events"])
-        return cls(events, data["platform"], tuple(data["flags"]))
-
-
-def _event_json(event: Event) -> list[Any]:
-    if isinstance(event, Kernel):
-        return ["kernel", *event]
-    if isinstance(event, Start):
-        return ["start", event.ident, list(event.row), event.sync]
-    if isinstance(event, Done):
-        return ["done", event.ident]
-    if isinstance(event, Loop):
-        return ["loop", event.trips, [_event_json(e) for e in event.body]]
-    return ["branches", [[_event_json(e) for e in option] for option in event.options]]
-
-
-def _event_from(data: Sequence[Any]) -> Event:
-    tag, rest = data[0], data[1:]
-    if tag == "kernel":
-        return Kernel(*rest)
-    if tag == "start":
-        kind, count, size, axes, group, written = rest[1]
-        row = Collective(kind, count, size, tuple(axes), group, written)
-        return Start(rest[0], row, rest[2])
-    if tag == "done":
-        return Done(rest[0])
-    if tag == "loop":
-        return Loop(rest[0], tuple(_event_from(e) for e in rest[1]))
-    return Branches(tuple(tuple(_event_from(e) for e in option) for option in rest[0]))
 
 
 # --- the per-kernel model ---------------------------------------------------------------
@@ -165,7 +56,9 @@ def _event_from(data: Sequence[Any]) -> Event:
 
 @dataclasses.dataclass(frozen=True)
 class Costs:
-    """What the per-kernel model needs of a chip beyond its peak and its links.
+    """What the per-kernel model needs of a chip beyond its peak and its links: a
+    `Hardware`'s model figures, its defaults filled in (`Hardware.costs`; 0.6: no
+    table of them by a preset's name).
 
     Attributes:
         hbm_bytes_per_second: the memory bandwidth (data sheet).
@@ -205,34 +98,6 @@ class Costs:
         return 1.0
 
 
-def _costs(sheet: Sheet) -> Costs:
-    """A chip's model figures: a GPU's SMs at cuBLAS's tile, its launch overheads and
-    its f32 rates; a TPU's MXU tile stream, one program (no launch)."""
-    tile, hbm = (sheet.tile, sheet.tile), float(sheet.hbm_bytes_per_second)
-    if sheet.platform != "cuda":
-        return Costs(hbm, 0.9, sheet.matmul_efficiency, 1, tile, 0.0, 0.0)
-    return Costs(
-        hbm_bytes_per_second=hbm,
-        memory_efficiency=0.9,
-        matmul_efficiency=sheet.matmul_efficiency,
-        cores=sheet.sms,
-        tile=tile,
-        launch_seconds=1e-6,
-        collective_latency_seconds=5e-6,
-        f32_speed=0.5,
-        f32_highest_speed=67 / 989,
-    )
-
-
-#: The model's figures per preset, built from `chips.CHIPS` (docs/planning.md,
-#: "Predicted step time", lists each source): HBM bandwidth, SMs and the largest
-#: achievable matmul share as the chips' table has them; 1 us a kernel and 5 us a
-#: collective, XLA GPU's own kKernelLaunchOverhead and kNcclKernelLaunchOverhead
-#: (xla/service/gpu/model/gpu_performance_model_base.h). Memory efficiency 0.9 is an
-#: assumption (XLA's model takes the full bandwidth). f32 matmuls: the H100 data
-#: sheet's TF32 (494.7 of 989.4 TFLOPS) and FP32 (67).
-COSTS = {name: _costs(sheet) for name, sheet in CHIPS.items()}
-
 #: How far memory and compute overlap within a kernel (XLA GPU's
 #: kMemoryComputeParallelism): time = compute + memory - 0.95 min(compute, memory).
 _PARALLELISM = 0.95
@@ -244,7 +109,7 @@ def wave_efficiency(batch: int, m: int, n: int, costs: Costs) -> float:
     quantization).
 
     Example:
-        >>> h100 = COSTS["h100"]
+        >>> h100 = Costs(3.35e12, 0.9, 794.5 / 989, 132, (128, 128), 1e-6, 5e-6)
         >>> wave_efficiency(1, 128 * 132, 128, h100)  # one full wave of 132 tiles
         1.0
         >>> wave_efficiency(1, 128 * 133, 128, h100) == 133 / 264  # a second, nearly empty
@@ -264,7 +129,7 @@ def kernel_seconds(kernel: Kernel, costs: Costs, peak: float) -> float:
     over the sustained bandwidth), plus 5% of the smaller.
 
     Example:
-        >>> h100 = COSTS["h100"]
+        >>> h100 = Costs(3.35e12, 0.9, 794.5 / 989, 132, (128, 128), 1e-6, 5e-6)
         >>> copy = Kernel("memory", 0, 2 * 2**30)
         >>> kernel_seconds(copy, h100, 989e12) == 2 * 2**30 / (3.35e12 * 0.9)
         True
@@ -434,366 +299,3 @@ def predict(
         comm_seconds=end.comm,
         kernels=end.kernels,
     )
-
-
-# --- reading the schedule ---------------------------------------------------------------
-
-#: Ops that run no kernel: bookkeeping the runtime resolves (a bitcast is a view).
-_FREE = frozenset(
-    {
-        Op.kParameter,
-        Op.kConstant,
-        Op.kGetTupleElement,
-        Op.kTuple,
-        Op.kBitcast,
-        Op.kAfterAll,
-        Op.kAddDependency,
-        Op.kOptimizationBarrier,
-        Op.kPartitionId,
-        Op.kReplicaId,
-        Op.kDomain,
-        Op.kGetDimensionSize,
-        Op.kAsyncUpdate,
-        Op.kCopyStart,
-        Op.kCopyDone,
-        Op.kSend,
-        Op.kSendDone,
-        Op.kRecv,
-        Op.kRecvDone,
-    }
-)
-#: What the compute stream waits at: an async pair's done, a wrapped async op's too.
-_DONES = DONES | {Op.kAsyncDone}
-#: Ops that read only part of their first operand: a slice's bytes, not the whole.
-_SLICING = frozenset({Op.kDynamicSlice, Op.kSlice, Op.kGather})
-
-
-class _Reader:
-    """Turns a module's scheduled computations into events, each computation once."""
-
-    def __init__(self, mod: Module, shape: Sequence[tuple[str, int]]) -> None:
-        self.mod, self.shape = mod, tuple(shape)
-        self.idents: dict[tuple[str, str], int] = {}
-        self.unknown = False
-        self.read: dict[str, tuple[Event, ...]] = {}
-
-    def events(self, comp: str) -> tuple[Event, ...]:
-        if comp not in self.read:
-            self.read[comp] = tuple(
-                e for ins in self.mod.comps.get(comp, []) for e in self.of(comp, ins)
-            )
-        return self.read[comp]
-
-    def of(self, comp: str, ins: Instr) -> list[Event]:
-        """The events of one scheduled instruction."""
-        callees = dict(ins.callees)
-        if ins.op in _FREE:
-            return []
-        if ins.op == Op.kWhile:
-            trips = trip_count(self.mod, comp, ins)
-            self.unknown |= trips is None
-            body = self.events(callees.get("condition", "")) + self.events(callees.get("body", ""))
-            return [Loop(1 if trips is None else trips, body)]
-        if ins.op == Op.kConditional:
-            return [Branches(tuple(self.events(c) for r, c in ins.callees if r == "branch"))]
-        if ins.op == Op.kCall:
-            return list(self.events(callees.get("to_apply", "")))
-        if ins.op in _DONES:
-            found = self.idents.get((comp, ins.operands[0])) if ins.operands else None
-            return [] if found is None else [Done(found)]
-        if ins.op in STARTS or ins.op == Op.kAsyncStart or ins.op in SYNC:
-            return self._collective(comp, ins)
-        return [self._kernel(comp, ins)]
-
-    def _collective(self, comp: str, ins: Instr) -> list[Event]:
-        """A collective's `Start` (and, synchronous, its `Done`); an async wrapper of
-        anything else is the kernel it wraps."""
-        inner, kind = ins, STARTS.get(ins.op) or SYNC.get(ins.op)
-        if ins.op == Op.kAsyncStart:
-            wrapped = dict(ins.callees).get("async", "")
-            root = self.mod.root(wrapped)
-            kind = SYNC.get(root.op) if root is not None else None
-            if root is None or kind is None:
-                return [self._kernel(comp, ins)] if root is None else [self._kernel(wrapped, root)]
-            inner = root
-        assert kind is not None
-        axes, group, _ = collective_axes(kind, inner.groups, inner.pairs, self.shape)
-        size = self._result(comp, ins, inner).bytes
-        ident = len(self.idents)
-        self.idents[(comp, ins.name)] = ident
-        sync = ins.op in SYNC or config_field(ins.config, "is_sync") is True
-        start = Start(ident, Collective(kind, 1, size, axes, group), sync)
-        return [start, Done(ident)] if ins.op in SYNC else [start]
-
-    def _result(self, comp: str, ins: Instr, inner: Instr) -> Instr:
-        """What gives a collective's result: itself (synchronous, or an async
-        wrapper's collective), or its done."""
-        if ins.op in SYNC or inner is not ins:
-            return inner
-        done = [u for u, _ in self.mod.users[comp].get(ins.name, []) if u.op in _DONES]
-        return done[0] if done else ins
-
-    def _kernel(self, comp: str, ins: Instr) -> Kernel:
-        """A kernel: its class, FLOPs, bytes and largest matmul's shape."""
-        flops, largest, shape, dtype, named = 0, 0, (0, 0, 0, 0), "", False
-        for where, dot in self._dots(comp, ins):
-            f = opcodes.flops(self.mod, where, dot)
-            if f > largest:
-                largest, shape = f, _gemm_shape(self.mod, where, dot, f)
-                dtype = _operand_dtype(self.mod, where, dot)
-            flops += f
-            named |= _attention_named(dot)
-        fused = ins.target.startswith("__cudnn$fmha")
-        if fused or named or self._attention(ins):
-            kind = "attention"
-        else:
-            kind = "matmul" if flops else "memory"
-        return Kernel(kind, flops, self._bytes(comp, ins), *shape, dtype if flops else "")
-
-    def _attention(self, ins: Instr) -> bool:
-        """Whether an instruction, or one it fuses, is named in an attention scope."""
-        if _attention_named(ins):
-            return True
-        inner = self.mod.comps.get(dict(ins.callees).get("calls", ""), [])
-        return ins.op == Op.kFusion and any(_attention_named(i) for i in inner)
-
-    def _dots(self, comp: str, ins: Instr) -> list[tuple[str, Instr]]:
-        """The instructions with FLOPs an instruction runs: itself, or inside the
-        fusion it calls."""
-        if ins.op != Op.kFusion:
-            return [(comp, ins)]
-        found, todo = [], [dict(ins.callees).get("calls", "")]
-        while todo:
-            inner = todo.pop()
-            for each in self.mod.comps.get(inner, []):
-                if each.op in (Op.kDot, Op.kConvolution, Op.kCustomCall):
-                    found.append((inner, each))
-                todo += [c for r, c in each.callees if r == "calls"]
-        return found
-
-    def _bytes(self, comp: str, ins: Instr) -> int:
-        """What a kernel reads and writes: its operands (a sliced one as its slice, an
-        updated one in place as nothing) and its result (an in-place update as the
-        update; a library call's workspace left out); a hand-written kernel's as its
-        cost estimate gives them, where it has one."""
-        if ins.op == Op.kFusion:
-            return _fusion_bytes(self.mod, comp, ins)
-        estimate = kernel_estimate(ins)
-        if estimate is not None and estimate[1]:  # a hand-written kernel's own figure
-            return estimate[1]
-        given = [self.mod.by_name[comp][o] for o in ins.operands if o in self.mod.by_name[comp]]
-        if ins.op in _SLICING:
-            return 2 * ins.bytes
-        if ins.op == Op.kDynamicUpdateSlice and len(given) > 1:
-            return 2 * given[1].bytes
-        return sum(g.bytes for g in given) + _result_bytes(ins)
-
-
-def _result_bytes(ins: Instr) -> int:
-    """The bytes an instruction's result writes; a library call's workspace (a
-    cuBLAS call's second result, 32 MiB of s8 on jax 0.12) left out (a hand-written
-    kernel's results are all its own)."""
-    result = ins.arrays
-    if ins.op == Op.kCustomCall and ins.is_tuple and result and not is_kernel_call(ins):
-        result = result[:1]
-    return sum(array.bytes for array in result)
-
-
-def _operand_dtype(mod: Module, comp: str, ins: Instr) -> str:
-    """A matmul's first operand's element type, ``/highest`` added at the highest
-    precision."""
-    given = mod.by_name[comp].get(ins.operands[0]) if ins.operands else None
-    arrays = given.arrays if given is not None else ()
-    dtype = arrays[0].dtype if arrays else ""
-    return dtype + "/highest" if _highest(ins) else dtype
-
-
-def _highest(ins: Instr) -> bool:
-    """Whether a matmul runs an operand at the highest precision (a dot's attribute,
-    or a library call's precision config)."""
-    listed = config_field(ins.config, "operand_precision")
-    configured = listed if isinstance(listed, list) else []
-    return any(str(p).lower() == "highest" for p in (*ins.precision, *configured))
-
-
-def _attention_named(ins: Instr) -> bool:
-    """Whether an instruction's name scope says attention (``attention``, ``attn``),
-    or a hand-written kernel's name does (``flash_attention``, ``flash_mha_bwd_dq``)."""
-    name = ins.op_name.lower()
-    if is_kernel_call(ins):
-        name += " " + ins.name.lower()
-    return any(word in name for word in ("attention", "attn", "mha"))
-
-
-def _gemm_shape(mod: Module, comp: str, ins: Instr, flops: int) -> tuple[int, int, int, int]:
-    """A matmul's (batch, m, n, k): from a dot's dimension numbers or a cuBLAS call's
-    backend config; a convolution's as its output positions x features (the output
-    dimension its ``dim_labels`` call ``f``: libtpu writes every dot so, its
-    features not always last) x the rest."""
-    types = [mod.by_name[comp][o] for o in ins.operands[:2] if o in mod.by_name[comp]]
-    numbers = _dimension_numbers(ins)
-    if numbers is None or len(types) < 2:
-        out = ins.dims
-        out_labels = ins.labels[2] if ins.labels is not None else ""
-        if len(out_labels) == len(out) and "f" in out_labels:
-            n = out[out_labels.index("f")]
-        else:
-            n = out[-1] if out else 1
-        m = max(math.prod(out) // max(n, 1), 1)
-        return 1, m, n, max(flops // (2 * m * n), 1)
-    lhs, rhs = types[0].dims, types[1].dims
-    (lb, lc), (rb, rc) = numbers
-    if any(d >= len(lhs) for d in lb + lc) or any(d >= len(rhs) for d in rb + rc):
-        return 0, 0, 0, 0
-    batch = math.prod(lhs[d] for d in lb)
-    k = math.prod(lhs[d] for d in lc)
-    m = math.prod(s for d, s in enumerate(lhs) if d not in lb + lc)
-    n = math.prod(s for d, s in enumerate(rhs) if d not in rb + rc)
-    return batch, m, n, k
-
-
-def _dimension_numbers(ins: Instr) -> tuple[tuple[list[int], list[int]], ...] | None:
-    """((lhs batch, lhs contracting), (rhs batch, rhs contracting)) of a dot or a
-    cuBLAS call; None for anything else."""
-    if ins.op == Op.kDot:
-        dot = ins.dot
-        lhs = (list(dot.lhs_batch), list(dot.lhs_contracting))
-        return lhs, (list(dot.rhs_batch), list(dot.rhs_contracting))
-    config = ins.config.get("gemm_backend_config", {})
-    dims = config.get("dot_dimension_numbers")
-    if ins.op != Op.kCustomCall or not dims:
-        return None
-    return tuple(
-        (
-            [int(d) for d in dims.get(f"{side}_batch_dimensions", [])],
-            [int(d) for d in dims.get(f"{side}_contracting_dimensions", [])],
-        )
-        for side in ("lhs", "rhs")
-    )
-
-
-def _fusion_bytes(mod: Module, comp: str, ins: Instr) -> int:
-    """A fusion's bytes: each operand as its fused parameter is read (`_read`), and
-    its result as written (`_written`)."""
-    callee = dict(ins.callees).get("calls", "")
-    read = 0
-    for j, operand in enumerate(ins.operands):
-        given = mod.by_name[comp].get(operand)
-        whole = given.bytes if given is not None else 0
-        param = mod.param(callee, j)
-        read += whole if param is None else _read(mod, callee, param, whole)
-    root = mod.root(callee)
-    return read + (_written(mod, callee, root) if root is not None else ins.bytes)
-
-
-def _read(mod: Module, comp: str, name: str, whole: int) -> int:
-    """The bytes of value `name` that its users read: the slices of it that slicing
-    users take; nothing where it is the buffer an in-place update writes into, the
-    operand of a collective fused into the kernel (libtpu's async collective
-    fusions: the collective's traffic, timed on the links) or passed straight to the
-    result (a buffer the fusion carries in place); what a nested fusion reads of
-    it, and no more of an elementwise one than the slices its result is read as;
-    else the whole. Bitcasts are followed."""
-    total = 0
-    for user, j in mod.users[comp].get(name, []):
-        if user.op == Op.kBitcast:
-            total += _read(mod, comp, user.name, whole)
-        elif user.op in _SLICING and j == 0:
-            total += user.bytes
-        elif _untouched(user, j):
-            continue
-        elif user.op == Op.kFusion:
-            total += _nested_read(mod, comp, user, j, whole)
-        else:
-            return whole
-    return min(total, whole)
-
-
-def _untouched(user: Instr, j: int) -> bool:
-    """Whether a fusion's kernel leaves alone the value `user` takes as operand `j`:
-    the buffer an in-place update writes into, a fused collective's operand, a
-    buffer passed straight to the result (carried in place)."""
-    if user.op == Op.kDynamicUpdateSlice and j == 0:
-        return True
-    if user.op in SYNC:
-        return True
-    return user.op == Op.kTuple and user.root
-
-
-def _nested_read(mod: Module, comp: str, user: Instr, j: int, whole: int) -> int:
-    """What fusion `user`, nested in a fusion, reads of its operand `j` (of `whole`
-    bytes): what its own computation reads of that parameter, and, where its result
-    has as many elements as the operand (a copy, a layout change, an elementwise
-    map), no more than the share of its result that its users read."""
-    callee = dict(user.callees).get("calls", "")
-    param = mod.param(callee, j)
-    inner = whole if param is None else _read(mod, callee, param, whole)
-    operand = mod.by_name[comp].get(user.operands[j])
-    if operand is None or not user.bytes or _elements(user) != _elements(operand):
-        return inner
-    demanded = _read(mod, comp, user.name, user.bytes)
-    return min(inner, whole * demanded // user.bytes)
-
-
-def _elements(ins: Instr) -> int:
-    """The elements of an instruction's result (a tuple's summed)."""
-    return sum(a.elements for a in ins.arrays)
-
-
-def _written(mod: Module, comp: str, root: Instr) -> int:
-    """The bytes a fusion's result writes: a tuple's elements each; an in-place
-    update as its update; nothing for a parameter passed through (a buffer carried
-    in place) or a fused collective's result (written by the collective, timed on
-    the links)."""
-    if root.op == Op.kTuple:
-        parts = [mod.by_name[comp][o] for o in root.operands if o in mod.by_name[comp]]
-        return sum(_written(mod, comp, part) for part in parts)
-    if root.op == Op.kParameter or root.op in SYNC:
-        return 0
-    if root.op == Op.kBitcast and root.operands and root.operands[0] in mod.by_name[comp]:
-        return _written(mod, comp, mod.by_name[comp][root.operands[0]])
-    if root.op == Op.kDynamicUpdateSlice and len(root.operands) > 1:
-        update = mod.by_name[comp].get(root.operands[1])
-        return update.bytes if update is not None else 0
-    return _result_bytes(root)  # a fused library call (jax 0.12's dynamic-slice fusion)
-
-
-def read_schedule(module: Any, shape: Sequence[tuple[str, int]] = (), *, platform: str) -> Schedule:
-    """The `Schedule` of a compiled module (jaxlib's ``HloModule``, its text, or an
-    `instructions.Module`): its entry computation's events in the order the device runs
-    them. `shape` is the mesh's ``(axis, size)`` pairs, which name each
-    collective's axes as `hlo.read_step` does.
-
-    Example:
-        An all-gather started before a matmul and done after it:
-
-        >>> text = '''HloModule m, is_scheduled=true
-        ... ENTRY %main (a: bf16[1024,1024], b: bf16[128,1024]) -> (bf16[1024,1024], bf16[1024,1024]) {
-        ...   %a = bf16[1024,1024] parameter(0)
-        ...   %b = bf16[128,1024] parameter(1)
-        ...   %ags = (bf16[128,1024], bf16[1024,1024]) all-gather-start(%b), replica_groups=[1,8]<=[8], dimensions={0}
-        ...   %d = bf16[1024,1024] dot(%a, %a), lhs_contracting_dims={1}, rhs_contracting_dims={0}
-        ...   %agd = bf16[1024,1024] all-gather-done(%ags)
-        ...   ROOT %t = (bf16[1024,1024], bf16[1024,1024]) tuple(%d, %agd)
-        ... }'''
-        >>> schedule = read_schedule(text, (("data", 8),), platform="cuda")
-        >>> [type(e).__name__ for e in schedule.events]
-        ['Start', 'Kernel', 'Done']
-        >>> schedule.events[0].row
-        Collective(kind='all-gather', count=1, bytes=2097152, axes=('data',), group=8, written_as='')
-        >>> schedule.events[1]
-        Kernel(kind='matmul', flops=2147483648, bytes=6291456, batch=1, m=1024, n=1024, k=1024, dtype='bf16')
-        >>> Schedule.from_json(schedule.to_json()) == schedule
-        True
-    """
-    mod = Module.of(module)
-    if mod.entry is None:
-        return Schedule((), platform)
-    reader = _Reader(mod, shape)
-    events = reader.events(mod.entry)
-    flags = (
-        ("a loop whose trip count the compiler does not know: timed once",)
-        if reader.unknown
-        else ()
-    )
-    return Schedule(events, platform, flags)

@@ -7,8 +7,9 @@ stages, each a frozen record: the arguments planned (`trace.arguments`), the
 step traced and lowered here or exported (`trace.trace`), compiled by the
 `Compiler` that `targets.compiler_for` picks (here, a CPU child or the
 target's own compiler in a child), the compile's `Analysis`, and then the
-`StepPlan` (`step_plan`). `advise`
-composes the same stages itself.
+`StepPlan` (`step_plan`). `advise` runs the same stages (`plan_arguments`,
+`trace_for`, a compiler's `compile`, `step_plan`: 0.6), so it refuses what
+preflight refuses, in the same words.
 """
 
 from __future__ import annotations
@@ -27,10 +28,9 @@ from spmdtree._src.rules import AnyMesh, PyTree, Rules
 from spmdtree._src.specs import RuleProblem
 from spmdtree._src.step.diagnose import Closest, Traffic, nothing_fits, unexplained_traffic
 from spmdtree._src.step.hardware import Hardware, StepTime, step_time
-from spmdtree._src.step.hlo import Collective
-from spmdtree._src.step.predict import Schedule
+from spmdtree._src.step.schedule import Collective, Schedule
 from spmdtree._src.step.targets import Analysis, Backend, Compiler, Memory, compiler_for
-from spmdtree._src.step.trace import Traced, arguments, trace
+from spmdtree._src.step.trace import Arguments, Traced, arguments, trace
 from spmdtree._src.text import Located, argument_path, step_table
 
 
@@ -433,19 +433,65 @@ def preflight(
         ('all-reduce', 16384)
     """
 
+    keywords = Keywords(params, donate_argnums, static_argnums, out_shardings)
+    planned = plan_arguments(args, mesh, rules, keywords)
+    compiler = compiler_for(mesh, target, devices_per_node)
+    traced = trace_for(fn, planned, mesh, rules, keywords, (compiler,))
+    return step_plan(traced, compiler.compile(traced), compiler)
+
+
+# --- the stages preflight and advise share ------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Keywords:
+    """preflight's keywords beyond the mesh, the rules and where it compiles: what a
+    step is planned and traced with (advise's `make_step` returns them as its
+    kwargs; the field names are the keywords it may pass)."""
+
+    params: PyTree = None
+    donate_argnums: int | Sequence[int] = ()
+    static_argnums: int | Sequence[int] = ()
+    out_shardings: PyTree = None
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        """The keywords, in order."""
+        return tuple(field.name for field in dataclasses.fields(cls))
+
+
+def plan_arguments(
+    args: Sequence[Any], mesh: AnyMesh, rules: Rules | None, keywords: Keywords
+) -> Arguments:
+    """The first stage: the mesh checked and the arguments planned on it
+    (`trace.arguments`)."""
     check_mesh(mesh)
-    planned = arguments(
+    return arguments(
         args,
         mesh,
         rules,
-        params=params,
-        donate_argnums=donate_argnums,
-        static_argnums=static_argnums,
+        params=keywords.params,
+        donate_argnums=keywords.donate_argnums,
+        static_argnums=keywords.static_argnums,
     )
-    compiler = compiler_for(mesh, target, devices_per_node)
-    _check_memory_kinds(planned.plan, compiler)
-    traced = trace(fn, planned, mesh, rules, out_shardings=out_shardings, compiler=compiler)
-    return step_plan(traced, compiler.compile(traced), compiler)
+
+
+def trace_for(
+    fn: Callable[..., Any],
+    planned: Arguments,
+    mesh: AnyMesh,
+    rules: Rules | None,
+    keywords: Keywords,
+    compilers: Sequence[Compiler],
+) -> Traced:
+    """The second stage: the planned arguments checked against every compiler the
+    step will meet (the one that compiles it first, and the target's that confirms
+    it), then the step traced for the first."""
+    for compiler in compilers:
+        _check_memory_kinds(planned.plan, compiler)
+    return trace(
+        fn, planned, mesh, rules, out_shardings=keywords.out_shardings, compiler=compilers[0]
+    )
 
 
 def _check_memory_kinds(inputs: Plan, compiler: Compiler) -> None:

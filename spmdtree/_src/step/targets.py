@@ -39,12 +39,11 @@ from jax.sharding import AbstractDevice, Mesh
 from spmdtree._src.errors import Mistake
 from spmdtree._src.resolve import HOST_KINDS
 from spmdtree._src.rules import AnyMesh
-from spmdtree._src.step.chips import CHIPS, Sheet, slice_dims
+from spmdtree._src.step.chips import GpuChip, TpuChip, slice_dims
 from spmdtree._src.step.forms import overstated_bytes
 from spmdtree._src.step.hardware import PRESETS, Hardware, check_devices_per_node
-from spmdtree._src.step.hlo import Reading, read_step
-from spmdtree._src.step.instructions import Module
-from spmdtree._src.step.predict import Schedule, read_schedule
+from spmdtree._src.step.hlo import Reading, reading_of
+from spmdtree._src.step.schedule import Schedule, read_schedule
 from spmdtree._src.step.trace import Exported, Lowered, Site, Traced
 
 #: How long a compile subprocess may take before it is stopped.
@@ -53,7 +52,8 @@ CHILD_SECONDS = 3600
 
 @dataclasses.dataclass(frozen=True)
 class Chip:
-    """An NVIDIA GPU's facts, as XLA's GPU target description reads them.
+    """An NVIDIA GPU's facts, as XLA's GPU target description reads them: a
+    `Hardware`'s SMs (`cores`), memory and bandwidth with its `GpuChip`.
 
     Sources: NVIDIA's data sheets (SMs, memory, bandwidth, clock, L2) and the
     CUDA programming guide's per-compute-capability limits (shared memory,
@@ -70,6 +70,7 @@ class Chip:
     shared_per_sm: int = 233_472  # 228 KiB per SM (compute capability 9.0 and 10.0)
     shared_per_block_optin: int = 232_448  # 227 KiB
     registers_per_sm: int = 65_536
+    fpus_per_sm: int = 128
 
     def target_config(self) -> str:
         """The chip as XLA's ``GpuTargetConfigProto``, in protobuf text format."""
@@ -81,7 +82,7 @@ class Chip:
             "  shared_memory_per_block: 49152\n"
             f"  shared_memory_per_core: {self.shared_per_sm}\n"
             "  threads_per_core_limit: 2048\n"
-            f"  core_count: {self.sms}\n  fpus_per_core: 128\n"
+            f"  core_count: {self.sms}\n  fpus_per_core: {self.fpus_per_sm}\n"
             "  block_dim_limit_x: 2147483647\n  block_dim_limit_y: 65535\n"
             "  block_dim_limit_z: 65535\n"
             f"  memory_bandwidth: {self.bandwidth}\n  l2_cache_size: {self.l2_bytes}\n"
@@ -98,22 +99,17 @@ class Chip:
 
 @dataclasses.dataclass(frozen=True)
 class Target:
-    """An accelerator's compiler: XLA GPU for a `Chip`, or libtpu for a TPU generation.
+    """An accelerator's compiler: XLA GPU for a `Chip`, or libtpu for a `TpuChip`.
 
     Attributes:
-        name: the preset it belongs to (``"h100"``, ``"tpu-v5p"``).
+        name: the hardware it belongs to (``"h100"``, ``"tpu-v5p"``).
         platform: ``"cuda"`` or ``"tpu"``.
-        chip: the GPU's `Chip`, or the TPU generation as libtpu names it
-            (``"v5p"``, ``"v5e"``, ``"v6e"``).
-        dimensions: a TPU slice's topology dimensions (3 for v5p, 2 for v5e/v6e).
-        slice_limit: the most chips one TPU slice holds (None: no limit here).
+        chip: the GPU's `Chip`, or the TPU's `TpuChip`.
     """
 
     name: str
     platform: str
-    chip: Chip | str
-    dimensions: int = 0
-    slice_limit: int | None = None
+    chip: Chip | TpuChip
 
     @property
     def compiler(self) -> str:
@@ -125,36 +121,47 @@ class Target:
         """The pip extra that installs the compiler: ``"cuda"`` or ``"tpu"``."""
         return "cuda" if self.platform == "cuda" else "tpu"
 
+    @property
+    def dimensions(self) -> int:
+        """A TPU slice's topology dimensions (3 for v5p, 2 for v5e/v6e; 0 on a GPU)."""
+        return self.chip.dimensions if isinstance(self.chip, TpuChip) else 0
 
-def _target(sheet: Sheet) -> Target:
-    """A chip's compiler target: XLA GPU's description of a GPU, libtpu's generation."""
-    if sheet.platform != "cuda":
-        return Target(
-            sheet.name, sheet.platform, sheet.generation, sheet.dimensions, sheet.slice_limit
+    @property
+    def slice_limit(self) -> int | None:
+        """The most chips one TPU slice holds (None: no limit here, or a GPU)."""
+        return self.chip.slice_limit if isinstance(self.chip, TpuChip) else None
+
+
+def target_for(hardware: Hardware) -> Target | None:
+    """The compiler target a `Hardware` carries (its `chip`), or None where it has
+    none: XLA GPU's description of a GPU from the hardware's own figures, libtpu's
+    generation of a TPU. Never looked up by the hardware's name (0.6)."""
+    chip = hardware.chip
+    if isinstance(chip, TpuChip):
+        return Target(hardware.name, "tpu", chip)
+    if not isinstance(chip, GpuChip):
+        return None
+    missing = [f for f in ("cores", "hbm_bytes_per_second") if getattr(hardware, f) is None]
+    if missing:
+        raise Mistake(
+            ValueError,
+            f"hardware {hardware.name!r} has a GpuChip but no {' or '.join(missing)}: XLA "
+            "GPU's target description needs its SMs (cores=) and its memory bandwidth "
+            "(hbm_bytes_per_second=).",
         )
-    chip = Chip(
-        sheet.description,
-        sheet.capability,
-        sheet.sms,
-        sheet.memory_bytes,
-        sheet.hbm_bytes_per_second,
-        sheet.clock_ghz,
-        sheet.l2_bytes,
+    described = Chip(
+        chip.description,
+        chip.capability,
+        int(cast(int, hardware.cores)),
+        hardware.memory_bytes,
+        int(cast(float, hardware.hbm_bytes_per_second)),
+        chip.clock_ghz,
+        chip.l2_bytes,
+        chip.shared_per_sm,
+        chip.shared_per_block_optin,
+        fpus_per_sm=chip.fpus_per_sm,
     )
-    return Target(sheet.name, sheet.platform, chip)
-
-
-#: The targets, by preset name, built from `chips.CHIPS` (docs/planning.md lists each
-#: figure's source): an NVIDIA GPU's description for XLA GPU, a TPU generation as
-#: libtpu names it.
-TARGETS = {name: _target(sheet) for name, sheet in CHIPS.items()}
-
-
-#: A TPU generation's devices as libtpu's topology gives them: their `device_kind`
-#: and their TensorCores (from `chips.CHIPS`).
-TPU_DEVICES = {
-    s.generation: (s.device_kind, s.tensor_cores) for s in CHIPS.values() if s.platform == "tpu"
-}
+    return Target(hardware.name, "cuda", described)
 
 
 def abstract_device(target: Target) -> AbstractDevice:
@@ -162,8 +169,7 @@ def abstract_device(target: Target) -> AbstractDevice:
     (XLA names a device by it), with its SMs for cores."""
     if isinstance(target.chip, Chip):
         return AbstractDevice(target.chip.description, target.chip.sms, "gpu")
-    kind, cores = TPU_DEVICES[target.chip]
-    return AbstractDevice(kind, cores, "tpu")
+    return AbstractDevice(target.chip.device_kind, target.chip.tensor_cores, "tpu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,7 +197,7 @@ class Placement:
         """What the compiler is given: ``1x8x8`` (GPU), ``v5p:4x4x4`` (one TPU slice)."""
         if self.target.platform == "cuda":
             return f"1x{self.nodes}x{self.per_node}"
-        return f"{self.target.chip}:{'x'.join(map(str, self.dims))}"
+        return f"{cast(TpuChip, self.target.chip).generation}:{'x'.join(map(str, self.dims))}"
 
     @property
     def dims(self) -> list[int]:
@@ -444,8 +450,11 @@ def analyse(
             "for it, which preflight reads. Preflight on an AbstractMesh, which "
             "compiles for CPU devices, or pass target=.",
         )
-    mod = Module.of(module)  # read once, for the reading and the schedule
-    read = read_step(mod, tuple(mesh.shape.items()), platform=platform, slice_size=slice_size)
+    # the module walked once: the reading is a fold of its schedule
+    schedule = read_schedule(
+        module, tuple(mesh.shape.items()), platform=platform, slice_size=slice_size
+    )
+    read = reading_of(schedule)
     temp = int(memory.temp_size_in_bytes)
     outputs, host_outputs = _apart(
         int(memory.output_size_in_bytes),
@@ -470,7 +479,7 @@ def analyse(
         reading=read,
         overstated_bytes=overstated_bytes(read.held_bytes, temp) if platform == "cpu" else 0,
         backend=Backend.of(platform),
-        schedule=read_schedule(mod, tuple(mesh.shape.items()), platform=platform),
+        schedule=schedule,
         compiler_seconds=_optimal_seconds(compiled),
     )
 
@@ -753,20 +762,23 @@ def compiler_for(
 
 
 def target_of(target: Hardware | str) -> tuple[Target, int | None]:
-    """The compiler target of a `Hardware` or a preset's name, and its devices per node."""
+    """The compiler target of a `Hardware` (the one it carries) or a preset's name,
+    and its devices per node."""
     if not isinstance(target, (Hardware, str)):
         raise Mistake(
             TypeError,
-            f"target is {target!r}; expected a preset's name ({', '.join(map(repr, TARGETS))}) "
-            "or a st.Hardware of one.",
+            f"target is {target!r}; expected a preset's name ({', '.join(map(repr, PRESETS))}) "
+            "or a st.Hardware with a chip.",
         )
     hardware = target if isinstance(target, Hardware) else PRESETS.get(target)
-    found = TARGETS.get(hardware.name) if hardware is not None else None
+    found = target_for(hardware) if hardware is not None else None
     if found is None or hardware is None:
         raise Mistake(
             ValueError,
             f"target is {target!r}, whose compiler spmdtree does not know; the targets are "
-            f"the presets {', '.join(map(repr, TARGETS))} (st.hardware(name)).",
+            f"the presets {', '.join(map(repr, PRESETS))} (st.hardware(name)), or a "
+            "st.Hardware with chip= (a st.GpuChip or a st.TpuChip) that says what its "
+            "compiler is told.",
         )
     return found, hardware.devices_per_node
 

@@ -1,0 +1,740 @@
+"""The one walk of a compiled module: its schedule, every figure the reading and the
+prediction take (new in 0.6; 0.5 walked the module twice, and the walks disagreed).
+
+XLA GPU and libtpu print a compiled module in the order the device runs it
+(``is_scheduled=true``), an async collective's start and done where the
+scheduler put them. `read_schedule` walks it once, from the entry down, each
+computation once, into a `Schedule`, hardware-free and small (it crosses a
+process boundary as JSON): one `Kernel` per device kernel, with its FLOPs,
+bytes and matmul shape; a `Start` and a `Done` per collective, its `Collective`
+row read as an accelerator runs it (`forms`: the CPU's sliced reductions and
+widened values, libtpu's all-reduce-scatter fusion and zero-filled gathers, a
+multi-slice job's megascale transfers, a collective fused into a kernel); a
+`Loop` per ``while`` with its trip count; a `Branches` per conditional. The
+reading (`hlo.reading_of`: collectives, FLOPs, flags) is a fold of it, and the
+prediction (`predict.predict`) a walk of it on two clocks, so the two cannot
+disagree on what a step runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+from spmdtree._src.step import opcodes
+from spmdtree._src.step.forms import Flow, Part, Written, fused_scatter, held, parts
+from spmdtree._src.step.groups import collective_axes, group_axes
+from spmdtree._src.step.instructions import Instr, Module, Op, config_field
+from spmdtree._src.step.loops import trip_count
+from spmdtree._src.step.opcodes import DONES, STARTS, SYNC, is_kernel_call, kernel_estimate
+
+#: The collectives counted, in the order rows are listed.
+KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+
+#: What a row's label says of each form.
+_WRITTEN: dict[str, str] = {
+    "all-reduce-scatter": "written as libtpu's all-reduce-scatter fusion",
+    "zero-filled all-reduce": "an all-gather written as an all-reduce of zero-filled buffers",
+}
+
+
+class Collective(NamedTuple):
+    """One kind of collective over one set of mesh axes in a compiled step, per executed step.
+
+    Attributes:
+        kind: ``all-gather``, ``all-reduce``, ``reduce-scatter``,
+            ``all-to-all`` or ``collective-permute``.
+        count: how many run per step (an op in a loop counts once per
+            iteration where the trip count is known).
+        bytes: the size of their results on one device, summed over `count`.
+        axes: the mesh axes whose coordinates vary within a device group (in
+            mesh order); for a collective-permute, the axes along which source
+            and target differ.
+        group: how many devices take part in each group (2 for a
+            collective-permute).
+        written_as: the form the compiler wrote these in, where it is not the
+            op `kind` names (new in 0.5; rows differ by it): ``""``, the op
+            itself; ``"all-reduce-scatter"``, libtpu's fusion of an all-reduce
+            with each device's slice of its result (a ``kind=kCustom`` fusion
+            of a computation named ``all-reduce-scatter``), counted as the
+            reduce-scatter of its operand to that shard (not as the whole
+            all-reduce inside); ``"zero-filled all-reduce"``, an all-gather
+            written as an all-reduce of buffers of zeros each device has written
+            its shard into, counted as the all-reduce it runs.
+
+    Example:
+        >>> import spmdtree as st
+        >>> row = st.Collective("all-gather", 1, 4096, axes=("fsdp",), group=8)
+        >>> row.wire_bytes  # each device sends 7/8 of the gathered result
+        3584
+        >>> st.Collective("all-reduce", 2, 4096).bytes
+        4096
+        >>> st.Collective("reduce-scatter", 1, 512, ("fsdp",), 8, "all-reduce-scatter").label
+        "reduce-scatter (written as libtpu's all-reduce-scatter fusion)"
+    """
+
+    kind: str
+    count: int  # type: ignore[assignment]  # the field shadows tuple.count, as named
+    bytes: int
+    axes: tuple[str, ...] = ()
+    group: int = 1
+    written_as: Written = ""
+
+    @property
+    def label(self) -> str:
+        """The kind, with the form it was written in where that is not the op itself.
+
+        Example:
+            >>> import spmdtree as st
+            >>> st.Collective("all-reduce", 1, 4096, ("fsdp",), 8, "zero-filled all-reduce").label
+            'all-reduce (an all-gather written as an all-reduce of zero-filled buffers)'
+            >>> st.Collective("all-reduce", 1, 4096).label
+            'all-reduce'
+        """
+        form = _WRITTEN.get(self.written_as)
+        return f"{self.kind} ({form})" if form else self.kind
+
+    @property
+    def wire_bytes(self) -> int:
+        """What each device sends per step by the ring algorithm.
+
+        all-gather ``(g-1)/g x result``, reduce-scatter ``(g-1) x result``,
+        all-reduce ``2(g-1)/g x size``, all-to-all ``(g-1)/g x size``,
+        collective-permute its size (g the group).
+
+        Example:
+            >>> import spmdtree as st
+            >>> st.Collective("all-reduce", 1, 1024, axes=("data",), group=4).wire_bytes
+            1536
+            >>> st.Collective("reduce-scatter", 1, 1024, axes=("data",), group=4).wire_bytes
+            3072
+        """
+        g = self.group
+        if self.kind == "collective-permute":
+            return self.bytes
+        if self.kind == "reduce-scatter":
+            return (g - 1) * self.bytes
+        if self.kind == "all-reduce":
+            return 2 * (g - 1) * self.bytes // g
+        return (g - 1) * self.bytes // g
+
+
+class Kernel(NamedTuple):
+    """One device kernel: its class (``matmul``, ``attention`` or ``memory``), the
+    FLOPs of its dots, the bytes it reads and writes, and its largest matmul's
+    shape (batch, m, n, k; zeros where it has none) and operands' element type
+    (``bf16``, ``f32``; ``f32/highest`` at the highest precision); `opaque`, a
+    hand-written kernel's name where its call keeps no cost estimate (new in 0.6)."""
+
+    kind: str
+    flops: int
+    bytes: int
+    batch: int = 0
+    m: int = 0
+    n: int = 0
+    k: int = 0
+    dtype: str = ""
+    opaque: str = ""
+
+
+class Start(NamedTuple):
+    """A collective begins: `ident` pairs it with its `Done`; `sync` where it runs
+    on the compute stream (a synchronous collective, or one XLA marked
+    ``is_sync``); `partial` where its groups are not whole mesh axes (new in 0.6)."""
+
+    ident: int
+    row: Collective
+    sync: bool
+    partial: bool = False
+
+
+class Done(NamedTuple):
+    """The compute stream waits here for collective `ident` to finish."""
+
+    ident: int
+
+
+class Loop(NamedTuple):
+    """A ``while``: its body (condition included) runs `trips` times; `known` is
+    False where the compiler does not say how often (timed and counted once)."""
+
+    trips: int
+    body: tuple[Event, ...]
+    known: bool = True
+
+
+class Branches(NamedTuple):
+    """A conditional: one of its branches runs (timed as the slowest)."""
+
+    options: tuple[tuple[Event, ...], ...]
+
+
+Event = Kernel | Start | Done | Loop | Branches
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """A compiled step's events in the order its device runs them (`read_schedule`).
+
+    Attributes:
+        events: the entry computation's `Kernel`, `Start`, `Done`, `Loop` and
+            `Branches` records, in schedule order.
+        platform: the compiler's platform (``"cuda"``, ``"tpu"``, ``"cpu"``).
+        flags: what the schedule does not cover (a loop of unknown trip count,
+            timed once).
+        held_bytes: on the CPU, the whole sizes of the all-reduces read as
+            reduce-scatters that are live at once (0 elsewhere).
+        scattered: on the CPU, how many all-reduces are read as reduce-scatters.
+        widened: on the CPU, how many collectives of values it widened (bf16 in
+            f32) are counted at the program's width.
+    """
+
+    events: tuple[Event, ...]
+    platform: str
+    flags: tuple[str, ...] = ()
+    held_bytes: int = 0
+    scattered: int = 0
+    widened: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        """The schedule as plain JSON values (each event a tagged list)."""
+        return {
+            "events": [_event_json(e) for e in self.events],
+            "platform": self.platform,
+            "flags": list(self.flags),
+            "cpu": [self.held_bytes, self.scattered, self.widened],
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Schedule:
+        """The schedule `to_json` gave."""
+        events = tuple(_event_from(e) for e in data["events"])
+        return cls(events, data["platform"], tuple(data["flags"]), *data["cpu"])
+
+
+def _event_json(event: Event) -> list[Any]:
+    if isinstance(event, Kernel):
+        return ["kernel", *event]
+    if isinstance(event, Start):
+        return ["start", event.ident, list(event.row), event.sync, event.partial]
+    if isinstance(event, Done):
+        return ["done", event.ident]
+    if isinstance(event, Loop):
+        return ["loop", event.trips, [_event_json(e) for e in event.body], event.known]
+    return ["branches", [[_event_json(e) for e in option] for option in event.options]]
+
+
+def _event_from(data: Sequence[Any]) -> Event:
+    tag, rest = data[0], data[1:]
+    if tag == "kernel":
+        return Kernel(*rest)
+    if tag == "start":
+        kind, count, size, axes, group, written = rest[1]
+        row = Collective(kind, count, size, tuple(axes), group, written)
+        return Start(rest[0], row, rest[2], rest[3])
+    if tag == "done":
+        return Done(rest[0])
+    if tag == "loop":
+        return Loop(rest[0], tuple(_event_from(e) for e in rest[1]), rest[2])
+    return Branches(tuple(tuple(_event_from(e) for e in option) for option in rest[0]))
+
+
+#: A multi-slice TPU job's transfer across slices: a host-transfer ``send`` for the
+#: megascale runtime, whose frontend attribute says what collective it is part of.
+_MEGASCALE = "_xla_megascale_transfer_type"
+_MEGASCALE_KINDS = {
+    "ALL_REDUCE": "all-reduce",
+    "ALL_GATHER": "all-gather",
+    "REDUCE_SCATTER": "reduce-scatter",
+    "ALL_TO_ALL": "all-to-all",
+}
+
+
+#: Ops that run no kernel: bookkeeping the runtime resolves (a bitcast is a view).
+_FREE = frozenset(
+    {
+        Op.kParameter,
+        Op.kConstant,
+        Op.kGetTupleElement,
+        Op.kTuple,
+        Op.kBitcast,
+        Op.kAfterAll,
+        Op.kAddDependency,
+        Op.kOptimizationBarrier,
+        Op.kPartitionId,
+        Op.kReplicaId,
+        Op.kDomain,
+        Op.kGetDimensionSize,
+        Op.kAsyncUpdate,
+        Op.kCopyStart,
+        Op.kCopyDone,
+        Op.kSend,
+        Op.kSendDone,
+        Op.kRecv,
+        Op.kRecvDone,
+    }
+)
+#: What the compute stream waits at: an async pair's done, a wrapped async op's too.
+_DONES = DONES | {Op.kAsyncDone}
+#: Ops that read only part of their first operand: a slice's bytes, not the whole.
+_SLICING = frozenset({Op.kDynamicSlice, Op.kSlice, Op.kGather})
+
+
+class _Walker:
+    """Turns a module's scheduled computations into events, each computation once."""
+
+    def __init__(
+        self, mod: Module, shape: Sequence[tuple[str, int]], cpu: bool, slice_size: int | None
+    ) -> None:
+        self.mod, self.shape, self.cpu, self.slice_size = mod, tuple(shape), cpu, slice_size
+        self.flow = Flow(mod)
+        self.idents: dict[tuple[str, str], tuple[int, ...]] = {}
+        self.unknown = False
+        self.read: dict[str, tuple[Event, ...]] = {}
+        self.scattered: dict[tuple[str, str], int] = {}
+        self.widened: set[tuple[str, str]] = set()
+
+    def events(self, comp: str) -> tuple[Event, ...]:
+        if comp not in self.read:
+            self.read[comp] = tuple(
+                e for ins in self.mod.comps.get(comp, []) for e in self.of(comp, ins)
+            )
+        return self.read[comp]
+
+    def of(self, comp: str, ins: Instr) -> list[Event]:
+        """The events of one scheduled instruction."""
+        callees = dict(ins.callees)
+        if ins.op == Op.kSend and _MEGASCALE in ins.frontend:
+            return self._starts(comp, ins, [self._across_slices(ins)], sync=False)
+        if ins.op == Op.kSendDone:
+            return self._dones(comp, ins)
+        if ins.op in _FREE:
+            return []
+        if ins.op == Op.kWhile:
+            trips = trip_count(self.mod, comp, ins)
+            self.unknown |= trips is None
+            body = self.events(callees.get("condition", "")) + self.events(callees.get("body", ""))
+            return [Loop(1 if trips is None else trips, body, trips is not None)]
+        if ins.op == Op.kConditional:
+            return [Branches(tuple(self.events(c) for _, c in ins.callees))]
+        if ins.op == Op.kCall:
+            return list(self.events(callees.get("to_apply", "")))
+        if ins.op in _DONES:
+            return self._dones(comp, ins)
+        if ins.op in STARTS or ins.op == Op.kAsyncStart or ins.op in SYNC:
+            return self._collective(comp, ins)
+        fused = self._fused(comp, ins)
+        if fused is not None:  # libtpu's all-reduce-scatter: the collective it runs
+            return self._starts(comp, ins, [fused], sync=True)
+        inside = self._inside(ins)
+        kernel: list[Event] = [self._kernel(comp, ins)]
+        return kernel + (self._starts(comp, ins, inside, sync=True) if inside else [])
+
+    def _dones(self, comp: str, ins: Instr) -> list[Event]:
+        """Where the compute stream waits for the collectives its operand started."""
+        found = self.idents.get((comp, ins.operands[0]), ()) if ins.operands else ()
+        return [Done(ident) for ident in found]
+
+    def _starts(
+        self,
+        comp: str,
+        ins: Instr,
+        rows: Sequence[tuple[Collective, bool]],
+        sync: bool,
+        waits: bool | None = None,
+    ) -> list[Event]:
+        """A `Start` per row, paired with the instruction whose done waits for them;
+        where the compute waits at once (`waits`: a synchronous op), its `Done`s too."""
+        first = sum(len(found) for found in self.idents.values())
+        starts = [Start(first + i, row, sync, partial) for i, (row, partial) in enumerate(rows)]
+        self.idents[(comp, ins.name)] = tuple(start.ident for start in starts)
+        if sync if waits is None else waits:
+            return [*starts, *(Done(start.ident) for start in starts)]
+        return list(starts)
+
+    def _collective(self, comp: str, ins: Instr) -> list[Event]:
+        """A collective's `Start`s (and, synchronous, their `Done`s); an async wrapper
+        of anything else is what it wraps: a fusion's collectives, or its kernel."""
+        inner, kind, where = ins, STARTS.get(ins.op) or SYNC.get(ins.op), comp
+        if ins.op == Op.kAsyncStart:
+            wrapped = dict(ins.callees).get("async", "")
+            root = self.mod.root(wrapped)
+            kind = SYNC.get(root.op) if root is not None else None
+            if root is None:
+                return [self._kernel(comp, ins)]
+            if kind is None:
+                fused = self._fused(wrapped, root)
+                rows = [fused] if fused is not None else self._inside(root)
+                if not rows:
+                    return [self._kernel(wrapped, root)]
+                return self._starts(comp, ins, rows, sync=False)
+            inner, where = root, wrapped
+        if kind is None:
+            return []
+        result = self._result(comp, ins, inner)
+        rows = self._rows(where, result, inner, kind)
+        sync = ins.op in SYNC or config_field(ins.config, "is_sync") is True
+        return self._starts(comp, ins, rows, sync, waits=ins.op in SYNC)
+
+    def _rows(
+        self, comp: str, result: Instr, start: Instr, kind: str
+    ) -> list[tuple[Collective, bool]]:
+        """The rows a collective counts as (`forms.parts`: a tuple's elements, the CPU's
+        forms), one per kind and form, each once, with whether its groups are whole."""
+        axes, group, whole = collective_axes(kind, start.groups, start.pairs, self.shape)
+        found: dict[tuple[str, Written], int] = {}
+        for part in parts(self.flow, comp, result, start, kind, group, self.cpu):
+            self._note(comp, result, part)
+            key = (part.kind, part.written_as)
+            found[key] = found.get(key, 0) + part.bytes
+        return [
+            (Collective(k, 1, size, axes, group, written), not whole)
+            for (k, written), size in found.items()
+        ]
+
+    def _note(self, comp: str, ins: Instr, part: Part) -> None:
+        """Keeps what the CPU's forms say: reductions held whole, values widened."""
+        if part.held:
+            self.scattered[(comp, ins.name)] = self.scattered.get((comp, ins.name), 0) + part.held
+        if part.widened:
+            self.widened.add((comp, ins.name))
+
+    def _fused(self, comp: str, ins: Instr) -> tuple[Collective, bool] | None:
+        """libtpu's all-reduce-scatter fusion `ins` as the reduce-scatter it is (one op,
+        a tuple of them too), its bytes its result (the shards), or None if `ins` is not
+        one (or a shard times the group is not the whole reduced)."""
+        found = fused_scatter(self.mod, ins)
+        if found is None:
+            return None
+        inner, pairs = found
+        axes, group, whole = collective_axes("all-reduce", inner.groups, inner.pairs, self.shape)
+        if any(math.prod(s) * group != math.prod(w) for s, w in pairs):
+            return None
+        row = Collective("reduce-scatter", 1, ins.bytes, axes, group, "all-reduce-scatter")
+        return row, not whole
+
+    def _inside(self, ins: Instr) -> list[tuple[Collective, bool]]:
+        """The collectives a fusion runs inside its kernel (libtpu's collective
+        fusions), each as its rows."""
+        if ins.op != Op.kFusion:
+            return []
+        found, todo = [], [dict(ins.callees).get("calls", "")]
+        while todo:
+            comp = todo.pop()
+            for each in self.mod.comps.get(comp, []):
+                kind = SYNC.get(each.op)
+                if kind is not None:
+                    found += self._rows(comp, each, each, kind)
+                todo += [c for r, c in each.callees if r == "calls"]
+        return found
+
+    def _across_slices(self, ins: Instr) -> tuple[Collective, bool]:
+        """A transfer across TPU slices (a megascale ``send``): the collective it is
+        part of, over the devices at the same place in each slice, its bytes the
+        array sent."""
+        kind = _MEGASCALE_KINDS.get(ins.frontend.get(_MEGASCALE, ""), "collective-permute")
+        devices = math.prod(size for _, size in self.shape) if self.shape else 1
+        per = self.slice_size or devices
+        groups = [list(range(p, devices, per)) for p in range(per)]
+        axes, group, whole = group_axes(groups, self.shape) if self.shape else ((), 1, True)
+        size = ins.arrays[0].bytes if ins.arrays else 0
+        return Collective(kind, 1, size, axes, group), not whole
+
+    def _result(self, comp: str, ins: Instr, inner: Instr) -> Instr:
+        """What gives a collective's result: itself (synchronous, or an async
+        wrapper's collective), or its done."""
+        if ins.op in SYNC or inner is not ins:
+            return inner
+        done = [u for u, _ in self.mod.users[comp].get(ins.name, []) if u.op in _DONES]
+        return done[0] if done else ins
+
+    def _kernel(self, comp: str, ins: Instr) -> Kernel:
+        """A kernel: its class, FLOPs, bytes and largest matmul's shape."""
+        flops, largest, shape, dtype, named = 0, 0, (0, 0, 0, 0), "", False
+        for where, dot in self._dots(comp, ins):
+            f = opcodes.flops(self.mod, where, dot)
+            if f > largest:
+                largest, shape = f, _gemm_shape(self.mod, where, dot, f)
+                dtype = _operand_dtype(self.mod, where, dot)
+            flops += f
+            named |= _attention_named(dot)
+        fused = ins.target.startswith("__cudnn$fmha")
+        if fused or named or self._attention(ins):
+            kind = "attention"
+        else:
+            kind = "matmul" if flops else "memory"
+        opaque = ins.name.rsplit(".", 1)[0] if is_kernel_call(ins) and not flops else ""
+        return Kernel(kind, flops, self._bytes(comp, ins), *shape, dtype if flops else "", opaque)
+
+    def _attention(self, ins: Instr) -> bool:
+        """Whether an instruction, or one it fuses, is named in an attention scope."""
+        if _attention_named(ins):
+            return True
+        inner = self.mod.comps.get(dict(ins.callees).get("calls", ""), [])
+        return ins.op == Op.kFusion and any(_attention_named(i) for i in inner)
+
+    def _dots(self, comp: str, ins: Instr) -> list[tuple[str, Instr]]:
+        """The instructions with FLOPs an instruction runs: itself, or inside the
+        fusion it calls."""
+        if ins.op != Op.kFusion:
+            return [(comp, ins)]
+        found, todo = [], [dict(ins.callees).get("calls", "")]
+        while todo:
+            inner = todo.pop()
+            for each in self.mod.comps.get(inner, []):
+                if each.op in (Op.kDot, Op.kConvolution, Op.kCustomCall):
+                    found.append((inner, each))
+                todo += [c for r, c in each.callees if r == "calls"]
+        return found
+
+    def _bytes(self, comp: str, ins: Instr) -> int:
+        """What a kernel reads and writes: its operands (a sliced one as its slice, an
+        updated one in place as nothing) and its result (an in-place update as the
+        update; a library call's workspace left out); a hand-written kernel's as its
+        cost estimate gives them, where it has one."""
+        if ins.op == Op.kFusion:
+            return _fusion_bytes(self.mod, comp, ins)
+        estimate = kernel_estimate(ins)
+        if estimate is not None and estimate[1]:  # a hand-written kernel's own figure
+            return estimate[1]
+        given = [self.mod.by_name[comp][o] for o in ins.operands if o in self.mod.by_name[comp]]
+        if ins.op in _SLICING:
+            return 2 * ins.bytes
+        if ins.op == Op.kDynamicUpdateSlice and len(given) > 1:
+            return 2 * given[1].bytes
+        return sum(g.bytes for g in given) + _result_bytes(ins)
+
+
+def _result_bytes(ins: Instr) -> int:
+    """The bytes an instruction's result writes; a library call's workspace (a
+    cuBLAS call's second result, 32 MiB of s8 on jax 0.12) left out (a hand-written
+    kernel's results are all its own)."""
+    result = ins.arrays
+    if ins.op == Op.kCustomCall and ins.is_tuple and result and not is_kernel_call(ins):
+        result = result[:1]
+    return sum(array.bytes for array in result)
+
+
+def _operand_dtype(mod: Module, comp: str, ins: Instr) -> str:
+    """A matmul's first operand's element type, ``/highest`` added at the highest
+    precision."""
+    given = mod.by_name[comp].get(ins.operands[0]) if ins.operands else None
+    arrays = given.arrays if given is not None else ()
+    dtype = arrays[0].dtype if arrays else ""
+    return dtype + "/highest" if _highest(ins) else dtype
+
+
+def _highest(ins: Instr) -> bool:
+    """Whether a matmul runs an operand at the highest precision (a dot's attribute,
+    or a library call's precision config)."""
+    listed = config_field(ins.config, "operand_precision")
+    configured = listed if isinstance(listed, list) else []
+    return any(str(p).lower() == "highest" for p in (*ins.precision, *configured))
+
+
+def _attention_named(ins: Instr) -> bool:
+    """Whether an instruction's name scope says attention (``attention``, ``attn``),
+    or a hand-written kernel's name does (``flash_attention``, ``flash_mha_bwd_dq``)."""
+    name = ins.op_name.lower()
+    if is_kernel_call(ins):
+        name += " " + ins.name.lower()
+    return any(word in name for word in ("attention", "attn", "mha"))
+
+
+def _gemm_shape(mod: Module, comp: str, ins: Instr, flops: int) -> tuple[int, int, int, int]:
+    """A matmul's (batch, m, n, k): from a dot's dimension numbers or a cuBLAS call's
+    backend config; a convolution's as its output positions x features (the output
+    dimension its ``dim_labels`` call ``f``: libtpu writes every dot so, its
+    features not always last) x the rest."""
+    types = [mod.by_name[comp][o] for o in ins.operands[:2] if o in mod.by_name[comp]]
+    numbers = _dimension_numbers(ins)
+    if numbers is None or len(types) < 2:
+        out = ins.dims
+        out_labels = ins.labels[2] if ins.labels is not None else ""
+        if len(out_labels) == len(out) and "f" in out_labels:
+            n = out[out_labels.index("f")]
+        else:
+            n = out[-1] if out else 1
+        m = max(math.prod(out) // max(n, 1), 1)
+        return 1, m, n, max(flops // (2 * m * n), 1)
+    lhs, rhs = types[0].dims, types[1].dims
+    (lb, lc), (rb, rc) = numbers
+    if any(d >= len(lhs) for d in lb + lc) or any(d >= len(rhs) for d in rb + rc):
+        return 0, 0, 0, 0
+    batch = math.prod(lhs[d] for d in lb)
+    k = math.prod(lhs[d] for d in lc)
+    m = math.prod(s for d, s in enumerate(lhs) if d not in lb + lc)
+    n = math.prod(s for d, s in enumerate(rhs) if d not in rb + rc)
+    return batch, m, n, k
+
+
+def _dimension_numbers(ins: Instr) -> tuple[tuple[list[int], list[int]], ...] | None:
+    """((lhs batch, lhs contracting), (rhs batch, rhs contracting)) of a dot or a
+    cuBLAS call; None for anything else."""
+    if ins.op == Op.kDot:
+        dot = ins.dot
+        lhs = (list(dot.lhs_batch), list(dot.lhs_contracting))
+        return lhs, (list(dot.rhs_batch), list(dot.rhs_contracting))
+    config = ins.config.get("gemm_backend_config", {})
+    dims = config.get("dot_dimension_numbers")
+    if ins.op != Op.kCustomCall or not dims:
+        return None
+    return tuple(
+        (
+            [int(d) for d in dims.get(f"{side}_batch_dimensions", [])],
+            [int(d) for d in dims.get(f"{side}_contracting_dimensions", [])],
+        )
+        for side in ("lhs", "rhs")
+    )
+
+
+def _fusion_bytes(mod: Module, comp: str, ins: Instr) -> int:
+    """A fusion's bytes: each operand as its fused parameter is read (`_read`), and
+    its result as written (`_written`)."""
+    callee = dict(ins.callees).get("calls", "")
+    read = 0
+    for j, operand in enumerate(ins.operands):
+        given = mod.by_name[comp].get(operand)
+        whole = given.bytes if given is not None else 0
+        param = mod.param(callee, j)
+        read += whole if param is None else _read(mod, callee, param, whole)
+    root = mod.root(callee)
+    return read + (_written(mod, callee, root) if root is not None else ins.bytes)
+
+
+def _read(mod: Module, comp: str, name: str, whole: int) -> int:
+    """The bytes of value `name` that its users read: the slices of it that slicing
+    users take; nothing where it is the buffer an in-place update writes into, the
+    operand of a collective fused into the kernel (libtpu's async collective
+    fusions: the collective's traffic, timed on the links) or passed straight to the
+    result (a buffer the fusion carries in place); what a nested fusion reads of
+    it, and no more of an elementwise one than the slices its result is read as;
+    else the whole. Bitcasts are followed."""
+    total = 0
+    for user, j in mod.users[comp].get(name, []):
+        if user.op == Op.kBitcast:
+            total += _read(mod, comp, user.name, whole)
+        elif user.op in _SLICING and j == 0:
+            total += user.bytes
+        elif _untouched(user, j):
+            continue
+        elif user.op == Op.kFusion:
+            total += _nested_read(mod, comp, user, j, whole)
+        else:
+            return whole
+    return min(total, whole)
+
+
+def _untouched(user: Instr, j: int) -> bool:
+    """Whether a fusion's kernel leaves alone the value `user` takes as operand `j`:
+    the buffer an in-place update writes into, a fused collective's operand, a
+    buffer passed straight to the result (carried in place)."""
+    if user.op == Op.kDynamicUpdateSlice and j == 0:
+        return True
+    if user.op in SYNC:
+        return True
+    return user.op == Op.kTuple and user.root
+
+
+def _nested_read(mod: Module, comp: str, user: Instr, j: int, whole: int) -> int:
+    """What fusion `user`, nested in a fusion, reads of its operand `j` (of `whole`
+    bytes): what its own computation reads of that parameter, and, where its result
+    has as many elements as the operand (a copy, a layout change, an elementwise
+    map), no more than the share of its result that its users read."""
+    callee = dict(user.callees).get("calls", "")
+    param = mod.param(callee, j)
+    inner = whole if param is None else _read(mod, callee, param, whole)
+    operand = mod.by_name[comp].get(user.operands[j])
+    if operand is None or not user.bytes or _elements(user) != _elements(operand):
+        return inner
+    demanded = _read(mod, comp, user.name, user.bytes)
+    return min(inner, whole * demanded // user.bytes)
+
+
+def _elements(ins: Instr) -> int:
+    """The elements of an instruction's result (a tuple's summed)."""
+    return sum(a.elements for a in ins.arrays)
+
+
+def _written(mod: Module, comp: str, root: Instr) -> int:
+    """The bytes a fusion's result writes: a tuple's elements each; an in-place
+    update as its update; nothing for a parameter passed through (a buffer carried
+    in place) or a fused collective's result (written by the collective, timed on
+    the links)."""
+    if root.op == Op.kTuple:
+        parts = [mod.by_name[comp][o] for o in root.operands if o in mod.by_name[comp]]
+        return sum(_written(mod, comp, part) for part in parts)
+    if root.op == Op.kParameter or root.op in SYNC:
+        return 0
+    if root.op == Op.kBitcast and root.operands and root.operands[0] in mod.by_name[comp]:
+        return _written(mod, comp, mod.by_name[comp][root.operands[0]])
+    if root.op == Op.kDynamicUpdateSlice and len(root.operands) > 1:
+        update = mod.by_name[comp].get(root.operands[1])
+        return update.bytes if update is not None else 0
+    return _result_bytes(root)  # a fused library call (jax 0.12's dynamic-slice fusion)
+
+
+def read_schedule(
+    module: Any,
+    shape: Sequence[tuple[str, int]] = (),
+    *,
+    platform: str,
+    slice_size: int | None = None,
+) -> Schedule:
+    """The `Schedule` of a compiled module (jaxlib's ``HloModule``, its text, or an
+    `instructions.Module`): its entry computation's events in the order the device
+    runs them. `shape` is the mesh's ``(axis, size)`` pairs (the partition ids are
+    positions in its row-major device order), which name each collective's axes;
+    `platform` the compiler's (``"cpu"``, ``"cuda"``, ``"tpu"``); `slice_size` a
+    multi-slice TPU job's chips per slice.
+
+    A computation is walked once however often it runs: a ``while`` body is a
+    `Loop` of its trip count (where the compiler does not say it, read from the
+    loop as libtpu leaves it, else 1 and flagged); a conditional's branches a
+    `Branches`. An async pair is one collective, its result the done's. On
+    ``"cpu"``, an all-reduce whose every use takes one device's slice of it (by
+    its partition id), and whose slice times its group is the whole, is the
+    reduce-scatter an accelerator runs, and a collective of values the CPU widened
+    (bf16 in f32) is at their own width. A multi-slice TPU job's transfers across
+    slices (the megascale runtime's ``send``s) are the collectives they are part
+    of, over the devices at the same place in each slice. libtpu's forms are what
+    they move, each row saying the form (`Collective.written_as`): its
+    all-reduce-scatter fusion as a reduce-scatter of its operand to the shard; an
+    all-gather written as an all-reduce of zero-filled buffers as that all-reduce.
+
+    Example:
+        An all-gather started before a matmul and done after it:
+
+        >>> text = '''HloModule m, is_scheduled=true
+        ... ENTRY %main (a: bf16[1024,1024], b: bf16[128,1024]) -> (bf16[1024,1024], bf16[1024,1024]) {
+        ...   %a = bf16[1024,1024] parameter(0)
+        ...   %b = bf16[128,1024] parameter(1)
+        ...   %ags = (bf16[128,1024], bf16[1024,1024]) all-gather-start(%b), replica_groups=[1,8]<=[8], dimensions={0}
+        ...   %d = bf16[1024,1024] dot(%a, %a), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+        ...   %agd = bf16[1024,1024] all-gather-done(%ags)
+        ...   ROOT %t = (bf16[1024,1024], bf16[1024,1024]) tuple(%d, %agd)
+        ... }'''
+        >>> schedule = read_schedule(text, (("data", 8),), platform="cuda")
+        >>> [type(e).__name__ for e in schedule.events]
+        ['Start', 'Kernel', 'Done']
+        >>> schedule.events[0].row
+        Collective(kind='all-gather', count=1, bytes=2097152, axes=('data',), group=8, written_as='')
+        >>> schedule.events[1]
+        Kernel(kind='matmul', flops=2147483648, bytes=6291456, batch=1, m=1024, n=1024, k=1024, dtype='bf16', opaque='')
+        >>> Schedule.from_json(schedule.to_json()) == schedule
+        True
+    """
+    mod = Module.of(module)
+    if mod.entry is None:
+        return Schedule((), platform)
+    walker = _Walker(mod, shape, platform == "cpu", slice_size)
+    events = walker.events(mod.entry)
+    flags = (
+        ("a loop whose trip count the compiler does not know: timed once",)
+        if walker.unknown
+        else ()
+    )
+    most = held(mod, walker.scattered, mod.entry) if walker.scattered else 0
+    return Schedule(events, platform, flags, most, len(walker.scattered), len(walker.widened))
