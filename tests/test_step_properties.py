@@ -762,12 +762,14 @@ ORDER = ["fits", "tight", "may fit", "over budget", "batch unsharded", "does not
 def rank_key(row):
     """Advice's documented order: the verdict (compiled over-budget rows before the
     rejected ones), then for those that fit or may, the bound per sequence of the
-    batch (6 significant figures), the smaller peak, the serial time per sequence."""
+    batch (6 significant figures; 0.6: the predicted time where there is one, which a
+    hardware of one's own now has), the smaller peak, the serial time per sequence."""
     verdict = 2 * ORDER.index(row.verdict) + (row.verdict == "over budget" and row.step is None)
     if row.verdict not in ORDER[:3] or row.step is None:
         return (verdict,)
     per = row.candidate.batch
-    bound = float(f"{row.time.bound_seconds / per:.6g}")
+    seconds = row.time.predicted_seconds
+    bound = float(f"{(row.time.bound_seconds if seconds is None else seconds) / per:.6g}")
     return (verdict, bound, row.step.peak_bytes, row.time.serial_seconds / per)
 
 

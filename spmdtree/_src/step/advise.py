@@ -624,8 +624,8 @@ def rank(row: AdviceRow, index: int) -> tuple[int, float, int, float, str, int, 
 
 
 def _seconds(timed: StepTime) -> float:
-    """What a row ranks by: the predicted step time where there is one (a preset's
-    hardware: the compiled schedule walked), else the bound."""
+    """What a row ranks by: the predicted step time where there is one (the compiled
+    schedule walked, on any hardware since 0.6), else the bound."""
     return timed.bound_seconds if timed.predicted_seconds is None else timed.predicted_seconds
 
 

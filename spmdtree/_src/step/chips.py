@@ -47,7 +47,8 @@ class GpuChip:
         fpus_per_sm: FP32 units per SM (128 on 9.0 and 10.0, 64 on 8.0).
 
     Example:
-        >>> GpuChip("NVIDIA A100-SXM4-80GB", (8, 0), 1.41, 40 * 2**20).capability
+        >>> import spmdtree as st
+        >>> st.GpuChip("NVIDIA A100-SXM4-80GB", (8, 0), 1.41, 40 * 2**20).capability
         (8, 0)
     """
 
@@ -76,7 +77,8 @@ class TpuChip:
         slice_limit: the most chips one slice holds (None: no limit checked).
 
     Example:
-        >>> TpuChip("v5e", "TPU v5 lite", 1, 2, wraparound=16, slice_limit=256).dimensions
+        >>> import spmdtree as st
+        >>> st.TpuChip("v5e", "TPU v5 lite", 1, 2, wraparound=16, slice_limit=256).dimensions
         2
     """
 
