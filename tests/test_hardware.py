@@ -303,7 +303,10 @@ def test_a_chip_that_is_no_chip_is_a_type_error():
             lambda: st.Hardware("x", 1, 1e12, {"ici": ICI}, matmul_efficiency=1.5),
             "matmul_efficiency is 1.5; expected a share of the peak, 0 to 1",
         ),
-        (lambda: st.Hardware("x", 1, 1e12, {"ici": ICI}, cores=2.5), "cores is 2.5; expected an int"),
+        (
+            lambda: st.Hardware("x", 1, 1e12, {"ici": ICI}, cores=2.5),
+            "cores is 2.5; expected an int",
+        ),
         (
             lambda: st.Hardware("x", 1, 1e12, {"ici": ICI}, hbm_bytes_per_second=0),
             "hbm_bytes_per_second is 0",

@@ -73,7 +73,9 @@ def h100s(n):
     from jax.experimental import topologies
 
     return topologies.get_topology_desc(
-        platform="cuda", target_config=target_for(st.hardware("h100")).chip.target_config(), topology=f"1x1x{n}"
+        platform="cuda",
+        target_config=target_for(st.hardware("h100")).chip.target_config(),
+        topology=f"1x1x{n}",
     ).devices
 
 
@@ -446,9 +448,10 @@ def test_a_hardware_of_ones_own_predicts_from_its_own_figures():
     )
     assert timed.predicted_by_class["launch"] == 0.0
     given = dataclasses.replace(mine, hbm_bytes_per_second=2e12)
-    assert "hbm_bytes_per_second" not in step_time(
-        [row], 10**12, {"data": 8}, given, 8, schedule=schedule
-    ).flags[0]
+    assert (
+        "hbm_bytes_per_second"
+        not in step_time([row], 10**12, {"data": 8}, given, 8, schedule=schedule).flags[0]
+    )
 
 
 def test_step_time_refuses_a_prediction_that_is_no_time():

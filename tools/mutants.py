@@ -274,16 +274,20 @@ MUTANTS: dict[str, list[tuple[str, str, str]]] = {
     # 0.3: reading the compiled step (hlo.py and the rooms it sums, since 0.5).
     "wire-bytes-all-reduce-one-way": [
         (
-            "_src/step/hlo.py",
+            "_src/step/schedule.py",
             "return 2 * (g - 1) * self.bytes // g",
             "return (g - 1) * self.bytes // g",
         ),
     ],
     "wire-bytes-reduce-scatter-as-gather": [
-        ("_src/step/hlo.py", "return (g - 1) * self.bytes\n", "return (g - 1) * self.bytes // g\n"),
+        (
+            "_src/step/schedule.py",
+            "return (g - 1) * self.bytes\n",
+            "return (g - 1) * self.bytes // g\n",
+        ),
     ],
     "wire-bytes-gather-whole-result": [
-        ("_src/step/hlo.py", "return (g - 1) * self.bytes // g\n", "return self.bytes\n"),
+        ("_src/step/schedule.py", "return (g - 1) * self.bytes // g\n", "return self.bytes\n"),
     ],
     "slice-offset-partition-unchecked": [
         (
@@ -570,7 +574,7 @@ MUTANTS.update(
             )
         ],
         "loop-trip-count-ignored": [
-            ("_src/step/hlo.py", "total = total + inner.times(trips or 1)", "total = total + inner")
+            ("_src/step/hlo.py", "return inner.times(event.trips)", "return inner")
         ],
         "preflight-drops-donation": [
             ("_src/step/trace.py", "jax.jit(step, donate_argnums=flat_donated,", "jax.jit(step,")
@@ -661,15 +665,15 @@ MUTANTS.update(
         "slice-times-group-unchecked": [
             (
                 "_src/step/forms.py",
-                "if cut and math.prod(cut.dims) * group == math.prod(dims):",
+                "if cut and cut.elements * group == math.prod(dims):",
                 "if cut:",
             )
         ],
         "cond-both-branches": [
             (
                 "_src/step/hlo.py",
-                "return max(branches, key=lambda t: t.cost, default=Tally())",
-                "return sum(branches, Tally())",
+                "(tally(option) for option in event.options), key=lambda t: t.cost, default=Tally()",
+                "[sum((tally(option) for option in event.options), Tally())], key=lambda t: t.cost",
             )
         ],
         "tpu-trip-count-unread": [
@@ -695,7 +699,7 @@ MUTANTS.update(
         ],
         "cross-slice-transfers-unread": [
             (
-                "_src/step/hlo.py",
+                "_src/step/schedule.py",
                 "        if ins.op == Op.kSend and _MEGASCALE in ins.frontend:",
                 "        if False:",
             )
@@ -948,28 +952,28 @@ MUTANTS.update(
         ],
         "fused-collective-read": [
             (
-                "_src/step/predict.py",
+                "_src/step/schedule.py",
                 "    if user.op in SYNC:\n        return True\n",
                 "",
             )
         ],
         "carried-buffer-read": [
             (
-                "_src/step/predict.py",
+                "_src/step/schedule.py",
                 "return user.op == Op.kTuple and user.root",
                 "return False",
             )
         ],
         "carried-buffer-written": [
             (
-                "_src/step/predict.py",
+                "_src/step/schedule.py",
                 "    if root.op == Op.kParameter or root.op in SYNC:\n        return 0\n",
                 "",
             )
         ],
         "nested-fusion-read-whole": [
             (
-                "_src/step/predict.py",
+                "_src/step/schedule.py",
                 "        elif user.op == Op.kFusion:\n"
                 "            total += _nested_read(mod, comp, user, j, whole)\n",
                 "",
@@ -977,7 +981,7 @@ MUTANTS.update(
         ],
         "nested-copy-read-whole": [
             (
-                "_src/step/predict.py",
+                "_src/step/schedule.py",
                 "return min(inner, whole * demanded // user.bytes)",
                 "return inner",
             )
@@ -1019,16 +1023,16 @@ MUTANTS.update(
         ],
         "kernel-bytes-not-the-estimates": [
             (
-                "_src/step/predict.py",
+                "_src/step/schedule.py",
                 "if estimate is not None and estimate[1]:",
                 "if False:",
             )
         ],
         "opaque-kernel-unsaid": [
             (
-                "_src/step/hlo.py",
-                'return Tally(opaque=frozenset([ins.name.rsplit(".", 1)[0]]))',
-                "return Tally()",
+                "_src/step/schedule.py",
+                'opaque = ins.name.rsplit(".", 1)[0] if is_kernel_call(ins) and not flops else ""',
+                'opaque = ""',
             )
         ],
         "tpu-slice-grows-the-first-of-ties": [
@@ -1146,9 +1150,7 @@ MUTANTS.update(
                 "hbm_bytes_per_second=3_350 * GB,",
             )
         ],
-        "cost-model-cores-of-one-chip": [
-            ("_src/step/predict.py", "cores=sheet.sms,", "cores=132,")
-        ],
+        "cost-model-cores-of-one-chip": [("_src/step/chips.py", "cores=148,", "cores=132,")],
         "preset-memory-a-gib-more": [
             (
                 "_src/step/chips.py",
@@ -1173,6 +1175,7 @@ STEP_TESTS = [
     "tests/test_targets.py",
     "tests/test_predict.py",
     "tests/test_hlo_libtpu.py",
+    "tests/test_one_walk.py",
 ]
 
 

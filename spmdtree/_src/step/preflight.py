@@ -461,7 +461,7 @@ class Keywords:
 
 
 def plan_arguments(
-    args: Sequence[Any], mesh: AnyMesh, rules: Rules | None, keywords: Keywords
+    args: tuple[Any, ...], mesh: AnyMesh, rules: Rules | None, keywords: Keywords
 ) -> Arguments:
     """The first stage: the mesh checked and the arguments planned on it
     (`trace.arguments`)."""
