@@ -398,9 +398,10 @@ def preflight(
             new in 0.5, its memory kind are used) per output, or a tree of
             them that is a prefix of the outputs; None lets the compiler choose.
         target: compile with an accelerator's own compiler, without the
-            accelerator (new in 0.4): a preset's name (``"h100"``, ``"h200"``,
-            ``"b200"``: XLA GPU; ``"tpu-v5e"``, ``"tpu-v5p"``, ``"tpu-v6e"``:
-            libtpu) or its `Hardware`. Needs ``pip install 'spmdtree[cuda]'`` or
+            accelerator (new in 0.4): a preset's name (``"a100"``, ``"h100"``,
+            ``"h200"``, ``"b200"``: XLA GPU; ``"tpu-v5e"``, ``"tpu-v5p"``, ``"tpu-v6e"``:
+            libtpu) or a `Hardware` with a `chip` (0.6: its own, not looked up
+            by its name). Needs ``pip install 'spmdtree[cuda]'`` or
             ``'spmdtree[tpu]'``. None: the mesh's own devices, or the CPU estimate
             for an `AbstractMesh`.
         devices_per_node: with `target`, GPUs per node (the hardware's: 8) or
