@@ -626,7 +626,7 @@ def predict_compile(size: str, shape: tuple[int, ...], batch: int, length: int) 
 
 def _predict(size: str, shape_text: str, batch: int, length: int) -> None:
     """The child of `predict_compile`: prints its four timings."""
-    from spmdtree._src.step import hardware, hlo, predict, targets
+    from spmdtree._src.step import hardware, hlo, instructions, schedule, targets
 
     shape = tuple(int(n) for n in shape_text.split(","))
     placement = targets.place(targets.target_for(st.hardware("h100")), math.prod(shape), 8)
@@ -636,15 +636,15 @@ def _predict(size: str, shape_text: str, batch: int, length: int) -> None:
     start = timeit.default_timer()
     compiled = lowered.compile(targets.compile_options("cuda"))
     compiled_at = timeit.default_timer()
-    module = hlo.Module(compiled.runtime_executable().hlo_modules()[0])
+    module = instructions.Module(compiled.runtime_executable().hlo_modules()[0])
     read_at = timeit.default_timer()
     axes = tuple(mesh.shape.items())
-    schedule = predict.read_schedule(module, axes, platform="cuda")
+    walked = schedule.read_schedule(module, axes, platform="cuda")
     scheduled_at = timeit.default_timer()
-    reading = hlo.read_step(compiled.as_text(), axes, platform="cuda")
+    reading = hlo.reading_of(walked)  # the one walk, folded
     predicted_at = timeit.default_timer()
     hardware.step_time(
-        reading.collectives, reading.flops, mesh.shape, st.hardware("h100"), 8, schedule=schedule
+        reading.collectives, reading.flops, mesh.shape, st.hardware("h100"), 8, schedule=walked
     )
     done_at = timeit.default_timer()
     timings = (compiled_at - start, read_at - compiled_at, scheduled_at - read_at)
