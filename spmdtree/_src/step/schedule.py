@@ -291,6 +291,7 @@ class _Walker:
         self.mod, self.shape, self.cpu, self.slice_size = mod, tuple(shape), cpu, slice_size
         self.flow = Flow(mod)
         self.idents: dict[tuple[str, str], tuple[int, ...]] = {}
+        self.started = 0  # collectives given an ident so far
         self.unknown = False
         self.read: dict[str, tuple[Event, ...]] = {}
         self.scattered: dict[tuple[str, str], int] = {}
@@ -347,7 +348,7 @@ class _Walker:
     ) -> list[Event]:
         """A `Start` per row, paired with the instruction whose done waits for them;
         where the compute waits at once (`waits`: a synchronous op), its `Done`s too."""
-        first = sum(len(found) for found in self.idents.values())
+        first, self.started = self.started, self.started + len(rows)
         starts = [Start(first + i, row, sync, partial) for i, (row, partial) in enumerate(rows)]
         self.idents[(comp, ins.name)] = tuple(start.ident for start in starts)
         if sync if waits is None else waits:
