@@ -11,7 +11,7 @@ call the reader itself.
 import pytest
 
 import spmdtree as st
-from spmdtree._src.step.hlo import read_step
+from spmdtree._src.step.hlo.reading import read_step
 
 #: A mesh of data 2 x fsdp 4: partition p is data p // 4, fsdp p % 4.
 SHAPE = (("data", 2), ("fsdp", 4))

@@ -15,9 +15,9 @@ import functools
 import pytest
 from test_hlo_libtpu import LIBTPU, MODULE, SHAPE
 
-from spmdtree._src.step.hlo import read_step, reading_of
-from spmdtree._src.step.predict import Costs, predict
-from spmdtree._src.step.schedule import read_schedule
+from spmdtree._src.step.hlo.reading import read_step, reading_of
+from spmdtree._src.step.hlo.schedule import read_schedule
+from spmdtree._src.step.time.predict import Costs, predict
 
 #: A model with no compute cost and a collective latency of its own: the links decide.
 FREE = Costs(1e30, 1.0, 1.0, 1, (1, 1), 0.0, 1e-3)
@@ -217,7 +217,8 @@ def test_with_links_slowed_to_a_crawl_every_reported_collective_is_timed(target)
     if not has_compiler("cuda" if target == "h100" else "tpu"):
         pytest.skip(f"needs the compiler of {target}")
     step, params, x = fsdp_step()
-    mesh = jax.sharding.AbstractMesh((64,), ("fsdp",))
+    # Auto: the compiler places the contraction over fsdp (Explicit axes ask the step to)
+    mesh = jax.sharding.AbstractMesh((64,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
     rules = [("embed", "fsdp"), ("batch", "fsdp"), ("mlp", None)]
     plan = st.preflight(step, params, x, mesh=mesh, rules=rules, target=target, donate_argnums=0)
     kinds = {row.kind for row in plan.collectives}

@@ -23,9 +23,10 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import spmdtree as st
-from spmdtree._src.step import hlo, predict
-from spmdtree._src.step.hardware import step_time
-from spmdtree._src.step.targets import compile_options, target_for
+from spmdtree._src.step.compile.targets import compile_options, target_for
+from spmdtree._src.step.hlo import reading as hlo
+from spmdtree._src.step.hw.hardware import step_time
+from spmdtree._src.step.time import predict
 
 PEAK = 989e12  # H100 SXM dense bf16 (data sheet)
 MAMF = 794.5 / 989  # maximum achievable matmul FLOPS, H100 SXM (ml-engineering's table)

@@ -17,7 +17,7 @@ import spmdtree as st
 
 # The chips' descriptions (what XLA's GPU compiler and libtpu are given) have no
 # public name: read where preflight builds them from a Hardware.
-from spmdtree._src.step.targets import target_for
+from spmdtree._src.step.compile.targets import target_for
 
 DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs" / "planning.md"
 GIB, MIB = 2**30, 2**20
@@ -364,7 +364,7 @@ def test_every_cost_model_figure_is_the_docs_table_and_its_source(name):
 
 # --- one source: every table is built from the chips' one table -------------------------
 
-from spmdtree._src.step.chips import CHIPS  # noqa: E402
+from spmdtree._src.step.hw.chips import CHIPS  # noqa: E402
 
 
 @pytest.mark.parametrize("name", list(PRESET_TABLE))

@@ -259,7 +259,7 @@ MUTANTS: dict[str, list[tuple[str, str, str]]] = {
     ],
     "peak-ignores-aliasing": [
         (
-            "_src/step/targets.py",
+            "_src/step/compile/targets.py",
             "+ self.output_bytes - self.alias_bytes +",
             "+ self.output_bytes +",
         ),
@@ -274,52 +274,52 @@ MUTANTS: dict[str, list[tuple[str, str, str]]] = {
     # 0.3: reading the compiled step (hlo.py and the rooms it sums, since 0.5).
     "wire-bytes-all-reduce-one-way": [
         (
-            "_src/step/schedule.py",
+            "_src/step/hlo/schedule.py",
             "return 2 * (g - 1) * self.bytes // g",
             "return (g - 1) * self.bytes // g",
         ),
     ],
     "wire-bytes-reduce-scatter-as-gather": [
         (
-            "_src/step/schedule.py",
+            "_src/step/hlo/schedule.py",
             "return (g - 1) * self.bytes\n",
             "return (g - 1) * self.bytes // g\n",
         ),
     ],
     "wire-bytes-gather-whole-result": [
-        ("_src/step/schedule.py", "return (g - 1) * self.bytes // g\n", "return self.bytes\n"),
+        ("_src/step/hlo/schedule.py", "return (g - 1) * self.bytes // g\n", "return self.bytes\n"),
     ],
     "slice-offset-partition-unchecked": [
         (
-            "_src/step/forms.py",
+            "_src/step/hlo/forms.py",
             "if sliced and any(self.depends(comp, o) for o in user.operands[1:]):",
             "if sliced:",
         ),
     ],
     "mesh-groups-along-the-other-axes": [
         (
-            "_src/step/groups.py",
+            "_src/step/hlo/groups.py",
             ".transpose(rest_dims + grouped)",
             ".transpose(grouped + rest_dims)",
         ),
     ],
     "elementwise-uses-not-followed": [
         (
-            "_src/step/forms.py",
+            "_src/step/hlo/forms.py",
             "if user.op in PASS or (user.op in ELEMENTWISE and index is None):",
             "if user.op in PASS:",
         ),
     ],
     "step-drops-the-inputs-flags": [
         (
-            "_src/step/preflight.py",
+            "_src/step/compile/preflight.py",
             "Located(argument_path(row.path), flag) for row in inputs.rows for flag in row.flags",
             "Located(argument_path(row.path), flag) for row in () for flag in row.flags",
         ),
     ],
     "overstated-uncapped": [
         (
-            "_src/step/forms.py",
+            "_src/step/hlo/forms.py",
             "return min(held_bytes + 64, temp_bytes) if held_bytes else 0",
             "return held_bytes + 64 if held_bytes else 0",
         ),
@@ -403,67 +403,73 @@ MUTANTS: dict[str, list[tuple[str, str, str]]] = {
         ),
     ],
     # The roofline (hardware.py) and the ranking (advise.py).
-    "hierarchy-divides-by-nothing": [("_src/step/hardware.py", "        faster *= g[k]\n", "\n")],
+    "hierarchy-divides-by-nothing": [
+        ("_src/step/hw/hardware.py", "        faster *= g[k]\n", "\n")
+    ],
     "reduce-scatter-volume-is-its-result": [
         (
-            "_src/step/hardware.py",
+            "_src/step/hw/hardware.py",
             '"reduce-scatter": (1.0, row.bytes * row.group),',
             '"reduce-scatter": (1.0, row.bytes),',
         ),
     ],
     "all-reduce-factor-one": [
         (
-            "_src/step/hardware.py",
+            "_src/step/hw/hardware.py",
             '"all-reduce": (2.0, row.bytes),',
             '"all-reduce": (1.0, row.bytes),',
         ),
     ],
     "all-to-all-divided-like-a-ring": [
         (
-            "_src/step/hardware.py",
+            "_src/step/hw/hardware.py",
             "return {k: (g[k] - 1) / g[k] * row.bytes for k in LINKS}",
             'return {k: (g[k] - 1) / g[k] * row.bytes / (g["ici"] if k == "dcn" else 1) for k in LINKS}',
         ),
     ],
     "latency-once-per-row": [
-        ("_src/step/hardware.py", "row.count * latency * (g[kind] - 1)", "latency * (g[kind] - 1)"),
+        (
+            "_src/step/hw/hardware.py",
+            "row.count * latency * (g[kind] - 1)",
+            "latency * (g[kind] - 1)",
+        ),
     ],
     "nodes-round-robin": [
         (
-            "_src/step/hardware.py",
+            "_src/step/hw/hardware.py",
             "nodes = np.sort(groups // devices_per_node",
             "nodes = np.sort(groups % devices_per_node",
         ),
     ],
     "whole-ring-on-the-slow-link": [
         (
-            "_src/step/hardware.py",
+            "_src/step/hw/hardware.py",
             "g_dcn = float(min(span, row.group))",
             "g_dcn = float(row.group if span > 1 else 1)",
         ),
     ],
     "bound-is-serial": [
         (
-            "_src/step/hardware.py",
+            "_src/step/hw/hardware.py",
             "return max(self.compute_seconds, self.comm_seconds)",
             "return self.compute_seconds + self.comm_seconds",
         ),
     ],
     "devices-per-node-override-ignored": [
         (
-            "_src/step/hardware.py",
+            "_src/step/hw/hardware.py",
             "per_node = hw.devices_per_node if devices_per_node is None else devices_per_node",
             "per_node = hw.devices_per_node",
         ),
     ],
     "ranking-per-step-across-batches": [
-        ("_src/step/advise.py", "per = row.candidate.batch", "per = 1"),
+        ("_src/step/advise/advise.py", "per = row.candidate.batch", "per = 1"),
     ],
     "ties-in-candidate-order": [
-        ("_src/step/advise.py", "serial = row.time.serial_seconds / per", "serial = 0.0"),
+        ("_src/step/advise/advise.py", "serial = row.time.serial_seconds / per", "serial = 0.0"),
     ],
     "repeated-steps-compiled-again": [
-        ("_src/step/advise.py", "if key not in children:", "if True:")
+        ("_src/step/advise/advise.py", "if key not in children:", "if True:")
     ],
 }
 
@@ -574,152 +580,160 @@ MUTANTS.update(
             )
         ],
         "loop-trip-count-ignored": [
-            ("_src/step/hlo.py", "return inner.times(event.trips)", "return inner")
+            ("_src/step/hlo/reading.py", "return inner.times(event.trips)", "return inner")
         ],
         "preflight-drops-donation": [
-            ("_src/step/trace.py", "jax.jit(step, donate_argnums=flat_donated,", "jax.jit(step,")
+            (
+                "_src/step/compile/trace.py",
+                "jax.jit(step, donate_argnums=flat_donated,",
+                "jax.jit(step,",
+            )
         ],
         "tuple-result-first-element-only": [
             (
-                "_src/step/instructions.py",
+                "_src/step/hlo/instructions.py",
                 "return sum(a.bytes for a in self.arrays)",
                 "return sum(a.bytes for a in self.arrays[:1])",
             )
         ],
         "argnums-negative-taken-as-positive": [
-            ("_src/step/trace.py", "out.append(n % count)", "out.append(abs(n))")
+            ("_src/step/compile/trace.py", "out.append(n % count)", "out.append(abs(n))")
         ],
         "reduce-scatter-not-recognised": [
             (
-                "_src/step/forms.py",
+                "_src/step/hlo/forms.py",
                 '        if kind == "all-reduce":\n            got = flow.slices(',
                 "        if False:\n            got = flow.slices(",
             )
         ],
         "reduce-scatter-on-an-accelerator-too": [
             (
-                "_src/step/forms.py",
+                "_src/step/hlo/forms.py",
                 "if not cpu or not arrays or ins.op in DONES:",
                 "if not arrays or ins.op in DONES:",
             )
         ],
         "reduce-scatter-tuple-all-or-nothing": [
             (
-                "_src/step/forms.py",
+                "_src/step/hlo/forms.py",
                 'found.append(Part("reduce-scatter", shard, held=size, widened=bool(narrow)))\n                continue',
                 'return [Part("reduce-scatter", shard, held=size, widened=bool(narrow))]',
             )
         ],
         "widened-reduction-counted-wide": [
             (
-                "_src/step/forms.py",
+                "_src/step/hlo/forms.py",
                 "bytes_ = size * narrow // width if narrow else size",
                 "bytes_ = size",
             )
         ],
         "step-drops-what-tracing-warned": [
             (
-                "_src/step/preflight.py",
+                "_src/step/compile/preflight.py",
                 "flags += [*analysis.reading.flags, *traced.warned]",
                 "flags += [*analysis.reading.flags]",
             )
         ],
         "out-shardings-rank-unchecked": [
             (
-                "_src/step/trace.py",
+                "_src/step/compile/trace.py",
                 "if layout is not None and len(layout.spec) > len(leaf.shape):",
                 "if False:",
             )
         ],
         "flops-trip-count-ignored": [
             (
-                "_src/step/hlo.py",
+                "_src/step/hlo/reading.py",
                 "return dataclasses.replace(self, flops=self.flops * n, rows=rows)",
                 "return dataclasses.replace(self, rows=rows)",
             )
         ],
         "ranking-ignores-the-bound": [
             (
-                "_src/step/advise.py",
+                "_src/step/advise/advise.py",
                 "return (order, bound, row.step.peak_bytes, serial, *_tie(row, index))",
                 "return (order, 0.0, 0, 0.0, *_tie(row, index))",
             )
         ],
         "over-budget-not-split-by-compiled": [
             (
-                "_src/step/advise.py",
+                "_src/step/advise/advise.py",
                 "order = 2 * verdict + (row.verdict == Verdict.OVER_BUDGET and row.step is None)",
                 "order = 2 * verdict",
             )
         ],
         "may-fit-ignores-the-overstatement": [
             (
-                "_src/step/advise.py",
+                "_src/step/advise/advise.py",
                 "    if step.peak_bytes - step.overstated_bytes <= budget:",
                 "    if step.peak_bytes <= budget:",
             )
         ],
         "arrays-over-budget-compiled": [
-            ("_src/step/advise.py", "    if planned.device_bytes > budget:", "    if False:")
+            ("_src/step/advise/advise.py", "    if planned.device_bytes > budget:", "    if False:")
         ],
         "slice-times-group-unchecked": [
             (
-                "_src/step/forms.py",
+                "_src/step/hlo/forms.py",
                 "if cut and cut.elements * group == math.prod(dims):",
                 "if cut:",
             )
         ],
         "cond-both-branches": [
             (
-                "_src/step/hlo.py",
+                "_src/step/hlo/reading.py",
                 "(tally(option) for option in event.options), key=lambda t: t.cost, default=Tally()",
                 "[sum((tally(option) for option in event.options), Tally())], key=lambda t: t.cost",
             )
         ],
         "tpu-trip-count-unread": [
             (
-                "_src/step/loops.py",
+                "_src/step/hlo/loops.py",
                 "return _trips(start.value, step.by, direction, limit)",
                 "return None",
             )
         ],
         "async-start-counted-too": [
             (
-                "_src/step/opcodes.py",
+                "_src/step/hlo/opcodes.py",
                 '    Op.kAllGatherDone: "all-gather",\n',
                 '    Op.kAllGatherDone: "all-gather",\n    Op.kAllGatherStart: "all-gather",\n',
             )
         ],
         "batch-window-as-kernel": [
             (
-                "_src/step/opcodes.py",
+                "_src/step/hlo/opcodes.py",
                 "real = (start >= 0) & (start <= (n - 1) * lhs) & (start % lhs == 0)",
                 "real = start == start",
             )
         ],
         "cross-slice-transfers-unread": [
             (
-                "_src/step/schedule.py",
+                "_src/step/hlo/schedule.py",
                 "        if ins.op == Op.kSend and _MEGASCALE in ins.frontend:",
                 "        if False:",
             )
         ],
         "cpu-remat-barriers-dropped": [
             (
-                "_src/step/targets.py",
+                "_src/step/compile/targets.py",
                 '            "xla_disable_hlo_passes": "cse_barrier_expander",\n',
                 "",
             )
         ],
         "gpu-target-triton-gemms": [
             (
-                "_src/step/targets.py",
+                "_src/step/compile/targets.py",
                 '        return {"xla_gpu_enable_triton_gemm": False}',
                 "        return {}",
             )
         ],
         "device-memory-said-as-a-compile-error": [
-            ("_src/step/targets.py", '    if said["error"] == "device memory":', "    if False:")
+            (
+                "_src/step/compile/targets.py",
+                '    if said["error"] == "device memory":',
+                "    if False:",
+            )
         ],
     }
 )
@@ -729,7 +743,7 @@ MUTANTS.update(
     {
         "compile-seconds-count-the-trace-twice": [
             (
-                "_src/step/targets.py",
+                "_src/step/compile/targets.py",
                 "        found = analyse(compiled, self.here, self.platform)\n"
                 "        return dataclasses.replace(found, seconds=time.perf_counter() - start)",
                 "        found = analyse(compiled, self.here, self.platform)\n"
@@ -757,14 +771,14 @@ MUTANTS.update(
         ],
         "traffic-said-at-any-ratio": [
             (
-                "_src/step/diagnose.py",
+                "_src/step/advise/diagnose.py",
                 "measured <= ratio * explained or",
                 "measured <= explained or",
             )
         ],
         "what-would-fit-batch-ignores-the-arrays": [
             (
-                "_src/step/diagnose.py",
+                "_src/step/advise/diagnose.py",
                 "fraction = (budget_bytes - fixed) / closest.temp_bytes",
                 "fraction = budget_bytes / closest.peak_bytes",
             )
@@ -803,14 +817,14 @@ MUTANTS.update(
         ],
         "offloaded-arguments-left-on-the-device": [
             (
-                "_src/step/preflight.py",
+                "_src/step/compile/preflight.py",
                 "memory = memory.with_host_arguments(inputs.host_bytes)",
                 "memory = memory",
             )
         ],
         "offloaded-outputs-left-on-the-device": [
             (
-                "_src/step/targets.py",
+                "_src/step/compile/targets.py",
                 "return (device, host) if host or not offloaded else (device - offloaded, offloaded)",
                 "return (device, host)",
             )
@@ -828,84 +842,84 @@ MUTANTS.update(
     {
         "trip-count-le-one-short": [
             (
-                "_src/step/loops.py",
+                "_src/step/hlo/loops.py",
                 'end = limit + (1 if direction == "LE" else 0)',
                 "end = limit",
             )
         ],
         "trip-count-ge-one-short": [
             (
-                "_src/step/loops.py",
+                "_src/step/hlo/loops.py",
                 'end = limit - (1 if direction == "GE" else 0)',
                 "end = limit",
             )
         ],
         "trip-count-floor-division": [
             (
-                "_src/step/loops.py",
+                "_src/step/hlo/loops.py",
                 "count = -(-(end - start) // step)",
                 "count = (end - start) // step",
             )
         ],
         "trip-count-of-a-loop-that-never-ends": [
             (
-                "_src/step/loops.py",
+                "_src/step/hlo/loops.py",
                 'if direction == "NE" and (limit - start) % step:',
                 "if False:",
             )
         ],
         "group-axes-reversed": [
             (
-                "_src/step/groups.py",
+                "_src/step/hlo/groups.py",
                 "axes = tuple(shape[d][0] for d in sorted(varying))",
                 "axes = tuple(shape[d][0] for d in sorted(varying, reverse=True))",
             )
         ],
         "all-gather-volume-doubled": [
             (
-                "_src/step/hardware.py",
+                "_src/step/hw/hardware.py",
                 '"all-gather": (1.0, row.bytes),',
                 '"all-gather": (2.0, row.bytes),',
             )
         ],
         "link-groups-swapped": [
             (
-                "_src/step/hardware.py",
+                "_src/step/hw/hardware.py",
                 'g = {"ici": row.group / g_dcn, "dcn": g_dcn}',
                 'g = {"ici": g_dcn, "dcn": row.group / g_dcn}',
             )
         ],
         "node-groups-along-the-other-axes": [
             (
-                "_src/step/hardware.py",
+                "_src/step/hw/hardware.py",
                 "positions.transpose(rest + list(varying))",
                 "positions.transpose(list(varying) + rest)",
             )
         ],
         "node-axes-mirrored": [
             (
-                "_src/step/hardware.py",
+                "_src/step/hw/hardware.py",
                 "varying = [names.index(a) for a in row.axes if a in names]",
                 "varying = [len(names) - 1 - names.index(a) for a in row.axes if a in names]",
             )
         ],
         "one-node-is-eight-devices": [
             (
-                "_src/step/hardware.py",
+                "_src/step/hw/hardware.py",
                 "devices_per_node or math.prod(shape.values())",
                 "devices_per_node or 8",
             )
         ],
         "permute-on-the-fastest-link": [
             (
-                "_src/step/hardware.py",
+                "_src/step/hw/hardware.py",
                 'slowest = [k for k in LINKS if g[k] > 1][-1:] or ["ici"]',
                 'slowest = [k for k in LINKS if g[k] > 1][:1] or ["ici"]',
             )
         ],
         "devices-per-node-is-the-node-count": [
             (
-                "_src/step/targets.py",
+                "_src/step/compile/targets.py",
                 '"""The placement\'s GPUs per node, or chips per TPU slice."""\n'
                 "        return self.placement.per_node",
                 '"""The placement\'s GPUs per node, or chips per TPU slice."""\n'
@@ -914,66 +928,70 @@ MUTANTS.update(
         ],
         "outputs-counted-as-arguments": [
             (
-                "_src/step/targets.py",
+                "_src/step/compile/targets.py",
                 "output_bytes=outputs,",
                 "output_bytes=int(memory.argument_size_in_bytes),",
             )
         ],
         "gpu-node-not-capped-by-the-mesh": [
-            ("_src/step/targets.py", "node = min(per_node or 8, devices)", "node = per_node or 8")
+            (
+                "_src/step/compile/targets.py",
+                "node = min(per_node or 8, devices)",
+                "node = per_node or 8",
+            )
         ],
         "tpu-slice-any-even-size": [
             (
-                "_src/step/targets.py",
+                "_src/step/compile/targets.py",
                 "return n >= 1 and n & (n - 1) == 0",
                 "return n == 1 or n % 2 == 0",
             )
         ],
         "tpu-slice-limit-unchecked": [
             (
-                "_src/step/targets.py",
+                "_src/step/compile/targets.py",
                 "if target.slice_limit is not None and size > target.slice_limit:",
                 "if False:",
             )
         ],
         "node-count-is-the-node-size": [
             (
-                "_src/step/targets.py",
+                "_src/step/compile/targets.py",
                 "return self.devices // self.per_node",
                 "return self.per_node",
             )
         ],
         "torus-one-axis": [
             (
-                "_src/step/hardware.py",
+                "_src/step/hw/hardware.py",
                 'bandwidth *= _torus_links(hw, g["ici"], per_node)',
                 "bandwidth *= 1",
             )
         ],
         "fused-collective-read": [
             (
-                "_src/step/schedule.py",
+                "_src/step/hlo/schedule.py",
                 "    if user.op in SYNC:\n        return True\n",
                 "",
             )
         ],
         "carried-buffer-read": [
             (
-                "_src/step/schedule.py",
+                "_src/step/hlo/schedule.py",
                 "return user.op == Op.kTuple and user.root",
                 "return False",
             )
         ],
         "carried-buffer-written": [
             (
-                "_src/step/schedule.py",
+                "_src/step/hlo/schedule.py",
                 "    if root.op == Op.kParameter or root.op in SYNC:\n        return 0\n",
                 "",
             )
         ],
         "nested-fusion-read-whole": [
             (
-                "_src/step/schedule.py",
+                "_src/step/hlo/schedule.py",
                 "        elif user.op == Op.kFusion:\n"
                 "            total += _nested_read(mod, comp, user, j, whole)\n",
                 "",
@@ -981,179 +999,183 @@ MUTANTS.update(
         ],
         "nested-copy-read-whole": [
             (
-                "_src/step/schedule.py",
+                "_src/step/hlo/schedule.py",
                 "return min(inner, whole * demanded // user.bytes)",
                 "return inner",
             )
         ],
         "torus-wraps-everywhere": [
             (
-                "_src/step/chips.py",
+                "_src/step/hw/chips.py",
                 "whole = [side > 0 and d % side == 0 for d in dims]",
                 "whole = [True for d in dims]",
             )
         ],
         "torus-cubes-per-axis": [
             (
-                "_src/step/chips.py",
+                "_src/step/hw/chips.py",
                 "return [all(whole)] * len(dims) if cubes else whole",
                 "return whole",
             )
         ],
         "torus-line-is-a-ring": [
             (
-                "_src/step/chips.py",
+                "_src/step/hw/chips.py",
                 "sum(1.0 if wraps[i] else 0.5 for i in axes)",
                 "sum(1.0 for i in axes)",
             )
         ],
         "torus-counts-every-axis": [
             (
-                "_src/step/chips.py",
+                "_src/step/hw/chips.py",
                 "        if held >= group:\n            break\n",
                 "",
             )
         ],
         "kernel-estimate-ignored": [
             (
-                "_src/step/opcodes.py",
+                "_src/step/hlo/opcodes.py",
                 "return estimate[0] if estimate is not None else 0",
                 "return 0",
             )
         ],
         "kernel-bytes-not-the-estimates": [
             (
-                "_src/step/schedule.py",
+                "_src/step/hlo/schedule.py",
                 "if estimate is not None and estimate[1]:",
                 "if False:",
             )
         ],
         "opaque-kernel-unsaid": [
             (
-                "_src/step/schedule.py",
+                "_src/step/hlo/schedule.py",
                 'opaque = ins.name.rsplit(".", 1)[0] if is_kernel_call(ins) and not flops else ""',
                 'opaque = ""',
             )
         ],
         "tpu-slice-grows-the-first-of-ties": [
             (
-                "_src/step/chips.py",
+                "_src/step/hw/chips.py",
                 "dims[max(i for i, d in enumerate(dims) if d == smallest)] *= 2",
                 "dims[min(i for i, d in enumerate(dims) if d == smallest)] *= 2",
             )
         ],
         "confirmed-in-candidate-order": [
             (
-                "_src/step/advise.py",
+                "_src/step/advise/advise.py",
                 "return sorted(self.records, key=lambda i: rank(self.records[i].row, i))",
                 "return sorted(self.records)",
             )
         ],
         "ranked-by-position": [
             (
-                "_src/step/advise.py",
+                "_src/step/advise/advise.py",
                 'bound = float(f"{_seconds(row.time) / per:.6g}")',
                 "bound = float(index)",
             )
         ],
         "tight-margin-ignored": [
             (
-                "_src/step/advise.py",
+                "_src/step/advise/advise.py",
                 "if step.peak_bytes <= budget * (1 - TIGHT_MARGIN):",
                 "if step.peak_bytes <= budget:",
             )
         ],
         "collectives-not-one-at-a-time": [
             (
-                "_src/step/predict.py",
+                "_src/step/time/predict.py",
                 "clock.links = max(clock.compute, clock.links) + seconds",
                 "clock.links = clock.compute + seconds",
             )
         ],
         "loop-repeats-one-iteration-too-few": [
             (
-                "_src/step/predict.py",
+                "_src/step/time/predict.py",
                 "clock.advance(before, event.trips - self.WALKED)",
                 "clock.advance(before, event.trips - self.WALKED - 1)",
             )
         ],
         "kernel-ignores-the-smaller-of-compute-and-memory": [
             (
-                "_src/step/predict.py",
+                "_src/step/time/predict.py",
                 "return max(compute, memory) + (1 - _PARALLELISM) * min(compute, memory)",
                 "return max(compute, memory)",
             )
         ],
         "conditional-timed-as-its-fastest-branch": [
             (
-                "_src/step/predict.py",
+                "_src/step/time/predict.py",
                 "clock = max(ends, key=lambda c: c.compute, default=clock)",
                 "clock = min(ends, key=lambda c: c.compute, default=clock)",
             )
         ],
         "waves-not-rounded-up": [
             (
-                "_src/step/predict.py",
+                "_src/step/time/predict.py",
                 "waves = -(-tiles // costs.cores)",
                 "waves = tiles / costs.cores",
             )
         ],
         "a-wait-not-counted-as-exposed": [
             (
-                "_src/step/predict.py",
+                "_src/step/time/predict.py",
                 'self.spent["collectives"] += until - self.compute',
                 'self.spent["memory"] += until - self.compute',
             )
         ],
         "loop-kernels-counted-once": [
             (
-                "_src/step/predict.py",
+                "_src/step/time/predict.py",
                 "self.kernels += times * (self.kernels - before.kernels)",
                 "self.kernels += 0",
             )
         ],
         "explained-gathered-once": [
             (
-                "_src/step/diagnose.py",
+                "_src/step/advise/diagnose.py",
                 "total += 2 * row.bytes + row.device_bytes",
                 "total += row.bytes + row.device_bytes",
             )
         ],
         "explained-replicated-gradients-free": [
             (
-                "_src/step/diagnose.py",
+                "_src/step/advise/diagnose.py",
                 "if any(size > 1 for axis, size in sizes.items() if axis not in used):",
                 "if False:",
             )
         ],
         "devices-rounded-down": [
             (
-                "_src/step/diagnose.py",
+                "_src/step/advise/diagnose.py",
                 "factor = 2 ** math.ceil(math.log2(closest.peak_bytes / budget_bytes))",
                 "factor = 2 ** math.floor(math.log2(closest.peak_bytes / budget_bytes))",
             )
         ],
         "remat-said-at-any-share": [
-            ("_src/step/diagnose.py", "if closest.remat or share < 0.5:", "if closest.remat:")
+            (
+                "_src/step/advise/diagnose.py",
+                "if closest.remat or share < 0.5:",
+                "if closest.remat:",
+            )
         ],
         "activations-any-axes": [
             (
-                "_src/step/diagnose.py",
+                "_src/step/advise/diagnose.py",
                 "and set(largest.axes) <= sharding",
                 "and bool(largest.axes)",
             )
         ],
         "cost-model-bandwidth-of-another-chip": [
             (
-                "_src/step/chips.py",
+                "_src/step/hw/chips.py",
                 "hbm_bytes_per_second=4_800 * GB,",
                 "hbm_bytes_per_second=3_350 * GB,",
             )
         ],
-        "cost-model-cores-of-one-chip": [("_src/step/chips.py", "cores=148,", "cores=132,")],
+        "cost-model-cores-of-one-chip": [("_src/step/hw/chips.py", "cores=148,", "cores=132,")],
         "preset-memory-a-gib-more": [
             (
-                "_src/step/chips.py",
+                "_src/step/hw/chips.py",
                 "memory_bytes=85_045_477_376,",
                 "memory_bytes=85_045_477_376 + 2**30,",
             )

@@ -23,12 +23,12 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
-from spmdtree._src.step import opcodes
-from spmdtree._src.step.forms import Flow, Part, Written, fused_scatter, held, parts
-from spmdtree._src.step.groups import collective_axes, group_axes
-from spmdtree._src.step.instructions import Instr, Module, Op, config_field
-from spmdtree._src.step.loops import trip_count
-from spmdtree._src.step.opcodes import DONES, STARTS, SYNC, is_kernel_call, kernel_estimate
+from spmdtree._src.step.hlo import opcodes
+from spmdtree._src.step.hlo.forms import Flow, Part, Written, fused_scatter, held, parts
+from spmdtree._src.step.hlo.groups import collective_axes, group_axes
+from spmdtree._src.step.hlo.instructions import Instr, Module, Op, config_field
+from spmdtree._src.step.hlo.loops import trip_count
+from spmdtree._src.step.hlo.opcodes import DONES, STARTS, SYNC, is_kernel_call, kernel_estimate
 
 #: The collectives counted, in the order rows are listed.
 KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from spmdtree._src.step.instructions import Instr, Module, Op, config_field
+from spmdtree._src.step.hlo.instructions import Instr, Module, Op, config_field
 
 
 class Const(NamedTuple):

@@ -30,16 +30,15 @@ from jax.sharding import AbstractMesh, AxisType, Mesh
 from spmdtree._src.errors import Mistake, public
 from spmdtree._src.plan import Plan
 from spmdtree._src.rules import AnyMesh, Rules
-from spmdtree._src.step.diagnose import Closest, nothing_fits
-from spmdtree._src.step.hardware import PRESETS, Hardware, StepTime, check_devices_per_node
-from spmdtree._src.step.preflight import (
+from spmdtree._src.step.advise.diagnose import Closest, nothing_fits
+from spmdtree._src.step.compile.preflight import (
     Keywords,
     StepPlan,
     plan_arguments,
     step_plan,
     trace_for,
 )
-from spmdtree._src.step.targets import (
+from spmdtree._src.step.compile.targets import (
     Analysis,
     Backend,
     CpuChild,
@@ -48,7 +47,8 @@ from spmdtree._src.step.targets import (
     compiler_for,
     target_for,
 )
-from spmdtree._src.step.trace import Arguments, Traced
+from spmdtree._src.step.compile.trace import Arguments, Traced
+from spmdtree._src.step.hw.hardware import PRESETS, Hardware, StepTime, check_devices_per_node
 from spmdtree._src.text import (
     LeftUnsharded,
     Located,

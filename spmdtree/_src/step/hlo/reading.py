@@ -17,8 +17,8 @@ import dataclasses
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, cast
 
-from spmdtree._src.step.forms import Written
-from spmdtree._src.step.schedule import (
+from spmdtree._src.step.hlo.forms import Written
+from spmdtree._src.step.hlo.schedule import (
     KINDS,
     Branches,
     Collective,
@@ -150,7 +150,7 @@ def reading_of(schedule: Schedule) -> Reading:
     module), so that the reading and the prediction see the same step (new in 0.6).
 
     Example:
-        >>> from spmdtree._src.step.schedule import Done, Kernel, Loop
+        >>> from spmdtree._src.step.hlo.schedule import Done, Kernel, Loop
         >>> row = Collective("all-reduce", 1, 1024, ("fsdp",), 4)
         >>> events = (Loop(6, (Kernel("matmul", 8192, 2048), Start(0, row, True), Done(0))),)
         >>> read = reading_of(Schedule(events, "tpu"))

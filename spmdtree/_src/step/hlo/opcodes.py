@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from spmdtree._src.step.instructions import Array, Instr, Module, Op, config_field
+from spmdtree._src.step.hlo.instructions import Array, Instr, Module, Op, config_field
 
 #: Ops a value passes through unchanged in content (what is followed to its uses).
 PASS = frozenset({Op.kBitcast, Op.kCopy, Op.kReshape, Op.kTranspose})

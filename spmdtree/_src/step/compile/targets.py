@@ -39,12 +39,12 @@ from jax.sharding import AbstractDevice, Mesh
 from spmdtree._src.errors import Mistake
 from spmdtree._src.resolve import HOST_KINDS
 from spmdtree._src.rules import AnyMesh
-from spmdtree._src.step.chips import GpuChip, TpuChip, slice_dims
-from spmdtree._src.step.forms import overstated_bytes
-from spmdtree._src.step.hardware import PRESETS, Hardware, check_devices_per_node
-from spmdtree._src.step.hlo import Reading, reading_of
-from spmdtree._src.step.schedule import Schedule, read_schedule
-from spmdtree._src.step.trace import Exported, Lowered, Site, Traced
+from spmdtree._src.step.compile.trace import Exported, Lowered, Site, Traced
+from spmdtree._src.step.hlo.forms import overstated_bytes
+from spmdtree._src.step.hlo.reading import Reading, reading_of
+from spmdtree._src.step.hlo.schedule import Schedule, read_schedule
+from spmdtree._src.step.hw.chips import GpuChip, TpuChip, slice_dims
+from spmdtree._src.step.hw.hardware import PRESETS, Hardware, check_devices_per_node
 
 #: How long a compile subprocess may take before it is stopped.
 CHILD_SECONDS = 3600
@@ -797,7 +797,9 @@ def compile_child(payload: bytes, compiler: _Child) -> Analysis:
     """Compiles an exported step in a fresh process: on that many fake CPU devices,
     or by the target's compiler for its topology."""
     start = time.perf_counter()
-    package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    package_root = os.path.dirname(
+        os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    )
     env = {
         **os.environ,
         "JAX_PLATFORMS": "cpu",
@@ -810,7 +812,7 @@ def compile_child(payload: bytes, compiler: _Child) -> Analysis:
     request = pickle.dumps((payload, compiler))
     with tempfile.TemporaryDirectory() as folder:
         answer = os.path.join(folder, "analysis.json")
-        code = f"from spmdtree._src.step.targets import child; child({answer!r})"
+        code = f"from spmdtree._src.step.compile.targets import child; child({answer!r})"
         try:
             done = subprocess.run(
                 [sys.executable, "-c", code],

@@ -37,15 +37,15 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 
-from spmdtree._src.step.instructions import bits
-from spmdtree._src.step.schedule import Branches as Branches
-from spmdtree._src.step.schedule import Collective, Event
-from spmdtree._src.step.schedule import Done as Done
-from spmdtree._src.step.schedule import Kernel as Kernel
-from spmdtree._src.step.schedule import Loop as Loop
-from spmdtree._src.step.schedule import Schedule as Schedule
-from spmdtree._src.step.schedule import Start as Start
-from spmdtree._src.step.schedule import read_schedule as read_schedule
+from spmdtree._src.step.hlo.instructions import bits
+from spmdtree._src.step.hlo.schedule import Branches as Branches
+from spmdtree._src.step.hlo.schedule import Collective, Event
+from spmdtree._src.step.hlo.schedule import Done as Done
+from spmdtree._src.step.hlo.schedule import Kernel as Kernel
+from spmdtree._src.step.hlo.schedule import Loop as Loop
+from spmdtree._src.step.hlo.schedule import Schedule as Schedule
+from spmdtree._src.step.hlo.schedule import Start as Start
+from spmdtree._src.step.hlo.schedule import read_schedule as read_schedule
 
 #: The classes a step's time is split into; `Prediction` has one field each.
 CLASSES = ("matmul", "attention", "memory", "collectives", "launch")

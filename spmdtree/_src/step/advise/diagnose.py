@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 from spmdtree._src.plan import Plan, PlanRow
 from spmdtree._src.resolve import axes_of
-from spmdtree._src.step.schedule import Collective
+from spmdtree._src.step.hlo.schedule import Collective
 from spmdtree._src.text import size_text
 
 #: How many times what the layout explains the collectives may move before it is said.

@@ -19,9 +19,9 @@ from typing import Any, Protocol, TypeVar
 import numpy as np
 
 from spmdtree._src.errors import Mistake, public
-from spmdtree._src.step.chips import CHIPS, GpuChip, TpuChip, slice_dims, torus_links, wrapped
-from spmdtree._src.step.predict import Costs, predict
-from spmdtree._src.step.schedule import Schedule
+from spmdtree._src.step.hlo.schedule import Schedule
+from spmdtree._src.step.hw.chips import CHIPS, GpuChip, TpuChip, slice_dims, torus_links, wrapped
+from spmdtree._src.step.time.predict import Costs, predict
 
 #: The link kinds, fastest first: within a node or slice, then across.
 LINKS = ("ici", "dcn")

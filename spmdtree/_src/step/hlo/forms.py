@@ -15,8 +15,8 @@ import dataclasses
 import math
 from typing import Any, Literal, cast
 
-from spmdtree._src.step.instructions import Array, Instr, Module, Op, bits
-from spmdtree._src.step.opcodes import DONES, ELEMENTWISE, MOVES, PASS
+from spmdtree._src.step.hlo.instructions import Array, Instr, Module, Op, bits
+from spmdtree._src.step.hlo.opcodes import DONES, ELEMENTWISE, MOVES, PASS
 
 #: The forms a compiler writes a collective in, other than the op its kind names
 #: (``""``): see `Collective.written_as`.

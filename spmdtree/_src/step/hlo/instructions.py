@@ -23,7 +23,7 @@ from typing import Any, NamedTuple, TypeAlias
 
 import jaxlib._hlo as _api  # type: ignore[import-not-found,unused-ignore]
 
-from spmdtree._src.step.groups import Groups, parse_groups, parse_pairs
+from spmdtree._src.step.hlo.groups import Groups, parse_groups, parse_pairs
 
 #: jaxlib's opcode enum (``Op.kDot``, ``Op.kAllReduce``): how every instruction's
 #: opcode is held and compared.

@@ -1,0 +1,1 @@
+"""Choosing a layout: candidates, their plans and compiles, ranked, said in words."""

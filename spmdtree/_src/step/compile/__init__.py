@@ -1,0 +1,1 @@
+"""Where a step compiles: trace, the compilers and their backends, the analysis, preflight."""
