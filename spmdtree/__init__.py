@@ -81,7 +81,6 @@ from spmdtree._src.step.advise.advise import layouts as layouts
 from spmdtree._src.step.advise.diagnose import Traffic as Traffic
 from spmdtree._src.step.compile.preflight import StepPlan as StepPlan
 from spmdtree._src.step.compile.preflight import preflight as preflight
-from spmdtree._src.step.compile.targets import Backend as Backend
 from spmdtree._src.step.compile.targets import Memory as Memory
 from spmdtree._src.step.hlo.schedule import Collective as Collective
 from spmdtree._src.step.hw.chips import GpuChip as GpuChip
@@ -89,6 +88,10 @@ from spmdtree._src.step.hw.chips import TpuChip as TpuChip
 from spmdtree._src.step.hw.hardware import Hardware as Hardware
 from spmdtree._src.step.hw.hardware import StepTime as StepTime
 from spmdtree._src.step.hw.hardware import hardware as hardware
+from spmdtree._src.step.kinds import Backend as Backend
+from spmdtree._src.step.kinds import CollectiveKind as CollectiveKind
+from spmdtree._src.step.kinds import KernelClass as KernelClass
+from spmdtree._src.step.kinds import LinkKind as LinkKind
 from spmdtree._src.tactics import UnmatchedWarning as UnmatchedWarning
 from spmdtree._src.tactics import fsdp as fsdp
 from spmdtree._src.tactics import match as match

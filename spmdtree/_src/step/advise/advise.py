@@ -40,7 +40,6 @@ from spmdtree._src.step.compile.preflight import (
 )
 from spmdtree._src.step.compile.targets import (
     Analysis,
-    Backend,
     CpuChild,
     DoesNotFit,
     TargetChild,
@@ -49,6 +48,7 @@ from spmdtree._src.step.compile.targets import (
 )
 from spmdtree._src.step.compile.trace import Arguments, Traced
 from spmdtree._src.step.hw.hardware import PRESETS, Hardware, StepTime, check_devices_per_node
+from spmdtree._src.step.kinds import Backend
 from spmdtree._src.text import (
     LeftUnsharded,
     Located,
@@ -154,7 +154,7 @@ class AdviceRow(NamedTuple):
     """
 
     candidate: Candidate
-    verdict: str
+    verdict: Verdict
     reason: str
     step: StepPlan | None
     time: StepTime | None

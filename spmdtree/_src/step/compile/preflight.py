@@ -27,10 +27,11 @@ from spmdtree._src.resolve import check_mesh
 from spmdtree._src.rules import AnyMesh, PyTree, Rules
 from spmdtree._src.specs import RuleProblem
 from spmdtree._src.step.advise.diagnose import Closest, Traffic, nothing_fits, unexplained_traffic
-from spmdtree._src.step.compile.targets import Analysis, Backend, Compiler, Memory, compiler_for
+from spmdtree._src.step.compile.targets import Analysis, Compiler, Memory, compiler_for
 from spmdtree._src.step.compile.trace import Arguments, Traced, arguments, trace
 from spmdtree._src.step.hlo.schedule import Collective, Schedule
 from spmdtree._src.step.hw.hardware import Hardware, StepTime, step_time
+from spmdtree._src.step.kinds import Backend
 from spmdtree._src.text import Located, argument_path, step_table
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-import enum
 import importlib.util
 import json
 import math
@@ -45,6 +44,7 @@ from spmdtree._src.step.hlo.reading import Reading, reading_of
 from spmdtree._src.step.hlo.schedule import Schedule, read_schedule
 from spmdtree._src.step.hw.chips import GpuChip, TpuChip, slice_dims
 from spmdtree._src.step.hw.hardware import PRESETS, Hardware, check_devices_per_node
+from spmdtree._src.step.kinds import Backend
 
 #: How long a compile subprocess may take before it is stopped.
 CHILD_SECONDS = 3600
@@ -290,39 +290,6 @@ def _versions(target: Target) -> tuple[str | None, str | None]:
     pins = [r for r in metadata.requires("jax") or [] if r.startswith("libtpu") and "tpu" in r]
     found = re.search(r"==\s*([\d.]+?)(?:\.\*)?\s*(?:;|$)", pins[0]) if pins else None
     return have, found.group(1) if found else None
-
-
-class Backend(enum.StrEnum):
-    """The backend whose compiler compiled a step, as `jax.devices()` names it
-    (new in 0.5; each compares equal to its string, as 0.4's backends were).
-
-    Example:
-        >>> import spmdtree as st
-        >>> st.Backend.GPU == "gpu", st.Backend.of("cuda") is st.Backend.GPU
-        (True, True)
-    """
-
-    CPU = "cpu"
-    GPU = "gpu"
-    TPU = "tpu"
-
-    @classmethod
-    def of(cls, platform: str) -> Backend:
-        """A compiler's platform (``"cpu"``, ``"cuda"``, ``"tpu"``, or a device's
-        ``"gpu"``) as its backend: the one place ``"cuda"`` becomes ``"gpu"``."""
-        return cls.GPU if platform == "cuda" else cls(platform)
-
-    @property
-    def estimates(self) -> bool:
-        """Whether its figures are the CPU compiler's estimate of an accelerator's
-        (new in 0.5).
-
-        Example:
-            >>> import spmdtree as st
-            >>> st.Backend.CPU.estimates, st.Backend.TPU.estimates
-            (True, False)
-        """
-        return self is Backend.CPU
 
 
 @dataclasses.dataclass(frozen=True)

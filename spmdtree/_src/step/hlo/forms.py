@@ -17,6 +17,7 @@ from typing import Any, Literal, cast
 
 from spmdtree._src.step.hlo.instructions import Array, Instr, Module, Op, bits
 from spmdtree._src.step.hlo.opcodes import DONES, ELEMENTWISE, MOVES, PASS
+from spmdtree._src.step.kinds import CollectiveKind
 
 #: The forms a compiler writes a collective in, other than the op its kind names
 #: (``""``): see `Collective.written_as`.
@@ -200,7 +201,7 @@ class Part:
     as a reduce-scatter), its bytes, what the CPU form changed, and the form it was
     written in (`Collective.written_as`)."""
 
-    kind: str
+    kind: CollectiveKind
     bytes: int
     held: int = 0  # the whole size of an all-reduce read as a reduce-scatter
     widened: bool = False
@@ -208,7 +209,7 @@ class Part:
 
 
 def parts(
-    flow: Flow, comp: str, ins: Instr, start: Instr, kind: str, group: int, cpu: bool
+    flow: Flow, comp: str, ins: Instr, start: Instr, kind: CollectiveKind, group: int, cpu: bool
 ) -> list[Part]:
     """The elements of collective `ins`'s result (a tuple's each; the whole for an
     async ``-done``, whose operands are its `start`'s), at the program's width on
@@ -219,7 +220,7 @@ def parts(
     arrays = ins.arrays
     tuple_ = ins.is_tuple
     if not cpu or not arrays or ins.op in DONES:
-        if kind != "all-reduce" or not arrays:
+        if kind is not CollectiveKind.ALL_REDUCE or not arrays:
             return [Part(kind, ins.bytes)]
         return [
             Part(kind, array.bytes, written_as=_written(flow, comp, start, i, group))
@@ -230,10 +231,10 @@ def parts(
         size, dims = array.bytes, array.dims
         operand = ins.operands[index] if index < len(ins.operands) else ""
         narrow = _widened_bits(mod, comp, operand)
-        if narrow is None and kind == "all-reduce":
+        if narrow is None and kind is CollectiveKind.ALL_REDUCE:
             narrow = _narrowed_bits(mod, comp, ins.name, index if tuple_ else None)
         width = bits(array.dtype)
-        if kind == "all-reduce":
+        if kind is CollectiveKind.ALL_REDUCE:
             got = flow.slices(comp, ins.name, index if tuple_ else None, set())
             cut = max(got, key=lambda a: a.elements, default=None) if got else None
             if cut and cut.elements * group == math.prod(dims):
@@ -241,9 +242,13 @@ def parts(
                 # the slice at the program's width (newer CPU pipelines slice after
                 # converting back; older ones before)
                 shard = shard * narrow // cut_bits if narrow and narrow < cut_bits else shard
-                found.append(Part("reduce-scatter", shard, held=size, widened=bool(narrow)))
+                found.append(
+                    Part(CollectiveKind.REDUCE_SCATTER, shard, held=size, widened=bool(narrow))
+                )
                 continue
-        written = _written(flow, comp, start, index, group) if kind == "all-reduce" else ""
+        written = (
+            _written(flow, comp, start, index, group) if kind is CollectiveKind.ALL_REDUCE else ""
+        )
         bytes_ = size * narrow // width if narrow else size
         found.append(Part(kind, bytes_, widened=bool(narrow), written_as=written))
     return found

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from spmdtree._src.step.hlo.instructions import Array, Instr, Module, Op, config_field
+from spmdtree._src.step.kinds import CollectiveKind
 
 #: Ops a value passes through unchanged in content (what is followed to its uses).
 PASS = frozenset({Op.kBitcast, Op.kCopy, Op.kReshape, Op.kTranspose})
@@ -68,25 +69,25 @@ ELEMENTWISE = frozenset(
 )
 #: The collectives as one op each (synchronous, or inside an async wrapper), by opcode.
 SYNC = {
-    Op.kAllGather: "all-gather",
-    Op.kAllReduce: "all-reduce",
-    Op.kReduceScatter: "reduce-scatter",
-    Op.kAllToAll: "all-to-all",
-    Op.kCollectivePermute: "collective-permute",
+    Op.kAllGather: CollectiveKind.ALL_GATHER,
+    Op.kAllReduce: CollectiveKind.ALL_REDUCE,
+    Op.kReduceScatter: CollectiveKind.REDUCE_SCATTER,
+    Op.kAllToAll: CollectiveKind.ALL_TO_ALL,
+    Op.kCollectivePermute: CollectiveKind.COLLECTIVE_PERMUTE,
 }
 #: The ``-start`` halves of async pairs, by opcode.
 STARTS = {
-    Op.kAllGatherStart: "all-gather",
-    Op.kAllReduceStart: "all-reduce",
-    Op.kCollectivePermuteStart: "collective-permute",
+    Op.kAllGatherStart: CollectiveKind.ALL_GATHER,
+    Op.kAllReduceStart: CollectiveKind.ALL_REDUCE,
+    Op.kCollectivePermuteStart: CollectiveKind.COLLECTIVE_PERMUTE,
 }
 #: The collectives, by opcode: the op itself (inside an async wrapper too), or the
 #: ``-done`` half of an async pair, whose result is the collective's.
 KIND = {
     **SYNC,
-    Op.kAllGatherDone: "all-gather",
-    Op.kAllReduceDone: "all-reduce",
-    Op.kCollectivePermuteDone: "collective-permute",
+    Op.kAllGatherDone: CollectiveKind.ALL_GATHER,
+    Op.kAllReduceDone: CollectiveKind.ALL_REDUCE,
+    Op.kCollectivePermuteDone: CollectiveKind.COLLECTIVE_PERMUTE,
 }
 #: The ``-done`` halves of async pairs (whose operand is their start).
 DONES = frozenset({Op.kAllGatherDone, Op.kAllReduceDone, Op.kCollectivePermuteDone})

@@ -29,6 +29,7 @@ from spmdtree._src.step.hlo.schedule import (
     Start,
     read_schedule,
 )
+from spmdtree._src.step.kinds import CollectiveKind
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +65,9 @@ class Reading:
         """The reading `to_json` gave."""
         return cls(
             collectives=tuple(
-                Collective(kind, n, size, tuple(axes), group, cast(Written, written))
+                Collective(
+                    CollectiveKind(kind), n, size, tuple(axes), group, cast(Written, written)
+                )
                 for kind, n, size, axes, group, written in data["collectives"]
             ),
             flags=tuple(data["flags"]),
@@ -76,7 +79,7 @@ class Reading:
 # --- the reading: a fold of the schedule ----------------------------------------------
 
 #: A row: its kind, mesh axes, group size and the form it was written in.
-Key = tuple[str, tuple[str, ...], int, Written]
+Key = tuple[CollectiveKind, tuple[str, ...], int, Written]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -268,9 +271,9 @@ def _flags(
                 f"{kind} inside a loop whose trip count the compiler does not know: "
                 "counted once per step"
             )
-    for kind, axes, group in sorted({key[:3] for key in partial}):
+    for name, axes, group in sorted({key[:3] for key in partial}):
         yield (
-            f"{kind} over groups of {group} devices that are not whole mesh axes "
+            f"{name} over groups of {group} devices that are not whole mesh axes "
             f"(part of {', '.join(axes) or 'no axis'})"
         )
     if scattered:

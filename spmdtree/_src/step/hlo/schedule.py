@@ -29,9 +29,10 @@ from spmdtree._src.step.hlo.groups import collective_axes, group_axes
 from spmdtree._src.step.hlo.instructions import Instr, Module, Op, config_field
 from spmdtree._src.step.hlo.loops import trip_count
 from spmdtree._src.step.hlo.opcodes import DONES, STARTS, SYNC, is_kernel_call, kernel_estimate
+from spmdtree._src.step.kinds import CollectiveKind, KernelClass
 
 #: The collectives counted, in the order rows are listed.
-KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+KINDS = tuple(CollectiveKind)
 
 #: What a row's label says of each form.
 _WRITTEN: dict[str, str] = {
@@ -75,7 +76,7 @@ class Collective(NamedTuple):
         "reduce-scatter (written as libtpu's all-reduce-scatter fusion)"
     """
 
-    kind: str
+    kind: CollectiveKind
     count: int  # type: ignore[assignment]  # the field shadows tuple.count, as named
     bytes: int
     axes: tuple[str, ...] = ()
@@ -111,14 +112,7 @@ class Collective(NamedTuple):
             >>> st.Collective("reduce-scatter", 1, 1024, axes=("data",), group=4).wire_bytes
             3072
         """
-        g = self.group
-        if self.kind == "collective-permute":
-            return self.bytes
-        if self.kind == "reduce-scatter":
-            return (g - 1) * self.bytes
-        if self.kind == "all-reduce":
-            return 2 * (g - 1) * self.bytes // g
-        return (g - 1) * self.bytes // g
+        return CollectiveKind(self.kind).ring_bytes(self.bytes, self.group)
 
 
 class Kernel(NamedTuple):
@@ -128,7 +122,7 @@ class Kernel(NamedTuple):
     (``bf16``, ``f32``; ``f32/highest`` at the highest precision); `opaque`, a
     hand-written kernel's name where its call keeps no cost estimate (new in 0.6)."""
 
-    kind: str
+    kind: KernelClass
     flops: int
     bytes: int
     batch: int = 0
@@ -229,10 +223,10 @@ def _event_json(event: Event) -> list[Any]:
 def _event_from(data: Sequence[Any]) -> Event:
     tag, rest = data[0], data[1:]
     if tag == "kernel":
-        return Kernel(*rest)
+        return Kernel(KernelClass(rest[0]), *rest[1:])
     if tag == "start":
         kind, count, size, axes, group, written = rest[1]
-        row = Collective(kind, count, size, tuple(axes), group, written)
+        row = Collective(CollectiveKind(kind), count, size, tuple(axes), group, written)
         return Start(rest[0], row, rest[2], rest[3])
     if tag == "done":
         return Done(rest[0])
@@ -245,10 +239,10 @@ def _event_from(data: Sequence[Any]) -> Event:
 #: megascale runtime, whose frontend attribute says what collective it is part of.
 _MEGASCALE = "_xla_megascale_transfer_type"
 _MEGASCALE_KINDS = {
-    "ALL_REDUCE": "all-reduce",
-    "ALL_GATHER": "all-gather",
-    "REDUCE_SCATTER": "reduce-scatter",
-    "ALL_TO_ALL": "all-to-all",
+    "ALL_REDUCE": CollectiveKind.ALL_REDUCE,
+    "ALL_GATHER": CollectiveKind.ALL_GATHER,
+    "REDUCE_SCATTER": CollectiveKind.REDUCE_SCATTER,
+    "ALL_TO_ALL": CollectiveKind.ALL_TO_ALL,
 }
 
 
@@ -380,12 +374,12 @@ class _Walker:
         return self._starts(comp, ins, rows, sync, waits=ins.op in SYNC)
 
     def _rows(
-        self, comp: str, result: Instr, start: Instr, kind: str
+        self, comp: str, result: Instr, start: Instr, kind: CollectiveKind
     ) -> list[tuple[Collective, bool]]:
         """The rows a collective counts as (`forms.parts`: a tuple's elements, the CPU's
         forms), one per kind and form, each once, with whether its groups are whole."""
         axes, group, whole = collective_axes(kind, start.groups, start.pairs, self.shape)
-        found: dict[tuple[str, Written], int] = {}
+        found: dict[tuple[CollectiveKind, Written], int] = {}
         for part in parts(self.flow, comp, result, start, kind, group, self.cpu):
             self._note(comp, result, part)
             key = (part.kind, part.written_as)
@@ -410,10 +404,14 @@ class _Walker:
         if found is None:
             return None
         inner, pairs = found
-        axes, group, whole = collective_axes("all-reduce", inner.groups, inner.pairs, self.shape)
+        axes, group, whole = collective_axes(
+            CollectiveKind.ALL_REDUCE, inner.groups, inner.pairs, self.shape
+        )
         if any(math.prod(s) * group != math.prod(w) for s, w in pairs):
             return None
-        row = Collective("reduce-scatter", 1, ins.bytes, axes, group, "all-reduce-scatter")
+        row = Collective(
+            CollectiveKind.REDUCE_SCATTER, 1, ins.bytes, axes, group, "all-reduce-scatter"
+        )
         return row, not whole
 
     def _inside(self, ins: Instr) -> list[tuple[Collective, bool]]:
@@ -435,7 +433,9 @@ class _Walker:
         """A transfer across TPU slices (a megascale ``send``): the collective it is
         part of, over the devices at the same place in each slice, its bytes the
         array sent."""
-        kind = _MEGASCALE_KINDS.get(ins.frontend.get(_MEGASCALE, ""), "collective-permute")
+        kind = _MEGASCALE_KINDS.get(
+            ins.frontend.get(_MEGASCALE, ""), CollectiveKind.COLLECTIVE_PERMUTE
+        )
         devices = math.prod(size for _, size in self.shape) if self.shape else 1
         per = self.slice_size or devices
         groups = [list(range(p, devices, per)) for p in range(per)]
@@ -463,9 +463,9 @@ class _Walker:
             named |= _attention_named(dot)
         fused = ins.target.startswith("__cudnn$fmha")
         if fused or named or self._attention(ins):
-            kind = "attention"
+            kind = KernelClass.ATTENTION
         else:
-            kind = "matmul" if flops else "memory"
+            kind = KernelClass.MATMUL if flops else KernelClass.MEMORY
         opaque = ins.name.rsplit(".", 1)[0] if is_kernel_call(ins) and not flops else ""
         return Kernel(kind, flops, self._bytes(comp, ins), *shape, dtype if flops else "", opaque)
 

@@ -21,10 +21,11 @@ import numpy as np
 from spmdtree._src.errors import Mistake, public
 from spmdtree._src.step.hlo.schedule import Schedule
 from spmdtree._src.step.hw.chips import CHIPS, GpuChip, TpuChip, slice_dims, torus_links, wrapped
+from spmdtree._src.step.kinds import CollectiveKind, LinkKind
 from spmdtree._src.step.time.predict import Costs, predict
 
 #: The link kinds, fastest first: within a node or slice, then across.
-LINKS = ("ici", "dcn")
+LINKS = tuple(LinkKind)
 
 GIB = 2**30
 
@@ -238,7 +239,7 @@ class Hardware:
             _positive(figures[0], f"links[{kind!r}] bandwidth")
             if figures[1] != 0:
                 _positive(figures[1], f"links[{kind!r}] latency")
-            links[kind] = (float(figures[0]), float(figures[1]))
+            links[LinkKind(kind)] = (float(figures[0]), float(figures[1]))
         if self.devices_per_node is not None:
             check_devices_per_node(self.devices_per_node, "devices_per_node")
         self._check_model()
@@ -488,17 +489,15 @@ def nodes_spanned(shape: Sequence[int], varying: Sequence[int], devices_per_node
 def _bytes_per_kind(row: Row, g: Mapping[str, float]) -> dict[str, float]:
     """The bytes each device sends across each link kind by the hierarchical
     algorithm: `g` holds the group's size on each kind, fastest first."""
-    if row.kind == "collective-permute":  # its size, on the slowest link it crosses
-        slowest = [k for k in LINKS if g[k] > 1][-1:] or ["ici"]
+    kind = CollectiveKind(row.kind)
+    if kind is CollectiveKind.COLLECTIVE_PERMUTE:  # its size, on the slowest link it crosses
+        slowest = [k for k in LINKS if g[k] > 1][-1:] or [LinkKind.ICI]
         return {slowest[0]: float(row.bytes)}
-    if row.kind == "all-to-all":  # that data must cross every kind, not divided
+    if kind is CollectiveKind.ALL_TO_ALL:  # that data must cross every kind, not divided
         return {k: (g[k] - 1) / g[k] * row.bytes for k in LINKS}
-    factor, volume = {
-        "all-gather": (1.0, row.bytes),
-        "reduce-scatter": (1.0, row.bytes * row.group),
-        "all-reduce": (2.0, row.bytes),
-    }[row.kind]
-    out, faster = {}, 1.0
+    factor, volume = float(kind.passes), kind.moved(row.bytes, row.group)
+    out: dict[str, float] = {}
+    faster = 1.0
     for k in LINKS:
         out[k] = factor * (g[k] - 1) / g[k] * volume / faster
         faster *= g[k]

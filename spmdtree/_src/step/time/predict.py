@@ -46,9 +46,10 @@ from spmdtree._src.step.hlo.schedule import Loop as Loop
 from spmdtree._src.step.hlo.schedule import Schedule as Schedule
 from spmdtree._src.step.hlo.schedule import Start as Start
 from spmdtree._src.step.hlo.schedule import read_schedule as read_schedule
+from spmdtree._src.step.kinds import KernelClass
 
 #: The classes a step's time is split into; `Prediction` has one field each.
-CLASSES = ("matmul", "attention", "memory", "collectives", "launch")
+CLASSES = tuple(KernelClass)
 
 
 # --- the per-kernel model ---------------------------------------------------------------
