@@ -612,61 +612,36 @@ def b11_targets(bench: Bench) -> None:
         )
 
 
-def predict_compile(size: str, shape: tuple[int, ...], batch: int, length: int) -> list[float]:
-    """(compile, module read, schedule read, prediction) seconds for the Llama-3 step
-    compiled by XLA GPU for H100s laid out as `shape`, timed in a fresh process (as
-    preflight's target child): one target compile, then what the prediction adds."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1"}
-    command = [sys.executable, __file__, "--predict", size, ",".join(map(str, shape)), str(batch)]
-    done = subprocess.run(
-        [*command, str(length)], capture_output=True, text=True, env=env, check=True
-    )
-    return [float(x) for x in done.stdout.split()[-4:]]
-
-
-def _predict(size: str, shape_text: str, batch: int, length: int) -> None:
-    """The child of `predict_compile`: prints its four timings."""
-    from spmdtree._src.step import hardware, hlo, instructions, schedule, targets
-
-    shape = tuple(int(n) for n in shape_text.split(","))
-    placement = targets.place(targets.target_for(st.hardware("h100")), math.prod(shape), 8)
-    types = (AxisType.Auto,) * len(shape)
-    mesh = targets.target_mesh(placement, shape, advised.example.AXES, types)
-    lowered = _lowered(size, batch, length, mesh)
-    start = timeit.default_timer()
-    compiled = lowered.compile(targets.compile_options("cuda"))
-    compiled_at = timeit.default_timer()
-    module = instructions.Module(compiled.runtime_executable().hlo_modules()[0])
-    read_at = timeit.default_timer()
-    axes = tuple(mesh.shape.items())
-    walked = schedule.read_schedule(module, axes, platform="cuda")
-    scheduled_at = timeit.default_timer()
-    reading = hlo.reading_of(walked)  # the one walk, folded
-    predicted_at = timeit.default_timer()
-    hardware.step_time(
-        reading.collectives, reading.flops, mesh.shape, st.hardware("h100"), 8, schedule=walked
-    )
-    done_at = timeit.default_timer()
-    timings = (compiled_at - start, read_at - compiled_at, scheduled_at - read_at)
-    print(*timings, done_at - predicted_at)
-
-
 def b12_predict(bench: Bench) -> None:
-    """What predicting a step's time adds to its target compile: reading the compiled
-    module's schedule and walking it, against the XLA GPU compile of the Llama-3 step
-    on 256 H100s (the B11 step), in one fresh process."""
+    """What predicting a step's time adds to its target compile, through the public API
+    alone: preflight(target="h100") of the Llama-3 step on 256 H100s (the B11 step)
+    says how long its compile took and, of that, how long reading the compiled
+    module took (`StepPlan.read_seconds`: its instructions, the one walk, the
+    reading); `StepPlan.time` is the prediction over that walk."""
     size, chips, length = ADVISED[bench.quick]
     shape = (1, chips // 8, 8)
+    mesh = jax.sharding.AbstractMesh(shape, advised.example.AXES, axis_types=(AxisType.Auto,) * 3)
+    args, kwargs = _llama_args(size, chips, length)
     try:
-        compile_s, module_s, schedule_s, walk_s = predict_compile(size, shape, chips, length)
-    except subprocess.CalledProcessError as e:  # no XLA GPU compiler: said, not timed
-        print(f"B12 predict: skipped ({e.stderr.strip().splitlines()[-1][:80]})")
+        plan = st.preflight(
+            advised.example.train_step,
+            *args,
+            mesh=mesh,
+            rules=advised.example.RULES,
+            target="h100",
+            **kwargs,
+        )
+    except ValueError as e:  # no XLA GPU compiler: said, not timed
+        print(f"B12 predict: skipped ({str(e).split(': ', 1)[1][:80]}...)")
         return
+    start = timeit.default_timer()
+    plan.time(st.hardware("h100"))
+    predict_s = timeit.default_timer() - start
+    compile_s = plan.compile_seconds - plan.read_seconds
     name = f"B12 predicting / compiling, {size} on {chips} H100s"
-    bench.at_most(name, (module_s + schedule_s + walk_s) / compile_s, 0.10)
-    bench.figure("B12   of which reading the module", module_s / compile_s, "reported")
-    bench.figure("B12   of which the schedule's events", schedule_s / compile_s, "reported")
-    bench.figure("B12   of which the walk", walk_s / compile_s, "reported")
+    bench.at_most(name, (plan.read_seconds + predict_s) / compile_s, 0.10)
+    bench.figure("B12   of which reading the module", plan.read_seconds / compile_s, "reported")
+    bench.figure("B12   of which the prediction", predict_s / compile_s, "reported")
     bench.figure(f"B12 the target compile, {size} on {chips}", compile_s, "reported", unit="s")
 
 
@@ -675,13 +650,9 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="small sizes; never fails on a goal")
     parser.add_argument("--only", nargs="+", metavar="FIGURE", help="run only these (b9_fsdp, ...)")
     parser.add_argument("--bare", nargs=4, help=argparse.SUPPRESS)  # bare_compile's child
-    parser.add_argument("--predict", nargs=4, help=argparse.SUPPRESS)  # predict_compile's
     args = parser.parse_args()
     if args.bare:
         _bare(args.bare[0], args.bare[1], int(args.bare[2]), int(args.bare[3]))
-        return 0
-    if args.predict:
-        _predict(args.predict[0], args.predict[1], int(args.predict[2]), int(args.predict[3]))
         return 0
     bench = Bench(args.quick)
     mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)

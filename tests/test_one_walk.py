@@ -17,7 +17,8 @@ from test_hlo_libtpu import LIBTPU, MODULE, SHAPE
 
 from spmdtree._src.step.hlo.reading import read_step, reading_of
 from spmdtree._src.step.hlo.schedule import read_schedule
-from spmdtree._src.step.time.predict import Costs, predict
+from spmdtree._src.step.hw.hardware import Costs
+from spmdtree._src.step.time.predict import predict
 
 #: A model with no compute cost and a collective latency of its own: the links decide.
 FREE = Costs(1e30, 1.0, 1.0, 1, (1, 1), 0.0, 1e-3)

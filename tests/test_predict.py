@@ -23,10 +23,11 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import spmdtree as st
-from spmdtree._src.step.compile.targets import compile_options, target_for
+from spmdtree._src.step.compile.backends import XLA_GPU, target_for
 from spmdtree._src.step.hlo import reading as hlo
-from spmdtree._src.step.hw.hardware import step_time
+from spmdtree._src.step.hlo import schedule as schedule_
 from spmdtree._src.step.time import predict
+from spmdtree._src.step.time.bound import step_time
 
 PEAK = 989e12  # H100 SXM dense bf16 (data sheet)
 MAMF = 794.5 / 989  # maximum achievable matmul FLOPS, H100 SXM (ml-engineering's table)
@@ -86,12 +87,12 @@ def compiled(fn, *specs):
     mesh = jax.make_mesh((8,), ("data",), devices=h100s(8), axis_types=(AxisType.Auto,))
     args = [jax.ShapeDtypeStruct(s, d, sharding=NamedSharding(mesh, p)) for s, d, p in specs]
     with jax.set_mesh(mesh):
-        return jax.jit(fn).lower(*args).compile(compile_options("cuda")).as_text()
+        return jax.jit(fn).lower(*args).compile(XLA_GPU.options_for(deviceless=True)).as_text()
 
 
 def predicted(text):
     """The module's schedule and its prediction on the h100 preset (one node of 8)."""
-    schedule = predict.read_schedule(text, SHAPE, platform="cuda")
+    schedule = schedule_.read_schedule(text, SHAPE, platform="cuda")
     hw = st.hardware("h100")
     reading = hlo.read_step(text, SHAPE, platform="cuda")
     timed = step_time(reading.collectives, reading.flops, dict(SHAPE), hw, 8, schedule=schedule)
@@ -136,7 +137,7 @@ def test_a_loop_runs_its_body_its_trip_count_times(layers):
 
     specs = ((8 * 4096, 1024), jnp.bfloat16, P("data")), ((layers, 1024, 1024), jnp.bfloat16, P())
     schedule, timed = predicted(compiled(step, *specs))
-    (loop,) = [e for e in schedule.events if isinstance(e, predict.Loop)]
+    (loop,) = [e for e in schedule.events if isinstance(e, schedule_.Loop)]
     assert loop.trips == layers
     one = gemm(4096, 1024, 1024) - LAUNCH
     assert timed.predicted_by_class["matmul"] == pytest.approx(layers * one)
@@ -147,7 +148,7 @@ def test_a_loop_runs_its_body_its_trip_count_times(layers):
 def test_a_memory_bound_fusion_is_timed_by_its_bytes():
     text = compiled(lambda x: jnp.exp(x) * 2 + 1, ((8 * 2**20,), jnp.float32, P("data")))
     schedule, timed = predicted(text)
-    assert schedule.events == (predict.Kernel("memory", 0, 2 * 2**20 * 4),)  # read + write
+    assert schedule.events == (schedule_.Kernel("memory", 0, 2 * 2**20 * 4),)  # read + write
     assert timed.predicted_seconds == pytest.approx(2 * 2**22 / HBM + LAUNCH)
     assert timed.predicted_by_class["launch"] == pytest.approx(LAUNCH)
 
@@ -194,7 +195,7 @@ def test_the_kernels_of_an_attention_scope_are_attention():
 
     spec = ((8 * 4, 1024, 128), jnp.bfloat16, P("data"))
     schedule, timed = predicted(compiled(step, spec, spec))
-    assert {e.kind for e in schedule.events if isinstance(e, predict.Kernel)} == {"attention"}
+    assert {e.kind for e in schedule.events if isinstance(e, schedule_.Kernel)} == {"attention"}
     assert timed.predicted_by_class["matmul"] == timed.predicted_by_class["memory"] == 0
     assert timed.predicted_by_class["attention"] > 0
 
@@ -338,9 +339,9 @@ ENTRY %main (q: f32[4,1024,1024], m: f32[4,1024,1024], i: s32[], w: bf16[64,1024
   %g = bf16[512,1024] parameter(4)
   ROOT %f = (f32[1,1024,1024], bf16[64,1024], bf16[512,1024], bf16[512,1024]) fusion(%q, %m, %i, %w, %g), kind=kOutput, calls=%scores, output_to_operand_aliasing={{1}: (3, {}), {2}: (4, {}), {3}: (4, {})}
 }"""
-    schedule = predict.read_schedule(fused, (), platform="tpu")
+    schedule = schedule_.read_schedule(fused, (), platform="tpu")
     block = 2**22  # one f32[1,1024,1024] block
-    (kernel,) = [e for e in schedule.events if isinstance(e, predict.Kernel)]
+    (kernel,) = [e for e in schedule.events if isinstance(e, schedule_.Kernel)]
     assert kernel.bytes == 3 * block + 4  # query and mask blocks, the scores, the index
     # Read whole, as 0.5 first did, the fusion would count 4 + 4 + 1 blocks of the
     # inputs and both carried buffers twice: over three times these bytes.
@@ -360,8 +361,8 @@ def test_a_convolution_tiles_its_output_features_where_its_dim_labels_put_them()
         f"  ROOT {conv}\n}}"
     )
     tpu = st.hardware("tpu-v5e").costs()
-    (event,) = predict.read_schedule(module, (), platform="tpu").events
-    assert isinstance(event, predict.Kernel) and event.kind == "matmul"
+    (event,) = schedule_.read_schedule(module, (), platform="tpu").events
+    assert isinstance(event, schedule_.Kernel) and event.kind == "matmul"
     assert event.flops == 2 * (1024 * 8) * 4096 * 1024
     assert (event.m, event.n) == (1024 * 8, 4096)
     assert predict.wave_efficiency(event.batch, event.m, event.n, tpu) == 1.0
@@ -387,7 +388,7 @@ ENTRY %main (p: s32[], x: f32[1024]) -> f32[1024] {
 }"""
     schedule, timed = predicted(branches)
     (chosen,) = schedule.events
-    assert isinstance(chosen, predict.Branches) and len(chosen.options) == 2
+    assert isinstance(chosen, schedule_.Branches) and len(chosen.options) == 2
     large = kernel(0, 2**12 + 2**22) + kernel(0, 2 * 2**22) + kernel(0, 2 * 2**12)
     assert timed.predicted_seconds == pytest.approx(large)
 
@@ -398,17 +399,17 @@ ENTRY %main (p: s32[], x: f32[1024]) -> f32[1024] {
 def test_a_schedule_crosses_a_process_boundary_as_json():
     row = hlo.Collective("all-gather", 1, 2**20, ("data",), 8)
     events = (
-        predict.Start(0, row, False),
-        predict.Loop(3, (predict.Kernel("matmul", 8, 64, 1, 2, 2, 2), predict.Done(0))),
-        predict.Branches(((predict.Kernel("memory", 0, 4),), ())),
+        schedule_.Start(0, row, False),
+        schedule_.Loop(3, (schedule_.Kernel("matmul", 8, 64, 1, 2, 2, 2), schedule_.Done(0))),
+        schedule_.Branches(((schedule_.Kernel("memory", 0, 4),), ())),
     )
-    schedule = predict.Schedule(events, "cuda", ("a flag",))
-    assert predict.Schedule.from_json(schedule.to_json()) == schedule
+    schedule = schedule_.Schedule(events, "cuda", ("a flag",))
+    assert schedule_.Schedule.from_json(schedule.to_json()) == schedule
 
 
 def test_a_step_time_without_a_schedule_predicts_nothing():
     row = hlo.Collective("all-reduce", 1, 2**20, ("data",), 8)
-    schedule = predict.Schedule((predict.Start(0, row, True), predict.Done(0)), "cuda")
+    schedule = schedule_.Schedule((schedule_.Start(0, row, True), schedule_.Done(0)), "cuda")
     timed = step_time([row], 0, {"data": 8}, st.hardware("h100"), 8)
     assert timed.predicted_seconds is None and timed.predicted_by_class is None
     timed = step_time([row], 0, {"data": 8}, st.hardware("h100"), 8, schedule=schedule)
@@ -421,8 +422,10 @@ def test_a_hardware_of_ones_own_predicts_from_its_own_figures():
     # 0.5 looked the model up by the hardware's name: a user's own got no prediction,
     # and a preset's figures under another name none either.
     row = hlo.Collective("all-reduce", 1, 2**20, ("data",), 8)
-    kernel = predict.Kernel("matmul", 10**12, 10**9, 1, 4096, 4096, 4096, "bf16")
-    schedule = predict.Schedule((kernel, predict.Start(0, row, True), predict.Done(0)), "cuda")
+    kernel = schedule_.Kernel("matmul", 10**12, 10**9, 1, 4096, 4096, 4096, "bf16")
+    schedule = schedule_.Schedule(
+        (kernel, schedule_.Start(0, row, True), schedule_.Done(0)), "cuda"
+    )
     h100 = st.hardware("h100")
     renamed = dataclasses.replace(h100, name="mine")
     preset = step_time([row], 10**12, {"data": 8}, h100, 8, schedule=schedule)

@@ -26,8 +26,9 @@ from hypothesis import strategies as hs
 from test_step_properties import COMPARE, K, M, examples, loop_plan, loops, simulated_trips
 
 import spmdtree as st
+from spmdtree._src.step.hlo.schedule import Branches, Done, Kernel, Loop, Schedule, Start
+from spmdtree._src.step.hw.hardware import Costs
 from spmdtree._src.step.time import predict
-from spmdtree._src.step.time.predict import Branches, Costs, Done, Kernel, Loop, Schedule, Start
 
 #: A small chip for the drawn schedules: 4 cores of 8 x 8 tiles, 1 TB/s at half
 #: efficiency, 80% of a 100 TFLOP/s peak, 1 us a kernel, 2 us a collective.

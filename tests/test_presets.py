@@ -17,7 +17,7 @@ import spmdtree as st
 
 # The chips' descriptions (what XLA's GPU compiler and libtpu are given) have no
 # public name: read where preflight builds them from a Hardware.
-from spmdtree._src.step.compile.targets import target_for
+from spmdtree._src.step.compile.backends import target_for
 
 DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs" / "planning.md"
 GIB, MIB = 2**30, 2**20

@@ -9,6 +9,7 @@ tests of what is checked before any compile (placements, a missing compiler)
 still run.
 """
 
+import dataclasses
 import functools
 import importlib.util
 import itertools
@@ -23,6 +24,7 @@ from jax.sharding import AbstractMesh, AxisType
 from jaxprs import jaxpr_flops
 
 import spmdtree as st
+from spmdtree._src.step.compile.backends import BY_CHIP
 
 VOCAB, EMBED, HEADS, HEAD_DIM, MLP, LAYERS, LENGTH = 512, 128, 4, 32, 512, 2, 64
 AUTO = (AxisType.Auto,) * 2
@@ -275,12 +277,16 @@ def test_many_slices_or_nodes(preset):
     assert step.peak_bytes > 0 and step.flops > 0
 
 
+def without(monkeypatch, *chips):
+    """The compilers of these kinds of chip replaced by fakes that are not installed
+    (a toolchain is data: its install check looks for a module no one has)."""
+    for chip in chips:
+        fake = dataclasses.replace(BY_CHIP[chip], module="spmdtree_tests_no_such_compiler")
+        monkeypatch.setitem(BY_CHIP, chip, fake)
+
+
 def test_a_missing_compiler_names_the_pip_command(monkeypatch):
-    found = importlib.util.find_spec
-    hidden = ("libtpu", "jax_plugins.xla_cuda12")
-    monkeypatch.setattr(
-        importlib.util, "find_spec", lambda name, *a: None if name in hidden else found(name, *a)
-    )
+    without(monkeypatch, st.GpuChip, st.TpuChip)
     for preset, extra in (("h100", "cuda"), ("tpu-v5p", "tpu")):
         with pytest.raises(ValueError, match=rf"^preflight: .*pip install 'spmdtree\[{extra}\]'"):
             st.preflight(
@@ -405,12 +411,7 @@ def test_advise_screens_on_xla_gpu_where_it_is_installed(preset):
 
 
 def test_advise_with_confirm_and_no_compiler_is_an_error_at_the_call(monkeypatch):
-    found = importlib.util.find_spec
-    monkeypatch.setattr(
-        importlib.util,
-        "find_spec",
-        lambda name, *a: None if name == "jax_plugins.xla_cuda12" else found(name, *a),
-    )
+    without(monkeypatch, st.GpuChip)
     called = []
 
     def make_step(candidate):
@@ -588,10 +589,7 @@ def test_a_row_over_budget_on_the_cpu_estimate_is_asked_of_libtpu(preset):
 
 
 def test_without_the_target_a_row_over_budget_on_the_estimate_says_so(monkeypatch):
-    found = importlib.util.find_spec
-    monkeypatch.setattr(
-        importlib.util, "find_spec", lambda name, *a: None if name == "libtpu" else found(name, *a)
-    )
+    without(monkeypatch, st.TpuChip)
     advice = st.advise(
         unrolled_bf16_step,
         UNROLLED[:1],

@@ -259,7 +259,7 @@ MUTANTS: dict[str, list[tuple[str, str, str]]] = {
     ],
     "peak-ignores-aliasing": [
         (
-            "_src/step/compile/targets.py",
+            "_src/step/compile/analysis.py",
             "+ self.output_bytes - self.alias_bytes +",
             "+ self.output_bytes +",
         ),
@@ -274,20 +274,24 @@ MUTANTS: dict[str, list[tuple[str, str, str]]] = {
     # 0.3: reading the compiled step (hlo.py and the rooms it sums, since 0.5).
     "wire-bytes-all-reduce-one-way": [
         (
-            "_src/step/hlo/schedule.py",
-            "return 2 * (g - 1) * self.bytes // g",
-            "return (g - 1) * self.bytes // g",
-        ),
+            "_src/step/kinds.py",
+            "return self.passes * (group - 1) * self.moved(size, group) // group",
+            "return (group - 1) * self.moved(size, group) // group",
+        )
     ],
     "wire-bytes-reduce-scatter-as-gather": [
         (
-            "_src/step/hlo/schedule.py",
-            "return (g - 1) * self.bytes\n",
-            "return (g - 1) * self.bytes // g\n",
-        ),
+            "_src/step/kinds.py",
+            "return self.passes * (group - 1) * self.moved(size, group) // group",
+            "return self.passes * (group - 1) * size // group",
+        )
     ],
     "wire-bytes-gather-whole-result": [
-        ("_src/step/hlo/schedule.py", "return (g - 1) * self.bytes // g\n", "return self.bytes\n"),
+        (
+            "_src/step/kinds.py",
+            "if self is CollectiveKind.COLLECTIVE_PERMUTE:\n            return size",
+            "if self in (CollectiveKind.COLLECTIVE_PERMUTE, CollectiveKind.ALL_GATHER):\n            return size",
+        )
     ],
     "slice-offset-partition-unchecked": [
         (
@@ -403,61 +407,59 @@ MUTANTS: dict[str, list[tuple[str, str, str]]] = {
         ),
     ],
     # The roofline (hardware.py) and the ranking (advise.py).
-    "hierarchy-divides-by-nothing": [
-        ("_src/step/hw/hardware.py", "        faster *= g[k]\n", "\n")
-    ],
+    "hierarchy-divides-by-nothing": [("_src/step/time/bound.py", "        faster *= g[k]\n", "\n")],
     "reduce-scatter-volume-is-its-result": [
         (
-            "_src/step/hw/hardware.py",
-            '"reduce-scatter": (1.0, row.bytes * row.group),',
-            '"reduce-scatter": (1.0, row.bytes),',
-        ),
+            "_src/step/time/bound.py",
+            "factor, volume = float(kind.passes), kind.moved(row.bytes, row.group)",
+            "factor, volume = float(kind.passes), row.bytes",
+        )
     ],
     "all-reduce-factor-one": [
         (
-            "_src/step/hw/hardware.py",
-            '"all-reduce": (2.0, row.bytes),',
-            '"all-reduce": (1.0, row.bytes),',
-        ),
+            "_src/step/time/bound.py",
+            "factor, volume = float(kind.passes), kind.moved(row.bytes, row.group)",
+            "factor, volume = 1.0, kind.moved(row.bytes, row.group)",
+        )
     ],
     "all-to-all-divided-like-a-ring": [
         (
-            "_src/step/hw/hardware.py",
+            "_src/step/time/bound.py",
             "return {k: (g[k] - 1) / g[k] * row.bytes for k in LINKS}",
             'return {k: (g[k] - 1) / g[k] * row.bytes / (g["ici"] if k == "dcn" else 1) for k in LINKS}',
         ),
     ],
     "latency-once-per-row": [
         (
-            "_src/step/hw/hardware.py",
+            "_src/step/time/bound.py",
             "row.count * latency * (g[kind] - 1)",
             "latency * (g[kind] - 1)",
         ),
     ],
     "nodes-round-robin": [
         (
-            "_src/step/hw/hardware.py",
+            "_src/step/time/bound.py",
             "nodes = np.sort(groups // devices_per_node",
             "nodes = np.sort(groups % devices_per_node",
         ),
     ],
     "whole-ring-on-the-slow-link": [
         (
-            "_src/step/hw/hardware.py",
+            "_src/step/time/bound.py",
             "g_dcn = float(min(span, row.group))",
             "g_dcn = float(row.group if span > 1 else 1)",
         ),
     ],
     "bound-is-serial": [
         (
-            "_src/step/hw/hardware.py",
+            "_src/step/time/bound.py",
             "return max(self.compute_seconds, self.comm_seconds)",
             "return self.compute_seconds + self.comm_seconds",
         ),
     ],
     "devices-per-node-override-ignored": [
         (
-            "_src/step/hw/hardware.py",
+            "_src/step/time/bound.py",
             "per_node = hw.devices_per_node if devices_per_node is None else devices_per_node",
             "per_node = hw.devices_per_node",
         ),
@@ -602,7 +604,7 @@ MUTANTS.update(
         "reduce-scatter-not-recognised": [
             (
                 "_src/step/hlo/forms.py",
-                '        if kind == "all-reduce":\n            got = flow.slices(',
+                "        if kind is CollectiveKind.ALL_REDUCE:\n            got = flow.slices(",
                 "        if False:\n            got = flow.slices(",
             )
         ],
@@ -616,8 +618,8 @@ MUTANTS.update(
         "reduce-scatter-tuple-all-or-nothing": [
             (
                 "_src/step/hlo/forms.py",
-                'found.append(Part("reduce-scatter", shard, held=size, widened=bool(narrow)))\n                continue',
-                'return [Part("reduce-scatter", shard, held=size, widened=bool(narrow))]',
+                "found.append(\n                    Part(CollectiveKind.REDUCE_SCATTER, shard, held=size, widened=bool(narrow))\n                )\n                continue",
+                "return [Part(CollectiveKind.REDUCE_SCATTER, shard, held=size, widened=bool(narrow))]",
             )
         ],
         "widened-reduction-counted-wide": [
@@ -696,8 +698,8 @@ MUTANTS.update(
         "async-start-counted-too": [
             (
                 "_src/step/hlo/opcodes.py",
-                '    Op.kAllGatherDone: "all-gather",\n',
-                '    Op.kAllGatherDone: "all-gather",\n    Op.kAllGatherStart: "all-gather",\n',
+                "    Op.kAllGatherDone: CollectiveKind.ALL_GATHER,\n",
+                "    Op.kAllGatherDone: CollectiveKind.ALL_GATHER,\n    Op.kAllGatherStart: CollectiveKind.ALL_GATHER,\n",
             )
         ],
         "batch-window-as-kernel": [
@@ -716,21 +718,21 @@ MUTANTS.update(
         ],
         "cpu-remat-barriers-dropped": [
             (
-                "_src/step/compile/targets.py",
-                '            "xla_disable_hlo_passes": "cse_barrier_expander",\n',
+                "_src/step/compile/backends.py",
+                '        ("xla_disable_hlo_passes", "cse_barrier_expander"),\n',
                 "",
             )
         ],
         "gpu-target-triton-gemms": [
             (
-                "_src/step/compile/targets.py",
-                '        return {"xla_gpu_enable_triton_gemm": False}',
-                "        return {}",
+                "_src/step/compile/backends.py",
+                '    options=(("xla_gpu_enable_triton_gemm", False),),',
+                "    options=(),",
             )
         ],
         "device-memory-said-as-a-compile-error": [
             (
-                "_src/step/compile/targets.py",
+                "_src/step/compile/compilers.py",
                 '    if said["error"] == "device memory":',
                 "    if False:",
             )
@@ -743,13 +745,9 @@ MUTANTS.update(
     {
         "compile-seconds-count-the-trace-twice": [
             (
-                "_src/step/compile/targets.py",
-                "        found = analyse(compiled, self.here, self.platform)\n"
-                "        return dataclasses.replace(found, seconds=time.perf_counter() - start)",
-                "        found = analyse(compiled, self.here, self.platform)\n"
-                "        return dataclasses.replace(\n"
-                "            found, seconds=traced.seconds + time.perf_counter() - start\n"
-                "        )",
+                "_src/step/compile/compilers.py",
+                "        found = analyse(compiled, self.here, self.toolchain)\n        return dataclasses.replace(found, seconds=time.perf_counter() - start)",
+                "        found = analyse(compiled, self.here, self.toolchain)\n        return dataclasses.replace(\n            found, seconds=traced.seconds + time.perf_counter() - start\n        )",
             )
         ],
         "step-error-not-chained": [
@@ -824,7 +822,7 @@ MUTANTS.update(
         ],
         "offloaded-outputs-left-on-the-device": [
             (
-                "_src/step/compile/targets.py",
+                "_src/step/compile/analysis.py",
                 "return (device, host) if host or not offloaded else (device - offloaded, offloaded)",
                 "return (device, host)",
             )
@@ -877,49 +875,49 @@ MUTANTS.update(
         ],
         "all-gather-volume-doubled": [
             (
-                "_src/step/hw/hardware.py",
-                '"all-gather": (1.0, row.bytes),',
-                '"all-gather": (2.0, row.bytes),',
+                "_src/step/time/bound.py",
+                "factor, volume = float(kind.passes), kind.moved(row.bytes, row.group)",
+                "factor, volume = float(kind.passes) * (2 if kind is CollectiveKind.ALL_GATHER else 1), kind.moved(row.bytes, row.group)",
             )
         ],
         "link-groups-swapped": [
             (
-                "_src/step/hw/hardware.py",
+                "_src/step/time/bound.py",
                 'g = {"ici": row.group / g_dcn, "dcn": g_dcn}',
                 'g = {"ici": g_dcn, "dcn": row.group / g_dcn}',
             )
         ],
         "node-groups-along-the-other-axes": [
             (
-                "_src/step/hw/hardware.py",
+                "_src/step/time/bound.py",
                 "positions.transpose(rest + list(varying))",
                 "positions.transpose(list(varying) + rest)",
             )
         ],
         "node-axes-mirrored": [
             (
-                "_src/step/hw/hardware.py",
+                "_src/step/time/bound.py",
                 "varying = [names.index(a) for a in row.axes if a in names]",
                 "varying = [len(names) - 1 - names.index(a) for a in row.axes if a in names]",
             )
         ],
         "one-node-is-eight-devices": [
             (
-                "_src/step/hw/hardware.py",
+                "_src/step/time/bound.py",
                 "devices_per_node or math.prod(shape.values())",
                 "devices_per_node or 8",
             )
         ],
         "permute-on-the-fastest-link": [
             (
-                "_src/step/hw/hardware.py",
-                'slowest = [k for k in LINKS if g[k] > 1][-1:] or ["ici"]',
-                'slowest = [k for k in LINKS if g[k] > 1][:1] or ["ici"]',
+                "_src/step/time/bound.py",
+                "slowest = [k for k in LINKS if g[k] > 1][-1:] or [LinkKind.ICI]",
+                "slowest = [k for k in LINKS if g[k] > 1][:1] or [LinkKind.ICI]",
             )
         ],
         "devices-per-node-is-the-node-count": [
             (
-                "_src/step/compile/targets.py",
+                "_src/step/compile/compilers.py",
                 '"""The placement\'s GPUs per node, or chips per TPU slice."""\n'
                 "        return self.placement.per_node",
                 '"""The placement\'s GPUs per node, or chips per TPU slice."""\n'
@@ -928,42 +926,42 @@ MUTANTS.update(
         ],
         "outputs-counted-as-arguments": [
             (
-                "_src/step/compile/targets.py",
+                "_src/step/compile/analysis.py",
                 "output_bytes=outputs,",
                 "output_bytes=int(memory.argument_size_in_bytes),",
             )
         ],
         "gpu-node-not-capped-by-the-mesh": [
             (
-                "_src/step/compile/targets.py",
+                "_src/step/compile/backends.py",
                 "node = min(per_node or 8, devices)",
                 "node = per_node or 8",
             )
         ],
         "tpu-slice-any-even-size": [
             (
-                "_src/step/compile/targets.py",
+                "_src/step/compile/backends.py",
                 "return n >= 1 and n & (n - 1) == 0",
                 "return n == 1 or n % 2 == 0",
             )
         ],
         "tpu-slice-limit-unchecked": [
             (
-                "_src/step/compile/targets.py",
-                "if target.slice_limit is not None and size > target.slice_limit:",
+                "_src/step/compile/backends.py",
+                "if limit is not None and size > limit:",
                 "if False:",
             )
         ],
         "node-count-is-the-node-size": [
             (
-                "_src/step/compile/targets.py",
+                "_src/step/compile/backends.py",
                 "return self.devices // self.per_node",
                 "return self.per_node",
             )
         ],
         "torus-one-axis": [
             (
-                "_src/step/hw/hardware.py",
+                "_src/step/time/bound.py",
                 'bandwidth *= _torus_links(hw, g["ici"], per_node)',
                 "bandwidth *= 1",
             )
@@ -1116,11 +1114,31 @@ MUTANTS.update(
                 "waves = tiles / costs.cores",
             )
         ],
+        "libtpu-refuses-nothing": [
+            ("_src/step/compile/backends.py", 'refuses=("unpinned_host",),', "refuses=(),")
+        ],
+        "libtpu-screens-unasked": [
+            ("_src/step/compile/backends.py", "    screens_cheaply=False,\n", "")
+        ],
+        "row-labelled-by-another-toolchain": [
+            (
+                "_src/step/advise/records.py",
+                "TOOLCHAINS[step.backend].label",
+                "TOOLCHAINS[Backend.CPU].label",
+            )
+        ],
+        "budget-note-of-another-toolchain": [
+            (
+                "_src/step/advise/records.py",
+                "TOOLCHAINS[Backend(advice.platform)].taken",
+                "TOOLCHAINS[Backend.TPU].taken",
+            )
+        ],
         "a-wait-not-counted-as-exposed": [
             (
                 "_src/step/time/predict.py",
-                'self.spent["collectives"] += until - self.compute',
-                'self.spent["memory"] += until - self.compute',
+                "self.spent[KernelClass.COLLECTIVES] += until - self.compute",
+                "self.spent[KernelClass.MEMORY] += until - self.compute",
             )
         ],
         "loop-kernels-counted-once": [
@@ -1198,6 +1216,8 @@ STEP_TESTS = [
     "tests/test_predict.py",
     "tests/test_hlo_libtpu.py",
     "tests/test_one_walk.py",
+    "tests/test_backends.py",
+    "tests/test_layout.py",
 ]
 
 

@@ -8,7 +8,6 @@ module that computes ever imports one that prints.
 from __future__ import annotations
 
 import io
-import math
 import textwrap
 from typing import Any
 
@@ -399,69 +398,7 @@ def axis_types_text(mesh: Any) -> str:
     return ", ".join(f"{name} {kind}" for name, kind in zip(mesh.axis_names, types, strict=True))
 
 
-def step_table(step: Any) -> str:
-    """The table of a `StepPlan`: memory per device, compute, collectives, the inputs."""
-    axes = ", ".join(f"{name} {size}" for name, size in step.mesh.shape.items())
-    devices = math.prod(step.mesh.shape.values())
-    compiled = step.target or step.backend
-    memory = [
-        ("arguments", step.argument_bytes, ""),
-        ("outputs", step.output_bytes, ""),
-        ("aliased", -step.alias_bytes, "outputs in donated buffers"),
-        ("temporaries", step.temp_bytes, "activations and scratch"),
-        ("peak", step.peak_bytes, "arguments + outputs - aliased + temporaries"),
-    ]
-    lines = [
-        f"step on {devices} device{'' if devices == 1 else 's'} ({axes}; axis types "
-        f"{axis_types_text(step.mesh)}), compiled for {compiled} "
-        f"in {step.compile_seconds:.1f} s",
-        "memory per device",
-    ]
-    for label, amount, note in memory:
-        text = size_text(abs(amount))
-        text = f"-{text}" if amount < 0 else text
-        lines.append(f"  {label:<12}{text:>11}" + (f"  {note}" if note else ""))
-    if step.compiler_peak_bytes:
-        lines.append(
-            f"  {'its peak':<12}{size_text(step.compiler_peak_bytes):>11}  the compiler's own "
-            "figure (peak_memory_in_bytes); the peak above is what advise judges"
-        )
-    if step.host_peak_bytes:  # offloaded arrays (new in 0.5)
-        lines.append(
-            f"  {'on the host':<12}{size_text(step.host_peak_bytes):>11}  offloaded arguments, "
-            "outputs and temporaries, not in the peak"
-        )
-    if step.backend.estimates:  # no range claimed: measured, neither side bounds it
-        lines.append(f"{'':<25}an estimate: pass target= for an accelerator's own")
-    if step.overstated_bytes:
-        lines.append(
-            f"{'':<25}{size_text(step.overstated_bytes)} of it whole reductions an "
-            "accelerator holds as shards"
-        )
-    lines.append(f"compute  {flops_text(step.flops)} per device (dots and convolutions)")
-    if step.compiler_seconds:
-        lines.append(
-            f"time     {_seconds_text(step.compiler_seconds)}: the compiler's own estimate (libtpu's optimal_seconds)"
-        )
-    lines.append("collectives per step" + ("" if step.collectives else ": none"))
-    for row in step.collectives:
-        over = f"over {'+'.join(row.axes)} ({row.group})" if row.axes else f"group {row.group}"
-        lines.append(
-            f"  {row.kind:<19}{row.count:>6} x  {size_text(row.bytes):>11} in all, "
-            f"{size_text(row.wire_bytes):>11} sent per device, {over}"
-        )
-        if row.label != row.kind:  # written in another form: libtpu's
-            lines.append(f"{'':<21}{row.label[len(row.kind) + 1 :]}")
-    noun = "array" if len(step.inputs.rows) == 1 else "arrays"
-    lines.append(
-        f"inputs  {len(step.inputs.rows)} {noun}, {size_text(step.inputs.device_bytes)} on "
-        "the most loaded device (st.plan counts these only)"
-    )
-    lines += [f"! {flag}" for flag in step.flags]
-    return "\n".join(lines)
-
-
-def _seconds_text(seconds: float | None) -> str:
+def seconds_text(seconds: float | None) -> str:
     """``1.23 s``, ``45.6 ms``, ``789 us``; ``-`` for none."""
     if seconds is None:
         return "-"
@@ -469,106 +406,3 @@ def _seconds_text(seconds: float | None) -> str:
         if seconds >= scale or unit == "us":
             return f"{seconds / scale:.3g} {unit}"
     raise AssertionError("unreachable")
-
-
-#: What takes a device's memory from a job, by the hardware's platform (as
-#: `jax.devices()` names it): JAX's GPU client preallocates, and a TPU's runtime
-#: keeps some of its HBM.
-_TAKEN = {
-    "gpu": "on GPU, JAX preallocates 75% of it unless XLA_PYTHON_CLIENT_MEM_FRACTION says "
-    "otherwise, and fragmentation takes some",
-    "tpu": "on TPU, the runtime keeps some of it for itself, and fragmentation takes some",
-}
-
-
-def _budget_text(advice: Any) -> str:
-    """What the budget is, and why: the hardware's whole memory, or as given; what
-    takes some of it on the platform the rows were compiled for, where known."""
-    hw, budget = advice.hardware, size_text(advice.budget_bytes)
-    tight = f'"tight": within {advice.margin:.0%} of it'
-    if advice.budget_bytes != hw.memory_bytes:
-        return f"budget {budget} per device, as given (the {hw.name} has {size_text(hw.memory_bytes)}); {tight}"
-    taken = _TAKEN.get(advice.platform, "an allocator loses some to fragmentation")
-    return (
-        f"budget {budget} per device: the {hw.name}'s whole memory ({taken}: pass "
-        f"budget_bytes); {tight}"
-    )
-
-
-#: Whose figures a row shows, by the platform that compiled its step.
-COMPILERS = {"cpu": "cpu est.", "gpu": "XLA GPU", "tpu": "libtpu"}
-
-
-def _estimates_text(advice: Any) -> str:
-    """What the rows marked ``cpu est.`` are, where there are any."""
-    if not any(row.step is not None and row.step.backend.estimates for row in advice.rows):
-        return ""
-    return (
-        "cpu est.: the CPU compiler's estimate of the accelerator's figures (it widens bf16 "
-        "to f32, and ran 1.5-4.5x an accelerator's peak on models that unroll their layers); "
-        "confirm=k compiles up to k with the accelerator's own compiler"
-    )
-
-
-def advice_table(advice: Any, *, width: int = 100) -> str:
-    """The ranked table of an `Advice`: what the budget is, then per candidate its
-    layout, batch, peak, the roofline's compute, collectives and bound, tokens
-    per second, the verdict, the reason under it (whole), and its flags apart
-    (``!``), summarised by kind (`flags_summary`; 0.5: a row's many replicated
-    arrays are one line)."""
-    rows = advice.rows
-    devices = math.prod(rows[0].candidate.mesh.shape.values()) if rows else 0
-    header = ["#", "layout", "batch", "peak", "compute", "comm", "bound", "predicted"]
-    header += ["tokens/s", "from"]
-    header.append("verdict")
-    cells = []
-    for rank, row in enumerate(rows, 1):
-        c, t, step = row.candidate, row.time, row.step
-        layout = c.label or " x ".join(f"{a} {n}" for a, n in c.mesh.shape.items())
-        cells.append(
-            [
-                str(rank),
-                layout,
-                str(c.batch),
-                "-" if step is None else size_text(step.peak_bytes),
-                _seconds_text(None if t is None else t.compute_seconds),
-                _seconds_text(None if t is None else t.comm_seconds),
-                _seconds_text(None if t is None else t.bound_seconds),
-                _seconds_text(None if t is None else t.predicted_seconds),
-                "-" if row.tokens_per_second is None else f"{row.tokens_per_second:,.0f}",
-                "-" if step is None else COMPILERS.get(step.backend, step.backend),
-                row.verdict,
-            ]
-        )
-    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(header)]
-    right = {0, 2, 3, 4, 5, 6, 7, 8}
-
-    def line(items: list[str]) -> str:
-        return "  ".join(
-            item.rjust(w) if i in right else item.ljust(w)
-            for i, (item, w) in enumerate(zip(items, widths, strict=True))
-        ).rstrip()
-
-    lines = [
-        f"{len(rows)} candidates on {devices} x {advice.hardware.name}, "
-        f"{advice.compiles} compile{'' if advice.compiles == 1 else 's'}",
-        *textwrap.wrap(_budget_text(advice), width, subsequent_indent="  "),
-        *textwrap.wrap(advice.note, width, subsequent_indent="  "),
-        *textwrap.wrap(_estimates_text(advice), width, subsequent_indent="  "),
-        line(header),
-    ]
-    for items, row in zip(cells, rows, strict=True):
-        lines.append(line(items))
-        lines += textwrap.wrap(
-            row.reason, width, initial_indent="     ", subsequent_indent="       "
-        )
-        for flag in flags_summary(row.flags):
-            lines += textwrap.wrap(
-                flag, width, initial_indent="     ! ", subsequent_indent="       "
-            )
-    lines.append(
-        "times: bound, a roofline (peak FLOPs, collectives at full link bandwidth, perfect "
-        "overlap); predicted, the compiled schedule walked with each kernel timed by a model "
-        "(from the CPU program on cpu est. rows), what rows rank by"
-    )
-    return "\n".join(lines)

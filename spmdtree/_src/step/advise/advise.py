@@ -13,7 +13,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
-import enum
 import math
 import os
 import sys
@@ -21,38 +20,35 @@ import time
 import types
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any, Literal, NamedTuple, cast
+from typing import Any, Literal, cast
 
-import jax
 import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh
 
 from spmdtree._src.errors import Mistake, public
 from spmdtree._src.plan import Plan
-from spmdtree._src.rules import AnyMesh, Rules
+from spmdtree._src.rules import AnyMesh
 from spmdtree._src.step.advise.diagnose import Closest, nothing_fits
-from spmdtree._src.step.compile.preflight import (
-    Keywords,
-    StepPlan,
-    plan_arguments,
-    step_plan,
-    trace_for,
+from spmdtree._src.step.advise.records import (
+    CPU_OVER,
+    HOPEFUL,
+    TIGHT_MARGIN,
+    Advice,
+    AdviceRow,
+    Candidate,
+    Verdict,
+    label_of,
 )
-from spmdtree._src.step.compile.targets import (
-    Analysis,
-    CpuChild,
-    DoesNotFit,
-    TargetChild,
-    compiler_for,
-    target_for,
-)
+from spmdtree._src.step.compile.analysis import Analysis
+from spmdtree._src.step.compile.compilers import CpuChild, DoesNotFit, TargetChild, compiler_for
+from spmdtree._src.step.compile.preflight import Keywords, plan_arguments, step_plan, trace_for
+from spmdtree._src.step.compile.step_plan import StepPlan
 from spmdtree._src.step.compile.trace import Arguments, Traced
-from spmdtree._src.step.hw.hardware import PRESETS, Hardware, StepTime, check_devices_per_node
-from spmdtree._src.step.kinds import Backend
+from spmdtree._src.step.hw.hardware import PRESETS, Hardware, check_devices_per_node
+from spmdtree._src.step.time.bound import StepTime
 from spmdtree._src.text import (
     LeftUnsharded,
     Located,
-    advice_table,
     argument_path,
     entries_text,
     size_text,
@@ -62,203 +58,9 @@ from spmdtree._src.text import (
 _Child = concurrent.futures.Future[Analysis]
 
 
-class Verdict(enum.StrEnum):
-    """An `AdviceRow`'s verdict, best first: rows rank in this order (new in 0.5;
-    each compares equal to its string, as 0.4's verdicts were).
-
-    Example:
-        >>> import spmdtree as st
-        >>> st.Verdict.FITS == "fits", list(st.Verdict).index(st.Verdict.TIGHT)
-        (True, 1)
-    """
-
-    FITS = "fits"
-    TIGHT = "tight"
-    MAY_FIT = "may fit"
-    OVER_BUDGET = "over budget"
-    BATCH_UNSHARDED = "batch unsharded"
-    DOES_NOT_COMPILE = "does not compile"
-
-
-#: The verdicts' strings, best first (0.4's name for `Verdict`'s order).
-VERDICTS = tuple(v.value for v in Verdict)
-
-#: The verdicts of a row that fits, or may: the ones a confirmation can change.
-_HOPEFUL = (Verdict.FITS, Verdict.TIGHT, Verdict.MAY_FIT)
-
-#: How many times the CPU estimate's peak was measured above the accelerator's
-#: on models that unroll their layers (0.4, flax's lm1b and an equinox GPT):
-#: why its "over budget" is never final where the target can be asked.
-CPU_OVER = "1.5-4.5x"
-
-#: A step whose peak is within this share of the budget is "tight", not "fits":
-#: the budget is a device's whole memory by default, and an allocator loses
-#: some to fragmentation (docs/planning.md, "Choosing a layout").
-TIGHT_MARGIN = 0.05
-
 #: The memory one compile subprocess takes (measured: ~0.7 GB at 2,048 devices,
 #: about flat in the device count), to bound how many run at once.
 CHILD_BYTES = 700 * 2**20
-
-
-class Candidate(NamedTuple):
-    """One layout to try: a mesh, its rules, a global batch.
-
-    Attributes:
-        mesh: an `AbstractMesh` (a `Mesh` stands for its ``abstract_mesh``).
-        rules: the rules for the step's logical names.
-        batch: the global batch (sequences).
-        length: the sequence length, where there is one (for tokens per second).
-        label: what the table calls it (default: the mesh's axis sizes).
-
-    Example:
-        >>> import jax, spmdtree as st
-        >>> mesh = jax.sharding.AbstractMesh((2, 4), ("data", "tensor"))
-        >>> st.Candidate(mesh, [("batch", "data")], batch=64, length=1024).length
-        1024
-    """
-
-    mesh: AnyMesh
-    rules: Rules | None
-    batch: int
-    length: int | None = None
-    label: str = ""
-
-
-class AdviceRow(NamedTuple):
-    """One candidate's outcome in an `Advice`.
-
-    Attributes:
-        candidate: the `Candidate`.
-        verdict: one of ``"fits"``, ``"tight"`` (fits, but within the margin
-            of the budget), ``"may fit"``, ``"over budget"``, ``"batch
-            unsharded"`` (its batch axes do not divide its batch: not a real
-            layout) or ``"does not compile"``.
-        reason: one sentence, never a flag: the peak against the budget and
-            what bounds the step, why it was not compiled, or JAX's or
-            spmdtree's message.
-        step: the `StepPlan`, or None (not compiled).
-        time: the `StepTime`, or None.
-        tokens_per_second: batch x length / bound seconds, where the length is
-            known and the step compiled.
-        flags: what needs a look apart from the verdict: the step's flags (an
-            array replicated on every device, a dimension left unsharded), or
-            the plan's where it was not compiled (new in 0.4).
-
-    Example:
-        >>> import jax, spmdtree as st
-        >>> mesh = jax.sharding.AbstractMesh((1,), ("data",))
-        >>> row = st.AdviceRow(st.Candidate(mesh, None, 8), "does not compile", "a typo", None, None, None)
-        >>> row.verdict, row.flags
-        ('does not compile', ())
-    """
-
-    candidate: Candidate
-    verdict: Verdict
-    reason: str
-    step: StepPlan | None
-    time: StepTime | None
-    tokens_per_second: float | None
-    flags: tuple[str, ...] = ()
-
-    @public
-    def make_mesh(self, devices: Sequence[jax.Device] | None = None) -> Mesh:
-        """The real mesh of this row's layout, to run the advised step on (new in 0.4).
-
-        Its axis names, sizes and axis types are the candidate's (`layouts`
-        gives Auto axes; ``jax.make_mesh(sizes, names)`` alone would give
-        Explicit ones on recent jax, on which the advised step may not run).
-
-        Args:
-            devices: the devices in mesh order (row-major), at least as many as
-                the layout has (the first that many are used); None: the
-                process's devices in ``jax.make_mesh``'s order (on GPUs and TPUs,
-                by their physical topology), the order `StepPlan.time` assumes.
-                A candidate given as a `Mesh` is returned as it is.
-
-        Returns:
-            The `jax.sharding.Mesh`.
-
-        Raises:
-            ValueError: for fewer devices than the layout has.
-
-        Example:
-            >>> import jax, spmdtree as st
-            >>> (mesh,) = st.layouts(1, ("data", "tensor"))  # Auto axes
-            >>> row = st.AdviceRow(st.Candidate(mesh, None, 8), "fits", "", None, None, None)
-            >>> real = row.make_mesh()
-            >>> type(real).__name__, real.axis_names, real.axis_sizes, real.axis_types == mesh.axis_types
-            ('Mesh', ('data', 'tensor'), (1, 1), True)
-        """
-        mesh = self.candidate.mesh
-        if isinstance(mesh, Mesh) and devices is None:
-            return mesh
-        sizes, names, types = mesh.axis_sizes, mesh.axis_names, mesh.axis_types
-        needed = math.prod(sizes)
-        given = list(jax.devices() if devices is None else devices)
-        if len(given) < needed:
-            where = "this process has" if devices is None else "devices holds"
-            raise Mistake(
-                ValueError,
-                f"the layout {label_of(self.candidate)} needs {needed} devices; {where} "
-                f"{len(given)}. Call it where the job runs (jax.devices() sees every host's "
-                "devices), or pass as many devices.",
-            )
-        if devices is None:
-            return jax.make_mesh(sizes, names, axis_types=types)
-        return Mesh(
-            np.asarray(given[:needed], dtype=object).reshape(sizes), names, axis_types=types
-        )
-
-
-@dataclasses.dataclass(frozen=True)
-class Advice:
-    """Candidates ranked by verdict (`VERDICTS`' order: fits, tight, may fit,
-    over budget (compiled, then not), batch unsharded, does not compile); within
-    the first three by the bound per sequence of the batch (the bound itself
-    where the batches are equal), equal ones (to 6 significant figures) by the
-    smaller peak, then by the serial time (compute + collectives).
-
-    Attributes:
-        rows: one `AdviceRow` per candidate, ranked.
-        compiles: how many compiles ran (rejected and repeated steps run none).
-        hardware: the `Hardware` they were timed on.
-        budget_bytes: the memory budget per device.
-        margin: a step whose peak is within this share of the budget is
-            ``"tight"`` (new in 0.4).
-        note: what `confirm` did: which rows the target's compiler confirmed, or
-            why none were (its compiler is not installed) (new in 0.4).
-
-    Example:
-        >>> import jax, spmdtree as st
-        >>> mesh = jax.sharding.AbstractMesh((1,), ("data",))
-        >>> row = st.AdviceRow(st.Candidate(mesh, None, 8), "does not compile", "a typo", None, None, None)
-        >>> advice = st.Advice((row,), 0, st.hardware("h100"), 2**30)
-        >>> advice.best is None, advice.compiles, advice.margin
-        (True, 0, 0.05)
-    """
-
-    rows: tuple[AdviceRow, ...]
-    compiles: int
-    hardware: Hardware
-    budget_bytes: int
-    margin: float = TIGHT_MARGIN
-    note: str = ""
-
-    @property
-    def best(self) -> AdviceRow | None:
-        """The first row that fits (a tight row is not one), else None."""
-        return next((row for row in self.rows if row.verdict == Verdict.FITS), None)
-
-    @property
-    def platform(self) -> str:
-        """The hardware's platform as `jax.devices()` names it (``"gpu"``,
-        ``"tpu"``), or ``""`` for hardware spmdtree knows no compiler of (new in 0.5)."""
-        target = target_for(self.hardware)
-        return "" if target is None else Backend.of(target.platform)
-
-    def __str__(self) -> str:
-        return advice_table(self)
 
 
 def _sizes_allowed(
@@ -362,11 +164,6 @@ def default_jobs() -> int:
     except (OSError, StopIteration):
         free = sys.maxsize
     return max(1, min(cpus or 1, free // CHILD_BYTES))
-
-
-def label_of(candidate: Candidate) -> str:
-    """The candidate's label, or its mesh's axis sizes: ``data 2 x fsdp 4``."""
-    return candidate.label or " x ".join(f"{a} {n}" for a, n in candidate.mesh.shape.items())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -611,7 +408,7 @@ def rank(row: AdviceRow, index: int) -> tuple[int, float, int, float, str, int, 
     which rows win; only rows equal in all of it keep the input's order."""
     verdict = list(Verdict).index(Verdict(row.verdict))
     order = 2 * verdict + (row.verdict == Verdict.OVER_BUDGET and row.step is None)
-    if row.verdict not in _HOPEFUL or row.step is None:
+    if row.verdict not in HOPEFUL or row.step is None:
         return (order, 0.0, 0, 0.0, *_tie(row, index))
     if row.time is None:  # compiled but not timed: after the timed ones
         return (order, math.inf, row.step.peak_bytes, math.inf, *_tie(row, index))
@@ -899,7 +696,7 @@ def _contenders(state: _State, tried: set[int]) -> list[int]:
     return [
         i
         for i in order[:above]
-        if state.screened(i) and rows[i].verdict in _HOPEFUL and i not in tried
+        if state.screened(i) and rows[i].verdict in HOPEFUL and i not in tried
     ]
 
 
@@ -949,7 +746,7 @@ def _why_none_confirmed(state: _State) -> str:
     screened = [i for i in rows if state.screened(i)]
     if not screened and any(row.step is not None for row in rows.values()):
         return "every compiled row is already the target's own compile"
-    if any(rows[i].verdict in _HOPEFUL for i in screened):
+    if any(rows[i].verdict in HOPEFUL for i in screened):
         return "no row on the CPU estimate could beat the best the target fits"
     return "no row fits on the CPU estimate"
 
@@ -985,7 +782,7 @@ def _screen(asks: TargetChild | None, screen: Screen) -> TargetChild | None:
     """Where the first pass compiles (None: the CPU estimate)."""
     if screen == "cpu" or asks is None:
         return None
-    if screen == "target" or asks.platform == "cuda":
+    if screen == "target" or asks.toolchain.screens_cheaply:
         return asks
     return None
 

@@ -45,7 +45,7 @@ T = TypeVar("T")
 
 
 class Site(Protocol):
-    """What tracing asks of where a step compiles (`targets.Compiler` is one):
+    """What tracing asks of where a step compiles (`compilers.Compiler` is one):
     the mesh of this process's devices to lower for, or None to export for the
     `platform`'s compiler."""
 

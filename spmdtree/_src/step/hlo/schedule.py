@@ -29,7 +29,7 @@ from spmdtree._src.step.hlo.groups import collective_axes, group_axes
 from spmdtree._src.step.hlo.instructions import Instr, Module, Op, config_field
 from spmdtree._src.step.hlo.loops import trip_count
 from spmdtree._src.step.hlo.opcodes import DONES, STARTS, SYNC, is_kernel_call, kernel_estimate
-from spmdtree._src.step.kinds import CollectiveKind, KernelClass
+from spmdtree._src.step.kinds import Backend, CollectiveKind, KernelClass
 
 #: The collectives counted, in the order rows are listed.
 KINDS = tuple(CollectiveKind)
@@ -730,7 +730,7 @@ def read_schedule(
     mod = Module.of(module)
     if mod.entry is None:
         return Schedule((), platform)
-    walker = _Walker(mod, shape, platform == "cpu", slice_size)
+    walker = _Walker(mod, shape, Backend.of(platform).estimates, slice_size)
     events = walker.events(mod.entry)
     flags = (
         ("a loop whose trip count the compiler does not know: timed once",)

@@ -13,16 +13,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any, Protocol, TypeVar
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 
 from spmdtree._src.errors import Mistake, public
-from spmdtree._src.step.hlo.schedule import Schedule
-from spmdtree._src.step.hw.chips import CHIPS, GpuChip, TpuChip, slice_dims, torus_links, wrapped
-from spmdtree._src.step.kinds import CollectiveKind, LinkKind
-from spmdtree._src.step.time.predict import Costs, predict
+from spmdtree._src.step.hlo.instructions import bits
+from spmdtree._src.step.hw.chips import CHIPS, GpuChip, TpuChip
+from spmdtree._src.step.kinds import LinkKind
 
 #: The link kinds, fastest first: within a node or slice, then across.
 LINKS = tuple(LinkKind)
@@ -65,22 +64,7 @@ class Frozen(Mapping[K, V]):
         return (Frozen, (self._items,))
 
 
-class Row(Protocol):
-    """What timing reads of a collective row (`Collective` has these)."""
-
-    @property
-    def kind(self) -> str: ...
-    @property
-    def count(self) -> int: ...
-    @property
-    def bytes(self) -> int: ...
-    @property
-    def axes(self) -> tuple[str, ...]: ...
-    @property
-    def group(self) -> int: ...
-
-
-def _positive(value: object, what: str) -> None:
+def positive(value: object, what: str) -> None:
     ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
     if not ok or not math.isfinite(float(value)) or float(value) <= 0:  # type: ignore[arg-type]
         raise Mistake(ValueError, f"{what} is {value!r}; expected a number > 0.")
@@ -99,6 +83,50 @@ def check_devices_per_node(
             ValueError,
             f"{what} is {devices_per_node!r}; expected an int >= 1 (or None: {none}).",
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class Costs:
+    """What the per-kernel model needs of a chip beyond its peak and its links: a
+    `Hardware`'s model figures, its defaults filled in (`Hardware.costs`; 0.6: no
+    table of them by a preset's name).
+
+    Attributes:
+        hbm_bytes_per_second: the memory bandwidth (data sheet).
+        memory_efficiency: the share of it a memory-bound kernel sustains.
+        matmul_efficiency: the largest share of the peak a matmul reaches (a
+            large, well-shaped one).
+        cores: the units a matmul's tiles are spread over (SMs; 1 on a TPU,
+            whose MXUs work on one tile stream).
+        tile: a matmul tile's (m, n) on that chip.
+        launch_seconds: the overhead each kernel adds (0 on a TPU: one program).
+        collective_latency_seconds: the latency each collective adds beyond
+            the links' per-hop latency.
+        f32_speed: an f32 matmul's peak over the bf16 one at the default
+            precision (a GPU runs it as TF32, half the rate; a TPU in one bf16
+            pass); 8-bit matmuls run at twice the bf16 rate.
+        f32_highest_speed: likewise at the highest precision (a GPU's FP32
+            units; a TPU's six bf16 passes).
+    """
+
+    hbm_bytes_per_second: float
+    memory_efficiency: float
+    matmul_efficiency: float
+    cores: int
+    tile: tuple[int, int]
+    launch_seconds: float
+    collective_latency_seconds: float
+    f32_speed: float = 1.0
+    f32_highest_speed: float = 1 / 6
+
+    def speed(self, dtype: str) -> float:
+        """A matmul's peak over the bf16 one for operands of `dtype`."""
+        width = bits(dtype.partition("/")[0]) if dtype else 16
+        if width <= 8:
+            return 2.0
+        if width >= 32:
+            return self.f32_highest_speed if dtype.endswith("/highest") else self.f32_speed
+        return 1.0
 
 
 #: What a `Hardware` that leaves out a figure of the per-kernel model is predicted
@@ -214,8 +242,8 @@ class Hardware:
 
     @functools.partial(public, name="Hardware")
     def __post_init__(self) -> None:
-        _positive(self.memory_bytes, "memory_bytes")
-        _positive(self.flops_per_second, "flops_per_second")
+        positive(self.memory_bytes, "memory_bytes")
+        positive(self.flops_per_second, "flops_per_second")
         if not isinstance(self.links, Mapping) or not self.links:
             raise Mistake(
                 ValueError,
@@ -236,9 +264,9 @@ class Hardware:
                     f"links[{kind!r}] is {figures!r}; expected (bytes_per_second, "
                     "latency_seconds).",
                 )
-            _positive(figures[0], f"links[{kind!r}] bandwidth")
+            positive(figures[0], f"links[{kind!r}] bandwidth")
             if figures[1] != 0:
-                _positive(figures[1], f"links[{kind!r}] latency")
+                positive(figures[1], f"links[{kind!r}] latency")
             links[LinkKind(kind)] = (float(figures[0]), float(figures[1]))
         if self.devices_per_node is not None:
             check_devices_per_node(self.devices_per_node, "devices_per_node")
@@ -257,7 +285,7 @@ class Hardware:
             value = getattr(self, what)
             if value is None or (what.endswith("_seconds") and value == 0):
                 continue
-            _positive(value, what)
+            positive(value, what)
             if what in ("cores", "tile") and (
                 not isinstance(value, (int, np.integer)) or isinstance(value, bool)
             ):
@@ -335,276 +363,3 @@ def hardware(name: str) -> Hardware:
             "Build your own with st.Hardware(name, memory_bytes, flops_per_second, links).",
         )
     return PRESETS[name]
-
-
-@dataclasses.dataclass(frozen=True)
-class StepTime:
-    """A roofline bound on one step, its compute and its collectives, in seconds;
-    and, where the compiled schedule was walked, a predicted time (new in 0.5).
-
-    `bound_seconds` is not a prediction: it assumes peak FLOPs and collectives
-    that overlap compute perfectly, each at its links' full bandwidth.
-    `predicted_seconds` walks the compiled module's schedule, each kernel timed
-    by a model and an async collective overlapping only the compute scheduled
-    between its start and its done (docs/planning.md, "Predicted step time").
-
-    Attributes:
-        compute_seconds: the step's FLOPs per device at the peak.
-        comm_by_axes: collective seconds per mesh-axes tuple.
-        flops_per_second: the peak the FLOPs were timed at (the hardware's;
-            `StepPlan.time` sets it), which `mfu` needs for model FLOPs; None
-            if unknown (new in 0.4).
-        predicted_seconds: the predicted step time; None where no schedule was
-            walked (new in 0.5).
-        exposed_comm_seconds: the part of it spent waiting for collectives;
-            None likewise (new in 0.5).
-        predicted_by_class: the predicted time split by class: ``matmul``,
-            ``attention``, ``memory`` (memory-bound kernels), ``collectives``
-            (exposed) and ``launch`` (kernel launches), summing to
-            `predicted_seconds`; a read-only dict, or None likewise (new in 0.5).
-        flags: what the prediction rests on beyond the compiled schedule: the
-            model's defaults it took for figures the hardware leaves out, loops
-            of unknown trip count timed once (new in 0.6).
-
-    Raises:
-        ValueError: for a `flops_per_second` <= 0, or a prediction < 0.
-        TypeError: for a `comm_by_axes` or `predicted_by_class` that is not a
-            mapping.
-
-    Example:
-        >>> import spmdtree as st
-        >>> t = st.StepTime(compute_seconds=0.5, comm_by_axes={("fsdp",): 0.25, ("tensor",): 0.5})
-        >>> t.comm_seconds, t.bound_seconds, t.serial_seconds, t.predicted_seconds
-        (0.75, 0.75, 1.25, None)
-        >>> t.mfu(1.0)  # a real step of 1 s used half the peak
-        0.5
-    """
-
-    compute_seconds: float
-    comm_by_axes: Mapping[tuple[str, ...], float] = dataclasses.field(hash=False)
-    flops_per_second: float | None = None
-    predicted_seconds: float | None = None
-    exposed_comm_seconds: float | None = None
-    predicted_by_class: Mapping[str, float] | None = dataclasses.field(default=None, hash=False)
-    flags: tuple[str, ...] = ()
-
-    @functools.partial(public, name="StepTime")
-    def __post_init__(self) -> None:
-        if not isinstance(self.comm_by_axes, Mapping):
-            raise Mistake(
-                TypeError,
-                f"comm_by_axes is {self.comm_by_axes!r}; expected a mapping of mesh-axes "
-                "tuples to seconds, e.g. {('fsdp',): 0.25}.",
-            )
-        if self.flops_per_second is not None:
-            _positive(self.flops_per_second, "flops_per_second")
-        object.__setattr__(self, "comm_by_axes", Frozen(self.comm_by_axes))
-        for what in ("predicted_seconds", "exposed_comm_seconds"):
-            value = getattr(self, what)
-            if value is not None and value != 0:
-                _positive(value, what)
-        if self.predicted_by_class is not None:
-            if not isinstance(self.predicted_by_class, Mapping):
-                raise Mistake(
-                    TypeError,
-                    f"predicted_by_class is {self.predicted_by_class!r}; expected a mapping "
-                    "of class names to seconds, e.g. {'matmul': 0.5, 'memory': 0.1}.",
-                )
-            object.__setattr__(self, "predicted_by_class", Frozen(self.predicted_by_class))
-
-    @property
-    def comm_seconds(self) -> float:
-        """The collectives' seconds, summed."""
-        return sum(self.comm_by_axes.values())
-
-    @property
-    def bound_seconds(self) -> float:
-        """max(compute, collectives): perfect overlap, a lower bound on the step."""
-        return max(self.compute_seconds, self.comm_seconds)
-
-    @property
-    def serial_seconds(self) -> float:
-        """compute + collectives: no overlap at all."""
-        return self.compute_seconds + self.comm_seconds
-
-    @public
-    def mfu(self, step_seconds: float, model_flops: float | None = None) -> float:
-        """The share of the peak a real step of `step_seconds` used.
-
-        Without `model_flops`, hardware FLOPs: compute_seconds / step_seconds,
-        every FLOP the compiled step runs (a rematerialised forward pass
-        counts). With `model_flops`, the model's FLOPs per device per step
-        (e.g. 6 x params x tokens / devices for a dense decoder's training
-        step), as published MFU counts them: model_flops / flops_per_second /
-        step_seconds (`model_flops` new in 0.4).
-
-        Args:
-            step_seconds: how long a real step took.
-            model_flops: the model's FLOPs per device per step, or None.
-
-        Returns:
-            The share of the peak, 0 to 1 for a real step.
-
-        Raises:
-            ValueError: for a time or a `model_flops` <= 0, or `model_flops`
-                given to a StepTime without `flops_per_second`.
-
-        Example:
-            >>> import spmdtree as st
-            >>> t = st.StepTime(compute_seconds=0.4, comm_by_axes={}, flops_per_second=1e15)
-            >>> t.mfu(1.0)  # the compiled step's 4e14 FLOPs, recompute included
-            0.4
-            >>> t.mfu(1.0, model_flops=3e14)  # the model's own FLOPs
-            0.3
-        """
-        _positive(step_seconds, "step_seconds")
-        if model_flops is None:
-            return self.compute_seconds / step_seconds
-        _positive(model_flops, "model_flops")
-        if self.flops_per_second is None:
-            raise Mistake(
-                ValueError,
-                f"model_flops is {model_flops!r}, but this StepTime has no flops_per_second "
-                "to turn FLOPs into seconds. Take the StepTime from StepPlan.time(hardware), "
-                "which sets it, or build it with flops_per_second=.",
-            )
-        return model_flops / self.flops_per_second / step_seconds
-
-
-def nodes_spanned(shape: Sequence[int], varying: Sequence[int], devices_per_node: int) -> int:
-    """The most distinct nodes one device group touches: groups vary over the mesh
-    positions `varying` (the others fixed); devices sit on nodes by their
-    row-major position // `devices_per_node`."""
-    if not varying:
-        return 1
-    positions = np.arange(math.prod(shape)).reshape(tuple(shape))
-    rest = [i for i in range(len(shape)) if i not in varying]
-    groups = positions.transpose(rest + list(varying)).reshape(
-        -1, math.prod(shape[i] for i in varying)
-    )
-    nodes = np.sort(groups // devices_per_node, axis=1)
-    return int(1 + (np.diff(nodes, axis=1) != 0).sum(axis=1).max())
-
-
-def _bytes_per_kind(row: Row, g: Mapping[str, float]) -> dict[str, float]:
-    """The bytes each device sends across each link kind by the hierarchical
-    algorithm: `g` holds the group's size on each kind, fastest first."""
-    kind = CollectiveKind(row.kind)
-    if kind is CollectiveKind.COLLECTIVE_PERMUTE:  # its size, on the slowest link it crosses
-        slowest = [k for k in LINKS if g[k] > 1][-1:] or [LinkKind.ICI]
-        return {slowest[0]: float(row.bytes)}
-    if kind is CollectiveKind.ALL_TO_ALL:  # that data must cross every kind, not divided
-        return {k: (g[k] - 1) / g[k] * row.bytes for k in LINKS}
-    factor, volume = float(kind.passes), kind.moved(row.bytes, row.group)
-    out: dict[str, float] = {}
-    faster = 1.0
-    for k in LINKS:
-        out[k] = factor * (g[k] - 1) / g[k] * volume / faster
-        faster *= g[k]
-    return out
-
-
-def collective_seconds(
-    row: Row, shape: Mapping[str, int], hw: Hardware, devices_per_node: int | None
-) -> float:
-    """One row's seconds on `hw`: the slowest of the link kinds it crosses, each
-    its bytes / bandwidth + latency x (group on that kind - 1) per op.
-
-    The slowest, not the sum: NCCL splits a collective into chunks and
-    pipelines them, so the NVLink stage of one chunk runs while another
-    crosses the network, and the slower stage sets the pace (a multi-slice
-    TPU collective is timed the same way). The JAX scaling book ("How to
-    Think About GPUs", cross-node collectives) times a 2-node all-gather of B
-    bytes so: max(B (8-1)/8 / 450e9 within the node, B (2-1)/2 / 400e9 of
-    node egress across), 130 us for 64 MiB on H100s (a sum would say 214 us).
-
-    On a TPU preset the ICI figure is one torus axis's (both directions, round
-    its wraparound): a group that spans several axes of its slice's torus (a
-    v5e-256's 256 chips span both of its 16 x 16) sends over each, so its
-    bandwidth is that many times the figure (the scaling book's V / (W_ici x
-    axes)), and an axis without wraparound links (a v5e axis shorter than 16, a
-    v5p slice that is not whole 4x4x4 cubes) is a line that adds half the
-    figure (`chips.torus_links`; new in 0.5).
-    """
-    if row.group <= 1:
-        return 0.0
-    names = list(shape)
-    varying = [names.index(a) for a in row.axes if a in names]
-    per_node = devices_per_node or math.prod(shape.values())
-    span = nodes_spanned(list(shape.values()), varying, per_node)
-    g_dcn = float(min(span, row.group))
-    g = {"ici": row.group / g_dcn, "dcn": g_dcn}
-    seconds = 0.0
-    for kind, sent in _bytes_per_kind(row, g).items():
-        if g[kind] <= 1:
-            continue
-        if kind not in hw.links:
-            raise Mistake(
-                ValueError,
-                f"a {row.kind} over {row.axes} crosses {int(g[kind])} "
-                f"{'nodes' if kind == 'dcn' else 'devices of a node'}, but hardware "
-                f"{hw.name!r} has no {kind!r} link. Add one to its links.",
-            )
-        bandwidth, latency = hw.links[kind]
-        if kind == "ici":
-            bandwidth *= _torus_links(hw, g["ici"], per_node)
-        seconds = max(seconds, sent / bandwidth + row.count * latency * (g[kind] - 1))
-    return seconds
-
-
-def _torus_links(hw: Hardware, group: float, slice_chips: int) -> float:
-    """How many times its ICI figure an ICI group of `group` chips sends at on a slice
-    of `slice_chips` of a TPU's torus (`chips.torus_links`); 1 on anything else (a GPU
-    node, a hardware with no `TpuChip`)."""
-    chip = hw.chip
-    if not isinstance(chip, TpuChip) or not chip.dimensions:
-        return 1.0
-    dims = slice_dims(slice_chips, chip.dimensions)
-    return torus_links(round(group), dims, wrapped(dims, chip.wraparound, chip.cubes))
-
-
-def step_time(
-    collectives: Iterable[Row],
-    flops: float,
-    shape: Mapping[str, int],
-    hw: Hardware,
-    devices_per_node: int | None = None,
-    schedule: Schedule | None = None,
-) -> StepTime:
-    """The `StepTime` of a step with these FLOPs per device and collectives on a
-    mesh of this shape (axis name -> size), on `hw`; with the compiled module's
-    `schedule` (`predict.read_schedule`), its predicted time too, timed by the
-    hardware's own figures (new in 0.5; 0.6: any `Hardware`, its defaults said)."""
-    if not isinstance(hw, Hardware):
-        raise Mistake(
-            TypeError, f"hardware is {hw!r}; expected a st.Hardware (st.hardware('h100'))."
-        )
-    if devices_per_node is not None:
-        check_devices_per_node(devices_per_node, "devices_per_node")
-    per_node = hw.devices_per_node if devices_per_node is None else devices_per_node
-    by_axes: dict[tuple[str, ...], float] = {}
-    for row in collectives:
-        seconds = collective_seconds(row, shape, hw, per_node)
-        by_axes[tuple(row.axes)] = by_axes.get(tuple(row.axes), 0.0) + seconds
-    bound = StepTime(flops / hw.flops_per_second, by_axes, hw.flops_per_second)
-    if schedule is None:
-        return bound
-    timed = functools.cache(lambda row: collective_seconds(row, shape, hw, per_node))
-    said = predict(schedule, hw.costs(), hw.flops_per_second, timed)
-    return dataclasses.replace(
-        bound,
-        predicted_seconds=said.seconds,
-        exposed_comm_seconds=said.exposed_comm_seconds,
-        predicted_by_class=said.by_class,
-        flags=(*_defaults_said(hw), *schedule.flags),
-    )
-
-
-def _defaults_said(hw: Hardware) -> Iterator[str]:
-    """The sentence for a prediction built on the model's defaults."""
-    if hw.left_out:
-        yield (
-            f"hardware {hw.name!r} leaves out {', '.join(hw.left_out)}: the prediction "
-            "takes their defaults (st.Hardware's docstring lists them); give the chip's "
-            "own figures for a prediction of it"
-        )

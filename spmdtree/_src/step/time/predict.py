@@ -37,15 +37,16 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 
-from spmdtree._src.step.hlo.instructions import bits
-from spmdtree._src.step.hlo.schedule import Branches as Branches
-from spmdtree._src.step.hlo.schedule import Collective, Event
-from spmdtree._src.step.hlo.schedule import Done as Done
-from spmdtree._src.step.hlo.schedule import Kernel as Kernel
-from spmdtree._src.step.hlo.schedule import Loop as Loop
-from spmdtree._src.step.hlo.schedule import Schedule as Schedule
-from spmdtree._src.step.hlo.schedule import Start as Start
-from spmdtree._src.step.hlo.schedule import read_schedule as read_schedule
+from spmdtree._src.step.hlo.schedule import (
+    Collective,
+    Done,
+    Event,
+    Kernel,
+    Loop,
+    Schedule,
+    Start,
+)
+from spmdtree._src.step.hw.hardware import Costs
 from spmdtree._src.step.kinds import KernelClass
 
 #: The classes a step's time is split into; `Prediction` has one field each.
@@ -53,50 +54,6 @@ CLASSES = tuple(KernelClass)
 
 
 # --- the per-kernel model ---------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Costs:
-    """What the per-kernel model needs of a chip beyond its peak and its links: a
-    `Hardware`'s model figures, its defaults filled in (`Hardware.costs`; 0.6: no
-    table of them by a preset's name).
-
-    Attributes:
-        hbm_bytes_per_second: the memory bandwidth (data sheet).
-        memory_efficiency: the share of it a memory-bound kernel sustains.
-        matmul_efficiency: the largest share of the peak a matmul reaches (a
-            large, well-shaped one).
-        cores: the units a matmul's tiles are spread over (SMs; 1 on a TPU,
-            whose MXUs work on one tile stream).
-        tile: a matmul tile's (m, n) on that chip.
-        launch_seconds: the overhead each kernel adds (0 on a TPU: one program).
-        collective_latency_seconds: the latency each collective adds beyond
-            the links' per-hop latency.
-        f32_speed: an f32 matmul's peak over the bf16 one at the default
-            precision (a GPU runs it as TF32, half the rate; a TPU in one bf16
-            pass); 8-bit matmuls run at twice the bf16 rate.
-        f32_highest_speed: likewise at the highest precision (a GPU's FP32
-            units; a TPU's six bf16 passes).
-    """
-
-    hbm_bytes_per_second: float
-    memory_efficiency: float
-    matmul_efficiency: float
-    cores: int
-    tile: tuple[int, int]
-    launch_seconds: float
-    collective_latency_seconds: float
-    f32_speed: float = 1.0
-    f32_highest_speed: float = 1 / 6
-
-    def speed(self, dtype: str) -> float:
-        """A matmul's peak over the bf16 one for operands of `dtype`."""
-        width = bits(dtype.partition("/")[0]) if dtype else 16
-        if width <= 8:
-            return 2.0
-        if width >= 32:
-            return self.f32_highest_speed if dtype.endswith("/highest") else self.f32_speed
-        return 1.0
 
 
 #: How far memory and compute overlap within a kernel (XLA GPU's
@@ -184,11 +141,11 @@ class Prediction:
     def by_class(self) -> dict[str, float]:
         """The seconds per class (`CLASSES`)."""
         return {
-            "matmul": self.matmul_seconds,
-            "attention": self.attention_seconds,
-            "memory": self.memory_seconds,
-            "collectives": self.exposed_comm_seconds,
-            "launch": self.launch_seconds,
+            KernelClass.MATMUL: self.matmul_seconds,
+            KernelClass.ATTENTION: self.attention_seconds,
+            KernelClass.MEMORY: self.memory_seconds,
+            KernelClass.COLLECTIVES: self.exposed_comm_seconds,
+            KernelClass.LAUNCH: self.launch_seconds,
         }
 
 
@@ -209,7 +166,7 @@ class _Clock:
     def wait(self, until: float) -> None:
         """The compute stream waits for a collective finishing at `until`."""
         if until > self.compute:
-            self.spent["collectives"] += until - self.compute
+            self.spent[KernelClass.COLLECTIVES] += until - self.compute
             self.compute = until
 
     def advance(self, before: _Clock, times: int) -> None:
@@ -240,7 +197,7 @@ class _Walk:
         if isinstance(event, Kernel):
             seconds = kernel_seconds(event, self.costs, self.peak)
             clock.spent[event.kind] += seconds
-            clock.spent["launch"] += self.costs.launch_seconds
+            clock.spent[KernelClass.LAUNCH] += self.costs.launch_seconds
             clock.compute += seconds + self.costs.launch_seconds
             clock.kernels += 1
         elif isinstance(event, Start):
@@ -292,11 +249,11 @@ def predict(
     """
     end = _Walk(costs, peak_flops, collective_seconds).run(schedule.events, _Clock())
     return Prediction(
-        matmul_seconds=end.spent["matmul"],
-        attention_seconds=end.spent["attention"],
-        memory_seconds=end.spent["memory"],
-        exposed_comm_seconds=end.spent["collectives"],
-        launch_seconds=end.spent["launch"],
+        matmul_seconds=end.spent[KernelClass.MATMUL],
+        attention_seconds=end.spent[KernelClass.ATTENTION],
+        memory_seconds=end.spent[KernelClass.MEMORY],
+        exposed_comm_seconds=end.spent[KernelClass.COLLECTIVES],
+        launch_seconds=end.spent[KernelClass.LAUNCH],
         comm_seconds=end.comm,
         kernels=end.kernels,
     )

@@ -1,0 +1,317 @@
+"""Advice's records: `Candidate`, `Verdict`, `AdviceRow`, `Advice` and its ranked
+table (new in 0.6: beside the records, apart from the search that fills them; 0.5
+rendered the table in text.py): the budget and what takes from it, where the rows
+were screened, then a row per candidate with its reason and flags."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import textwrap
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from spmdtree._src.errors import Mistake, public
+from spmdtree._src.rules import AnyMesh, Rules
+from spmdtree._src.step.compile.backends import TOOLCHAINS, Toolchain, target_for
+from spmdtree._src.step.compile.step_plan import StepPlan
+from spmdtree._src.step.hw.hardware import Hardware
+from spmdtree._src.step.kinds import Backend
+from spmdtree._src.step.time.bound import StepTime
+from spmdtree._src.text import flags_summary, seconds_text, size_text
+
+
+class Verdict(enum.StrEnum):
+    """An `AdviceRow`'s verdict, best first: rows rank in this order (new in 0.5;
+    each compares equal to its string, as 0.4's verdicts were).
+
+    Example:
+        >>> import spmdtree as st
+        >>> st.Verdict.FITS == "fits", list(st.Verdict).index(st.Verdict.TIGHT)
+        (True, 1)
+    """
+
+    FITS = "fits"
+    TIGHT = "tight"
+    MAY_FIT = "may fit"
+    OVER_BUDGET = "over budget"
+    BATCH_UNSHARDED = "batch unsharded"
+    DOES_NOT_COMPILE = "does not compile"
+
+
+#: The verdicts' strings, best first (0.4's name for `Verdict`'s order).
+VERDICTS = tuple(v.value for v in Verdict)
+
+#: The verdicts of a row that fits, or may: the ones a confirmation can change.
+HOPEFUL = (Verdict.FITS, Verdict.TIGHT, Verdict.MAY_FIT)
+
+#: How many times the CPU estimate's peak was measured above the accelerator's
+#: on models that unroll their layers (0.4, flax's lm1b and an equinox GPT):
+#: why its "over budget" is never final where the target can be asked.
+CPU_OVER = "1.5-4.5x"
+
+#: A step whose peak is within this share of the budget is "tight", not "fits":
+#: the budget is a device's whole memory by default, and an allocator loses
+#: some to fragmentation (docs/planning.md, "Choosing a layout").
+TIGHT_MARGIN = 0.05
+
+
+class Candidate(NamedTuple):
+    """One layout to try: a mesh, its rules, a global batch.
+
+    Attributes:
+        mesh: an `AbstractMesh` (a `Mesh` stands for its ``abstract_mesh``).
+        rules: the rules for the step's logical names.
+        batch: the global batch (sequences).
+        length: the sequence length, where there is one (for tokens per second).
+        label: what the table calls it (default: the mesh's axis sizes).
+
+    Example:
+        >>> import jax, spmdtree as st
+        >>> mesh = jax.sharding.AbstractMesh((2, 4), ("data", "tensor"))
+        >>> st.Candidate(mesh, [("batch", "data")], batch=64, length=1024).length
+        1024
+    """
+
+    mesh: AnyMesh
+    rules: Rules | None
+    batch: int
+    length: int | None = None
+    label: str = ""
+
+
+def label_of(candidate: Candidate) -> str:
+    """The candidate's label, or its mesh's axis sizes: ``data 2 x fsdp 4``."""
+    return candidate.label or " x ".join(f"{a} {n}" for a, n in candidate.mesh.shape.items())
+
+
+class AdviceRow(NamedTuple):
+    """One candidate's outcome in an `Advice`.
+
+    Attributes:
+        candidate: the `Candidate`.
+        verdict: one of ``"fits"``, ``"tight"`` (fits, but within the margin
+            of the budget), ``"may fit"``, ``"over budget"``, ``"batch
+            unsharded"`` (its batch axes do not divide its batch: not a real
+            layout) or ``"does not compile"``.
+        reason: one sentence, never a flag: the peak against the budget and
+            what bounds the step, why it was not compiled, or JAX's or
+            spmdtree's message.
+        step: the `StepPlan`, or None (not compiled).
+        time: the `StepTime`, or None.
+        tokens_per_second: batch x length / bound seconds, where the length is
+            known and the step compiled.
+        flags: what needs a look apart from the verdict: the step's flags (an
+            array replicated on every device, a dimension left unsharded), or
+            the plan's where it was not compiled (new in 0.4).
+
+    Example:
+        >>> import jax, spmdtree as st
+        >>> mesh = jax.sharding.AbstractMesh((1,), ("data",))
+        >>> row = st.AdviceRow(st.Candidate(mesh, None, 8), "does not compile", "a typo", None, None, None)
+        >>> row.verdict, row.flags
+        ('does not compile', ())
+    """
+
+    candidate: Candidate
+    verdict: Verdict
+    reason: str
+    step: StepPlan | None
+    time: StepTime | None
+    tokens_per_second: float | None
+    flags: tuple[str, ...] = ()
+
+    @public
+    def make_mesh(self, devices: Sequence[jax.Device] | None = None) -> Mesh:
+        """The real mesh of this row's layout, to run the advised step on (new in 0.4).
+
+        Its axis names, sizes and axis types are the candidate's (`layouts`
+        gives Auto axes; ``jax.make_mesh(sizes, names)`` alone would give
+        Explicit ones on recent jax, on which the advised step may not run).
+
+        Args:
+            devices: the devices in mesh order (row-major), at least as many as
+                the layout has (the first that many are used); None: the
+                process's devices in ``jax.make_mesh``'s order (on GPUs and TPUs,
+                by their physical topology), the order `StepPlan.time` assumes.
+                A candidate given as a `Mesh` is returned as it is.
+
+        Returns:
+            The `jax.sharding.Mesh`.
+
+        Raises:
+            ValueError: for fewer devices than the layout has.
+
+        Example:
+            >>> import jax, spmdtree as st
+            >>> (mesh,) = st.layouts(1, ("data", "tensor"))  # Auto axes
+            >>> row = st.AdviceRow(st.Candidate(mesh, None, 8), "fits", "", None, None, None)
+            >>> real = row.make_mesh()
+            >>> type(real).__name__, real.axis_names, real.axis_sizes, real.axis_types == mesh.axis_types
+            ('Mesh', ('data', 'tensor'), (1, 1), True)
+        """
+        mesh = self.candidate.mesh
+        if isinstance(mesh, Mesh) and devices is None:
+            return mesh
+        sizes, names, types = mesh.axis_sizes, mesh.axis_names, mesh.axis_types
+        needed = math.prod(sizes)
+        given = list(jax.devices() if devices is None else devices)
+        if len(given) < needed:
+            where = "this process has" if devices is None else "devices holds"
+            raise Mistake(
+                ValueError,
+                f"the layout {label_of(self.candidate)} needs {needed} devices; {where} "
+                f"{len(given)}. Call it where the job runs (jax.devices() sees every host's "
+                "devices), or pass as many devices.",
+            )
+        if devices is None:
+            return jax.make_mesh(sizes, names, axis_types=types)
+        return Mesh(
+            np.asarray(given[:needed], dtype=object).reshape(sizes), names, axis_types=types
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Advice:
+    """Candidates ranked by verdict (`VERDICTS`' order: fits, tight, may fit,
+    over budget (compiled, then not), batch unsharded, does not compile); within
+    the first three by the bound per sequence of the batch (the bound itself
+    where the batches are equal), equal ones (to 6 significant figures) by the
+    smaller peak, then by the serial time (compute + collectives).
+
+    Attributes:
+        rows: one `AdviceRow` per candidate, ranked.
+        compiles: how many compiles ran (rejected and repeated steps run none).
+        hardware: the `Hardware` they were timed on.
+        budget_bytes: the memory budget per device.
+        margin: a step whose peak is within this share of the budget is
+            ``"tight"`` (new in 0.4).
+        note: what `confirm` did: which rows the target's compiler confirmed, or
+            why none were (its compiler is not installed) (new in 0.4).
+
+    Example:
+        >>> import jax, spmdtree as st
+        >>> mesh = jax.sharding.AbstractMesh((1,), ("data",))
+        >>> row = st.AdviceRow(st.Candidate(mesh, None, 8), "does not compile", "a typo", None, None, None)
+        >>> advice = st.Advice((row,), 0, st.hardware("h100"), 2**30)
+        >>> advice.best is None, advice.compiles, advice.margin
+        (True, 0, 0.05)
+    """
+
+    rows: tuple[AdviceRow, ...]
+    compiles: int
+    hardware: Hardware
+    budget_bytes: int
+    margin: float = TIGHT_MARGIN
+    note: str = ""
+
+    @property
+    def best(self) -> AdviceRow | None:
+        """The first row that fits (a tight row is not one), else None."""
+        return next((row for row in self.rows if row.verdict == Verdict.FITS), None)
+
+    @property
+    def platform(self) -> str:
+        """The hardware's platform as `jax.devices()` names it (``"gpu"``,
+        ``"tpu"``), or ``""`` for hardware spmdtree knows no compiler of (new in 0.5)."""
+        target = target_for(self.hardware)
+        return "" if target is None else target.toolchain.backend
+
+    def __str__(self) -> str:
+        return _table(self)
+
+
+def _budget_text(advice: Advice) -> str:
+    """What the budget is, and why: the hardware's whole memory, or as given; what
+    takes some of it on the platform the rows were compiled for, where known."""
+    hw, budget = advice.hardware, size_text(advice.budget_bytes)
+    tight = f'"tight": within {advice.margin:.0%} of it'
+    if advice.budget_bytes != hw.memory_bytes:
+        return f"budget {budget} per device, as given (the {hw.name} has {size_text(hw.memory_bytes)}); {tight}"
+    # what takes some of it: the toolchain's word (JAX's GPU client preallocates, a
+    # TPU's runtime keeps some of its HBM), or a general one for hardware it knows not
+    taken = TOOLCHAINS[Backend(advice.platform)].taken if advice.platform else Toolchain.taken
+    return (
+        f"budget {budget} per device: the {hw.name}'s whole memory ({taken}: pass "
+        f"budget_bytes); {tight}"
+    )
+
+
+def _estimates_text(advice: Advice) -> str:
+    """What the rows marked ``cpu est.`` are, where there are any."""
+    if not any(row.step is not None and row.step.backend.estimates for row in advice.rows):
+        return ""
+    return (
+        "cpu est.: the CPU compiler's estimate of the accelerator's figures (it widens bf16 "
+        "to f32, and ran 1.5-4.5x an accelerator's peak on models that unroll their layers); "
+        "confirm=k compiles up to k with the accelerator's own compiler"
+    )
+
+
+def _table(advice: Advice, *, width: int = 100) -> str:
+    """The ranked table of an `Advice`: what the budget is, then per candidate its
+    layout, batch, peak, the roofline's compute, collectives and bound, tokens
+    per second, the verdict, the reason under it (whole), and its flags apart
+    (``!``), summarised by kind (`flags_summary`; 0.5: a row's many replicated
+    arrays are one line)."""
+    rows = advice.rows
+    devices = math.prod(rows[0].candidate.mesh.shape.values()) if rows else 0
+    header = ["#", "layout", "batch", "peak", "compute", "comm", "bound", "predicted"]
+    header += ["tokens/s", "from"]
+    header.append("verdict")
+    cells = []
+    for rank, row in enumerate(rows, 1):
+        c, t, step = row.candidate, row.time, row.step
+        layout = label_of(c)
+        cells.append(
+            [
+                str(rank),
+                layout,
+                str(c.batch),
+                "-" if step is None else size_text(step.peak_bytes),
+                seconds_text(None if t is None else t.compute_seconds),
+                seconds_text(None if t is None else t.comm_seconds),
+                seconds_text(None if t is None else t.bound_seconds),
+                seconds_text(None if t is None else t.predicted_seconds),
+                "-" if row.tokens_per_second is None else f"{row.tokens_per_second:,.0f}",
+                "-" if step is None else TOOLCHAINS[step.backend].label,
+                row.verdict,
+            ]
+        )
+    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(header)]
+    right = {0, 2, 3, 4, 5, 6, 7, 8}
+
+    def line(items: list[str]) -> str:
+        return "  ".join(
+            item.rjust(w) if i in right else item.ljust(w)
+            for i, (item, w) in enumerate(zip(items, widths, strict=True))
+        ).rstrip()
+
+    lines = [
+        f"{len(rows)} candidates on {devices} x {advice.hardware.name}, "
+        f"{advice.compiles} compile{'' if advice.compiles == 1 else 's'}",
+        *textwrap.wrap(_budget_text(advice), width, subsequent_indent="  "),
+        *textwrap.wrap(advice.note, width, subsequent_indent="  "),
+        *textwrap.wrap(_estimates_text(advice), width, subsequent_indent="  "),
+        line(header),
+    ]
+    for items, row in zip(cells, rows, strict=True):
+        lines.append(line(items))
+        lines += textwrap.wrap(
+            row.reason, width, initial_indent="     ", subsequent_indent="       "
+        )
+        for flag in flags_summary(row.flags):
+            lines += textwrap.wrap(
+                flag, width, initial_indent="     ! ", subsequent_indent="       "
+            )
+    lines.append(
+        "times: bound, a roofline (peak FLOPs, collectives at full link bandwidth, perfect "
+        "overlap); predicted, the compiled schedule walked with each kernel timed by a model "
+        "(from the CPU program on cpu est. rows), what rows rank by"
+    )
+    return "\n".join(lines)

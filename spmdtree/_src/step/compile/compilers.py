@@ -1,0 +1,461 @@
+"""Where a step compiles: one small protocol, `Compiler`, with three implementations,
+as jax hides its backends behind `Lowered` and `Compiled`.
+
+`Here` (this process: a mesh of its own devices, or enough CPU devices for an
+`AbstractMesh`), `CpuChild` (a fresh process given as many fake CPU devices: the
+fast estimate), and `TargetChild`, where an accelerator's own compiler runs
+without the accelerator (a `backends.Placement` of its devices). Each has its
+`Toolchain`, which holds every fact of its compiler; `compiler_for` picks one. A
+child gets the step through `jax.export` and answers an `Analysis` as JSON.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import json
+import math
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from typing import Any, Protocol, cast, overload
+
+import jax
+import numpy as np
+from jax.sharding import AbstractDevice, Mesh
+
+from spmdtree._src.errors import Mistake
+from spmdtree._src.rules import AnyMesh
+from spmdtree._src.step.compile.analysis import Analysis, analyse
+from spmdtree._src.step.compile.backends import (
+    TOOLCHAINS,
+    XLA_CPU,
+    Placement,
+    Target,
+    Toolchain,
+    place,
+    target_for,
+)
+from spmdtree._src.step.compile.trace import Exported, Lowered, Site, Traced
+from spmdtree._src.step.hw.hardware import PRESETS, Hardware, check_devices_per_node
+from spmdtree._src.step.kinds import Backend
+
+#: How long a compile subprocess may take before it is stopped.
+CHILD_SECONDS = 3600
+
+
+class Compiler(Site, Protocol):
+    """Where a step compiles: `Here`, a `CpuChild` or a `TargetChild`.
+
+    Attributes:
+        here: the mesh of this process's devices the step is lowered for; None
+            where it is exported to a child.
+        toolchain: the `Toolchain` that compiles it (every fact of that compiler).
+        platform: its toolchain's platform, as jax's export names it.
+        devices_per_node: a target's devices per GPU node or TPU slice; None
+            elsewhere.
+    """
+
+    @property
+    def devices_per_node(self) -> int | None: ...
+
+    @property
+    def toolchain(self) -> Toolchain: ...
+
+    def check(self) -> None:
+        """Raises `CompilerMissing` where the compiler is not installed."""
+
+    def compile(self, traced: Traced) -> Analysis:
+        """The step compiled, its `seconds` the compile's alone (the trace's are
+        `traced.seconds`)."""
+        ...
+
+    def __str__(self) -> str: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Here:
+    """This process's compiler, for a mesh of its own devices (real ones, or the
+    CPU devices an `AbstractMesh` is laid on)."""
+
+    here: Mesh
+
+    @property
+    def toolchain(self) -> Toolchain:
+        """The devices' own compiler's toolchain, by their platform."""
+        return TOOLCHAINS[Backend.of(str(self.here.devices.flat[0].platform))]
+
+    @property
+    def platform(self) -> str:
+        """The toolchain's platform: ``"cpu"``, ``"cuda"``, ``"tpu"``."""
+        return self.toolchain.platform
+
+    @property
+    def devices_per_node(self) -> None:
+        """None: the devices are the mesh's own."""
+        return None
+
+    @property
+    def device(self) -> None:
+        """None: the step is traced for the devices here."""
+        return None
+
+    def check(self) -> None:
+        """Nothing to check: the devices' compiler is this process's."""
+
+    def compile(self, traced: Traced) -> Analysis:
+        """Compiles the step lowered for `here`."""
+        start = time.perf_counter()
+        stage = cast(Lowered, traced.stage)  # `here` set: trace lowered it
+        compiled = stage.lowered.compile(self.toolchain.options_for(deviceless=False))
+        found = analyse(compiled, self.here, self.toolchain)
+        return dataclasses.replace(found, seconds=time.perf_counter() - start)
+
+    def __str__(self) -> str:
+        if self.toolchain.backend.estimates:
+            return str(CpuChild(self.here.size))
+        first = self.here.devices.flat[0]
+        return f"{self.here.size} x {first.device_kind}, their own compiler"
+
+
+class _Child(abc.ABC):
+    """A compile in a fresh process, of the step exported for it."""
+
+    here: None = None
+
+    @property
+    def device(self) -> AbstractDevice | None:
+        """The device the step is traced for (see `TargetChild.device`): none, the
+        CPU's."""
+        return None
+
+    @property
+    @abc.abstractmethod
+    def toolchain(self) -> Toolchain:
+        """The child's compiler's toolchain."""
+
+    @property
+    def platform(self) -> str:
+        """The toolchain's platform, as the step is exported for it."""
+        return self.toolchain.platform
+
+    @property
+    @abc.abstractmethod
+    def slice_size(self) -> int:
+        """The devices one slice (node) holds, as the HLO reader takes it."""
+
+    @abc.abstractmethod
+    def mesh_for(self, sizes: Sequence[int], names: Sequence[str], types: Sequence[Any]) -> Mesh:
+        """The mesh the child compiles on (in the child)."""
+
+    def compile(self, traced: Traced) -> Analysis:
+        """Compiles the exported step in a child."""
+        return compile_child(cast(Exported, traced.stage).payload, self)
+
+
+@dataclasses.dataclass(frozen=True)
+class CpuChild(_Child):
+    """A fresh process given `devices` fake CPU devices: the fast estimate."""
+
+    devices: int
+
+    @property
+    def toolchain(self) -> Toolchain:
+        """`XLA_CPU`, on fake devices."""
+        return XLA_CPU
+
+    @property
+    def devices_per_node(self) -> None:
+        """None: fake devices sit on no node."""
+        return None
+
+    @property
+    def slice_size(self) -> int:
+        """All the devices."""
+        return self.devices
+
+    def check(self) -> None:
+        """Nothing to check: the CPU compiler is jax's own."""
+
+    def mesh_for(self, sizes: Sequence[int], names: Sequence[str], types: Sequence[Any]) -> Mesh:
+        """The child's CPU devices, as many as the mesh has, laid out like it."""
+        jax.config.update("jax_num_cpu_devices", math.prod(sizes))
+        return cast(Mesh, cpu_mesh(sizes, names, types))
+
+    def __str__(self) -> str:
+        return f"{self.devices} CPU devices (the XLA CPU compiler's estimate)"
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetChild(_Child):
+    """A fresh process where a target's own compiler compiles for its `placement`."""
+
+    placement: Placement
+
+    @property
+    def toolchain(self) -> Toolchain:
+        """The target's: `XLA_GPU` or `LIBTPU`."""
+        return self.placement.target.toolchain
+
+    @property
+    def devices_per_node(self) -> int:
+        """The placement's GPUs per node, or chips per TPU slice."""
+        return self.placement.per_node
+
+    @property
+    def slice_size(self) -> int:
+        """The placement's devices per node or slice."""
+        return self.placement.per_node
+
+    @property
+    def device(self) -> AbstractDevice:
+        """The target's device as jax's `AbstractDevice`: what a kernel written for
+        one chip (a Pallas kernel's lowering) asks of the device it is traced for,
+        where no such device is here."""
+        return cast(AbstractDevice, self.toolchain.device(self.placement.target.chip))
+
+    def check(self) -> None:
+        """Raises `CompilerMissing`, naming the pip command, where the target's
+        compiler is not installed or not at this jax's version."""
+        self.toolchain.check(self.placement.target.name)
+
+    def mesh_for(self, sizes: Sequence[int], names: Sequence[str], types: Sequence[Any]) -> Mesh:
+        """The mesh over the target's devices (`Placement.mesh`)."""
+        return self.placement.mesh(sizes, names, types)
+
+    def __str__(self) -> str:
+        return str(self.placement)
+
+
+@overload
+def compiler_for(
+    mesh: AnyMesh, target: Hardware | str, devices_per_node: int | None
+) -> TargetChild: ...
+
+
+@overload
+def compiler_for(mesh: AnyMesh, target: None, devices_per_node: None) -> Here | CpuChild: ...
+
+
+@overload
+def compiler_for(
+    mesh: AnyMesh,
+    target: Hardware | str | None,
+    devices_per_node: int | None,
+    toolchain: Toolchain | None = None,
+) -> Compiler: ...
+
+
+def compiler_for(
+    mesh: AnyMesh,
+    target: Hardware | str | None,
+    devices_per_node: int | None,
+    toolchain: Toolchain | None = None,
+) -> Compiler:
+    """Where a step on `mesh` compiles: for `target`'s devices as nodes or slices of
+    `devices_per_node` (None: the hardware's), its compiler checked to be
+    installed; else here, on a `Mesh`'s own devices or this process's CPU devices
+    laid out like an `AbstractMesh`; else in a CPU child. Checked before anything
+    compiles. `toolchain` replaces the target's own (a test's fake compiler)."""
+    devices = math.prod(mesh.shape.values())
+    if target is not None:
+        if devices_per_node is not None:  # GPUs per node, or chips per TPU slice
+            check_devices_per_node(
+                devices_per_node, "devices_per_node", "the hardware's: 8 GPUs a node, one TPU slice"
+            )
+        chosen, per_node = target_of(target, toolchain)
+        placement = place(
+            chosen, devices, per_node if devices_per_node is None else devices_per_node
+        )
+        found = TargetChild(placement)
+        found.check()
+        return found
+    if devices_per_node is not None:
+        raise Mistake(
+            ValueError,
+            f"devices_per_node is {devices_per_node!r}, but no target= was given: it lays a "
+            "target's devices out as nodes or slices. Pass target=, or give devices_per_node "
+            "to StepPlan.time instead.",
+        )
+    if isinstance(mesh, Mesh):
+        return Here(mesh)
+    here = cpu_mesh(tuple(mesh.shape.values()), tuple(mesh.axis_names), tuple(mesh.axis_types))
+    return CpuChild(devices) if here is None else Here(here)
+
+
+def target_of(
+    target: Hardware | str, toolchain: Toolchain | None = None
+) -> tuple[Target, int | None]:
+    """The compiler target of a `Hardware` (the one it carries) or a preset's name,
+    and its devices per node."""
+    if not isinstance(target, (Hardware, str)):
+        raise Mistake(
+            TypeError,
+            f"target is {target!r}; expected a preset's name ({', '.join(map(repr, PRESETS))}) "
+            "or a st.Hardware with a chip.",
+        )
+    hardware = target if isinstance(target, Hardware) else PRESETS.get(target)
+    found = target_for(hardware, toolchain) if hardware is not None else None
+    if found is None or hardware is None:
+        raise Mistake(
+            ValueError,
+            f"target is {target!r}, whose compiler spmdtree does not know; the targets are "
+            f"the presets {', '.join(map(repr, PRESETS))} (st.hardware(name)), or a "
+            "st.Hardware with chip= (a st.GpuChip or a st.TpuChip) that says what its "
+            "compiler is told.",
+        )
+    return found, hardware.devices_per_node
+
+
+def cpu_mesh(sizes: Sequence[int], names: Sequence[str], types: Sequence[Any]) -> Mesh | None:
+    """This process's CPU devices laid out as a mesh of `sizes`, or None if there are
+    too few."""
+    cpus = jax.devices("cpu")
+    if len(cpus) < math.prod(sizes):
+        return None
+    devices = np.array(cpus[: math.prod(sizes)]).reshape(tuple(sizes))
+    return Mesh(devices, tuple(names), axis_types=tuple(types))
+
+
+def compile_child(payload: bytes, compiler: _Child) -> Analysis:
+    """Compiles an exported step in a fresh process: on that many fake CPU devices,
+    or by the target's compiler for its topology."""
+    start = time.perf_counter()
+    package_root = os.path.dirname(
+        os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    )
+    env = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])),
+        "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1",
+        "TPU_SKIP_MDS_QUERY": "1",
+        "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",  # parallel compiles, and a parent holding it
+        "TF_CPP_MIN_LOG_LEVEL": "3",
+    }
+    request = pickle.dumps((payload, compiler))
+    with tempfile.TemporaryDirectory() as folder:
+        answer = os.path.join(folder, "analysis.json")
+        code = f"from spmdtree._src.step.compile.compilers import child; child({answer!r})"
+        try:
+            done = subprocess.run(
+                [sys.executable, "-c", code],
+                input=request,
+                capture_output=True,
+                env=env,
+                timeout=CHILD_SECONDS,
+            )
+        except subprocess.TimeoutExpired:
+            raise Mistake(
+                ValueError,
+                f"compiling for {compiler} in a subprocess took over {CHILD_SECONDS} s and "
+                "was stopped.",
+            ) from None
+        if done.returncode == 0 and os.path.exists(answer):
+            with open(answer) as f:
+                said = json.load(f)
+            if "error" in said:
+                raise _refused(said, compiler)
+            found = Analysis.from_json(said)
+            return dataclasses.replace(found, seconds=time.perf_counter() - start)
+    raise _child_failed(done, compiler)
+
+
+class DoesNotFit(Mistake):
+    """The target's compiler refused the step for want of device memory: the step
+    does not fit (advise: over budget)."""
+
+
+def _refused(said: dict[str, str], compiler: _Child) -> Mistake:
+    """The mistake a compiler's refusal is said as, its message whole."""
+    message = said["message"].strip()
+    if said["error"] == "host memory":
+        return _host_memory(compiler, "")
+    if said["error"] == "device memory":
+        return DoesNotFit(
+            ValueError,
+            f"the step does not fit in the memory of one device: compiling for {compiler}, "
+            f"the compiler ran out of device memory ({message}). Shard it over more "
+            "devices (FSDP, tensor), rematerialise its layers, or take a smaller batch.",
+        )
+    return Mistake(ValueError, f"compiling for {compiler} failed: {message}")
+
+
+#: What a child's stderr says when it ran out of memory.
+_MEMORY_WORDS = (
+    b"MemoryError",
+    b"bad_alloc",
+    b"Cannot allocate memory",
+    b"cannot allocate memory",  # glibc, when a thread's local storage cannot be had
+    b"failed to map segment",  # no address space left to load a library
+)
+
+
+def _child_failed(done: subprocess.CompletedProcess[bytes], compiler: _Child) -> Mistake:
+    """The mistake a failed compile subprocess is said as."""
+    said = [
+        line
+        for line in done.stderr.decode(errors="replace").strip().splitlines()
+        if line.strip() and not line.startswith(("W0", "I0", "WARNING: All log"))
+    ]
+    if any(word in done.stderr for word in _MEMORY_WORDS):
+        return _host_memory(compiler, f" (exit {done.returncode})")
+    if done.returncode < 0:  # a signal: the OOM killer's, or an abort when allocation fails
+        return _host_memory(compiler, f" or was killed (signal {-done.returncode})")
+    return Mistake(
+        ValueError,
+        f"compiling for {compiler} in a subprocess failed: " + " / ".join(said[-3:]),
+    )
+
+
+def _host_memory(compiler: _Child, how: str) -> Mistake:
+    return Mistake(
+        ValueError,
+        f"compiling for {compiler} in a subprocess ran out of memory{how}; this machine "
+        "cannot host a mesh of that size. Plan on a smaller mesh, or on a machine with "
+        "more memory.",
+    )
+
+
+def child(answer: str) -> None:
+    """The compile subprocess: reads the request on stdin, writes the `Analysis` as
+    JSON to `answer`."""
+    payload, compiler = pickle.loads(sys.stdin.buffer.read())
+    step = pickle.loads(payload)
+    sizes = tuple(size for _, size in step["shape"])
+    names = tuple(name for name, _ in step["shape"])
+    mesh = compiler.mesh_for(sizes, names, step["types"])
+    exported = jax.export.deserialize(bytearray(step["module"]))
+    shardings = exported.in_shardings_jax(mesh)
+    args = [
+        jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=sharding)
+        for aval, sharding in zip(exported.in_avals, shardings, strict=True)
+    ]
+    jitted = jax.jit(exported.call, in_shardings=shardings, donate_argnums=step["donated"])
+    try:
+        with jax.set_mesh(mesh):
+            compiled = jitted.lower(*args).compile(compiler.toolchain.options_for(deviceless=True))
+    except Exception as e:  # the compiler's own refusal: said to the parent, whole
+        with open(answer, "w") as f:
+            json.dump({"error": _failure(e, compiler), "message": f"{type(e).__name__}: {e}"}, f)
+        return
+    found = analyse(compiled, mesh, compiler.toolchain, compiler.slice_size)
+    with open(answer, "w") as f:
+        json.dump(found.to_json(), f)
+
+
+def _failure(error: Exception, compiler: _Child) -> str:
+    """What a compile's exception means: ``"host memory"`` (this machine's: an
+    allocation, or a library that found no address space to load in), ``"device
+    memory"`` (a target's compiler found the step too big for a chip) or
+    ``"compile"``."""
+    said = str(error).encode(errors="replace")
+    if isinstance(error, MemoryError) or any(word in said for word in _MEMORY_WORDS):
+        return "host memory"
+    if "RESOURCE_EXHAUSTED" in str(error):
+        return "device memory" if isinstance(compiler, TargetChild) else "host memory"
+    return "compile"

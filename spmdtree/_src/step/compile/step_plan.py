@@ -1,0 +1,391 @@
+"""A step's record: `StepPlan`, what preflight says of a step (its memory per device,
+collectives, FLOPs, inputs, flags), what it means (`time`, `fits`,
+`what_would_fit`, `unexplained_traffic`) and its table (new in 0.6: beside the
+record; 0.5 rendered it in text.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from spmdtree._src.errors import Mistake, public
+from spmdtree._src.plan import Plan
+from spmdtree._src.rules import AnyMesh
+from spmdtree._src.specs import RuleProblem
+from spmdtree._src.step.advise.diagnose import Closest, Traffic, nothing_fits, unexplained_traffic
+from spmdtree._src.step.compile.analysis import Memory
+from spmdtree._src.step.hlo.schedule import Collective, Schedule
+from spmdtree._src.step.hw.hardware import Hardware
+from spmdtree._src.step.kinds import Backend
+from spmdtree._src.step.time.bound import StepTime, step_time
+from spmdtree._src.text import axis_types_text, flops_text, seconds_text, size_text
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    """What a compiled step needs on one device, and what it moves.
+
+    The memory figures come from the compiler's own analysis of the step as
+    compiled for `mesh`: for a `target`, or on a real `Mesh` of accelerators,
+    that accelerator's compiler's own numbers; on an `AbstractMesh` without a
+    target (compiled on CPU devices laid out like it), an estimate of an
+    accelerator's (see `preflight`).
+
+    Attributes:
+        memory: the compiler's `Memory` record of the step per device (new in
+            0.5: 0.4's fields are read from it, as the properties
+            `argument_bytes`, `output_bytes`, `alias_bytes`, `temp_bytes`,
+            `code_bytes`, `compiler_peak_bytes` and the ``host_*`` ones).
+        argument_bytes: the arguments' bytes on one device.
+        output_bytes: the outputs' bytes on one device.
+        alias_bytes: bytes of outputs that reuse a donated argument's buffer.
+        temp_bytes: the compiler's temporaries (activations among them).
+        code_bytes: the generated code (0 on CPU).
+        collectives: one `Collective` per kind and set of mesh axes that the
+            step runs, as an accelerator runs it (on CPU, an all-reduce of which
+            each device only takes its slice is the reduce-scatter it stands for).
+        inputs: the `Plan` of the arguments.
+        backend: the platform whose compiler compiled it, as `jax.devices()`
+            names it: ``"cpu"`` for fake devices, ``"gpu"`` (XLA GPU) or
+            ``"tpu"`` (libtpu) for a target or a `Mesh` of those devices; a
+            `Backend`, equal to those strings (new in 0.5).
+        mesh: the mesh planned for, as given (a plan of a `Mesh` holds its
+            devices, which do not pickle; one of an `AbstractMesh` pickles).
+        compile_seconds: how long tracing, lowering and compiling took, each counted
+            once (0.4 counted the trace twice on a compile in this process).
+        flags: sentences: the inputs' plan flags first (a dimension left
+            unsharded), then what the figures do not cover (a loop whose trip
+            count the compiler does not know counts once; reductions read as
+            reduce-scatters), then the warnings raised while tracing.
+        flops: floating-point operations per device per step: every dot and
+            convolution, times its loops' trip counts; elementwise work left
+            out (new in 0.3); a Pallas kernel's as its cost estimate gives them
+            (a flag names the kernels without one; new in 0.5).
+        overstated_bytes: on a CPU compile, how much of its peak is whole
+            reductions an accelerator holds as reduce-scattered shards (new in
+            0.3; 0 where there are none, and on accelerators). Part of why the
+            estimate differs from an accelerator's peak, not a bound on the
+            difference (0.4: measured, an accelerator's peak can lie lower
+            still; compile for the target).
+        target: what it was compiled for, in words: ``"64 x h100, 8 nodes of
+            8, XLA GPU compiler"``, ``"8 CPU devices (the XLA CPU compiler's
+            estimate)"`` (new in 0.4).
+        devices_per_node: a target's devices per GPU node or TPU slice, as it
+            was compiled; `time` lays devices out so by default (new in 0.4;
+            None for no target).
+        rule_problems: what is wrong with single rules of those the step was
+            traced under, as `validate_rules` says it over the arguments on
+            `mesh`, one `RuleProblem` each: a rule naming an axis the mesh
+            lacks, one never reached, and one that matches nothing: no box of
+            the arguments has its logical name and no `with_logical_constraint`
+            in the step names it (a name only activations have counts as used;
+            the constraints of a function JAX had already traced in this
+            process with the same shapes, and so did not trace again, are not
+            seen). New in 0.5.
+        schedule: the compiled module's schedule, what `time` walks for
+            `StepTime.predicted_seconds` (new in 0.5).
+        compiler_peak_bytes: the compiler's own peak per device where it gives
+            one (``memory_analysis().peak_memory_in_bytes``: libtpu and XLA
+            GPU), else 0 (on the CPU estimate its own is the CPU program's). `peak_bytes` (arguments + outputs - aliased
+            + temporaries) is what advise judges by: on a real H200 it equalled
+            the device's peak to 1.2 KB; the compilers' own figures lie below
+            it on some steps, and are shown beside it (new in 0.5).
+        compiler_seconds: the compiler's own time estimate where it gives one
+            (libtpu's ``cost_analysis()["optimal_seconds"]``), else 0.0; shown
+            beside the prediction as a cross-check (new in 0.5). A negative
+            figure is no figure either: libtpu gave -3.0 s for a step of jax's
+            Pallas flash-attention kernels, whose backward carries no cost
+            estimate.
+        read_seconds: of `compile_seconds`, how long reading the compiled module
+            took: its instructions, the one walk of its schedule and the
+            reading folded from it (new in 0.6).
+        host_argument_bytes: the arguments offloaded to the host's memory (a
+            host `memory_kind`), per device, not in `argument_bytes` (new in
+            0.5). libtpu says them; the CPU (one memory) and XLA GPU count them
+            as the device's, so there they are the inputs' plan's `host_bytes`,
+            moved out of `argument_bytes`.
+        host_output_bytes: the outputs placed in the host's memory, per device,
+            not in `output_bytes`: the compiler's ``host_output_size_in_bytes``
+            (on the CPU, those its output shardings put there; new in 0.5).
+        host_alias_bytes: host outputs in donated host buffers (new in 0.5).
+        host_temp_bytes: the compiler's temporaries in host memory (new in 0.5).
+
+    Example:
+        >>> import jax, jax.numpy as jnp, spmdtree as st
+        >>> mesh = jax.sharding.AbstractMesh((2,), ("data",))
+        >>> x = st.Partitioned(jax.ShapeDtypeStruct((8, 4), jnp.float32), ("data", None))
+        >>> step = st.preflight(lambda x: jnp.sum(x.value * 2), x, mesh=mesh)
+        >>> step.argument_bytes, step.output_bytes  # half of 128 B each, and a scalar
+        (64, 4)
+        >>> step.peak_bytes == step.argument_bytes + step.output_bytes + step.temp_bytes
+        True
+        >>> [c.kind for c in step.collectives]
+        ['all-reduce']
+    """
+
+    memory: Memory
+    collectives: tuple[Collective, ...]
+    inputs: Plan
+    backend: Backend
+    mesh: AnyMesh
+    compile_seconds: float
+    flags: tuple[str, ...] = ()
+    flops: int = 0
+    overstated_bytes: int = 0
+    target: str = ""
+    devices_per_node: int | None = None
+    rule_problems: tuple[RuleProblem, ...] = ()
+    schedule: Schedule | None = dataclasses.field(default=None, repr=False, compare=False)
+    compiler_seconds: float = 0.0
+    read_seconds: float = 0.0
+
+    @property
+    def argument_bytes(self) -> int:
+        """The arguments' bytes on one device (`memory`'s)."""
+        return self.memory.argument_bytes
+
+    @property
+    def output_bytes(self) -> int:
+        """The outputs' bytes on one device (`memory`'s)."""
+        return self.memory.output_bytes
+
+    @property
+    def alias_bytes(self) -> int:
+        """Bytes of outputs that reuse a donated argument's buffer (`memory`'s)."""
+        return self.memory.alias_bytes
+
+    @property
+    def temp_bytes(self) -> int:
+        """The compiler's temporaries, activations among them (`memory`'s)."""
+        return self.memory.temp_bytes
+
+    @property
+    def code_bytes(self) -> int:
+        """The generated code, 0 on CPU (`memory`'s)."""
+        return self.memory.code_bytes
+
+    @property
+    def compiler_peak_bytes(self) -> int:
+        """The compiler's own peak, where it gives one (`memory`'s; new in 0.5)."""
+        return self.memory.compiler_peak_bytes
+
+    @property
+    def host_argument_bytes(self) -> int:
+        """The arguments offloaded to the host, per device (`memory`'s; new in 0.5)."""
+        return self.memory.host_argument_bytes
+
+    @property
+    def host_output_bytes(self) -> int:
+        """The outputs placed in the host's memory, per device (new in 0.5)."""
+        return self.memory.host_output_bytes
+
+    @property
+    def host_alias_bytes(self) -> int:
+        """Host outputs in donated host buffers (new in 0.5)."""
+        return self.memory.host_alias_bytes
+
+    @property
+    def host_temp_bytes(self) -> int:
+        """The compiler's temporaries in host memory (new in 0.5)."""
+        return self.memory.host_temp_bytes
+
+    @property
+    def peak_bytes(self) -> int:
+        """Arguments + outputs - aliased + temporaries: the step's peak on one device."""
+        return self.memory.peak_bytes
+
+    @property
+    def host_peak_bytes(self) -> int:
+        """The same in the host's memory, per device: what the step offloads (new in 0.5).
+
+        Example:
+            >>> import jax, jax.numpy as jnp, spmdtree as st
+            >>> mesh = jax.sharding.AbstractMesh((2,), ("data",))
+            >>> x = st.Partitioned(jax.ShapeDtypeStruct((8, 4), jnp.float32), ("data", None), memory_kind="pinned_host")
+            >>> step = st.preflight(lambda x: jax.device_put(x.value, jax.memory.Space.Device) * 2, x, mesh=mesh)
+            >>> step.host_argument_bytes, step.argument_bytes, step.host_peak_bytes
+            (64, 0, 64)
+        """
+        return self.memory.host_peak_bytes
+
+    @property
+    def unexplained_traffic(self) -> Traffic | None:
+        """The step's collectives, where they move far more than the layout of its
+        arguments explains: a `Traffic` saying so and what to do; else None (new
+        in 0.5).
+
+        The layout explains, at most, each sharded argument gathered whole twice
+        and its gradient reduce-scattered, and each replicated one's gradient
+        all-reduced; more than 4 times that (and 1 MiB beyond it) is said.
+
+        Example:
+            >>> import jax, jax.numpy as jnp, spmdtree as st
+            >>> mesh = jax.sharding.AbstractMesh((2,), ("data",))
+            >>> x = st.Partitioned(jax.ShapeDtypeStruct((8, 4), jnp.float32), ("data", None))
+            >>> st.preflight(lambda x: jnp.sum(x.value), x, mesh=mesh).unexplained_traffic is None
+            True
+        """
+        return unexplained_traffic(self.collectives, self.inputs)
+
+    @public
+    def what_would_fit(
+        self, budget_bytes: int, *, batch: int | None = None, remat: bool | None = None
+    ) -> str | None:
+        """What might bring the step under `budget_bytes`, in words; None where it
+        fits (new in 0.5).
+
+        How far over its peak is, then what might bring it under: rematerialising
+        its layers (said where `remat` is not True and the temporaries are most
+        of the peak), more devices with everything sharded over them, and the largest
+        batch whose temporaries (which scale with it; the rest does not) fit.
+
+        Args:
+            budget_bytes: the memory per device.
+            batch: the step's global batch, to say a smaller one; None: as a share.
+            remat: whether the step rematerialises its layers; None: not known.
+
+        Returns:
+            The sentences, or None if the peak fits.
+
+        Raises:
+            TypeError: for a budget that is not an int, or a batch that is not one.
+
+        Example:
+            >>> import jax, jax.numpy as jnp, spmdtree as st
+            >>> mesh = jax.sharding.AbstractMesh((2,), ("data",))
+            >>> x = st.Partitioned(jax.ShapeDtypeStruct((256, 1024), jnp.float32), ("data", None))
+            >>> step = st.preflight(lambda x: jnp.sum(jnp.tanh(x.value) ** 2), x, mesh=mesh)
+            >>> step.what_would_fit(step.peak_bytes) is None
+            True
+            >>> "A batch of at most" in step.what_would_fit(step.peak_bytes - 1, batch=256)
+            True
+        """
+        if not self.fits(budget_bytes):
+            if batch is not None and (not isinstance(batch, int) or isinstance(batch, bool)):
+                raise Mistake(TypeError, f"batch is {batch!r}; expected an int (or None).")
+            devices = math.prod(self.mesh.shape.values())
+            closest = Closest("", self.peak_bytes, self.temp_bytes, devices, batch, remat)
+            return nothing_fits([closest], budget_bytes)
+        return None
+
+    @public
+    def fits(self, budget_bytes: int) -> bool:
+        """Whether the step's peak on one device fits in `budget_bytes`.
+
+        Example:
+            >>> import jax, jax.numpy as jnp, spmdtree as st
+            >>> mesh = jax.sharding.AbstractMesh((1,), ("data",))
+            >>> step = st.preflight(jnp.sin, jax.ShapeDtypeStruct((256,), jnp.float32), mesh=mesh)
+            >>> step.fits(step.peak_bytes), step.fits(step.peak_bytes - 1)
+            (True, False)
+        """
+        if not isinstance(budget_bytes, (int, np.integer)) or isinstance(budget_bytes, bool):
+            raise Mistake(TypeError, f"budget_bytes is {budget_bytes!r}; expected an int of bytes.")
+        return self.peak_bytes <= budget_bytes
+
+    @public
+    def time(self, hardware: Hardware, *, devices_per_node: int | None = None) -> StepTime:
+        """A roofline bound on this step on `hardware`: its FLOPs at the peak, its
+        collectives at the links' bandwidth (new in 0.3).
+
+        Devices sit on nodes by their position in the mesh's row-major device
+        order (position // devices_per_node); a group that spans nodes is
+        timed as hierarchical algorithms run it (docs/planning.md, "Hardware
+        and time"). Not a prediction: perfect overlap, peak FLOPs.
+
+        Args:
+            hardware: a `Hardware` (e.g. ``st.hardware("h100")``).
+            devices_per_node: overrides the hardware's (the slice size of a
+                multi-slice TPU job; 1 puts every device on its own node); None:
+                as the step was compiled for a target, else the hardware's.
+
+        Returns:
+            The `StepTime`.
+
+        Raises:
+            ValueError: for `devices_per_node` < 1, or a collective that needs
+                a link kind the hardware does not have.
+
+        Example:
+            >>> import jax, jax.numpy as jnp, spmdtree as st
+            >>> mesh = jax.sharding.AbstractMesh((2,), ("data",))
+            >>> w = st.Partitioned(jax.ShapeDtypeStruct((256, 256), jnp.float32), (None, None))
+            >>> x = st.Partitioned(jax.ShapeDtypeStruct((64, 256), jnp.float32), ("data", None))
+            >>> step = st.preflight(lambda w, x: jnp.sum(x.value @ w.value), w, x, mesh=mesh)
+            >>> t = step.time(st.hardware("h100"))
+            >>> t.compute_seconds == step.flops / 989e12
+            True
+            >>> t.bound_seconds == max(t.compute_seconds, t.comm_seconds)
+            True
+        """
+        per_node = self.devices_per_node if devices_per_node is None else devices_per_node
+        return step_time(
+            self.collectives, self.flops, self.mesh.shape, hardware, per_node, self.schedule
+        )
+
+    def __str__(self) -> str:
+        return _table(self)
+
+
+def _table(step: StepPlan) -> str:
+    """The table of a `StepPlan`: memory per device, compute, collectives, the inputs."""
+    axes = ", ".join(f"{name} {size}" for name, size in step.mesh.shape.items())
+    devices = math.prod(step.mesh.shape.values())
+    compiled = step.target or step.backend
+    memory = [
+        ("arguments", step.argument_bytes, ""),
+        ("outputs", step.output_bytes, ""),
+        ("aliased", -step.alias_bytes, "outputs in donated buffers"),
+        ("temporaries", step.temp_bytes, "activations and scratch"),
+        ("peak", step.peak_bytes, "arguments + outputs - aliased + temporaries"),
+    ]
+    lines = [
+        f"step on {devices} device{'' if devices == 1 else 's'} ({axes}; axis types "
+        f"{axis_types_text(step.mesh)}), compiled for {compiled} "
+        f"in {step.compile_seconds:.1f} s",
+        "memory per device",
+    ]
+    for label, amount, note in memory:
+        text = size_text(abs(amount))
+        text = f"-{text}" if amount < 0 else text
+        lines.append(f"  {label:<12}{text:>11}" + (f"  {note}" if note else ""))
+    if step.compiler_peak_bytes:
+        lines.append(
+            f"  {'its peak':<12}{size_text(step.compiler_peak_bytes):>11}  the compiler's own "
+            "figure (peak_memory_in_bytes); the peak above is what advise judges"
+        )
+    if step.host_peak_bytes:  # offloaded arrays (new in 0.5)
+        lines.append(
+            f"  {'on the host':<12}{size_text(step.host_peak_bytes):>11}  offloaded arguments, "
+            "outputs and temporaries, not in the peak"
+        )
+    if step.backend.estimates:  # no range claimed: measured, neither side bounds it
+        lines.append(f"{'':<25}an estimate: pass target= for an accelerator's own")
+    if step.overstated_bytes:
+        lines.append(
+            f"{'':<25}{size_text(step.overstated_bytes)} of it whole reductions an "
+            "accelerator holds as shards"
+        )
+    lines.append(f"compute  {flops_text(step.flops)} per device (dots and convolutions)")
+    if step.compiler_seconds:
+        lines.append(
+            f"time     {seconds_text(step.compiler_seconds)}: the compiler's own estimate (libtpu's optimal_seconds)"
+        )
+    lines.append("collectives per step" + ("" if step.collectives else ": none"))
+    for row in step.collectives:
+        over = f"over {'+'.join(row.axes)} ({row.group})" if row.axes else f"group {row.group}"
+        lines.append(
+            f"  {row.kind:<19}{row.count:>6} x  {size_text(row.bytes):>11} in all, "
+            f"{size_text(row.wire_bytes):>11} sent per device, {over}"
+        )
+        if row.label != row.kind:  # written in another form: libtpu's
+            lines.append(f"{'':<21}{row.label[len(row.kind) + 1 :]}")
+    noun = "array" if len(step.inputs.rows) == 1 else "arrays"
+    lines.append(
+        f"inputs  {len(step.inputs.rows)} {noun}, {size_text(step.inputs.device_bytes)} on "
+        "the most loaded device (st.plan counts these only)"
+    )
+    lines += [f"! {flag}" for flag in step.flags]
+    return "\n".join(lines)
