@@ -73,3 +73,70 @@ def test_the_changelog_opens_with_this_version():
     sections = [line.split()[1] for line in changelog.splitlines() if line.startswith("## ")]
     assert sections[0] == spmdtree.__version__, sections
     assert sections == sorted(sections, key=lambda v: tuple(map(int, v.split("."))), reverse=True)
+
+
+#: The documented flow (CONTRIBUTING, "Layout"): each module imports only those before it.
+FLOW = [
+    "errors",
+    "text",
+    "registry",
+    "rules",
+    "resolve",
+    "boxes",
+    "trees",
+    "specs",
+    "tactics",
+    "interop",
+    "constraints",
+    "transforms",
+    "optim",
+    "plan",
+    "step.kinds",
+    "step.hlo.groups",
+    "step.hlo.instructions",
+    "step.hlo.opcodes",
+    "step.hlo.loops",
+    "step.hlo.forms",
+    "step.hlo.schedule",
+    "step.hlo.reading",
+    "step.hw.chips",
+    "step.hw.hardware",
+    "step.compile.trace",
+    "step.compile.backends",
+    "step.compile.analysis",
+    "step.compile.compilers",
+    "step.time.predict",
+    "step.time.bound",
+    "step.advise.diagnose",
+    "step.compile.step_plan",
+    "step.compile.preflight",
+    "step.advise.records",
+    "step.advise.advise",
+    "report",
+]
+
+
+def test_every_module_imports_only_those_before_it_in_the_flow():
+    import ast
+
+    source = pathlib.Path(spmdtree.__file__).parent / "_src"
+    modules = {
+        ".".join(p.relative_to(source).with_suffix("").parts): p
+        for p in source.rglob("*.py")
+        if p.name != "__init__.py"
+    }
+    assert sorted(modules) == sorted(FLOW)  # every room has its place in the flow
+    late = []
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):  # inside functions too
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+                "spmdtree._src."
+            ):
+                imported = node.module.removeprefix("spmdtree._src.")
+                targets = (
+                    [imported]
+                    if imported in modules
+                    else [f"{imported}.{alias.name}" for alias in node.names]
+                )
+                late += [(name, t) for t in targets if FLOW.index(t) >= FLOW.index(name)]
+    assert late == []
