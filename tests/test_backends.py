@@ -78,3 +78,14 @@ def test_what_a_compiler_refuses_is_its_toolchains_to_say(monkeypatch):
     )
     with pytest.raises(ValueError, match=r"^preflight: .*'pinned_host', which fake GPU does not"):
         st.preflight(lambda x: x.value * 2, x, mesh=mesh, target="h100")
+
+
+def test_a_chip_of_ones_own_kind_is_compiled_by_its_kinds_toolchain():
+    # a subclass of GpuChip is a GpuChip: XLA GPU's target, as Hardware accepts it
+    class MyChip(st.GpuChip):
+        pass
+
+    h100 = st.hardware("h100")
+    chip = MyChip(*dataclasses.astuple(h100.chip))
+    mine = dataclasses.replace(h100, name="mine", chip=chip)
+    assert target_for(mine).toolchain is XLA_GPU

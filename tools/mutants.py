@@ -271,7 +271,7 @@ MUTANTS: dict[str, list[tuple[str, str, str]]] = {
             "return REPLICATED",
         ),
     ],
-    # 0.3: reading the compiled step (hlo.py and the rooms it sums, since 0.5).
+    # 0.3: the ring volumes (kinds.py's CollectiveKind, since 0.6).
     "wire-bytes-all-reduce-one-way": [
         (
             "_src/step/kinds.py",
@@ -406,7 +406,7 @@ MUTANTS: dict[str, list[tuple[str, str, str]]] = {
             "meta = meta._replace(mesh=None)",
         ),
     ],
-    # The roofline (hardware.py) and the ranking (advise.py).
+    # The roofline (time/bound.py) and the ranking (advise.py).
     "hierarchy-divides-by-nothing": [("_src/step/time/bound.py", "        faster *= g[k]\n", "\n")],
     "reduce-scatter-volume-is-its-result": [
         (

@@ -49,7 +49,8 @@ class Toolchain:
         platform: what jax's export and topologies call it (``cpu``, ``cuda``, ``tpu``).
         name: its name in sentences (``XLA GPU``).
         label: its name in an advice table's ``from`` column.
-        extra: the pip extra that installs it (``spmdtree[cuda]``); None: jax's own.
+        extra: the pip extra that installs it (``"cuda"``: ``spmdtree[cuda]``); None:
+            jax's own.
         module: the module whose presence says it is installed; None: always is.
         package: the distribution whose version is checked against jax's.
         options: its compile options without a device, as (name, value) pairs.
@@ -434,7 +435,7 @@ def target_for(hardware: Hardware, toolchain: Toolchain | None = None) -> Target
     chip = hardware.chip
     if chip is None:
         return None
-    toolchain = toolchain or BY_CHIP[type(chip)]
+    toolchain = toolchain or next(t for kind, t in BY_CHIP.items() if isinstance(chip, kind))
     if isinstance(chip, TpuChip):
         return Target(hardware.name, toolchain, chip)
     missing = [f for f in ("cores", "hbm_bytes_per_second") if getattr(hardware, f) is None]

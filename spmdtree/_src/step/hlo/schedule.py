@@ -11,7 +11,7 @@ row read as an accelerator runs it (`forms`: the CPU's sliced reductions and
 widened values, libtpu's all-reduce-scatter fusion and zero-filled gathers, a
 multi-slice job's megascale transfers, a collective fused into a kernel); a
 `Loop` per ``while`` with its trip count; a `Branches` per conditional. The
-reading (`hlo.reading_of`: collectives, FLOPs, flags) is a fold of it, and the
+reading (`reading.reading_of`: collectives, FLOPs, flags) is a fold of it, and the
 prediction (`predict.predict`) a walk of it on two clocks, so the two cannot
 disagree on what a step runs.
 """

@@ -1,11 +1,11 @@
-"""Hardware and time: a roofline over what a compiled step computes and moves.
+"""Hardware: every figure of a chip that the bound and the prediction use, carried
+whole (0.6: nothing is looked up by a hardware's name).
 
-A step cannot run faster than its FLOPs at the chip's peak, nor than its
-collectives at the links' bandwidth. `Hardware` holds those figures (the
-presets list their public sources in docs/planning.md); `step_time` turns a
-step's FLOPs and `Collective` rows into a `StepTime`: a lower bound on the
-step (perfect overlap, peak FLOPs), not a prediction. Both records are frozen
-and pickle; their mappings are `Frozen`, read-only dicts.
+`Hardware` holds the peak, memory, links and node layout, and the per-kernel
+model's figures (`Costs`, filled with `DEFAULTS` where left out); the presets
+are built from `chips.CHIPS` alone and list their public sources in
+docs/planning.md. The records are frozen and pickle; their mappings are
+`Frozen`, read-only dicts. The time they give is `time.bound`'s.
 """
 
 from __future__ import annotations
@@ -308,7 +308,7 @@ class Hardware:
         return tuple(what for what in MODEL_FIELDS if getattr(self, what) is None)
 
     def costs(self) -> Costs:
-        """The per-kernel model's figures (`predict.Costs`), each left-out one at its
+        """The per-kernel model's figures (`Costs`), each left-out one at its
         default."""
         figure = {
             what: DEFAULTS[what] if getattr(self, what) is None else getattr(self, what)

@@ -283,7 +283,7 @@ def step_time(
 ) -> StepTime:
     """The `StepTime` of a step with these FLOPs per device and collectives on a
     mesh of this shape (axis name -> size), on `hw`; with the compiled module's
-    `schedule` (`predict.read_schedule`), its predicted time too, timed by the
+    `schedule` (`schedule.read_schedule`), its predicted time too, timed by the
     hardware's own figures (new in 0.5; 0.6: any `Hardware`, its defaults said)."""
     if not isinstance(hw, Hardware):
         raise Mistake(

@@ -10,7 +10,7 @@ the collective stream runs collectives one at a time (XLA GPU's default); a
 done waits for its collective, so only the part of a collective that the
 compute between its start and done does not cover is exposed.
 
-The per-kernel model (`Costs`; every figure's source is listed with it):
+The per-kernel model (`hardware.Costs`; every figure's source is listed with it):
 
 - a matmul (dot, convolution, cuBLAS/cuDNN call) at its FLOPs over the peak
   times the chip's largest achievable share (published "maximum achievable
@@ -27,7 +27,7 @@ The per-kernel model (`Costs`; every figure's source is listed with it):
   performance model overlaps them so: ``kMemoryComputeParallelism = 0.95``);
 - a launch overhead per GPU kernel (XLA GPU's ``kKernelLaunchOverhead``,
   1 us) and a latency per collective (its ``kNcclKernelLaunchOverhead``,
-  5 us) on top of the alpha-beta time the caller gives (`hardware`'s
+  5 us) on top of the alpha-beta time the caller gives (`bound`'s
   `collective_seconds`: per link level, the slowest level's bytes over its
   bandwidth plus its per-hop latency).
 """
