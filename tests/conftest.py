@@ -48,7 +48,13 @@ def _no_leftover_rules():
 #: Files whose tests compile with XLA GPU or libtpu where they are installed: every
 #: test in them is a target test, so that ``pytest -m target`` runs them all.
 TARGET_FILES = frozenset(
-    {"test_targets.py", "test_hlo_targets.py", "test_hlo_libtpu.py", "test_predict.py"}
+    {
+        "test_targets.py",
+        "test_hlo_targets.py",
+        "test_hlo_libtpu.py",
+        "test_predict.py",
+        "test_cudnn.py",
+    }
 )
 
 

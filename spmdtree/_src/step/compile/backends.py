@@ -30,6 +30,7 @@ from jax.sharding import AbstractDevice, Mesh
 
 from spmdtree._src.errors import Mistake
 from spmdtree._src.plan import Plan
+from spmdtree._src.step.hlo.schedule import Schedule
 from spmdtree._src.step.hw.chips import GpuChip, TpuChip, slice_dims
 from spmdtree._src.step.hw.hardware import Hardware
 from spmdtree._src.step.kinds import Backend
@@ -60,6 +61,9 @@ class Toolchain:
             7-10x), so that advise screens on it unasked.
         refuses: the memory kinds it does not compile an argument in.
         node: what its devices are grouped in (``node``, ``slice``).
+        lowers_here: whether a step whose primitives need devices to lower
+            (cuDNN's attention) is lowered and compiled on its devices in this
+            process (XLA GPU: its topology is a description; new in 0.6).
     """
 
     backend: Backend
@@ -74,6 +78,7 @@ class Toolchain:
     screens_cheaply: bool = True
     refuses: tuple[str, ...] = ()
     node: str = "node"
+    lowers_here: bool = False
 
     @property
     def reports_peak(self) -> bool:
@@ -135,6 +140,11 @@ class Toolchain:
                     "host with memory_kind='pinned_host'.",
                 )
 
+    def left_out(self, schedule: Schedule | None) -> tuple[str, ...]:
+        """What a compile without a device leaves out of a step's figures, in
+        sentences (new in 0.6): none by default."""
+        return ()
+
     # --- a target's devices: laid out, described, meshed --------------------------------
 
     def place(self, target: Target, devices: int, per_node: int | None) -> Placement:
@@ -186,6 +196,17 @@ class _XlaGpu(Toolchain):
                 f"whose size is a multiple of {node}, or devices_per_node= that divides it.",
             )
         return Placement(target, devices, node)
+
+    def left_out(self, schedule: Schedule | None) -> tuple[str, ...]:
+        """cuDNN's workspace: without a device, XLA sizes it as 0 (it picks cuDNN's
+        execution plan, and its scratch, only with a stream executor)."""
+        calls = sorted({k.call for k in schedule.kernels() if k.call} if schedule else ())
+        if not calls:
+            return ()
+        return (
+            f"cuDNN's workspace is not in the peak: compiled without a GPU, XLA sizes it as 0 "
+            f"for {', '.join(calls)} (a real GPU's is usually tens of MiB at most)",
+        )
 
     def device(self, chip: Any) -> AbstractDevice:
         """A GPU's kind is its description (XLA names a device by it), its SMs cores."""
@@ -314,6 +335,7 @@ XLA_GPU = _XlaGpu(
     options=(("xla_gpu_enable_triton_gemm", False),),
     taken="on GPU, JAX preallocates 75% of it unless XLA_PYTHON_CLIENT_MEM_FRACTION says "
     "otherwise, and fragmentation takes some",
+    lowers_here=True,
 )
 
 #: libtpu: a screen on it costs 7-10x a CPU compile, so advise screens on the CPU

@@ -40,7 +40,7 @@ from spmdtree._src.step.compile.backends import (
     place,
     target_for,
 )
-from spmdtree._src.step.compile.trace import Exported, Lowered, Site, Traced
+from spmdtree._src.step.compile.trace import Lowered, Site, Traced
 from spmdtree._src.step.hw.hardware import PRESETS, Hardware, check_devices_per_node
 from spmdtree._src.step.kinds import Backend
 
@@ -72,6 +72,10 @@ class Compiler(Site, Protocol):
     def compile(self, traced: Traced) -> Analysis:
         """The step compiled, its `seconds` the compile's alone (the trace's are
         `traced.seconds`)."""
+        ...
+
+    def left_out(self, analysis: Analysis) -> tuple[str, ...]:
+        """What its compile leaves out of the step's figures, in sentences."""
         ...
 
     def __str__(self) -> str: ...
@@ -107,11 +111,19 @@ class Here:
     def check(self) -> None:
         """Nothing to check: the devices' compiler is this process's."""
 
+    def resident(self, mesh: AnyMesh) -> None:
+        """None: the step is lowered for `here` already."""
+        return None
+
+    def left_out(self, analysis: Analysis) -> tuple[str, ...]:
+        """Nothing: the devices are here, and their compiler sizes what they run."""
+        return ()
+
     def compile(self, traced: Traced) -> Analysis:
         """Compiles the step lowered for `here`."""
         start = time.perf_counter()
         stage = cast(Lowered, traced.stage)  # `here` set: trace lowered it
-        compiled = stage.lowered.compile(self.toolchain.options_for(deviceless=False))
+        compiled = _compiled(stage, self.toolchain.options_for(deviceless=False), self)
         found = analyse(compiled, self.here, self.toolchain)
         return dataclasses.replace(found, seconds=time.perf_counter() - start)
 
@@ -152,9 +164,27 @@ class _Child(abc.ABC):
     def mesh_for(self, sizes: Sequence[int], names: Sequence[str], types: Sequence[Any]) -> Mesh:
         """The mesh the child compiles on (in the child)."""
 
+    def resident(self, mesh: AnyMesh) -> Mesh | None:
+        """None: its devices are in the child only."""
+        return None
+
+    def left_out(self, analysis: Analysis) -> tuple[str, ...]:
+        """What its toolchain's compile without a device leaves out."""
+        return self.toolchain.left_out(analysis.schedule)
+
     def compile(self, traced: Traced) -> Analysis:
-        """Compiles the exported step in a child."""
-        return compile_child(cast(Exported, traced.stage).payload, self)
+        """Compiles the exported step in a child; a step lowered on the target's
+        devices resident here (`resident`), here."""
+        if isinstance(traced.stage, Lowered):
+            return self._here(traced.stage)
+        return compile_child(traced.stage.payload, self)
+
+    def _here(self, stage: Lowered) -> Analysis:
+        """The step lowered on the resident devices, compiled in this process."""
+        start = time.perf_counter()
+        compiled = _compiled(stage, self.toolchain.options_for(deviceless=True), self)
+        found = analyse(compiled, cast(Mesh, stage.mesh), self.toolchain, self.slice_size)
+        return dataclasses.replace(found, seconds=time.perf_counter() - start)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,8 +257,40 @@ class TargetChild(_Child):
         """The mesh over the target's devices (`Placement.mesh`)."""
         return self.placement.mesh(sizes, names, types)
 
+    def resident(self, mesh: AnyMesh) -> Mesh | None:
+        """The target's devices in this process, laid out like `mesh`, where its
+        toolchain lowers here (XLA GPU: a topology of descriptions, no device)."""
+        if not self.toolchain.lowers_here:
+            return None
+        return self.mesh_for(
+            tuple(mesh.shape.values()), tuple(mesh.axis_names), tuple(mesh.axis_types)
+        )
+
     def __str__(self) -> str:
         return str(self.placement)
+
+
+def _compiled(stage: Lowered, options: dict[str, Any], compiler: object) -> Any:
+    """A step lowered here, compiled; the compiler's refusal said whole, in our words:
+    a primitive with no lowering for its platform (cuDNN's attention on the CPU
+    estimate) named, with what compiles it."""
+    try:
+        return stage.lowered.compile(options)
+    except Exception as e:  # the compiler's own refusal: said, its cause chained
+        said = str(e)
+        lines = [line for line in said.splitlines() if "not found for platform" in line]
+        if lines:
+            raise Mistake(
+                ValueError,
+                f"compiling for {compiler} failed: {lines[0].strip()}. A primitive without "
+                "a lowering for this platform (cuDNN's attention: "
+                "jax.nn.dot_product_attention(implementation='cudnn')) compiles only for "
+                "its own: pass a GPU target= (XLA GPU compiles it without a device), or "
+                "write it with implementation='xla'.",
+            ) from e
+        raise Mistake(
+            ValueError, f"compiling for {compiler} failed: {type(e).__name__}: {said[:2000]}"
+        ) from e
 
 
 @overload

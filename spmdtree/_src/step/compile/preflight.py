@@ -195,7 +195,7 @@ def step_plan(traced: Traced, analysis: Analysis, compiler: Compiler) -> StepPla
     flags: list[str] = [
         Located(argument_path(row.path), flag) for row in inputs.rows for flag in row.flags
     ]
-    flags += [*analysis.reading.flags, *traced.warned]
+    flags += [*analysis.reading.flags, *compiler.left_out(analysis), *traced.warned]
     memory = analysis.memory
     if not memory.host_argument_bytes:  # the CPU (one memory) and XLA GPU count them
         memory = memory.with_host_arguments(inputs.host_bytes)  # as the device's

@@ -58,6 +58,12 @@ class Site(Protocol):
     @property
     def device(self) -> AbstractDevice | None: ...
 
+    def resident(self, mesh: AnyMesh) -> Mesh | None:
+        """Its devices in this process, laid out like `mesh`, for a step whose
+        primitives need devices to lower (cuDNN's attention and its
+        `custom_partitioning`); None where it has none here (new in 0.6)."""
+        ...
+
 
 @dataclasses.dataclass(frozen=True)
 class Arguments:
@@ -94,9 +100,11 @@ class Arguments:
 
 @dataclasses.dataclass(frozen=True)
 class Lowered:
-    """A step lowered for a mesh of this process's devices, to compile here."""
+    """A step lowered for a mesh of this process's devices, to compile here: the
+    compiler's own mesh, or (`mesh`) a target's devices resident here (0.6)."""
 
     lowered: jax.stages.Lowered = dataclasses.field(repr=False, compare=False)
+    mesh: Mesh | None = dataclasses.field(default=None, repr=False, compare=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,9 +145,12 @@ class Traced:
     @property
     def digest(self) -> str | None:
         """The exported step's SHA-256, equal for equal steps (what a child would be
-        given twice); None where it was lowered here."""
+        given twice); a step lowered on a target's devices resident here, its
+        module's (0.6); None where it was lowered for the compiler's own mesh."""
         if isinstance(self.stage, Exported):
             return hashlib.sha256(self.stage.payload).hexdigest()
+        if self.stage.mesh is not None:
+            return hashlib.sha256(self.stage.lowered.as_text().encode()).hexdigest()
         return None
 
 
@@ -176,6 +187,23 @@ def trace(
     try:
         stage, warned, constrained = _stage(fn, planned, mesh, rules, out_shardings, compiler)
     except Mistake as first:
+        # A step whose primitives need devices to lower (cuDNN's attention) cannot be
+        # exported from an abstract mesh: it is lowered on the target's devices here,
+        # where its compiler has them (XLA GPU's topology), as the job lowers it.
+        if _needs_devices(fn, planned, mesh, rules):
+            resident = compiler.resident(mesh)
+            if resident is None:
+                raise Mistake(
+                    ValueError,
+                    f"the step holds primitives that need devices to lower (cuDNN's fused "
+                    f"attention: jax.nn.dot_product_attention(implementation='cudnn')), which "
+                    f"{compiler} cannot compile. Pass a GPU target= (XLA GPU compiles it "
+                    "without a device), or write it with implementation='xla'.",
+                ) from first
+            stage, warned, constrained = _stage(
+                fn, planned, resident, rules, out_shardings, compiler, resident
+            )
+            return _done(planned, mesh, rules, stage, warned, constrained, start)
         # Traced first on the mesh as given, which a `shard_map` over it must match;
         # again for the target's device only where that fails (jax 0.12: a Pallas
         # kernel's lowering asks the context mesh which chip it is for). Where both
@@ -216,16 +244,14 @@ def _stage(
     rules: Rules | None,
     out_shardings: PyTree,
     compiler: Site,
+    resident: Mesh | None = None,
 ) -> tuple[Lowered | Exported, list[str], set[str]]:
-    """`fn` lowered here, or exported, traced on `traced_for`; with the warnings
-    raised and the logical names its constraints met."""
-    here = compiler.here
+    """`fn` lowered here (for the compiler's mesh, or the `resident` devices of a
+    target), or exported, traced on `traced_for`; with the warnings raised and the
+    logical names its constraints met."""
+    here = resident or compiler.here
     flat, treedef, flat_donated = planned.leaves(here or traced_for)
-    args, static = planned.args, planned.static
-
-    def call(*leaves: Any) -> Any:
-        full = treedef.unflatten(leaves)
-        return fn(*(args[i] if i in static else full[i] for i in range(len(args))))
+    call = _called(fn, planned, treedef)
 
     def step(*leaves: Any) -> list[Any]:
         return jax.tree.leaves(call(*leaves))
@@ -239,7 +265,7 @@ def _stage(
         jitted = jax.jit(step, donate_argnums=flat_donated, out_shardings=out)
         stage: Lowered | Exported
         if here is not None:
-            stage = Lowered(_traced(lambda: jitted.lower(*flat), signature))
+            stage = Lowered(_traced(lambda: jitted.lower(*flat), signature), resident)
         else:
             export = jax.export.export(jitted, platforms=[compiler.platform], disabled_checks=ANY)
             exported = _traced(lambda: export(*flat), signature)
@@ -350,6 +376,35 @@ def _tracing(rules: Rules | None) -> Iterator[tuple[list[str], set[str]]]:
         warned += [f"{w.category.__name__} while tracing: {w.message}" for w in caught]
 
 
+def _called(fn: Callable[..., Any], planned: Arguments, treedef: Any) -> Callable[..., Any]:
+    """`fn` as a function of the placed leaves: the static arguments passed as given."""
+    args, static = planned.args, planned.static
+
+    def call(*leaves: Any) -> Any:
+        full = treedef.unflatten(leaves)
+        return fn(*(args[i] if i in static else full[i] for i in range(len(args))))
+
+    return call
+
+
+def _needs_devices(
+    fn: Callable[..., Any], planned: Arguments, mesh: AnyMesh, rules: Rules | None
+) -> bool:
+    """Whether `fn`, traced on `mesh`, holds a primitive that needs devices to lower
+    (jax's own list: cuDNN's attention and scaled matmuls, `custom_partitioning`);
+    False where it does not trace at all (its own error stands)."""
+    from jax._src import dispatch  # jax's list of such primitives has no public name
+
+    flat, treedef, _ = planned.leaves(mesh)
+    call = _called(fn, planned, treedef)
+    try:
+        with _tracing(rules), _under(mesh, None):
+            jaxpr = jax.jit(lambda *leaves: jax.tree.leaves(call(*leaves))).trace(*flat).jaxpr.jaxpr
+        return bool(dispatch.jaxpr_has_prim_requiring_devices(jaxpr))
+    except Exception:  # a step that does not trace: its first error is said
+        return False
+
+
 def _for_device(mesh: AnyMesh, device: AbstractDevice | None) -> AnyMesh:
     """`mesh` as an abstract mesh of `device`s, where the step is traced for a device
     not here (jax 0.12: a Pallas kernel's lowering asks the context mesh which chip it
@@ -417,7 +472,12 @@ def _traced(thunk: Callable[[], T], signature: str) -> T:
     except Mistake:
         raise
     except Exception as e:
+        # jax asks libcudnn its version while tracing cuDNN's attention: the library
+        # comes with the cuda extra (nvidia-cudnn-cu12), and runs without a GPU
+        missing = "cudnn" in str(e).lower() and ("not found" in str(e) or "not detected" in str(e))
+        fix = " (cuDNN's library: pip install 'spmdtree[cuda]', or nvidia-cudnn-cu12)"
         raise Mistake(
             TypeError if isinstance(e, TypeError) else ValueError,
-            f"the step does not trace with its arguments ({signature}): {type(e).__name__}: {e}",
+            f"the step does not trace with its arguments ({signature}): {type(e).__name__}: {e}"
+            + (fix if missing else ""),
         ) from e

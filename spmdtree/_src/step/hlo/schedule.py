@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from spmdtree._src.step.hlo import opcodes
@@ -120,7 +120,9 @@ class Kernel(NamedTuple):
     FLOPs of its dots, the bytes it reads and writes, and its largest matmul's
     shape (batch, m, n, k; zeros where it has none) and operands' element type
     (``bf16``, ``f32``; ``f32/highest`` at the highest precision); `opaque`, a
-    hand-written kernel's name where its call keeps no cost estimate (new in 0.6)."""
+    hand-written kernel's name where its call keeps no cost estimate (new in 0.6);
+    `call`, a library kernel's custom-call target (``__cudnn$fmhaSoftmax``: cuDNN's
+    fused attention; new in 0.6)."""
 
     kind: KernelClass
     flops: int
@@ -131,6 +133,7 @@ class Kernel(NamedTuple):
     k: int = 0
     dtype: str = ""
     opaque: str = ""
+    call: str = ""
 
 
 class Start(NamedTuple):
@@ -192,6 +195,11 @@ class Schedule:
     scattered: int = 0
     widened: int = 0
 
+    def kernels(self) -> Iterator[Kernel]:
+        """Every `Kernel` it runs, in loops and in every branch too, once each as
+        written (not times its trips)."""
+        return _kernels(self.events)
+
     def to_json(self) -> dict[str, Any]:
         """The schedule as plain JSON values (each event a tagged list)."""
         return {
@@ -206,6 +214,17 @@ class Schedule:
         """The schedule `to_json` gave."""
         events = tuple(_event_from(e) for e in data["events"])
         return cls(events, data["platform"], tuple(data["flags"]), *data["cpu"])
+
+
+def _kernels(events: Iterable[Event]) -> Iterator[Kernel]:
+    for event in events:
+        if isinstance(event, Kernel):
+            yield event
+        elif isinstance(event, Loop):
+            yield from _kernels(event.body)
+        elif isinstance(event, Branches):
+            for option in event.options:
+                yield from _kernels(option)
 
 
 def _event_json(event: Event) -> list[Any]:
@@ -467,7 +486,10 @@ class _Walker:
         else:
             kind = KernelClass.MATMUL if flops else KernelClass.MEMORY
         opaque = ins.name.rsplit(".", 1)[0] if is_kernel_call(ins) and not flops else ""
-        return Kernel(kind, flops, self._bytes(comp, ins), *shape, dtype if flops else "", opaque)
+        call = ins.target if ins.target.startswith("__cudnn$") else ""
+        return Kernel(
+            kind, flops, self._bytes(comp, ins), *shape, dtype if flops else "", opaque, call
+        )
 
     def _attention(self, ins: Instr) -> bool:
         """Whether an instruction, or one it fuses, is named in an attention scope."""

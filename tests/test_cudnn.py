@@ -1,0 +1,132 @@
+"""A GPU step with cuDNN's fused attention preflights as the job runs it (0.6): the
+kernel in the compiled module, the batch sharded as given, its FLOPs the causal
+kernel's, its peak what a raw compile on the target's devices says."""
+
+import importlib.util
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+from test_targets import has_compiler
+
+import spmdtree as st
+from spmdtree._src.step.compile.backends import XLA_GPU, target_for
+
+B, T, H, D = 16, 1024, 8, 128  # 16 sequences of 1,024 over 8 GPUs, 8 heads of 128
+
+pytestmark = pytest.mark.skipif(not has_compiler("cuda"), reason="needs XLA GPU (spmdtree[cuda])")
+
+
+def has_cudnn():
+    return importlib.util.find_spec("nvidia.cudnn") is not None
+
+
+def loss(q, k, v):
+    out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+    return jnp.sum(out.astype(jnp.float32))
+
+
+def step(q, k, v):
+    """The attention's gradients: its forward and backward kernels."""
+    return jax.grad(loss, argnums=(0, 1, 2))(q.value, k.value, v.value)
+
+
+def sequences(kind=AxisType.Explicit):
+    mesh = jax.sharding.AbstractMesh((8,), ("data",), axis_types=(kind,))
+    box = st.Partitioned(
+        jax.ShapeDtypeStruct((B, T, H, D), jnp.bfloat16), ("data", None, None, None)
+    )
+    return mesh, (box, box, box)
+
+
+def raw_peak():
+    """The same step compiled by XLA GPU on an 8-GPU topology mesh in this process,
+    as a job with cuDNN's kernel lowers it: arguments + outputs - aliased + temps."""
+    from jax.experimental import topologies
+
+    config = target_for(st.hardware("h100")).chip.target_config()
+    devices = topologies.get_topology_desc(
+        platform="cuda", target_config=config, topology="1x1x8"
+    ).devices
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,), devices=devices)
+    spec = jax.ShapeDtypeStruct((B, T, H, D), jnp.bfloat16, sharding=NamedSharding(mesh, P("data")))
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    with jax.set_mesh(mesh):
+        lowered = grads.lower(spec, spec, spec)
+    memory = lowered.compile(XLA_GPU.options_for(deviceless=True)).memory_analysis()
+    return (
+        memory.argument_size_in_bytes
+        + memory.output_size_in_bytes
+        - memory.alias_size_in_bytes
+        + memory.temp_size_in_bytes
+    )
+
+
+@pytest.mark.skipif(not has_cudnn(), reason="needs cuDNN's library (spmdtree[cuda])")
+@pytest.mark.parametrize("kind", [AxisType.Explicit, AxisType.Auto])
+def test_cudnn_attention_preflights_for_a_gpu_with_its_kernel(kind):
+    mesh, args = sequences(kind)
+    plan = st.preflight(step, *args, mesh=mesh, target="h100")
+    kernels = [k for k in plan.schedule.kernels() if k.kind == "attention"]
+    assert len(kernels) == 2  # cuDNN's forward and backward, no gather: batch-sharded
+    assert plan.collectives == ()
+    assert plan.peak_bytes == pytest.approx(raw_peak(), rel=0.02)
+    # the causal kernel's FLOPs: two matmuls forward, five backward (the scores
+    # recomputed, dV, dP, dQ, dK), each 2 x b x h x t x t x d per device, halved
+    one = 2 * (B // 8) * H * T * T * D // 2
+    assert plan.flops == 7 * one
+    # the version jax asked of cuDNN was answered: its kernels, not a fallback
+    calls = {k.call for k in plan.schedule.kernels()} - {""}
+    assert calls == {"__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"}
+    # what a compile without a GPU leaves out is said
+    (said,) = [f for f in plan.flags if "cuDNN's workspace" in f]
+    assert "__cudnn$fmhaSoftmaxBackward" in said
+
+
+def test_the_cpu_estimate_says_it_cannot_compile_cudnn_attention():
+    if not has_cudnn():
+        pytest.skip("without cuDNN's library the step does not trace at all (next test)")
+    mesh, args = sequences()
+    with pytest.raises(
+        ValueError,
+        match=r"^preflight: .*(need devices to lower|not found for platform cpu).*GPU target=",
+    ):
+        st.preflight(step, *args, mesh=mesh)
+
+
+@pytest.mark.skipif(has_cudnn(), reason="cuDNN's library is installed")
+def test_without_cudnns_library_the_package_to_add_is_named():
+    mesh, args = sequences()
+    with pytest.raises(ValueError, match=r"nvidia-cudnn-cu12"):
+        st.preflight(step, *args, mesh=mesh, target="h100")
+
+
+def attention_step(candidate):
+    """advise's make_step: the attention's gradients on the candidate's batch."""
+    box = st.LogicallyPartitioned(
+        jax.ShapeDtypeStruct((candidate.batch, T, H, D), jnp.bfloat16),
+        ("batch", None, "heads", None),
+    )
+    return step, (box, box, box), {}
+
+
+@pytest.mark.skipif(not has_cudnn(), reason="needs cuDNN's library (spmdtree[cuda])")
+def test_advise_ranks_cudnn_attention_steps_each_compiled_as_its_own():
+    mesh = jax.sharding.AbstractMesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+    rules = [("batch", "data"), ("heads", None)]
+    asked = [st.Candidate(mesh, rules, batch=b) for b in (8, 16)]
+    advice = st.advise(attention_step, asked, hardware=st.hardware("h100"), progress=False)
+    peaks = {row.candidate.batch: row.step.peak_bytes for row in advice.rows}
+    for batch, peak in peaks.items():  # each its own compile, as preflight gives it
+        direct = st.preflight(
+            step,
+            *attention_step(st.Candidate(mesh, rules, batch))[1],
+            mesh=mesh,
+            rules=rules,
+            target="h100",
+        )
+        assert peak == direct.peak_bytes
+    assert peaks[16] > peaks[8]
+    assert all(row.step.backend == "gpu" for row in advice.rows)
