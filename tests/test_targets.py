@@ -737,3 +737,79 @@ def test_a_pallas_kernels_cost_estimate_times_it_and_none_is_said(preset):
     t = bare.time(hw)
     assert t.predicted_by_class["matmul"] == 0
     assert t.predicted_by_class["memory"] >= 2 * 1024 * 1024 * 4 / (819e9 * 0.9)
+
+
+# --- the job's compiler options (0.6) -----------------------------------------------------
+
+
+def fsdp_args():
+    def box(shape, names):
+        return st.LogicallyPartitioned(jax.ShapeDtypeStruct(shape, jnp.bfloat16), names)
+
+    params = {"w1": box((1024, 4096), ("embed", "mlp")), "w2": box((4096, 1024), ("mlp", "embed"))}
+    x = box((256, 1024), ("batch", "embed"))
+
+    def step(params, x):
+        def loss(p):
+            h = jnp.tanh(x.value @ p["w1"].value)
+            return jnp.mean((h @ p["w2"].value).astype(jnp.float32) ** 2)
+
+        grads = jax.grad(loss)(params)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+
+    mesh = AbstractMesh((8,), ("fsdp",), axis_types=(AxisType.Auto,))
+    rules = [("embed", "fsdp"), ("batch", "fsdp"), ("mlp", None)]
+    return step, (params, x), {"mesh": mesh, "rules": rules, "donate_argnums": 0}
+
+
+def sync_starts(plan):
+    return [e.sync for e in plan.schedule.events if type(e).__name__ == "Start"]
+
+
+@pytest.mark.skipif(not has_compiler("cuda"), reason="needs pip install 'spmdtree[cuda]'")
+def test_compiler_options_reach_the_target_compile():
+    step, args, kwargs = fsdp_args()
+    own = st.preflight(step, *args, target="h100", **kwargs)
+    sync = {"xla_gpu_disable_async_collectives": "ALLREDUCE"}  # a flag the schedule shows
+    theirs = st.preflight(step, *args, target="h100", compiler_options=sync, **kwargs)
+    assert own.schedule != theirs.schedule
+    assert not all(sync_starts(own)) and all(sync_starts(theirs))
+    with pytest.raises(ValueError, match=r"^preflight: .*No such compile option: 'xla_gpu_nope'"):
+        st.preflight(step, *args, target="h100", compiler_options={"xla_gpu_nope": 1}, **kwargs)
+    # advise's compiles for the target take them too
+    candidate = st.Candidate(kwargs["mesh"], kwargs["rules"], batch=256)
+    advice = st.advise(
+        lambda c: (step, args, {"donate_argnums": 0}),
+        [candidate],
+        hardware=st.hardware("h100"),
+        progress=False,
+        screen="target",
+        compiler_options=sync,
+    )
+    assert advice.rows[0].step.schedule == theirs.schedule
+
+
+def test_the_cpu_estimate_compiles_without_the_jobs_options_and_says_so():
+    step, args, kwargs = fsdp_args()
+    options = {"xla_gpu_disable_async_collectives": "ALLREDUCE"}
+    plan = st.preflight(step, *args, compiler_options=options, **kwargs)
+    (said,) = [f for f in plan.flags if f.startswith("compiler_options")]
+    assert "xla_gpu_disable_async_collectives" in said and "pass target=" in said
+    plain = st.preflight(step, *args, **kwargs)
+    assert plan.peak_bytes == plain.peak_bytes and plain.flags == tuple(
+        f for f in plan.flags if f != said
+    )
+
+
+@pytest.mark.parametrize(
+    "options, said",
+    [
+        ([("xla_a", 1)], r"compiler_options is \[\('xla_a', 1\)\]; expected a mapping"),
+        ({"--xla_a": 1}, r"compiler_options has a key '--xla_a'; .*without the leading '--'"),
+        ({"xla_a": [1]}, r"compiler_options\['xla_a'\] is \[1\]; expected a bool, int"),
+    ],
+)
+def test_compiler_options_of_the_wrong_kind_are_refused(options, said):
+    step, args, kwargs = fsdp_args()
+    with pytest.raises(TypeError, match="^preflight: " + said):
+        st.preflight(step, *args, compiler_options=options, **kwargs)

@@ -40,7 +40,13 @@ from spmdtree._src.step.advise.records import (
     label_of,
 )
 from spmdtree._src.step.compile.analysis import Analysis
-from spmdtree._src.step.compile.compilers import CpuChild, DoesNotFit, TargetChild, compiler_for
+from spmdtree._src.step.compile.compilers import (
+    CpuChild,
+    DoesNotFit,
+    TargetChild,
+    check_options,
+    compiler_for,
+)
 from spmdtree._src.step.compile.preflight import Keywords, plan_arguments, step_plan, trace_for
 from spmdtree._src.step.compile.step_plan import StepPlan
 from spmdtree._src.step.compile.trace import Arguments, Traced
@@ -752,7 +758,11 @@ def _why_none_confirmed(state: _State) -> str:
 
 
 def _where_asked(
-    hardware: Hardware, candidates: list[Candidate], devices_per_node: int | None, needed: bool
+    hardware: Hardware,
+    candidates: list[Candidate],
+    devices_per_node: int | None,
+    needed: bool,
+    options: tuple[tuple[str, Any], ...],
 ) -> tuple[TargetChild | None, str]:
     """Where the hardware's target compiles the candidates' devices, or None and why
     not (its compiler is not installed, or spmdtree knows none for the hardware);
@@ -760,14 +770,14 @@ def _where_asked(
     naming the pip command, before any work."""
     mesh = candidates[0].mesh
     if needed:
-        return compiler_for(mesh, hardware, devices_per_node), ""
+        return compiler_for(mesh, hardware, devices_per_node, options=options), ""
     if hardware.chip is None:
         return None, (
             f"the {hardware.name} has no chip= (a st.GpuChip or st.TpuChip), so spmdtree "
             "knows no compiler for it"
         )
     try:
-        return compiler_for(mesh, hardware, devices_per_node), ""
+        return compiler_for(mesh, hardware, devices_per_node, options=options), ""
     except Mistake as mistake:
         return None, mistake.message
 
@@ -836,6 +846,7 @@ def advise(
     progress: bool = True,
     confirm: int = 0,
     screen: Screen = "auto",
+    compiler_options: Mapping[str, Any] | None = None,
 ) -> Advice:
     """Preflights every candidate layout and ranks them by a roofline of each step.
 
@@ -897,6 +908,9 @@ def advise(
         screen: where every candidate compiles first (new in 0.5): ``"auto"``
             (the target's compiler on GPU hardware where it is installed, else
             the CPU estimate), ``"cpu"`` or ``"target"``.
+        compiler_options: the job's own XLA options, as for `preflight`: every
+            compile for the target takes them (new in 0.6); the CPU estimate's
+            rows compile without them, and say so in their flags.
 
     Returns:
         The `Advice`, ranked.
@@ -949,7 +963,9 @@ def advise(
     budget = _budget(budget_bytes, hardware)
     workers = jobs or default_jobs()
     needed = confirm > 0 or screen == "target"
-    asks, why = _where_asked(hardware, candidates, devices_per_node, needed)
+    asks, why = _where_asked(
+        hardware, candidates, devices_per_node, needed, check_options(compiler_options)
+    )
     first = _screen(asks, screen)
     report = _printer(len(candidates)) if progress else None
     search = _Search(hardware, devices_per_node, budget, tuple(candidates), asks, report)

@@ -21,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, cast, overload
 
 import jax
@@ -87,6 +87,7 @@ class Here:
     CPU devices an `AbstractMesh` is laid on)."""
 
     here: Mesh
+    options: tuple[tuple[str, Any], ...] = ()
 
     @property
     def toolchain(self) -> Toolchain:
@@ -116,14 +117,15 @@ class Here:
         return None
 
     def left_out(self, analysis: Analysis) -> tuple[str, ...]:
-        """Nothing: the devices are here, and their compiler sizes what they run."""
-        return ()
+        """compiler_options the CPU estimate did not take; nothing else: the devices
+        are here, and their compiler sizes what they run."""
+        return _unapplied(self.toolchain, self.options)
 
     def compile(self, traced: Traced) -> Analysis:
         """Compiles the step lowered for `here`."""
         start = time.perf_counter()
         stage = cast(Lowered, traced.stage)  # `here` set: trace lowered it
-        compiled = _compiled(stage, self.toolchain.options_for(deviceless=False), self)
+        compiled = _compiled(stage, _options(self.toolchain, False, self.options), self)
         found = analyse(compiled, self.here, self.toolchain)
         return dataclasses.replace(found, seconds=time.perf_counter() - start)
 
@@ -138,6 +140,7 @@ class _Child(abc.ABC):
     """A compile in a fresh process, of the step exported for it."""
 
     here: None = None
+    options: tuple[tuple[str, Any], ...]
 
     @property
     def device(self) -> AbstractDevice | None:
@@ -169,8 +172,12 @@ class _Child(abc.ABC):
         return None
 
     def left_out(self, analysis: Analysis) -> tuple[str, ...]:
-        """What its toolchain's compile without a device leaves out."""
-        return self.toolchain.left_out(analysis.schedule)
+        """What its toolchain's compile without a device leaves out, and the
+        compiler_options the CPU estimate did not take."""
+        return (
+            *self.toolchain.left_out(analysis.schedule),
+            *_unapplied(self.toolchain, self.options),
+        )
 
     def compile(self, traced: Traced) -> Analysis:
         """Compiles the exported step in a child; a step lowered on the target's
@@ -182,7 +189,7 @@ class _Child(abc.ABC):
     def _here(self, stage: Lowered) -> Analysis:
         """The step lowered on the resident devices, compiled in this process."""
         start = time.perf_counter()
-        compiled = _compiled(stage, self.toolchain.options_for(deviceless=True), self)
+        compiled = _compiled(stage, _options(self.toolchain, True, self.options), self)
         found = analyse(compiled, cast(Mesh, stage.mesh), self.toolchain, self.slice_size)
         return dataclasses.replace(found, seconds=time.perf_counter() - start)
 
@@ -192,6 +199,7 @@ class CpuChild(_Child):
     """A fresh process given `devices` fake CPU devices: the fast estimate."""
 
     devices: int
+    options: tuple[tuple[str, Any], ...] = ()
 
     @property
     def toolchain(self) -> Toolchain:
@@ -225,6 +233,7 @@ class TargetChild(_Child):
     """A fresh process where a target's own compiler compiles for its `placement`."""
 
     placement: Placement
+    options: tuple[tuple[str, Any], ...] = ()
 
     @property
     def toolchain(self) -> Toolchain:
@@ -270,6 +279,59 @@ class TargetChild(_Child):
         return str(self.placement)
 
 
+def _options(
+    toolchain: Toolchain, deviceless: bool, options: tuple[tuple[str, Any], ...]
+) -> dict[str, Any]:
+    """The options a compile takes: the toolchain's own, and over them the job's
+    `compiler_options` (0.6), which are its accelerator's compiler's: the CPU
+    estimate, not that compiler, compiles without them."""
+    own = toolchain.options_for(deviceless)
+    return own if toolchain.backend.estimates else {**own, **dict(options)}
+
+
+def _unapplied(toolchain: Toolchain, options: tuple[tuple[str, Any], ...]) -> tuple[str, ...]:
+    """The sentence for compiler_options the CPU estimate did not take."""
+    if not options or not toolchain.backend.estimates:
+        return ()
+    names = ", ".join(name for name, _ in options)
+    return (
+        f"compiler_options ({names}) not applied: they are the job's compiler's, and the "
+        "CPU estimate is not it; pass target= to compile with them",
+    )
+
+
+def check_options(options: object) -> tuple[tuple[str, Any], ...]:
+    """`compiler_options` as sorted (name, value) pairs: a mapping of XLA option
+    names (``"xla_gpu_enable_latency_hiding_scheduler"``, no ``--``) to a bool,
+    int, float or str, as `jax.stages.Lowered.compile` takes them.
+
+    Raises:
+        Mistake: naming the first entry that is not so.
+    """
+    if options is None:
+        return ()
+    if not isinstance(options, Mapping):
+        raise Mistake(
+            TypeError,
+            f"compiler_options is {options!r}; expected a mapping of XLA option names to "
+            "values, e.g. {'xla_gpu_enable_latency_hiding_scheduler': True}.",
+        )
+    for name, value in options.items():
+        if not isinstance(name, str) or name.startswith("-"):
+            raise Mistake(
+                TypeError,
+                f"compiler_options has a key {name!r}; expected an XLA option's name as a "
+                "str, without the leading '--' of XLA_FLAGS (e.g. 'xla_gpu_enable_"
+                "latency_hiding_scheduler').",
+            )
+        if not isinstance(value, (bool, int, float, str)):
+            raise Mistake(
+                TypeError,
+                f"compiler_options[{name!r}] is {value!r}; expected a bool, int, float or str.",
+            )
+    return tuple(sorted(options.items()))
+
+
 def _compiled(stage: Lowered, options: dict[str, Any], compiler: object) -> Any:
     """A step lowered here, compiled; the compiler's refusal said whole, in our words:
     a primitive with no lowering for its platform (cuDNN's attention on the CPU
@@ -295,7 +357,11 @@ def _compiled(stage: Lowered, options: dict[str, Any], compiler: object) -> Any:
 
 @overload
 def compiler_for(
-    mesh: AnyMesh, target: Hardware | str, devices_per_node: int | None
+    mesh: AnyMesh,
+    target: Hardware | str,
+    devices_per_node: int | None,
+    toolchain: Toolchain | None = None,
+    options: tuple[tuple[str, Any], ...] = (),
 ) -> TargetChild: ...
 
 
@@ -309,6 +375,7 @@ def compiler_for(
     target: Hardware | str | None,
     devices_per_node: int | None,
     toolchain: Toolchain | None = None,
+    options: tuple[tuple[str, Any], ...] = (),
 ) -> Compiler: ...
 
 
@@ -317,12 +384,14 @@ def compiler_for(
     target: Hardware | str | None,
     devices_per_node: int | None,
     toolchain: Toolchain | None = None,
+    options: tuple[tuple[str, Any], ...] = (),
 ) -> Compiler:
     """Where a step on `mesh` compiles: for `target`'s devices as nodes or slices of
     `devices_per_node` (None: the hardware's), its compiler checked to be
     installed; else here, on a `Mesh`'s own devices or this process's CPU devices
     laid out like an `AbstractMesh`; else in a CPU child. Checked before anything
-    compiles. `toolchain` replaces the target's own (a test's fake compiler)."""
+    compiles. `toolchain` replaces the target's own (a test's fake compiler);
+    `options` are the job's `compiler_options` (`check_options`)."""
     devices = math.prod(mesh.shape.values())
     if target is not None:
         if devices_per_node is not None:  # GPUs per node, or chips per TPU slice
@@ -333,7 +402,7 @@ def compiler_for(
         placement = place(
             chosen, devices, per_node if devices_per_node is None else devices_per_node
         )
-        found = TargetChild(placement)
+        found = TargetChild(placement, options)
         found.check()
         return found
     if devices_per_node is not None:
@@ -344,9 +413,9 @@ def compiler_for(
             "to StepPlan.time instead.",
         )
     if isinstance(mesh, Mesh):
-        return Here(mesh)
+        return Here(mesh, options)
     here = cpu_mesh(tuple(mesh.shape.values()), tuple(mesh.axis_names), tuple(mesh.axis_types))
-    return CpuChild(devices) if here is None else Here(here)
+    return CpuChild(devices, options) if here is None else Here(here, options)
 
 
 def target_of(
@@ -500,7 +569,9 @@ def child(answer: str) -> None:
     jitted = jax.jit(exported.call, in_shardings=shardings, donate_argnums=step["donated"])
     try:
         with jax.set_mesh(mesh):
-            compiled = jitted.lower(*args).compile(compiler.toolchain.options_for(deviceless=True))
+            compiled = jitted.lower(*args).compile(
+                _options(compiler.toolchain, True, compiler.options)
+            )
     except Exception as e:  # the compiler's own refusal: said to the parent, whole
         with open(answer, "w") as f:
             json.dump({"error": _failure(e, compiler), "message": f"{type(e).__name__}: {e}"}, f)

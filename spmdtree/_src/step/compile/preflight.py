@@ -15,14 +15,14 @@ preflight refuses, in the same words.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from spmdtree._src.errors import public
 from spmdtree._src.resolve import check_mesh
 from spmdtree._src.rules import AnyMesh, PyTree, Rules
 from spmdtree._src.step.compile.analysis import Analysis
-from spmdtree._src.step.compile.compilers import Compiler, compiler_for
+from spmdtree._src.step.compile.compilers import Compiler, check_options, compiler_for
 from spmdtree._src.step.compile.step_plan import StepPlan
 from spmdtree._src.step.compile.trace import Arguments, Traced, arguments, trace
 from spmdtree._src.step.hw.hardware import Hardware
@@ -41,6 +41,7 @@ def preflight(
     out_shardings: PyTree = None,
     target: Hardware | str | None = None,
     devices_per_node: int | None = None,
+    compiler_options: Mapping[str, Any] | None = None,
 ) -> StepPlan:
     """Compiles a step for `mesh` without running it: its memory and traffic per device.
 
@@ -99,6 +100,13 @@ def preflight(
             for an `AbstractMesh`.
         devices_per_node: with `target`, GPUs per node (the hardware's: 8) or
             chips per TPU slice (the hardware's: one slice for the whole mesh).
+        compiler_options: the job's own XLA options, by name without the
+            ``--`` of ``XLA_FLAGS`` (``{"xla_gpu_enable_latency_hiding_scheduler":
+            True}``), merged over spmdtree's for its accelerator's compiler: the
+            target's, or a `Mesh`'s devices' (new in 0.6). The CPU estimate is no
+            job's compiler and compiles without them (a flag says so). A job's
+            ``XLA_FLAGS`` reach a compile only as such options: pass the ones that
+            shape its program (combine thresholds, the scheduler).
 
     Returns:
         The `StepPlan`.
@@ -129,7 +137,8 @@ def preflight(
 
     keywords = Keywords(params, donate_argnums, static_argnums, out_shardings)
     planned = plan_arguments(args, mesh, rules, keywords)
-    compiler = compiler_for(mesh, target, devices_per_node)
+    options = check_options(compiler_options)
+    compiler = compiler_for(mesh, target, devices_per_node, options=options)
     traced = trace_for(fn, planned, mesh, rules, keywords, (compiler,))
     return step_plan(traced, compiler.compile(traced), compiler)
 
