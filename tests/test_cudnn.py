@@ -2,14 +2,12 @@
 kernel in the compiled module, the batch sharded as given, its FLOPs the causal
 kernel's, its peak what a raw compile on the target's devices says."""
 
-import importlib.util
-
 import jax
 import jax.numpy as jnp
 import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
-from test_targets import has_compiler
+from test_targets import has_compiler, has_module
 
 import spmdtree as st
 from spmdtree._src.step.compile.backends import XLA_GPU, target_for
@@ -20,7 +18,7 @@ pytestmark = pytest.mark.skipif(not has_compiler("cuda"), reason="needs XLA GPU 
 
 
 def has_cudnn():
-    return importlib.util.find_spec("nvidia.cudnn") is not None
+    return has_module("nvidia.cudnn")
 
 
 def loss(q, k, v):

@@ -61,10 +61,15 @@ def test_a_mistake_of_spmdtree_own_is_still_raised_alone():
     assert info.value.__cause__ is None and info.value.__suppress_context__
 
 
-def test_compile_seconds_count_the_trace_once():
+@pytest.mark.parametrize("where", ["abstract", "devices"])
+def test_compile_seconds_count_the_trace_once(where):
     # The step sleeps while it is traced, so the trace takes at least that long: a
     # trace counted twice would put compile_seconds above the whole call's wall time.
+    # An AbstractMesh compiles in a child, a Mesh of this process's devices here.
     tracing = 0.3
+    mesh = abstract_mesh((2,), ("data",))
+    if where == "devices":
+        mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
 
     def slow_to_trace(x):
         time.sleep(tracing)
@@ -72,7 +77,7 @@ def test_compile_seconds_count_the_trace_once():
 
     x = jax.ShapeDtypeStruct((64,), jnp.float32)
     start = time.perf_counter()
-    step = st.preflight(slow_to_trace, x, mesh=abstract_mesh((2,), ("data",)))
+    step = st.preflight(slow_to_trace, x, mesh=mesh)
     wall = time.perf_counter() - start
     assert tracing <= step.compile_seconds <= wall
 

@@ -46,12 +46,16 @@ SHAPES = {
 PLATFORM = {name: "tpu" if name.startswith("tpu") else "cuda" for name in SHAPES}
 
 
-def has_compiler(platform):
-    module = "libtpu" if platform == "tpu" else "jax_plugins.xla_cuda12"
+def has_module(module):
+    """Whether `module` is installed; False where its parent package is missing too."""
     try:
         return importlib.util.find_spec(module) is not None
     except ModuleNotFoundError:
         return False
+
+
+def has_compiler(platform):
+    return has_module("libtpu" if platform == "tpu" else "jax_plugins.xla_cuda12")
 
 
 def needs(preset):
@@ -743,20 +747,10 @@ def test_a_pallas_kernels_cost_estimate_times_it_and_none_is_said(preset):
 
 
 def fsdp_args():
-    def box(shape, names):
-        return st.LogicallyPartitioned(jax.ShapeDtypeStruct(shape, jnp.bfloat16), names)
+    """test_one_walk's FSDP step, on 8 devices of Auto axes."""
+    from test_one_walk import fsdp_step
 
-    params = {"w1": box((1024, 4096), ("embed", "mlp")), "w2": box((4096, 1024), ("mlp", "embed"))}
-    x = box((256, 1024), ("batch", "embed"))
-
-    def step(params, x):
-        def loss(p):
-            h = jnp.tanh(x.value @ p["w1"].value)
-            return jnp.mean((h @ p["w2"].value).astype(jnp.float32) ** 2)
-
-        grads = jax.grad(loss)(params)
-        return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
-
+    step, params, x = fsdp_step()
     mesh = AbstractMesh((8,), ("fsdp",), axis_types=(AxisType.Auto,))
     rules = [("embed", "fsdp"), ("batch", "fsdp"), ("mlp", None)]
     return step, (params, x), {"mesh": mesh, "rules": rules, "donate_argnums": 0}

@@ -1,6 +1,6 @@
 """What each opcode means to the reading: tables keyed by jaxlib's opcode enum.
 
-The collective an opcode is (`KIND`), the ops a value passes through
+The collective an opcode is (`SYNC`, `STARTS`, `DONES`), the ops a value passes through
 unchanged (`PASS`, `MOVES`) or slice by slice (`ELEMENTWISE`), and the FLOPs
 rule of each opcode that computes (`FLOPS`: a dot, a convolution, a library
 call), as jax's roofline keys its rules by primitive. A rule reads the typed
@@ -80,14 +80,6 @@ STARTS = {
     Op.kAllGatherStart: CollectiveKind.ALL_GATHER,
     Op.kAllReduceStart: CollectiveKind.ALL_REDUCE,
     Op.kCollectivePermuteStart: CollectiveKind.COLLECTIVE_PERMUTE,
-}
-#: The collectives, by opcode: the op itself (inside an async wrapper too), or the
-#: ``-done`` half of an async pair, whose result is the collective's.
-KIND = {
-    **SYNC,
-    Op.kAllGatherDone: CollectiveKind.ALL_GATHER,
-    Op.kAllReduceDone: CollectiveKind.ALL_REDUCE,
-    Op.kCollectivePermuteDone: CollectiveKind.COLLECTIVE_PERMUTE,
 }
 #: The ``-done`` halves of async pairs (whose operand is their start).
 DONES = frozenset({Op.kAllGatherDone, Op.kAllReduceDone, Op.kCollectivePermuteDone})
