@@ -377,7 +377,10 @@ def test_every_table_says_what_the_chips_table_says(name):
     target, costs = target_for(hardware), hardware.costs()
     assert set(CHIPS) == set(PRESET_TABLE)
     assert hardware == st.Hardware(name, **figures)
-    assert hardware.left_out == ()
+    # every figure given, but a flash kernel's share on a TPU: none is published
+    gpu = isinstance(figures["chip"], st.GpuChip)
+    flash = ("flash_forward_efficiency", "flash_backward_efficiency")
+    assert hardware.left_out == (() if gpu else flash)
     assert costs.hbm_bytes_per_second == figures["hbm_bytes_per_second"]
     assert costs.matmul_efficiency == figures["matmul_efficiency"]
     assert costs.tile == (figures["tile"], figures["tile"])

@@ -705,6 +705,62 @@ MUTANTS.update(
                 "        rows = rows * (2 if ins.op == Op.kAllGatherStart else 1)\n",
             )
         ],
+        "flash-at-the-matmul-share": [
+            (
+                "_src/step/time/predict.py",
+                "        if kernel.flash:  # its blocks at the kernel's published share, each way",
+                "        if False:",
+            )
+        ],
+        "flash-directions-swapped": [
+            (
+                "_src/step/time/predict.py",
+                '                if kernel.flash == "backward"',
+                '                if kernel.flash == "forward"',
+            )
+        ],
+        "pallas-causal-unread": [
+            (
+                "_src/step/hlo/opcodes.py",
+                '    causal = flash.mask_read and _WHILE.search(ins.config.get("mlir", "")) is not None',
+                "    causal = False",
+            )
+        ],
+        "triton-kernel-named-pallas-call": [
+            (
+                "_src/step/hlo/opcodes.py",
+                '    if name == "pallas_call" and len(scopes) > 1 and scopes[-1] == "pallas_call":',
+                "    if False:",
+            )
+        ],
+        "mlir-config-dropped": [
+            (
+                "_src/step/hlo/instructions.py",
+                '        return {"mlir": printed} if printed.startswith("{") else {}',
+                "        return {}",
+            )
+        ],
+        "flash-backward-dots-as-forward": [
+            (
+                "_src/step/hlo/opcodes.py",
+                '    "mha_backward": Flash(7, True, True, 1),',
+                '    "mha_backward": Flash(2, True, True, 1),',
+            )
+        ],
+        "splash-dense-unsaid": [
+            (
+                "_src/step/hlo/reading.py",
+                "        dense = [event.call] if flash is not None and not flash.mask_read else []",
+                "        dense = []",
+            )
+        ],
+        "flash-defaults-always-said": [
+            (
+                "_src/step/time/bound.py",
+                "    used = [what for what in hw.left_out if flash or what not in _FLASH_FIELDS]",
+                "    used = list(hw.left_out)",
+            )
+        ],
         "batch-window-as-kernel": [
             (
                 "_src/step/hlo/opcodes.py",
@@ -1222,6 +1278,7 @@ STEP_TESTS = [
     "tests/test_backends.py",
     "tests/test_layout.py",
     "tests/test_said.py",
+    "tests/test_flash.py",
 ]
 
 

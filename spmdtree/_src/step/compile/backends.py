@@ -200,7 +200,8 @@ class _XlaGpu(Toolchain):
     def left_out(self, schedule: Schedule | None) -> tuple[str, ...]:
         """cuDNN's workspace: without a device, XLA sizes it as 0 (it picks cuDNN's
         execution plan, and its scratch, only with a stream executor)."""
-        calls = sorted({k.call for k in schedule.kernels() if k.call} if schedule else ())
+        kernels = schedule.kernels() if schedule else ()
+        calls = sorted({k.call for k in kernels if k.call.startswith("__cudnn$")})
         if not calls:
             return ()
         return (

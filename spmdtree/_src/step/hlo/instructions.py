@@ -133,7 +133,8 @@ class Instr:
         index: the element a ``get-tuple-element`` picks (0 elsewhere).
         groups: its replica groups (``()``: all the devices in one).
         pairs: a collective-permute's source and target pairs.
-        config: its backend config, the JSON object (empty where it has none).
+        config: its backend config, the JSON object (empty where it has none; an
+            MLIR dictionary's text under ``"mlir"``).
         target: a custom call's target (``__cublas$gemm``).
         direction: a compare's direction (``LT``).
         fusion: a fusion's kind (``kLoop``, ``kCustom``).
@@ -315,11 +316,14 @@ def _callees(attrs: Mapping[str, str]) -> list[tuple[str, str]]:
 
 
 def _config(attrs: Mapping[str, str]) -> dict[str, Any]:
-    """The backend config, a JSON object: {} where there is none or it is not one."""
+    """The backend config, a JSON object: {} where there is none; one printed as an
+    MLIR attribute dictionary (a Triton call's, its kernel's IR inside) kept whole as
+    its text under ``"mlir"`` (new in 0.6)."""
+    printed = attrs.get("backend_config", "{}")
     try:
-        found = json.loads(attrs.get("backend_config", "{}"))
+        found = json.loads(printed)
     except ValueError:
-        return {}
+        return {"mlir": printed} if printed.startswith("{") else {}
     return found if isinstance(found, dict) else {}
 
 

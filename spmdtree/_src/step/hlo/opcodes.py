@@ -9,7 +9,9 @@ record (`instructions.Instr`) and its operands' in the module.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -199,6 +201,97 @@ def is_kernel_call(ins: Instr) -> bool:
     return ins.op == Op.kCustomCall and ins.target.startswith(_KERNEL_CALLS)
 
 
+def kernel_name(ins: Instr) -> str:
+    """A hand-written kernel's name: Mosaic's call is named for its kernel
+    (``splash_mha_fwd_residuals.1``); a Triton call is named ``pallas_call``, and
+    its op name says whose it is (``.../mha_forward/pallas_call``, or
+    ``transpose(jvp(mha_backward))/pallas_call``).
+
+    Example:
+        >>> call = Instr("pallas_call.3", Op.kCustomCall, (), False, (), False, (),
+        ...     target="__gpu$xla.gpu.triton", op_name="jit(f)/transpose(jvp(mha_backward))/pallas_call")
+        >>> kernel_name(call)
+        'mha_backward'
+    """
+    name = ins.name.rsplit(".", 1)[0]
+    scopes = ins.op_name.split("/")
+    if name == "pallas_call" and len(scopes) > 1 and scopes[-1] == "pallas_call":
+        return scopes[-2].split("(")[-1].rstrip(")") or name
+    return name
+
+
+@dataclasses.dataclass(frozen=True)
+class Flash:
+    """One of jax's own flash-attention kernels, which keep no cost estimate (new in
+    0.6): the dots it runs per query-key block pair, each of the head width (the
+    forward: the scores and their product with the values; a backward kernel the
+    scores again and the gradients it computes), and whether it is a backward one.
+    `mask_read`: whether the module says which blocks its mask skips (jax's GPU
+    kernel's causal loop, below); splash attention's block mask is a constant the
+    printed module elides, so its FLOPs are counted as if its mask kept every block.
+    `keys`: the axis of its key operand that runs over the sequence."""
+
+    dots: int
+    backward: bool
+    mask_read: bool
+    keys: int
+
+    def flops(self, query: Array, key: Array, causal: bool) -> int:
+        """2 x dots x queries' elements x keys: per head, a query-key pair's dots of
+        the head width; a causal mask keeps half the pairs.
+
+        Example:
+            >>> q = Array("bf16", (2, 1024, 8, 128))  # batch, sequence, heads, head width
+            >>> Flash(2, False, True, 1).flops(q, q, causal=False) == 4 * 2 * 8 * 1024 * 1024 * 128
+            True
+        """
+        return 2 * self.dots * query.elements * key.dims[self.keys] // (2 if causal else 1)
+
+
+#: jax's own flash-attention kernels, by the name their calls carry (a prefix):
+#: jax.experimental.pallas.ops.gpu.attention (Triton: operands batch x sequence x
+#: heads x head width; its backward recomputes the scores twice, once for dK and dV
+#: and once for dQ: 7 dots) and ...ops.tpu.splash_attention (Mosaic: the block
+#: mask's arrays first, then heads x sequence x head width; dQ's kernel 3 dots,
+#: dK and dV's 4).
+FLASH: Mapping[str, Flash] = {
+    "mha_forward": Flash(2, False, True, 1),
+    "mha_backward": Flash(7, True, True, 1),
+    "mha_preprocess_backward": Flash(0, True, True, 1),  # the rows of dO x O: no dots
+    "splash_mha_fwd": Flash(2, False, False, -2),
+    "splash_mha_dq": Flash(3, True, False, -2),
+    "splash_mha_dkv": Flash(4, True, False, -2),
+}
+
+
+def flash_of(name: str) -> Flash | None:
+    """The `FLASH` entry of a kernel of this name, or None.
+
+    Example:
+        >>> flash_of("splash_mha_dkv_no_residuals").dots, flash_of("my_kernel")
+        (4, None)
+    """
+    return next((flash for prefix, flash in FLASH.items() if name.startswith(prefix)), None)
+
+
+#: A ``while`` among a kernel IR's location names (the printed bytecode escapes the
+#: byte before it as digits, so no word boundary).
+_WHILE = re.compile(r"(?<![A-Za-z_])while(?![A-Za-z_])")
+
+
+def _flash_flops(mod: Module, comp: str, ins: Instr) -> int:
+    """A jax flash kernel's FLOPs from its query and key operands' shapes (the first
+    two floating-point ones); its GPU kernel is causal where its loop over key blocks
+    stops at its query block: a ``while`` in the kernel's own locations, which the
+    Triton call's IR (its backend config, printed as an MLIR dictionary) keeps."""
+    flash = flash_of(kernel_name(ins))
+    arrays = [a for a in _operands(mod, comp, ins) if a is not None and a.dtype[:1] in "bf"]
+    if flash is None or len(arrays) < 2 or len(arrays[1].dims) < 3:
+        return 0
+    causal = flash.mask_read and _WHILE.search(ins.config.get("mlir", "")) is not None
+    return flash.flops(arrays[0], arrays[1], causal)
+
+
 def kernel_estimate(ins: Instr) -> tuple[int, int] | None:
     """A hand-written kernel's own cost estimate, (FLOPs, bytes accessed), as its
     author gave ``pallas_call(cost_estimate=...)``; None where it has none (new in
@@ -225,11 +318,12 @@ def custom_flops(mod: Module, comp: str, ins: Instr) -> int:
     """The FLOPs of a library call: a cuBLAS matmul (its dims in its backend config),
     a cuDNN convolution (its window; the backward ones laid out by which operand is
     the forward's output) or cuDNN fused attention; a hand-written kernel's as its
-    cost estimate says (none without one; new in 0.5)."""
+    cost estimate says (none without one; new in 0.5), or, one of jax's own flash
+    kernels (`FLASH`), as its shapes say (new in 0.6)."""
     name = ins.target
     if is_kernel_call(ins):
         estimate = kernel_estimate(ins)
-        return estimate[0] if estimate is not None else 0
+        return estimate[0] if estimate is not None else _flash_flops(mod, comp, ins)
     types = _operands(mod, comp, ins)
     result = _result(ins)
     if "gemm" in name.lower() or "matmul" in name.lower():

@@ -18,6 +18,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, cast
 
 from spmdtree._src.step.hlo.forms import Written
+from spmdtree._src.step.hlo.opcodes import flash_of
 from spmdtree._src.step.hlo.schedule import (
     KINDS,
     Branches,
@@ -94,6 +95,7 @@ class Tally:
     unknown: frozenset[str] = frozenset()
     partial: frozenset[Key] = frozenset()
     opaque: frozenset[str] = frozenset()
+    dense: frozenset[str] = frozenset()
 
     def __add__(self, other: Tally) -> Tally:
         rows = dict(self.rows)
@@ -106,6 +108,7 @@ class Tally:
             self.unknown | other.unknown,
             self.partial | other.partial,
             self.opaque | other.opaque,
+            self.dense | other.dense,
         )
 
     def times(self, n: int) -> Tally:
@@ -129,7 +132,10 @@ def tally(events: Sequence[Event]) -> Tally:
 
 def _tally(event: Event) -> Tally:
     if isinstance(event, Kernel):
-        return Tally(flops=event.flops, opaque=frozenset([event.opaque] if event.opaque else []))
+        flash = flash_of(event.call) if event.flops else None
+        dense = [event.call] if flash is not None and not flash.mask_read else []
+        opaque = [event.opaque] if event.opaque else []
+        return Tally(flops=event.flops, opaque=frozenset(opaque), dense=frozenset(dense))
     if isinstance(event, Start):
         row = event.row
         key: Key = (row.kind, row.axes, row.group, row.written_as)
@@ -166,6 +172,7 @@ def reading_of(schedule: Schedule) -> Reading:
     flags = [
         *_flags(total.unknown, total.partial, schedule.scattered, schedule.widened),
         *_opaque(total.opaque),
+        *_dense(total.dense),
     ]
     return Reading(found, tuple(flags), total.flops, schedule.held_bytes)
 
@@ -242,6 +249,18 @@ def read_step(
     """
     schedule = read_schedule(module, shape, platform=platform, slice_size=slice_size)
     return reading_of(schedule)
+
+
+def _dense(names: frozenset[str]) -> Iterator[str]:
+    """The sentence for flash kernels counted as if their masks kept every block."""
+    if names:
+        yield (
+            f"splash attention's FLOPs ({', '.join(sorted(names))}) are counted from its "
+            "shapes as if its mask kept every block: the block mask is a constant the "
+            "compiled module does not print, and a causal mask skips about half of them, "
+            "so the step's FLOPs and its attention's predicted time are up to twice the "
+            "kernel's"
+        )
 
 
 def _opaque(names: frozenset[str]) -> Iterator[str]:

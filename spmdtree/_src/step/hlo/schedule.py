@@ -28,7 +28,15 @@ from spmdtree._src.step.hlo.forms import Flow, Part, Written, fused_scatter, hel
 from spmdtree._src.step.hlo.groups import collective_axes, group_axes
 from spmdtree._src.step.hlo.instructions import Instr, Module, Op, config_field
 from spmdtree._src.step.hlo.loops import trip_count
-from spmdtree._src.step.hlo.opcodes import DONES, STARTS, SYNC, is_kernel_call, kernel_estimate
+from spmdtree._src.step.hlo.opcodes import (
+    DONES,
+    STARTS,
+    SYNC,
+    flash_of,
+    is_kernel_call,
+    kernel_estimate,
+    kernel_name,
+)
 from spmdtree._src.step.kinds import Backend, CollectiveKind, KernelClass
 
 #: The collectives counted, in the order rows are listed.
@@ -122,7 +130,7 @@ class Kernel(NamedTuple):
     (``bf16``, ``f32``; ``f32/highest`` at the highest precision); `opaque`, a
     hand-written kernel's name where its call keeps no cost estimate (new in 0.6);
     `call`, a library kernel's custom-call target (``__cudnn$fmhaSoftmax``: cuDNN's
-    fused attention; new in 0.6)."""
+    fused attention) or a hand-written kernel's name (``mha_forward``; new in 0.6)."""
 
     kind: KernelClass
     flops: int
@@ -134,6 +142,22 @@ class Kernel(NamedTuple):
     dtype: str = ""
     opaque: str = ""
     call: str = ""
+
+    @property
+    def flash(self) -> str:
+        """``forward`` or ``backward`` for a flash-attention kernel (cuDNN's fused
+        attention, one of jax's own Pallas kernels: `opcodes.FLASH`), else ``""``.
+
+        Example:
+            >>> Kernel("attention", 1, 1, call="__cudnn$fmhaSoftmaxBackward").flash
+            'backward'
+            >>> Kernel("attention", 1, 1, call="mha_forward").flash, Kernel("matmul", 1, 1).flash
+            ('forward', '')
+        """
+        if self.call.startswith("__cudnn$fmha"):
+            return "backward" if "Backward" in self.call else "forward"
+        flash = flash_of(self.call) if self.call else None
+        return "" if flash is None else "backward" if flash.backward else "forward"
 
 
 class Start(NamedTuple):
@@ -480,16 +504,27 @@ class _Walker:
                 dtype = _operand_dtype(self.mod, where, dot)
             flops += f
             named |= _attention_named(dot)
-        fused = ins.target.startswith("__cudnn$fmha")
+        name = kernel_name(ins) if is_kernel_call(ins) else ""
+        fused = ins.target.startswith("__cudnn$fmha") or flash_of(name) is not None
         if fused or named or self._attention(ins):
             kind = KernelClass.ATTENTION
         else:
             kind = KernelClass.MATMUL if flops else KernelClass.MEMORY
-        opaque = ins.name.rsplit(".", 1)[0] if is_kernel_call(ins) and not flops else ""
-        call = ins.target if ins.target.startswith("__cudnn$") else ""
+        opaque = name if name and not flops and flash_of(name) is None else ""
+        if flash_of(name) is not None:  # its blocks run at the kernel's own rate
+            shape, dtype = (0, 0, 0, 0), self._flash_dtype(comp, ins)
+        call = ins.target if ins.target.startswith("__cudnn$") else name
         return Kernel(
             kind, flops, self._bytes(comp, ins), *shape, dtype if flops else "", opaque, call
         )
+
+    def _flash_dtype(self, comp: str, ins: Instr) -> str:
+        """A flash kernel's queries' element type: its first floating-point operand's."""
+        for name in ins.operands:
+            given = self.mod.by_name[comp].get(name)
+            if given is not None and given.arrays and given.arrays[0].dtype[:1] in "bf":
+                return given.arrays[0].dtype
+        return ""
 
     def _attention(self, ins: Instr) -> bool:
         """Whether an instruction, or one it fuses, is named in an attention scope."""

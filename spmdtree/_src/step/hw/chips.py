@@ -144,7 +144,15 @@ def _tpu(**facts: Any) -> dict[str, Any]:
 #: torus; libtpu's device kinds and TensorCores measured with libtpu 0.0.50.1 (v5p's two
 #: are one megacore); wraparound links from the scaling book's "How to Think About
 #: TPUs": an axis of 16 on v5e and v6e, whole 4x4x4 cubes on v5p ("a 2x2x4 won't have
-#: any wraparounds"). docs/planning.md lists each figure with its source.
+#: any wraparounds"). Flash attention's shares of the peak (head width 128, bf16), the
+#: kernel a GPU job runs: cuDNN's on H100 from the FlashAttention-3 paper (Shah et al.
+#: 2024, Fig. 5d: causal forward 529 TFLOP/s at 8k; Fig. 6b: backward 518, the causal
+#: backward not published), H200 the same (the same SMs and clocks: the kernel is
+#: compute-bound); cuDNN 9.19's on B200 at 16k from the FlashAttention-4 paper (Zadouri
+#: et al. 2026, Figs. 4 and 6, causal: forward 1,509, backward 1,293 of 2,250); on A100,
+#: FlashAttention-2's own (Dao 2023, section 1: "up to 73% ... forward ... up to 63% ...
+#: backward"); none published for a TPU (the default, 0.5, is said).
+#: docs/planning.md lists each figure with its source.
 CHIPS: dict[str, Mapping[str, Any]] = {
     "a100": _gpu(
         memory_bytes=85_100_068_864,
@@ -154,6 +162,8 @@ CHIPS: dict[str, Mapping[str, Any]] = {
         cores=108,
         f32_highest_speed=19.5 / 312,
         links={"ici": (300e9, 2e-6), "dcn": (25e9, 5e-6)},
+        flash_forward_efficiency=0.73,
+        flash_backward_efficiency=0.63,
         chip=GpuChip(
             "NVIDIA A100-SXM4-80GB",
             (8, 0),
@@ -171,6 +181,8 @@ CHIPS: dict[str, Mapping[str, Any]] = {
         matmul_efficiency=794.5 / 989,
         cores=132,
         f32_highest_speed=67 / 989,
+        flash_forward_efficiency=529 / 989,
+        flash_backward_efficiency=518 / 989,
         chip=GpuChip("NVIDIA H100 80GB HBM3", (9, 0), 1.98, 50 * MIB),
     ),
     "h200": _gpu(
@@ -180,6 +192,8 @@ CHIPS: dict[str, Mapping[str, Any]] = {
         matmul_efficiency=794.5 / 989,
         cores=132,
         f32_highest_speed=67 / 989,
+        flash_forward_efficiency=529 / 989,
+        flash_backward_efficiency=518 / 989,
         chip=GpuChip("NVIDIA H200", (9, 0), 1.98, 50 * MIB),
     ),
     "b200": _gpu(
@@ -190,6 +204,8 @@ CHIPS: dict[str, Mapping[str, Any]] = {
         cores=148,
         f32_highest_speed=67 / 989,
         links={"ici": (900e9, 2e-6), "dcn": (50e9, 5e-6)},
+        flash_forward_efficiency=1509 / 2250,
+        flash_backward_efficiency=1293 / 2250,
         chip=GpuChip("NVIDIA B200", (10, 0), 1.965, 126 * MIB),
     ),
     "tpu-v5e": _tpu(

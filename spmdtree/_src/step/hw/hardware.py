@@ -107,6 +107,9 @@ class Costs:
             pass); 8-bit matmuls run at twice the bf16 rate.
         f32_highest_speed: likewise at the highest precision (a GPU's FP32
             units; a TPU's six bf16 passes).
+        flash_forward_efficiency: the share of the peak a flash-attention
+            kernel's forward reaches (cuDNN's, jax's Pallas kernels; new in 0.6).
+        flash_backward_efficiency: the same for its backward kernels.
     """
 
     hbm_bytes_per_second: float
@@ -118,6 +121,8 @@ class Costs:
     collective_latency_seconds: float
     f32_speed: float = 1.0
     f32_highest_speed: float = 1 / 6
+    flash_forward_efficiency: float = 0.5
+    flash_backward_efficiency: float = 0.5
 
     def speed(self, dtype: str) -> float:
         """A matmul's peak over the bf16 one for operands of `dtype`."""
@@ -135,8 +140,9 @@ class Costs:
 #: 3.35 TB/s is 295 FLOPs a byte, a TPU v5e's 240), matmuls at 0.8 of the peak (an
 #: H100's and a B200's largest measured shares are 0.80 and 0.78) on one core (no wave
 #: quantization) in tiles of 128, f32 matmuls at the bf16 rate (1/6 at the highest
-#: precision: six bf16 passes), no launch overhead and no latency per collective beyond
-#: the links' own.
+#: precision: six bf16 passes), flash-attention kernels at half the peak each way (the
+#: published shares cited in chips.py run from 0.52 to 0.73; none is published for a
+#: TPU), no launch overhead and no latency per collective beyond the links' own.
 DEFAULTS: Mapping[str, float] = {
     "flops_per_byte": 300.0,
     "memory_efficiency": 0.9,
@@ -145,6 +151,8 @@ DEFAULTS: Mapping[str, float] = {
     "tile": 128,
     "f32_speed": 1.0,
     "f32_highest_speed": 1 / 6,
+    "flash_forward_efficiency": 0.5,
+    "flash_backward_efficiency": 0.5,
     "launch_seconds": 0.0,
     "collective_latency_seconds": 0.0,
 }
@@ -158,6 +166,8 @@ MODEL_FIELDS = (
     "tile",
     "f32_speed",
     "f32_highest_speed",
+    "flash_forward_efficiency",
+    "flash_backward_efficiency",
     "launch_seconds",
     "collective_latency_seconds",
 )
@@ -172,7 +182,8 @@ class Hardware:
     in 0.6, are the per-kernel model's (docs/planning.md, "Predicted step time")
     and what the accelerator's compiler is told. A field of the model left out
     (None) takes its documented default (`DEFAULTS`), and a prediction built on
-    one says so in `StepTime.flags`. The presets (`hardware`) give every figure.
+    one says so in `StepTime.flags`. The presets (`hardware`) give every figure
+    but a TPU's flash-attention shares, which no source publishes.
 
     Attributes:
         name: what tables call it.
@@ -195,6 +206,10 @@ class Hardware:
         f32_speed: an f32 matmul's rate over the bf16 one at the default
             precision (a GPU's TF32: 0.5; default 1.0).
         f32_highest_speed: the same at the highest precision (1/6).
+        flash_forward_efficiency: the share of the peak a flash-attention
+            kernel's forward reaches (cuDNN's fused attention, jax's Pallas
+            attention kernels: their FLOPs over it; new in 0.6; default 0.5).
+        flash_backward_efficiency: the same for its backward kernels (0.5).
         launch_seconds: the overhead each kernel adds (XLA GPU's 1 us; 0).
         collective_latency_seconds: what each collective adds beyond the links'
             per-hop latency (XLA GPU's 5 us; 0).
@@ -236,6 +251,8 @@ class Hardware:
     tile: int | None = None
     f32_speed: float | None = None
     f32_highest_speed: float | None = None
+    flash_forward_efficiency: float | None = None
+    flash_backward_efficiency: float | None = None
     launch_seconds: float | None = None
     collective_latency_seconds: float | None = None
     chip: GpuChip | TpuChip | None = None
@@ -302,8 +319,10 @@ class Hardware:
 
         Example:
             >>> import spmdtree as st
-            >>> st.hardware("tpu-v5e").left_out
+            >>> st.hardware("h100").left_out
             ()
+            >>> st.hardware("tpu-v5e").left_out  # no flash kernel's share is published
+            ('flash_forward_efficiency', 'flash_backward_efficiency')
         """
         return tuple(what for what in MODEL_FIELDS if getattr(self, what) is None)
 
@@ -338,8 +357,9 @@ def hardware(name: str) -> Hardware:
 
     The figures are the vendors' data sheets and the JAX team's scaling book
     (docs/planning.md lists each with its source); latencies are rough. A preset
-    gives every figure of the model (`Hardware.left_out` is empty), and its
-    `chip` is what its compiler is told.
+    gives every figure of the model (`Hardware.left_out` is empty) but a TPU's
+    flash-attention shares (none is published; a step that runs a flash kernel is
+    told its default), and its `chip` is what its compiler is told.
 
     Args:
         name: the preset's name.

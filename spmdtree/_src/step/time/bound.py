@@ -306,15 +306,22 @@ def step_time(
         predicted_seconds=said.seconds,
         exposed_comm_seconds=said.exposed_comm_seconds,
         predicted_by_class=said.by_class,
-        flags=(*_defaults_said(hw), *schedule.flags),
+        flags=(*_defaults_said(hw, schedule), *schedule.flags),
     )
 
 
-def _defaults_said(hw: Hardware) -> Iterator[str]:
-    """The sentence for a prediction built on the model's defaults."""
-    if hw.left_out:
+#: The model's fields only a flash-attention kernel's time reads.
+_FLASH_FIELDS = ("flash_forward_efficiency", "flash_backward_efficiency")
+
+
+def _defaults_said(hw: Hardware, schedule: Schedule) -> Iterator[str]:
+    """The sentence for a prediction built on the model's defaults: those it used
+    (a flash kernel's shares only where the step runs one)."""
+    flash = any(kernel.flash for kernel in schedule.kernels())
+    used = [what for what in hw.left_out if flash or what not in _FLASH_FIELDS]
+    if used:
         yield (
-            f"hardware {hw.name!r} leaves out {', '.join(hw.left_out)}: the prediction "
+            f"hardware {hw.name!r} leaves out {', '.join(used)}: the prediction "
             "takes their defaults (st.Hardware's docstring lists them); give the chip's "
             "own figures for a prediction of it"
         )

@@ -12,6 +12,10 @@ compute between its start and done does not cover is exposed.
 
 The per-kernel model (`hardware.Costs`; every figure's source is listed with it):
 
+- a flash-attention kernel (cuDNN's fused attention; jax's Pallas kernels, their
+  FLOPs from their shapes) at its FLOPs over the peak times the share published
+  for that chip and direction (`Costs.flash_forward_efficiency`, ``_backward_``;
+  new in 0.6);
 - a matmul (dot, convolution, cuBLAS/cuDNN call) at its FLOPs over the peak
   times the chip's largest achievable share (published "maximum achievable
   matmul FLOPS" measurements) times its tile and wave quantization: an
@@ -83,8 +87,9 @@ def wave_efficiency(batch: int, m: int, n: int, costs: Costs) -> float:
 
 def kernel_seconds(kernel: Kernel, costs: Costs, peak: float) -> float:
     """One kernel's time, its launch left out: the larger of its compute (FLOPs over
-    the peak x the matmul share x its wave efficiency) and its memory (bytes
-    over the sustained bandwidth), plus 5% of the smaller.
+    the peak x the matmul share x its wave efficiency; a flash-attention kernel's
+    over the peak x its published share for its direction, new in 0.6) and its
+    memory (bytes over the sustained bandwidth), plus 5% of the smaller.
 
     Example:
         >>> h100 = Costs(3.35e12, 0.9, 794.5 / 989, 132, (128, 128), 1e-6, 5e-6)
@@ -96,7 +101,13 @@ def kernel_seconds(kernel: Kernel, costs: Costs, peak: float) -> float:
     compute = 0.0
     if kernel.flops:
         share = costs.matmul_efficiency * costs.speed(kernel.dtype)
-        if kernel.m and kernel.n:
+        if kernel.flash:  # its blocks at the kernel's published share, each way
+            share = costs.speed(kernel.dtype) * (
+                costs.flash_backward_efficiency
+                if kernel.flash == "backward"
+                else costs.flash_forward_efficiency
+            )
+        elif kernel.m and kernel.n:
             share *= wave_efficiency(kernel.batch or 1, kernel.m, kernel.n, costs)
         compute = kernel.flops / (peak * share)
     return max(compute, memory) + (1 - _PARALLELISM) * min(compute, memory)
