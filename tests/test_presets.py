@@ -407,3 +407,36 @@ def test_a_preset_under_another_name_is_the_same_chip(name):
     mine = dataclasses.replace(st.hardware(name), name="mine")
     assert mine.costs() == st.hardware(name).costs()
     assert target_for(mine).chip == target_for(st.hardware(name)).chip
+
+
+FLASH_TABLE = table("| preset | flash forward | flash backward |")
+#: What the sources state (docs/planning.md's table names each): FlashAttention-2's
+#: "up to 73% ... forward ... up to 63% ... backward" on A100; cuDNN's causal forward
+#: 529 and backward 518 TFLOP/s on H100 (FlashAttention-3, Figs. 5d and 6b), the H200
+#: the same; cuDNN 9.19's 1,509 and 1,293 of 2,250 on B200 (FlashAttention-4, Figs. 4
+#: and 6); none for a TPU (the default).
+FLASH_SOURCES = {
+    "a100": (0.73, 0.63),
+    "h100": (529 / 989, 518 / 989),
+    "h200": (529 / 989, 518 / 989),
+    "b200": (1509 / 2250, 1293 / 2250),
+    "tpu-v5e": (None, None),
+    "tpu-v5p": (None, None),
+    "tpu-v6e": (None, None),
+}
+
+
+@pytest.mark.parametrize("name", list(FLASH_SOURCES))
+def test_every_flash_share_is_the_docs_table_and_its_source(name):
+    assert set(FLASH_TABLE) == set(FLASH_SOURCES) == set(PRESET_TABLE)
+    hardware, costs = st.hardware(name), COSTS[name]
+    forward, backward, _ = FLASH_TABLE[name]
+    given = (hardware.flash_forward_efficiency, hardware.flash_backward_efficiency)
+    assert given == FLASH_SOURCES[name]
+    used = (costs.flash_forward_efficiency, costs.flash_backward_efficiency)
+    if given[0] is None:  # the default, as the table says
+        assert used == (0.5, 0.5) and "(default)" in forward and "(default)" in backward
+    else:
+        assert used == given
+    assert used[0] == pytest.approx(ratio(forward), rel=1e-12)
+    assert used[1] == pytest.approx(ratio(backward), rel=1e-12)
