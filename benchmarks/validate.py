@@ -235,6 +235,15 @@ def constrain(x: jax.Array, *names: str) -> jax.Array:
     return st.with_logical_constraint(x, names)
 
 
+def _op_policy(prim: Any, *_: Any, **params: Any) -> bool:
+    """torchtitan's "op" checkpointing: the values named "saved", and cuDNN's attention
+    forward whole (its output and softmax statistics: torchtitan's list saves the flash
+    kernel's outputs, its log-sum-exp among them)."""
+    if prim.name == "name":
+        return params.get("name") == "saved"
+    return prim.name.startswith("dot_product_attention_fwd")
+
+
 @dataclasses.dataclass(frozen=True)
 class Model:
     """A decoder's shapes and how its step is written."""
@@ -250,6 +259,9 @@ class Model:
     block: int  # the attention's block
     style: str  # "llama" (sequential block, SwiGLU, RoPE, untied) or "maxtext-2023"
     remat: str  # "op" (torchtitan's selective checkpointing) or "full"
+    #: "cudnn": jax.nn.dot_product_attention(implementation="cudnn"), what a GPU job
+    #: runs; "blocked": `blocked_attention`, XLA's kernels (0.5's step)
+    kernel: str = "blocked"
 
     def params(self) -> dict[str, Any]:
         e, h, kv, d, m, n = (
@@ -289,6 +301,12 @@ class Model:
         if self.style == "llama":
             q, k = rotary(q), rotary(k)
         q = constrain(q, "batch", "length", "q_heads", "kv")
+        if self.kernel == "cudnn":  # grouped queries as cuDNN takes them: (b, l, heads, d)
+            with jax.named_scope("attention"):
+                attended = jax.nn.dot_product_attention(
+                    q, k, v, is_causal=True, implementation="cudnn"
+                )
+            return jnp.einsum("blhd,hde->ble", save(attended, "saved"), p["out"])
         groups = self.heads // self.kv_heads
         q = q.reshape(*q.shape[:2], self.kv_heads, groups, self.head_dim)
         with jax.named_scope("attention"):
@@ -317,8 +335,7 @@ class Model:
         table = constrain(st.unbox(params["embed"]).astype(BF16), "vocab", None)
         x = constrain(jnp.take(table, tokens[:, :-1], axis=0), "batch", "length", "embed")
         if self.remat == "op":
-            policy = jax.checkpoint_policies.save_only_these_names("saved")
-            body = jax.checkpoint(self.layer, policy=policy, prevent_cse=False)
+            body = jax.checkpoint(self.layer, policy=_op_policy, prevent_cse=False)
         else:
             body = jax.checkpoint(self.layer, prevent_cse=False)
         x, _ = st.scan(body, x, params["layers"], partition_name="layers")

@@ -2,6 +2,11 @@
 kernel in the compiled module, the batch sharded as given, its FLOPs the causal
 kernel's, its peak what a raw compile on the target's devices says."""
 
+import os
+import pathlib
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -128,3 +133,46 @@ def test_advise_ranks_cudnn_attention_steps_each_compiled_as_its_own():
         assert peak == direct.peak_bytes
     assert peaks[16] > peaks[8]
     assert all(row.step.backend == "gpu" for row in advice.rows)
+
+
+SCRIPT = """
+import jax, jax.numpy as jnp
+import spmdtree as st
+jax.devices()  # jax starts its backends: without CUDA's libraries, its GPU plugin refuses
+mesh = jax.sharding.AbstractMesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+spec = jax.ShapeDtypeStruct(({B}, {T}, {H}, {D}), jnp.bfloat16,
+    sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data")))
+def loss(q, k, v):
+    out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+    return jnp.sum(out.astype(jnp.float32))
+plan = st.preflight(jax.grad(loss, argnums=(0, 1, 2)), spec, spec, spec, mesh=mesh, target="h100")
+print(plan.peak_bytes, sorted({{k.call for k in plan.schedule.kernels()}} - {{""}}))
+"""
+
+
+@pytest.mark.skipif(not has_cudnn(), reason="needs cuDNN's library (spmdtree[cuda])")
+@pytest.mark.parametrize("platforms", ["", "cpu"])
+def test_a_process_whose_jax_refused_its_gpu_plugin_still_preflights(tmp_path, platforms):
+    # A user's script on a machine without a GPU: jax's CUDA plugin refuses to start
+    # ("Unable to load CUDA"), or is never started (JAX_PLATFORMS=cpu), and the step
+    # is lowered on XLA GPU's topology anyway.
+    skipped = ("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "JAX_PLATFORMS")
+    env = {k: v for k, v in os.environ.items() if k not in skipped}
+    if platforms:
+        env["JAX_PLATFORMS"] = platforms
+    env["PYTHONPATH"] = str(pathlib.Path(__file__).resolve().parent.parent)
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT.format(B=B, T=T, H=H, D=D))
+    done = subprocess.run(
+        [sys.executable, str(script)], env=env, cwd=tmp_path, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    if not platforms:
+        assert "Unable to load CUDA" in done.stderr  # jax did refuse it
+    peak, calls = done.stdout.split(" ", 1)
+    assert (
+        int(peak)
+        == st.preflight(step, *sequences()[1], mesh=sequences()[0], target="h100").peak_bytes
+    )
+    assert calls.strip() == "['__cudnn$fmhaSoftmax', '__cudnn$fmhaSoftmaxBackward']"
+    assert "JAX_SKIP_CUDA_CONSTRAINTS_CHECK" not in done.stdout

@@ -20,7 +20,10 @@ its source).
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib
 import importlib.util
+import os
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
@@ -220,12 +223,48 @@ class _XlaGpu(Toolchain):
         from jax.experimental import topologies
 
         chip = cast(Chip, placement.target.chip)
-        topology = topologies.get_topology_desc(
+        describe = functools.partial(
+            topologies.get_topology_desc,
             platform=self.platform,
             target_config=chip.target_config(),
             topology=self.topology(placement),
         )
+        try:
+            topology = describe()
+        except NotImplementedError:  # jax's plugin refused to start without CUDA
+            _start_plugin(self.module)
+            topology = describe()
         return _one_slice(topology.devices, sizes, names, types)
+
+
+def _start_plugin(module: str) -> None:
+    """Registers XLA GPU's plugin in this process where jax's start-up refused it for
+    want of CUDA's libraries (no GPU here): a topology needs none of them, so the
+    plugin starts with its version checks skipped, as the compile children start it;
+    the process's environment is left as it was."""
+    plugin = importlib.import_module(module)
+    was = os.environ.get(_SKIP_CHECKS)
+    os.environ[_SKIP_CHECKS] = "1"
+    try:
+        plugin.initialize()
+    finally:
+        if was is None:
+            del os.environ[_SKIP_CHECKS]
+        else:
+            os.environ[_SKIP_CHECKS] = was
+    # what jax gives each plugin it starts itself: custom_partitioning's partitioner
+    # (cuDNN's attention partitions through it) among them
+    from jax._src import xla_bridge
+
+    factory = xla_bridge._backend_factories.get("cuda")
+    if factory is not None and factory.c_api is not None:
+        with xla_bridge._plugin_callback_lock:
+            for callback in xla_bridge._plugin_callbacks:
+                callback(c_api=factory.c_api)
+
+
+#: What jax's CUDA plugin reads to start without checking CUDA's libraries.
+_SKIP_CHECKS = "JAX_SKIP_CUDA_CONSTRAINTS_CHECK"
 
 
 @dataclasses.dataclass(frozen=True)
