@@ -141,8 +141,10 @@ def test_arrays_over_budget_are_not_compiled(capsys):
     assert over.candidate == replicated and over.verdict == "over budget" and over.step is None
     assert over.reason.startswith("arrays alone 16.0 MiB > 12.0 MiB")
     assert advice.compiles == 1 and advice.rows[0].verdict == "fits"
+    # at the time it ranks by: the prediction (0.5: the bound's)
+    assert advice.rows[0].time.predicted_seconds is not None
     assert advice.rows[0].tokens_per_second == pytest.approx(
-        8 * 16 / advice.rows[0].time.bound_seconds
+        8 * 16 / advice.rows[0].time.predicted_seconds
     )
     lines = capsys.readouterr().err.splitlines()
     assert lines[0].startswith("advise: 2 candidates on 8 devices, at most 2 compiles")
@@ -433,6 +435,26 @@ def test_make_mesh_keeps_the_candidates_axis_types(kind):
     )
 
 
+def test_make_mesh_refuses_a_device_given_twice():
+    row = small_batch_advice().best
+    with pytest.raises(ValueError, match=r"^make_mesh: devices holds .* more than once"):
+        row.make_mesh([jax.devices()[0]] * 8)
+
+
+def test_compiled_rows_over_budget_rank_by_how_far_over():
+    # labels in the reverse order of the peaks: 0.5 ranked these by the label's text
+    mesh = {dict(m.shape)["tensor"]: m for m in st.layouts(8, ("data", "tensor"))}[8]
+    labels = {1024: "a most", 512: "b some", 256: "c least"}
+    candidates = [st.Candidate(mesh, RULES, batch=b, length=16, label=labels[b]) for b in labels]
+    roomy = st.advise(mlp_step, candidates, hardware=HW, budget_bytes=2**30, progress=False)
+    peaks = {row.candidate.label: row.step.peak_bytes for row in roomy.rows}
+    budget = min(peaks.values()) - 1  # every step compiles (arrays under it) and is over
+    advice = st.advise(mlp_step, candidates, hardware=HW, budget_bytes=budget, progress=False)
+    assert all(row.verdict == "over budget" and row.step is not None for row in advice.rows)
+    assert [row.candidate.label for row in advice.rows] == sorted(peaks, key=peaks.get)
+    assert [row.candidate.label for row in advice.rows] == ["c least", "b some", "a most"]
+
+
 def test_make_mesh_lays_given_devices_out_in_their_order():
     row = small_batch_advice().best
     devices = jax.devices()[::-1]
@@ -596,6 +618,28 @@ def test_a_rule_that_matches_nothing_is_said_once_per_call():
     said = "rule 3 ('heads', 'tensor') is never used"
     assert said in advice.note and " ".join(str(advice).split()).count(said) == 1
     assert said not in small_batch_advice().note  # the rules in use: nothing said
+
+
+def test_when_every_candidate_is_rejected_before_compiling_the_note_says_what_would_fit():
+    mesh = st.layouts(8, ("data", "tensor"))
+    candidates = [st.Candidate(m, RULES, batch=8, length=16) for m in mesh]
+    arrays = 2 * WIDE * MLP * 4 // 8  # the weights over tensor 8, the least any layout holds
+    budget = arrays // 2
+    advice = st.advise(mlp_step, candidates, hardware=HW, budget_bytes=budget, progress=False)
+    assert advice.compiles == 0 and all(row.step is None for row in advice.rows)
+    assert all(row.reason.startswith("arrays alone") for row in advice.rows)
+    said = advice.note[advice.note.index("Nothing fits") :]
+    # the weights over tensor 8 and the batch's inputs: just over twice the budget
+    assert re.match(
+        r"Nothing fits: the smallest peak, 2\.0 MiB \(data 1 x tensor 8, batch 8: its arrays "
+        r"alone, not compiled\), is 1\.0 MiB \(10\d%\) over the budget of 1\.0 MiB\.",
+        said,
+    )
+    assert "Spread over 4x the devices (32)" in said
+    assert said.endswith(
+        "A smaller batch cannot bring it under: its arrays alone (2.0 MiB) are over the budget."
+    )
+    assert said in " ".join(str(advice).split())
 
 
 @pytest.mark.parametrize("reverse", [False, True])

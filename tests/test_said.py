@@ -152,6 +152,22 @@ def test_preflight_rule_problems_are_validate_rules_own_on_the_mesh():
     ]
 
 
+def test_a_rule_that_matches_nothing_is_in_the_step_table_and_the_advise_table():
+    mesh = abstract_mesh((2, 2), ("data", "tensor"))
+    w, x = _lm_args()
+    (problem,) = st.preflight(_lm_step, w, x, mesh=mesh, rules=LM_RULES).rule_problems
+    shown = str(st.preflight(_lm_step, w, x, mesh=mesh, rules=LM_RULES))
+    assert f"! {problem.sentence}" in shown.splitlines()
+    advice = st.advise(
+        lambda c: (_lm_step, _lm_args(), {}),
+        [st.Candidate(mesh, LM_RULES, batch=8)],
+        hardware=st.hardware("h100"),
+        progress=False,
+    )
+    assert problem.sentence in advice.note
+    assert " ".join(str(advice).split()).count(problem.sentence) == 1  # wrapped, once
+
+
 def test_rules_all_used_say_nothing():
     mesh = abstract_mesh((2,), ("data",))
     w, x = _lm_args()

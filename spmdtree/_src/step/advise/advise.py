@@ -216,9 +216,11 @@ class _Pending:
 class _Rejected:
     """A candidate decided without figures: its plan rules it out, or its
     make_step, trace or compile failed (or the target's compiler found it too
-    big for a chip)."""
+    big for a chip); `arrays_bytes`, where its arrays alone were over the budget,
+    their bytes per device."""
 
     row: AdviceRow
+    arrays_bytes: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -314,8 +316,8 @@ def _row(
     if timed is not None and verdict in (Verdict.FITS, Verdict.TIGHT):
         reason += "; " + _bound_by(timed)
     tokens = None
-    if timed is not None and candidate.length is not None and timed.bound_seconds > 0:
-        tokens = candidate.batch * candidate.length / timed.bound_seconds
+    if timed is not None and candidate.length is not None and _seconds(timed) > 0:
+        tokens = candidate.batch * candidate.length / _seconds(timed)
     flags = _batch_first(candidate, flags)
     return AdviceRow(candidate, verdict, reason, step, timed, tokens, flags)
 
@@ -334,7 +336,8 @@ def _rejection(search: _Search, index: int, planned: Plan) -> _Rejected | None:
     flags = tuple(
         Located(argument_path(row.path), flag) for row in planned.rows for flag in row.flags
     )
-    return _Rejected(_row(search, index, *rejected, flags=flags))
+    over = planned.device_bytes if rejected[0] == Verdict.OVER_BUDGET else None
+    return _Rejected(_row(search, index, *rejected, flags=flags), over)
 
 
 def _judged(search: _Search, index: int, step: StepPlan) -> AdviceRow:
@@ -408,12 +411,15 @@ def rank(row: AdviceRow, index: int) -> tuple[int, float, int, float, str, int, 
     then, for those that fit, may fit or are tight, the predicted time per
     sequence (`StepTime.predicted_seconds`; the bound where there is none) (6
     significant figures: equal throughput is equal), the smaller peak, the serial
-    time, and last its position in the input (new in 0.5: 0.4 put the target's
+    time; a compiled row over budget by its peak (the least over first; new in
+    0.6: 0.5 went by the label's text); and last its position in the input (new in 0.5: 0.4 put the target's
     figures first, so a confirmed row that was slowest stayed first). Exact ties
     go by the layout's label and batch, so no order of the candidates changes
     which rows win; only rows equal in all of it keep the input's order."""
     verdict = list(Verdict).index(Verdict(row.verdict))
     order = 2 * verdict + (row.verdict == Verdict.OVER_BUDGET and row.step is None)
+    if row.verdict == Verdict.OVER_BUDGET and row.step is not None:  # the least over first
+        return (order, 0.0, row.step.peak_bytes, 0.0, *_tie(row, index))
     if row.verdict not in HOPEFUL or row.step is None:
         return (order, 0.0, 0, 0.0, *_tie(row, index))
     if row.time is None:  # compiled but not timed: after the timed ones
@@ -1000,9 +1006,11 @@ def _rules_said(state: _State) -> str:
 
 def _nothing_fits(state: _State, budget: int) -> str:
     """Where no compiled row fits, what would: the smallest peak, and whether
-    remat, more devices or a smaller batch could bring it under."""
+    remat, more devices or a smaller batch could bring it under; where none
+    compiled, every one's arrays alone over the budget, the smallest arrays (new
+    in 0.6: 0.5 said nothing)."""
     compiled = [row for row in state.rows.values() if row.step is not None]
-    if not compiled or any(row.verdict in (Verdict.FITS, Verdict.TIGHT) for row in compiled):
+    if any(row.verdict in (Verdict.FITS, Verdict.TIGHT) for row in compiled):
         return ""
     closest = [
         Closest(
@@ -1015,6 +1023,19 @@ def _nothing_fits(state: _State, budget: int) -> str:
         for row in compiled
         if row.step is not None and row.step.peak_bytes > budget
     ]
+    if not compiled:
+        closest = [
+            Closest(
+                f"{label_of(r.row.candidate)}, batch {r.row.candidate.batch}: its arrays "
+                "alone, not compiled",
+                r.arrays_bytes,
+                0,
+                math.prod(r.row.candidate.mesh.shape.values()),
+                r.row.candidate.batch,
+            )
+            for r in state.records.values()
+            if isinstance(r, _Rejected) and r.arrays_bytes is not None
+        ]
     return nothing_fits(closest, budget, searched=True) if closest else ""
 
 

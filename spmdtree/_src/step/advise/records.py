@@ -10,7 +10,7 @@ import enum
 import math
 import textwrap
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -104,8 +104,9 @@ class AdviceRow(NamedTuple):
             spmdtree's message.
         step: the `StepPlan`, or None (not compiled).
         time: the `StepTime`, or None.
-        tokens_per_second: batch x length / bound seconds, where the length is
-            known and the step compiled.
+        tokens_per_second: batch x length / the time the row ranks by (the
+            predicted step time, the bound where there is none; 0.5: always
+            the bound), where the length is known and the step compiled.
         flags: what needs a look apart from the verdict: the step's flags (an
             array replicated on every device, a dimension left unsharded), or
             the plan's where it was not compiled (new in 0.4).
@@ -145,7 +146,8 @@ class AdviceRow(NamedTuple):
             The `jax.sharding.Mesh`.
 
         Raises:
-            ValueError: for fewer devices than the layout has.
+            ValueError: for fewer devices than the layout has, or a device given
+                twice (new in 0.6).
 
         Example:
             >>> import jax, spmdtree as st
@@ -171,9 +173,28 @@ class AdviceRow(NamedTuple):
             )
         if devices is None:
             return jax.make_mesh(sizes, names, axis_types=types)
+        repeated = _repeated(given[:needed])
+        if repeated is not None:
+            raise Mistake(
+                ValueError,
+                f"devices holds {repeated!r} more than once among the {needed} the layout "
+                f"{label_of(self.candidate)} takes; a mesh places each device once. Pass "
+                "distinct devices (jax.devices()).",
+            )
         return Mesh(
             np.asarray(given[:needed], dtype=object).reshape(sizes), names, axis_types=types
         )
+
+
+def _repeated(devices: Sequence[Any]) -> Any:
+    """The first device given twice (by its id, jax's own key for a device), or None."""
+    seen: set[object] = set()
+    for device in devices:
+        key = getattr(device, "id", id(device))
+        if key in seen:
+            return device
+        seen.add(key)
+    return None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -388,4 +388,5 @@ def _table(step: StepPlan) -> str:
         "the most loaded device (st.plan counts these only)"
     )
     lines += [f"! {flag}" for flag in step.flags]
+    lines += [f"! {problem}" for problem in dict.fromkeys(p.sentence for p in step.rule_problems)]
     return "\n".join(lines)
