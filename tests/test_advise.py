@@ -663,3 +663,44 @@ def test_a_compiled_row_over_budget_ranks_before_one_rejected_without_a_compile(
         ("b half", "over budget", False),
         ("a replicated", "over budget", True),
     ]
+
+
+# --- work repeated along an axis (0.6) ----------------------------------------------
+
+FSDP_ONLY = [("batch", "fsdp"), ("embed", "fsdp"), ("mlp", None)]  # 'data' splits nothing
+
+
+def test_a_layout_whose_devices_repeat_each_others_work_is_said_so_and_ranks_after():
+    # the batch split over fsdp only: with data > 1, each data group computes the same
+    # examples (flax's Gemma, which shards its batch over fsdp alone, on data x fsdp)
+    candidates = [
+        st.Candidate(m, FSDP_ONLY, batch=64, length=16) for m in st.layouts(8, ("data", "fsdp"))
+    ]
+    advice = st.advise(mlp_step, candidates, hardware=HW, progress=False)
+
+    def data(row):
+        return dict(row.candidate.mesh.shape)["data"]
+
+    # the oracle: the MLP's five matmuls of 64 x WIDE x MLP (two forward; backward,
+    # both weights' gradients and the hidden layer's, not the input's), 2 FLOPs a
+    # multiply-add, split over all 8 devices
+    split = 5 * 2 * 64 * WIDE * MLP // 8
+    assert min(row.step.flops for row in advice.rows) == pytest.approx(split, rel=0.05)
+    assert {data(r) for r in advice.rows if r.step.flops < 1.5 * split} == {1}
+    for row in advice.rows:
+        said = [f for f in row.flags if "repeat each other's work" in f]
+        if row.step.flops < 1.5 * split:
+            assert said == []
+            continue
+        (flag,) = said
+        copies = data(row)
+        assert flag.startswith(f"devices repeat each other's work along data ({copies}):")
+        assert f"{row.step.flops / min(r.step.flops for r in advice.rows):.1f}x the" in flag
+    # XLA splits none of the work along data where nothing is sharded over it
+    whole = [row for row in advice.rows if data(row) == 8]
+    assert whole[0].step.flops == pytest.approx(8 * split, rel=0.05)
+    # every layout that splits the work ranks before every one that repeats it, whatever
+    # their times
+    repeats = [data(row) > 1 for row in advice.rows if row.verdict == "fits"]
+    assert repeats == sorted(repeats) and repeats[0] is False and repeats[-1] is True
+    assert "repeat each other's work along data" in str(advice)

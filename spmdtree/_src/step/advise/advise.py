@@ -28,7 +28,13 @@ from jax.sharding import AbstractMesh, AxisType, Mesh
 from spmdtree._src.errors import Mistake, public
 from spmdtree._src.plan import Plan
 from spmdtree._src.rules import AnyMesh
-from spmdtree._src.step.advise.diagnose import Closest, nothing_fits
+from spmdtree._src.step.advise.diagnose import (
+    REPEATS,
+    Closest,
+    nothing_fits,
+    repeated,
+    split_work,
+)
 from spmdtree._src.step.advise.records import (
     CPU_OVER,
     HOPEFUL,
@@ -275,8 +281,10 @@ class _State:
         return {i: record.row for i, record in self.records.items()}
 
     def order(self) -> list[int]:
-        """The candidates' indices, best row first (`rank`)."""
-        return sorted(self.records, key=lambda i: rank(self.records[i].row, i))
+        """The candidates' indices, best row first (`rank`), a layout whose devices
+        repeat each other's work after those that split it (`split_work`)."""
+        split = _split(self.rows.values())
+        return sorted(self.records, key=lambda i: rank(self.records[i].row, i, split))
 
     def ranked(self) -> tuple[AdviceRow, ...]:
         return tuple(self.records[i].row for i in self.order())
@@ -405,31 +413,51 @@ def _verdict(step: StepPlan, budget: int, asks: TargetChild | None) -> tuple[Ver
     return Verdict.OVER_BUDGET, f"peak {peak} > {said} budget on {high}: {ask}"
 
 
-def rank(row: AdviceRow, index: int) -> tuple[int, float, int, float, str, int, int]:
+def _split(rows: Iterable[AdviceRow]) -> dict[int, int]:
+    """Per batch, the fewest FLOPs per device of the compiled rows (`split_work`)."""
+    return split_work([(r.candidate.batch, r.step.flops) for r in rows if r.step is not None])
+
+
+def _repeated(row: AdviceRow, split: Mapping[int, int]) -> str | None:
+    """What a compiled row whose devices repeat each other's work is told, or None
+    (`diagnose.repeated`)."""
+    least = split.get(row.candidate.batch, 0)
+    if row.step is None or least <= 0 or row.step.flops < REPEATS * least:
+        return None
+    return repeated(dict(row.candidate.mesh.shape), row.step.inputs, row.step.flops, least)
+
+
+def rank(
+    row: AdviceRow, index: int, split: Mapping[int, int] | None = None
+) -> tuple[int, int, float, int, float, str, int, int]:
     """A row's place, the one key for every row, whichever compiler's figures it
     has: its verdict (`Verdict`'s order; compiled over budget before rejected),
     then, for those that fit, may fit or are tight, the predicted time per
     sequence (`StepTime.predicted_seconds`; the bound where there is none) (6
     significant figures: equal throughput is equal), the smaller peak, the serial
     time; a compiled row over budget by its peak (the least over first; new in
-    0.6: 0.5 went by the label's text); and last its position in the input (new in 0.5: 0.4 put the target's
+    0.6: 0.5 went by the label's text); and last its position in the input. A
+    row whose devices repeat each other's work (its FLOPs per device against the
+    fewest of its batch's rows, `split`) ranks after every row of its verdict
+    that splits the work (new in 0.6) (new in 0.5: 0.4 put the target's
     figures first, so a confirmed row that was slowest stayed first). Exact ties
     go by the layout's label and batch, so no order of the candidates changes
     which rows win; only rows equal in all of it keep the input's order."""
     verdict = list(Verdict).index(Verdict(row.verdict))
     order = 2 * verdict + (row.verdict == Verdict.OVER_BUDGET and row.step is None)
     if row.verdict == Verdict.OVER_BUDGET and row.step is not None:  # the least over first
-        return (order, 0.0, row.step.peak_bytes, 0.0, *_tie(row, index))
+        return (order, 0, 0.0, row.step.peak_bytes, 0.0, *_tie(row, index))
     if row.verdict not in HOPEFUL or row.step is None:
-        return (order, 0.0, 0, 0.0, *_tie(row, index))
+        return (order, 0, 0.0, 0, 0.0, *_tie(row, index))
+    repeats = int(_repeated(row, split or {}) is not None)
     if row.time is None:  # compiled but not timed: after the timed ones
-        return (order, math.inf, row.step.peak_bytes, math.inf, *_tie(row, index))
+        return (order, repeats, math.inf, row.step.peak_bytes, math.inf, *_tie(row, index))
     # per sequence: at one batch, the bound's order; across batches, the step
     # time alone would always favour the smaller batch
     per = row.candidate.batch
     bound = float(f"{_seconds(row.time) / per:.6g}")
     serial = row.time.serial_seconds / per
-    return (order, bound, row.step.peak_bytes, serial, *_tie(row, index))
+    return (order, repeats, bound, row.step.peak_bytes, serial, *_tie(row, index))
 
 
 def _seconds(timed: StepTime) -> float:
@@ -986,10 +1014,32 @@ def advise(
         state = _run(search, _State(), firsts, pool)
         state = _ask(search, state, _over_on_the_estimate(search, state), pool)
         state, confirmed = _confirm(search, state, confirm, pool, workers)
+    state = _said_repeats(state)
     said = [_screen_note(asks, first, why, screen), confirmed]
     said += [_rules_said(state), _nothing_fits(state, budget)]
     note = "; ".join(part for part in said if part)
     return Advice(state.ranked(), state.compiles, hardware, budget, note=note)
+
+
+def _said_repeats(state: _State) -> _State:
+    """Each compiled row whose devices repeat each other's work, flagged so (the
+    axis named), its traffic flag, where it has one, saying that is its cause."""
+    split = _split(state.rows.values())
+    records = dict(state.records)
+    for index, record in state.records.items():
+        row = record.row
+        said = _repeated(row, split)
+        if said is None or row.step is None:
+            continue
+        traffic = row.step.unexplained_traffic
+        flags = tuple(f for f in row.flags if traffic is None or f != traffic.sentence)
+        if traffic is not None and len(flags) < len(row.flags):
+            said += (
+                "; the collectives beyond what the layout explains come from it too, not "
+                "from unconstrained activations"
+            )
+        records[index] = dataclasses.replace(record, row=row._replace(flags=(said, *flags)))
+    return _State(types.MappingProxyType(records), state.compiles)
 
 
 def _rules_said(state: _State) -> str:

@@ -5,20 +5,22 @@ compiled step runs with what the layout of its arguments explains (0.4,
 measured: flax's lm1b with FSDP rules and no activation constraints, XLA
 sharded the activations over the FSDP axis and all-reduced them there, 98
 all-reduces of 16 GiB); `nothing_fits` says, when no candidate fits, how far
-the closest is and what might bring it under. `preflight` and `advise` put
-their sentences beside the figures.
+the closest is and what might bring it under; `split_work` and
+`repeating_axes` find a layout whose devices repeat each other's work (new in
+0.6). `preflight` and `advise` put their sentences beside the figures.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Sequence
 
 from spmdtree._src.plan import Plan, PlanRow
 from spmdtree._src.resolve import axes_of
 from spmdtree._src.step.hlo.schedule import Collective
-from spmdtree._src.text import size_text
+from spmdtree._src.text import flops_text, size_text
 
 #: How many times what the layout explains the collectives may move before it is said.
 TRAFFIC_RATIO = 4.0
@@ -218,3 +220,89 @@ def _batch(closest: Closest, budget_bytes: int) -> str:
     if largest < 1:
         return "No batch brings it under: one sequence's temporaries alone are over."
     return f"A batch of at most {largest} (from {closest.batch}) could bring it under."
+
+
+# --- work repeated along an axis --------------------------------------------------------
+
+#: A layout whose devices do this many times the least FLOPs per device any layout of
+#: the same batch does repeats work: a 2-way copy does 2x (new in 0.6).
+REPEATS = 1.5
+
+
+def split_work(rows: Sequence[tuple[int, int]]) -> dict[int, int]:
+    """Per batch, the fewest FLOPs per device of any compiled layout, from
+    ``(batch, flops per device)`` pairs: the work split over all the devices.
+
+    Example:
+        >>> split_work([(8, 400), (8, 200), (16, 800), (8, 0)])
+        {8: 200, 16: 800}
+    """
+    least: dict[int, int] = {}
+    for batch, flops in rows:
+        if flops > 0:
+            least[batch] = min(least.get(batch, flops), flops)
+    return least
+
+
+def repeating_axes(sizes: dict[str, int], used: set[str], factor: float) -> tuple[str, ...]:
+    """The mesh axes along which devices repeat each other's work `factor` times:
+    among the axes of size > 1 that shard none of the step's arguments (`used`
+    holds those that do: the batch's, the weights'), those whose sizes multiply
+    nearest to `factor` (fewest axes on ties).
+
+    Example:
+        >>> repeating_axes({"data": 2, "fsdp": 32}, {"fsdp"}, 2.0)
+        ('data',)
+        >>> repeating_axes({"data": 4, "seq": 2, "tensor": 8, "fsdp": 2}, {"fsdp", "tensor"}, 8.0)
+        ('data', 'seq')
+    """
+    spare = [axis for axis, size in sizes.items() if size > 1 and axis not in used]
+    subsets = [
+        subset
+        for count in range(1, len(spare) + 1)
+        for subset in itertools.combinations(spare, count)
+    ]
+    if not subsets:
+        return ()
+
+    def distance(subset: tuple[str, ...]) -> tuple[float, int]:
+        product = math.prod(sizes[a] for a in subset)
+        return abs(math.log(product / factor)), len(subset)
+
+    return min(subsets, key=distance)
+
+
+def repeated_sentence(
+    axes: tuple[str, ...], sizes: dict[str, int], flops: int, least: int, devices: int
+) -> str:
+    """What a layout whose devices repeat each other's work is told.
+
+    Example:
+        >>> print(repeated_sentence(("data",), {"data": 2, "fsdp": 32}, 2 * 10**12, 10**12, 64))
+        devices repeat each other's work along data (2): 2.0 TFLOP per device, 2.0x the 1.0 TFLOP of a layout that splits the same batch over all 64 devices; shard the batch over data too (its rule: ('batch', ('data', ...))), or give data's devices to the axes that split it
+    """
+    named = " x ".join(f"{a} ({sizes[a]})" for a in axes)
+    which = "+".join(axes)
+    return (
+        f"devices repeat each other's work along {named}: {flops_text(flops)} per device, "
+        f"{flops / least:.1f}x the {flops_text(least)} of a layout that splits the same batch "
+        f"over all {devices} devices; shard the batch over {which} too (its rule: "
+        f"('batch', ({', '.join(repr(a) for a in axes)}, ...))), or give {which}'s devices "
+        "to the axes that split it"
+    )
+
+
+def repeated(sizes: dict[str, int], inputs: Plan, flops: int, least: int) -> str | None:
+    """The sentence for a layout of `sizes`, its arguments laid out as `inputs`,
+    whose devices do `flops` per device where its batch's work split over all of
+    them is `least`; None where they do not repeat each other's work: FLOPs under
+    `REPEATS` times the least, or no axis of the layout that shards none of its
+    arguments to repeat it along (a layout that splits everything can still count
+    fewer FLOPs where XLA rewrites a matmul of one row as a reduction)."""
+    if least <= 0 or flops < REPEATS * least:
+        return None
+    used = {axis for row in inputs.rows for entry in row.spec for axis in axes_of(entry)}
+    axes = repeating_axes(sizes, used, flops / least)
+    if not axes:  # every axis splits something: FLOPs counted apart, not work repeated
+        return None
+    return repeated_sentence(axes, sizes, flops, least, math.prod(sizes.values()))

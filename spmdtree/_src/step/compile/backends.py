@@ -232,6 +232,8 @@ class _XlaGpu(Toolchain):
         try:
             topology = describe()
         except NotImplementedError:  # jax's plugin refused to start without CUDA
+            if self.module is None:
+                raise
             _start_plugin(self.module)
             topology = describe()
         return _one_slice(topology.devices, sizes, names, types)
