@@ -144,3 +144,17 @@ def test_splash_attention_preflights_for_libtpu_forward_and_backward_counted():
     (dense,) = [f for f in plan.flags if "as if its mask kept every block" in f]
     assert "splash_mha_fwd" in dense
     assert not [f for f in plan.flags if "no cost estimate" in f]
+
+
+def test_a_pallas_kernel_on_a_sharded_array_is_told_to_run_per_device():
+    from jax.experimental.pallas.ops.gpu import attention
+
+    mesh = explicit_mesh()
+    spec = jax.ShapeDtypeStruct((B, T, H, D), jnp.bfloat16, sharding=NamedSharding(mesh, P("data")))
+    with pytest.raises(ValueError, match=r"can only be sliced along unsharded axes") as info:
+        st.preflight(
+            functools.partial(attention.mha, segment_ids=None), spec, spec, spec, mesh=mesh
+        )
+    assert str(info.value).endswith(
+        "(a Pallas kernel runs per device: call it under jax.shard_map, as a job does)"
+    )

@@ -340,3 +340,28 @@ def test_a_step_that_fits_needs_nothing_and_a_bad_batch_is_said():
         step.what_would_fit(32 * GiB, batch=2.5)
     with pytest.raises(TypeError, match=r"^fits: budget_bytes is '32'"):
         step.what_would_fit("32")
+
+
+# --- jax's own messages, with what to do (0.6) ---------------------------------------
+
+
+def _sharded_by_out_sharding(x, w):
+    """A step that shards its result as flax.nnx's Gemma does: by out_sharding=."""
+    return jnp.einsum("bd,df->bf", x, w, out_sharding=jax.sharding.PartitionSpec("data", None))
+
+
+def test_a_step_sharding_by_out_sharding_on_auto_axes_is_told_to_use_explicit_axes():
+    x = jax.ShapeDtypeStruct((8, 4), jnp.float32)
+    w = jax.ShapeDtypeStruct((4, 4), jnp.float32)
+    with pytest.raises(ValueError) as info:
+        st.preflight(_sharded_by_out_sharding, x, w, mesh=abstract_mesh((2,), ("data",)))
+    said = str(info.value)
+    assert "cannot contain axis names that are of type Auto" in said  # jax's own words
+    assert said.endswith(
+        "(the step shards its results by out_sharding=, which needs Explicit mesh axes: build "
+        "the mesh with axis_types=jax.sharding.AxisType.Explicit (st.layouts(devices, names, "
+        "axis_types=AxisType.Explicit) for advise))"
+    )
+    # on Explicit axes the same step traces
+    explicit = abstract_mesh((2,), ("data",), kind=AxisType.Explicit)
+    assert st.preflight(_sharded_by_out_sharding, x, w, mesh=explicit).flops > 0

@@ -472,12 +472,31 @@ def _traced(thunk: Callable[[], T], signature: str) -> T:
     except Mistake:
         raise
     except Exception as e:
-        # jax asks libcudnn its version while tracing cuDNN's attention: the library
-        # comes with the cuda extra (nvidia-cudnn-cu12), and runs without a GPU
-        missing = "cudnn" in str(e).lower() and ("not found" in str(e) or "not detected" in str(e))
-        fix = " (cuDNN's library: pip install 'spmdtree[cuda]', or nvidia-cudnn-cu12)"
         raise Mistake(
             TypeError if isinstance(e, TypeError) else ValueError,
             f"the step does not trace with its arguments ({signature}): {type(e).__name__}: {e}"
-            + (fix if missing else ""),
+            + "".join(f" ({fix})" for found, fix in _FIXES if found(str(e))),
         ) from e
+
+
+#: What to do about jax's own messages at trace time, where spmdtree knows (new in 0.6).
+_FIXES: tuple[tuple[Callable[[str], bool], str], ...] = (
+    # jax asks libcudnn its version while tracing cuDNN's attention: the library comes
+    # with the cuda extra (nvidia-cudnn-cu12), and runs without a GPU
+    (
+        lambda said: "cudnn" in said.lower() and ("not found" in said or "not detected" in said),
+        "cuDNN's library: pip install 'spmdtree[cuda]', or nvidia-cudnn-cu12",
+    ),
+    # a model that shards by out_sharding= (flax.nnx's Gemma) needs Explicit axes
+    (
+        lambda said: "cannot contain axis names that are of type Auto" in said,
+        "the step shards its results by out_sharding=, which needs Explicit mesh axes: build "
+        "the mesh with axis_types=jax.sharding.AxisType.Explicit (st.layouts(devices, "
+        "names, axis_types=AxisType.Explicit) for advise)",
+    ),
+    # a Pallas call on an array sharded over Explicit axes
+    (
+        lambda said: "sharded ref" in said and "can only be sliced along unsharded axes" in said,
+        "a Pallas kernel runs per device: call it under jax.shard_map, as a job does",
+    ),
+)
