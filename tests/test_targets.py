@@ -807,3 +807,20 @@ def test_compiler_options_of_the_wrong_kind_are_refused(options, said):
     step, args, kwargs = fsdp_args()
     with pytest.raises(TypeError, match="^preflight: " + said):
         st.preflight(step, *args, compiler_options=options, **kwargs)
+
+
+@pytest.mark.skipif(not has_compiler("cuda"), reason="needs pip install 'spmdtree[cuda]'")
+def test_screened_on_the_target_the_first_line_promises_no_confirmation(capsys):
+    step, args, kwargs = fsdp_args()
+    candidate = st.Candidate(kwargs["mesh"], kwargs["rules"], batch=256)
+    advice = st.advise(
+        lambda c: (step, args, {"donate_argnums": 0}),
+        [candidate],
+        hardware=st.hardware("h100"),
+        screen="target",
+        confirm=2,
+    )
+    first = capsys.readouterr().err.splitlines()[0]
+    assert first.startswith("advise: 1 candidate on 8 devices, at most 1 compile (each distinct ")
+    assert "for the target" not in first and "screened on 8 x h100" in first
+    assert advice.compiles == 1

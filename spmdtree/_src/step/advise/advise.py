@@ -495,21 +495,39 @@ def _unsharded_batch(candidate: Candidate, planned: Plan) -> str | None:
 def _printer(total: int) -> Callable[[AdviceRow, int], None]:
     """What reports each row decided: its progress line on stderr, timed from now."""
     started = time.perf_counter()
+    compiled = [0]
 
     def report(row: AdviceRow, done: int) -> None:
-        line = _progress_line(row, done, total, time.perf_counter() - started)
-        print(line, file=sys.stderr, flush=True)
+        compiled[0] += row.step is not None
+        elapsed = time.perf_counter() - started
+        print(_progress_line(row, done, total, elapsed, compiled[0]), file=sys.stderr, flush=True)
 
     return report
 
 
-def _progress_line(row: AdviceRow, done: int, total: int, elapsed: float) -> str:
-    """``advise [3/12] data 2 x tensor 4, batch 8: fits, bound 1.2 ms (peak ...); about 40 s left``."""
-    # the rest at the mean pace of those done so far
-    left = _duration(elapsed / done * (total - done))
-    left = f"{'' if left.startswith('under') else 'about '}{left} left"
+def _progress_line(row: AdviceRow, done: int, total: int, elapsed: float, compiled: int) -> str:
+    """``advise [3/12] data 2 x tensor 4, batch 8: fits, bound 1.2 ms (peak ...); about 40 s left``.
+
+    The time left is the rows left at the pace of the compiles so far, as if each
+    compiled (new in 0.6: 0.5 took the pace of every row, and a few quick
+    failures promised a long search would end in seconds).
+
+    Example:
+        >>> import jax, spmdtree as st
+        >>> mesh = jax.sharding.AbstractMesh((1,), ("data",))
+        >>> row = st.AdviceRow(st.Candidate(mesh, None, 8), "does not compile", "a typo", None, None, None)
+        >>> _progress_line(row, 4, 28, 2.0, 0).split("; ")[-1]  # four quick failures
+        'time left not known until a step compiles'
+        >>> _progress_line(row, 5, 28, 62.0, 1).split("; ")[-1]  # then a compile of a minute
+        'about 23 min 46 s left'
+    """
     if done == total:
         left = f"done in {_duration(elapsed)}"
+    elif compiled == 0:
+        left = "time left not known until a step compiles"
+    else:
+        left = _duration(elapsed / compiled * (total - done))
+        left = f"{'' if left.startswith('under') else 'about '}{left} left"
     bound = "" if row.time is None else f", bound {row.time.bound_seconds:.3g} s"
     return (
         f"advise [{done}/{total}] {label_of(row.candidate)}, batch {row.candidate.batch}: "
@@ -533,9 +551,11 @@ def _start_line(
     candidates: list[Candidate], jobs: int, confirm: int, first: TargetChild | None, asks: bool
 ) -> str:
     """The first progress line: what the search will do."""
-    n, most = len(candidates), len(candidates) + confirm
+    n = len(candidates)
     devices = math.prod(candidates[0].mesh.shape.values())
-    again = f", then up to {confirm} for the target" if confirm else ""
+    # screened on the target itself, there is nothing to confirm
+    again = f", then up to {confirm} for the target" if confirm and first is None else ""
+    most = n + (confirm if again else 0)
     on = "the CPU estimate" if first is None else str(first)
     over = (
         ", the target's compiler for rows over the budget on it" if first is None and asks else ""
