@@ -319,7 +319,7 @@ class Model:
         save = checkpoint_name
         if self.style == "llama":  # x + attn(norm x); then + SwiGLU(norm x)
             x = x + self.attention(rms_norm(x, p["attention_norm"]), p)
-            x = constrain(x, "batch", "length", "embed")
+            x = constrain(x, "batch", "length", "activation_embed")
             h = rms_norm(x, p["mlp_norm"])
             gate = save(h @ p["wi_0"], "saved")  # w1: the 5th matmul, saved
             gated = jax.nn.silu(gate) * (h @ p["wi_1"])  # w3: the 6th, recomputed
@@ -329,11 +329,12 @@ class Model:
             h = rms_norm(x, p["attention_norm"])
             hidden = constrain(jax.nn.relu(h @ p["wi_0"]), "batch", "length", "mlp")
             x = x + self.attention(h, p) + hidden @ p["wo"]
-        return constrain(x, "batch", "length", "embed"), None
+        return constrain(x, "batch", "length", "activation_embed"), None
 
     def loss(self, params: dict[str, Any], tokens: jax.Array) -> jax.Array:
         table = constrain(st.unbox(params["embed"]).astype(BF16), "vocab", None)
-        x = constrain(jnp.take(table, tokens[:, :-1], axis=0), "batch", "length", "embed")
+        x = jnp.take(table, tokens[:, :-1], axis=0)
+        x = constrain(x, "batch", "length", "activation_embed")
         if self.remat == "op":
             body = jax.checkpoint(self.layer, policy=_op_policy, prevent_cse=False)
         elif self.remat == "minimal":  # MaxText's of 2023: the weights' matmuls kept
@@ -366,6 +367,7 @@ RULES = [
     ("batch", "fsdp"),
     ("embed", "fsdp"),
     *[(n, None) for n in ("vocab", "mlp", "q_heads", "kv_heads", "kv", "length", "norm", "layers")],
+    ("activation_embed", None),
 ]
 
 
@@ -424,10 +426,13 @@ TORCHTITAN_H100 = dataclasses.replace(
 
 #: Megatron's tensor parallelism over `tensor` (torchtitan's and MaxText's): heads and
 #: the MLP's hidden units split (column-wise in, row-wise out), the vocabulary too
-#: (the output projection and a loss over split logits); FSDP over the rest.
+#: (the output projection and a loss over split logits); the residual stream between
+#: the blocks split over it too (MaxText's base.yml: `activation_embed` on `tensor`;
+#: torchtitan splits it by sequence: the same bytes); FSDP over the rest.
 TP_RULES = (
     ("batch", "fsdp"),
     ("embed", "fsdp"),
+    ("activation_embed", "tensor"),
     ("q_heads", "tensor"),
     ("kv_heads", "tensor"),
     ("mlp", "tensor"),

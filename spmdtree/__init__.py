@@ -80,6 +80,8 @@ from spmdtree._src.step.advise.records import AdviceRow as AdviceRow
 from spmdtree._src.step.advise.records import Candidate as Candidate
 from spmdtree._src.step.advise.records import Verdict as Verdict
 from spmdtree._src.step.compile.analysis import Memory as Memory
+from spmdtree._src.step.compile.compilers import target_compiler_options as target_compiler_options
+from spmdtree._src.step.compile.compilers import target_mesh as target_mesh
 from spmdtree._src.step.compile.preflight import preflight as preflight
 from spmdtree._src.step.compile.step_plan import StepPlan as StepPlan
 from spmdtree._src.step.hlo.schedule import Collective as Collective
@@ -173,6 +175,8 @@ __all__ = [
     "set_logical_axis_rules",
     "shard",
     "sharded_init",
+    "target_compiler_options",
+    "target_mesh",
     "to_abstract",
     "to_sharding",
     "to_spec",

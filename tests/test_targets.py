@@ -245,6 +245,38 @@ def test_a_target_compile_is_the_raw_compile_of_the_same_program(preset):
 
 
 @pytest.mark.parametrize("preset", [needs("h100"), needs("tpu-v5p")])
+def test_a_users_own_compile_on_target_mesh_is_preflights(preset):
+    # what a user checking a figure does (0.6): the public mesh and options, a raw compile
+    mesh = st.target_mesh(abstract(SHAPES[preset]), preset)
+    theirs = topology_mesh(preset)  # written out apart from preflight's
+    assert mesh.axis_names == theirs.axis_names and mesh.devices.shape == theirs.devices.shape
+    assert mesh.devices.flat[0].device_kind == theirs.devices.flat[0].device_kind
+    options = st.target_compiler_options(preset)
+    assert options == ({"xla_gpu_enable_triton_gemm": False} if preset == "h100" else {})
+    with st.logical_axis_rules(RULES), jax.set_mesh(mesh):
+        args = (st.to_abstract(params(), mesh), st.to_abstract(tokens(256), mesh))
+        compiled = jax.jit(make_step(True), donate_argnums=0).lower(*args).compile(options)
+    memory = compiled.memory_analysis()
+    peak = (
+        memory.argument_size_in_bytes
+        + memory.output_size_in_bytes
+        - memory.alias_size_in_bytes
+        + memory.temp_size_in_bytes
+    )
+    assert targeted(preset).peak_bytes == pytest.approx(peak, rel=0.01)
+
+
+def test_target_mesh_mistakes_are_said():
+    mesh = abstract(SHAPES["h100"])
+    with pytest.raises(TypeError, match=r"^target_mesh: target is 3; expected a preset's name"):
+        st.target_mesh(mesh, 3)
+    with pytest.raises(TypeError, match=r"^target_mesh: "):
+        st.target_mesh("not a mesh", "h100")
+    with pytest.raises(ValueError, match=r"^target_compiler_options: "):
+        st.target_compiler_options("h900")
+
+
+@pytest.mark.parametrize("preset", [needs("h100"), needs("tpu-v5p")])
 @pytest.mark.parametrize("remat", [False, True], ids=["plain", "remat"])
 def test_target_flops_are_the_programs(preset, remat):
     # data parallel: every dot is split evenly over the 64 chips by its batch (under

@@ -28,7 +28,8 @@ import jax
 import numpy as np
 from jax.sharding import AbstractDevice, Mesh
 
-from spmdtree._src.errors import Mistake
+from spmdtree._src.errors import Mistake, public
+from spmdtree._src.resolve import check_mesh
 from spmdtree._src.rules import AnyMesh
 from spmdtree._src.step.compile.analysis import Analysis, analyse
 from spmdtree._src.step.compile.backends import (
@@ -592,3 +593,64 @@ def _failure(error: Exception, compiler: _Child) -> str:
     if "RESOURCE_EXHAUSTED" in str(error):
         return "device memory" if isinstance(compiler, TargetChild) else "host memory"
     return "compile"
+
+
+# --- the target's mesh, for a compile of one's own (0.6) ----------------------------------
+
+
+@public
+def target_mesh(
+    mesh: AnyMesh, target: Hardware | str, *, devices_per_node: int | None = None
+) -> Mesh:
+    """`mesh`'s axes laid over `target`'s devices as ``preflight(..., target=)`` lays
+    them: a `jax.sharding.Mesh` of the target's devices, described to its compiler
+    without the hardware (XLA GPU's topology, libtpu's slice), so that a step can be
+    lowered and compiled raw on it, to check a figure (new in 0.6).
+
+    Compile with `target_compiler_options` to compile as preflight does: XLA GPU's
+    defaults differ (docs/planning.md, "Checking a figure yourself").
+
+    Args:
+        mesh: an `AbstractMesh` (or `Mesh`): its axis sizes, names and types.
+        target: a preset's name (``"h100"``) or a `Hardware` with a `chip`.
+        devices_per_node: GPUs per node or chips per TPU slice (the hardware's).
+
+    Returns:
+        The `jax.sharding.Mesh` over the target's devices.
+
+    Raises:
+        ValueError: where the target's compiler is not installed (naming the pip
+            command), or the mesh does not fill its nodes or slices.
+
+    Example:
+        >>> import jax, spmdtree as st
+        >>> mesh = jax.sharding.AbstractMesh((8,), ("data",))
+        >>> try:
+        ...     real = st.target_mesh(mesh, "h100")
+        ... except ValueError as e:  # without spmdtree[cuda]
+        ...     real = None
+        >>> real is None or (real.axis_names, real.devices.size) == (("data",), 8)
+        True
+    """
+    check_mesh(mesh)
+    compiler = compiler_for(mesh, target, devices_per_node)
+    return compiler.mesh_for(
+        tuple(mesh.shape.values()), tuple(mesh.axis_names), tuple(mesh.axis_types)
+    )
+
+
+@public
+def target_compiler_options(target: Hardware | str) -> dict[str, Any]:
+    """The compile options ``preflight(..., target=)`` gives `target`'s compiler
+    without the hardware, for a raw compile on `target_mesh` that equals its
+    figures (new in 0.6): on XLA GPU, cuBLAS's GEMMs rather than Triton's
+    (``xla_gpu_enable_triton_gemm``: deviceless, XLA cannot autotune Triton's
+    tiles, and its untuned ones hold larger temporaries).
+
+    Example:
+        >>> import spmdtree as st
+        >>> st.target_compiler_options("h100")
+        {'xla_gpu_enable_triton_gemm': False}
+    """
+    chosen, _ = target_of(target, None)
+    return chosen.toolchain.options_for(deviceless=True)

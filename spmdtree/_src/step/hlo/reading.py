@@ -293,7 +293,10 @@ def _flags(
     for name, axes, group in sorted({key[:3] for key in partial}):
         yield (
             f"{name} over groups of {group} devices that are not whole mesh axes "
-            f"(part of {', '.join(axes) or 'no axis'})"
+            f"(part of {', '.join(axes) or 'no axis'}): the compiler runs it over part of "
+            "the axis, most often to move a value between two layouts; it is timed over "
+            "the links those groups span, and needs no change unless it is among the "
+            "largest collectives (StepPlan.collectives)"
         )
     if scattered:
         yield (
