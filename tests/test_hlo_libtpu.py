@@ -12,6 +12,7 @@ import pytest
 
 import spmdtree as st
 from spmdtree._src.step.hlo.reading import read_step
+from spmdtree._src.step.hlo.schedule import Done, Kernel, Start, read_schedule
 
 #: A mesh of data 2 x fsdp 4: partition p is data p // 4, fsdp p % 4.
 SHAPE = (("data", 2), ("fsdp", 4))
@@ -131,3 +132,78 @@ def test_an_all_reduce_of_buffers_not_zero_filled_per_device_is_a_plain_one(chan
         ("reduce-scatter", "all-reduce-scatter"): SHARD,
         ("all-reduce", ""): WHOLE,
     }
+
+
+# --- libtpu's async collective fusion: one collective run in steps (0.6) -----------------
+
+#: An all-gather of a weight's shard over fsdp, as libtpu runs it with its async
+#: collective fusion (seen in MaxText's steps with libtpu 0.0.42): a fusion whose root
+#: is an AsyncCollectiveStart custom call starts it; fusions of the layer's compute carry
+#: it on (the same all-gather inside, the same chain_id); a fusion whose root is an
+#: AsyncCollectiveDone custom call ends it. Written out as libtpu prints it.
+CHAIN = """HloModule m
+
+%start (s: f32[256,256]) -> (f32[256,256], f32[1024,256], u32[]) {{
+  %s = f32[256,256] parameter(0)
+  %ag = f32[1024,256] all-gather(%s), channel_id=7, replica_groups={{{{0,1,2,3}},{{4,5,6,7}}}}, dimensions={{0}}, use_global_device_ids=true, frontend_attributes={{chain_id="0"}}, backend_config={{"async_collective_fusion_config":{{"flag_start":"-1","flag_end":"-1"}}}}
+  ROOT %cc = (f32[256,256], f32[1024,256], u32[]) custom-call(%ag), custom_call_target="AsyncCollectiveStart"
+}}
+
+%carry (x: f32[512,1024], y: f32[1024,512], s: f32[256,256], g: f32[1024,256]) -> (f32[512,512], f32[1024,256]) {{
+  %x = f32[512,1024] parameter(0)
+  %y = f32[1024,512] parameter(1)
+  %s = f32[256,256] parameter(2)
+  %g = f32[1024,256] parameter(3)
+  %d = f32[512,512] dot(%x, %y), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}
+  %ag = f32[1024,256] all-gather(%s), channel_id=7, replica_groups={{{{0,1,2,3}},{{4,5,6,7}}}}, dimensions={{0}}, use_global_device_ids=true, frontend_attributes={{chain_id="0"}}, backend_config={{"async_collective_fusion_config":{{"flag_start":"2","flag_end":"8"}}}}
+  ROOT %t = (f32[512,512], f32[1024,256]) tuple(%d, %ag)
+}}
+
+%done (s: f32[256,256], g: f32[1024,256]) -> f32[1024,256] {{
+  %s = f32[256,256] parameter(0)
+  %g = f32[1024,256] parameter(1)
+  %ag = f32[1024,256] all-gather(%s), channel_id=7, replica_groups={{{{0,1,2,3}},{{4,5,6,7}}}}, dimensions={{0}}, use_global_device_ids=true, frontend_attributes={{chain_id="0"}}, backend_config={{"async_collective_fusion_config":{{"flag_start":"2","flag_end":"8"}}}}
+  ROOT %cc = f32[1024,256] custom-call(%s, %g, %ag), custom_call_target="AsyncCollectiveDone"
+}}
+
+ENTRY %main (w: f32[256,256], x: f32[512,1024], y: f32[1024,512]) -> (f32[512,512], f32[1024,256]) {{
+  %w = f32[256,256] parameter(0)
+  %x = f32[512,1024] parameter(1)
+  %y = f32[1024,512] parameter(2)
+  %started = (f32[256,256], f32[1024,256], u32[]) fusion(%w), kind=kCustom, calls=%start
+  %buffer = f32[1024,256] get-tuple-element(%started), index=1
+{carries}
+  %gathered = f32[1024,256] fusion(%w, %buffer{last}), kind=kCustom, calls=%done
+  ROOT %out = (f32[512,512], f32[1024,256]) tuple(%c0_d, %gathered)
+}}
+"""
+
+
+def chain(steps):
+    """The module with `steps` compute fusions carrying the all-gather."""
+    carries = []
+    for i in range(steps):
+        carries += [
+            f"  %c{i} = (f32[512,512], f32[1024,256]) fusion(%x, %y, %w, %buffer), kind=kCustom, calls=%carry",
+            f"  %c{i}_d = f32[512,512] get-tuple-element(%c{i}), index=0",
+        ]
+    return CHAIN.format(carries="\n".join(carries), last="")
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+def test_an_async_collective_fusion_is_one_all_gather_overlapping_the_compute_it_is_carried_by(
+    steps,
+):
+    text = chain(steps)
+    # counted once however many fusions carry it (0.5 and early 0.6: once per fusion)
+    gathered = st.Collective("all-gather", 1, WHOLE, ("fsdp",), FSDP)
+    assert read_step(text, SHAPE, platform="tpu").collectives == (gathered,)
+    events = read_schedule(text, SHAPE, platform="tpu").events
+    starts = [e for e in events if isinstance(e, Start)]
+    assert [(s.row, s.sync) for s in starts] == [(gathered, False)]  # async: overlapped
+    kernels = [e for e in events if isinstance(e, Kernel)]
+    assert len(kernels) == steps and all(k.kind == "matmul" for k in kernels)
+    assert sum(k.flops for k in kernels) == steps * 2 * 512 * 512 * 1024  # the carried dots
+    # the compute waits for it where its done fusion is: after the carrying fusions
+    (done,) = [i for i, e in enumerate(events) if isinstance(e, Done)]
+    assert events[done].ident == starts[0].ident and done == len(events) - 1

@@ -761,6 +761,20 @@ MUTANTS.update(
                 "    used = list(hw.left_out)",
             )
         ],
+        "async-fusion-start-sync": [
+            (
+                "_src/step/hlo/schedule.py",
+                "            started = self._starts(comp, ins, rows, sync=False)",
+                "            started = self._starts(comp, ins, rows, sync=True)",
+            )
+        ],
+        "async-fusion-carriers-start-again": [
+            (
+                "_src/step/hlo/forms.py",
+                '        target, "continue"',
+                '        target, "start"',
+            )
+        ],
         "batch-window-as-kernel": [
             (
                 "_src/step/hlo/opcodes.py",

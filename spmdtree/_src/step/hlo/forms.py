@@ -15,8 +15,8 @@ import dataclasses
 import math
 from typing import Any, Literal, cast
 
-from spmdtree._src.step.hlo.instructions import Array, Instr, Module, Op, bits
-from spmdtree._src.step.hlo.opcodes import DONES, ELEMENTWISE, MOVES, PASS
+from spmdtree._src.step.hlo.instructions import Array, Instr, Module, Op, bits, config_field
+from spmdtree._src.step.hlo.opcodes import DONES, ELEMENTWISE, MOVES, PASS, SYNC
 from spmdtree._src.step.kinds import CollectiveKind
 
 #: The forms a compiler writes a collective in, other than the op its kind names
@@ -395,3 +395,26 @@ def _slice_of(
     if element.op == Op.kGetTupleElement and element.operands[:1] == (reduce.name,):
         return found[1].dims, element.dims
     return (found[1].dims, reduce.dims) if element is reduce else None
+
+
+def async_link(mod: Module, ins: Instr) -> tuple[str, str, tuple[str, Instr]] | None:
+    """Where fusion `ins` is a link of libtpu's async collective fusion (a fusion
+    holding a collective whose backend config has ``async_collective_fusion_config``):
+    its role (``"start"``: its root is an ``AsyncCollectiveStart`` custom call;
+    ``"done"``: an ``AsyncCollectiveDone`` one; else ``"continue"``), its chain (the
+    collective's ``chain_id``), and the collective with its computation; None where
+    it is not one (new in 0.6)."""
+    if ins.op != Op.kFusion:
+        return None
+    callee = dict(ins.callees).get("calls", "")
+    inner = [
+        i
+        for i in mod.comps.get(callee, [])
+        if i.op in SYNC and config_field(i.config, "async_collective_fusion_config") is not None
+    ]
+    if len(inner) != 1:
+        return None
+    root = mod.root(callee)
+    target = root.target if root is not None and root.op == Op.kCustomCall else ""
+    role = {"AsyncCollectiveStart": "start", "AsyncCollectiveDone": "done"}.get(target, "continue")
+    return role, inner[0].frontend.get("chain_id", ""), (callee, inner[0])

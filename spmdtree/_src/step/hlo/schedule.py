@@ -24,7 +24,15 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from spmdtree._src.step.hlo import opcodes
-from spmdtree._src.step.hlo.forms import Flow, Part, Written, fused_scatter, held, parts
+from spmdtree._src.step.hlo.forms import (
+    Flow,
+    Part,
+    Written,
+    async_link,
+    fused_scatter,
+    held,
+    parts,
+)
 from spmdtree._src.step.hlo.groups import collective_axes, group_axes
 from spmdtree._src.step.hlo.instructions import Instr, Module, Op, config_field
 from spmdtree._src.step.hlo.loops import trip_count
@@ -333,6 +341,7 @@ class _Walker:
         self.read: dict[str, tuple[Event, ...]] = {}
         self.scattered: dict[tuple[str, str], int] = {}
         self.widened: set[tuple[str, str]] = set()
+        self.chains: dict[str, tuple[int, ...]] = {}  # libtpu's async fusions, started
 
     def events(self, comp: str) -> tuple[Event, ...]:
         if comp not in self.read:
@@ -366,9 +375,41 @@ class _Walker:
         fused = self._fused(comp, ins)
         if fused is not None:  # libtpu's all-reduce-scatter: the collective it runs
             return self._starts(comp, ins, [fused], sync=True)
+        chained = self._chained(comp, ins)
+        if chained is not None:
+            return chained
         inside = self._inside(ins)
         kernel: list[Event] = [self._kernel(comp, ins)]
         return kernel + (self._starts(comp, ins, inside, sync=True) if inside else [])
+
+    def _chained(self, comp: str, ins: Instr) -> list[Event] | None:
+        """libtpu's async collective fusion (``xla_tpu_enable_async_collective_fusion``):
+        one collective run in steps by a chain of fusions, its `chain_id` theirs.
+        The fusion whose root is ``AsyncCollectiveStart`` starts it (its rows, once,
+        async); those that continue it are the compute they fuse with it; the one
+        whose root is ``AsyncCollectiveDone`` is where the compute waits for it.
+        None where `ins` is no link of a chain."""
+        link = async_link(self.mod, ins)
+        if link is None:
+            return None
+        role, chain, inner = link
+        if role == "start":
+            rows = self._rows(inner[0], inner[1], inner[1], SYNC[inner[1].op])
+            started = self._starts(comp, ins, rows, sync=False)
+            self.chains[chain] = tuple(e.ident for e in started if isinstance(e, Start))
+            return started
+        kernel: list[Event] = (
+            [] if role == "done" and not self._computes(ins) else [self._kernel(comp, ins)]
+        )
+        if role == "done":
+            return kernel + [Done(i) for i in self.chains.pop(chain, ())]
+        return kernel
+
+    def _computes(self, ins: Instr) -> bool:
+        """Whether a fusion does more than a chain's done: any op of its own."""
+        callee = dict(ins.callees).get("calls", "")
+        skip = {Op.kParameter, Op.kCustomCall, Op.kTuple, Op.kGetTupleElement, Op.kBitcast}
+        return any(i.op not in skip and i.op not in SYNC for i in self.mod.comps.get(callee, []))
 
     def _dones(self, comp: str, ins: Instr) -> list[Event]:
         """Where the compute stream waits for the collectives its operand started."""
