@@ -771,8 +771,8 @@ MUTANTS.update(
         "async-fusion-carriers-start-again": [
             (
                 "_src/step/hlo/forms.py",
-                '        target, "continue"',
-                '        target, "start"',
+                '.get(target, "continue")',
+                '.get(target, "start")',
             )
         ],
         "batch-window-as-kernel": [
