@@ -1,6 +1,8 @@
 """flax: its boxes are refused everywhere (pointing at from_flax), and from_flax
 converts linen params and nnx state into spmdtree's boxes, matching flax's own specs."""
 
+import importlib.util
+import pathlib
 import subprocess
 import sys
 
@@ -301,3 +303,43 @@ def test_from_flax_errors_name_the_key_path():
     odd = {"params": {"w": nn.Partitioned(jnp.ones(4), ("data", 3))}}
     with pytest.raises(TypeError, match=r"^from_flax: the box at tree\['params'\]\['w'\] has"):
         st.from_flax(odd)
+
+
+# --- a Gemma-like flax.nnx model through advise (0.6) ---------------------------------------
+
+
+def nnx_gemma():
+    """examples/nnx_gemma.py, imported as a module."""
+    path = pathlib.Path(__file__).resolve().parent.parent / "examples" / "nnx_gemma.py"
+    spec = importlib.util.spec_from_file_location("nnx_gemma", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_gemma_like_nnx_model_that_splits_its_batch_over_fsdp_alone_is_told_data_repeats_work():
+    g = nnx_gemma()
+    layouts = st.layouts(
+        8, ("data", "fsdp", "tensor"), sizes={"tensor": 1}, axis_types=AxisType.Explicit
+    )
+    wanted = [m for m in layouts if dict(m.shape)["data"] in (1, 2)]
+    candidates = [st.Candidate(m, None, 16, length=g.LENGTH) for m in wanted]
+    advice = st.advise(
+        g.make_step, candidates, hardware=st.hardware("h100"), progress=False, screen="cpu"
+    )
+    # the oracle: the model's matmuls per token (q, k, v, out, the gated MLP, the scores
+    # and their product with V over the whole length, the tied logits), forward and
+    # twice backward, over 16 x 64 tokens split over 8 devices
+    layer = 2 * g.WIDTH * g.HEADS * g.HEAD * 4 + 2 * g.WIDTH * g.MLP * 3
+    layer += 2 * 2 * g.LENGTH * g.HEADS * g.HEAD
+    split = 3 * (g.LAYERS * layer + 2 * g.WIDTH * g.VOCAB) * 16 * g.LENGTH // 8
+    data = [dict(row.candidate.mesh.shape)["data"] for row in advice.rows]
+    assert data == [1, 2]  # the layout that splits the work first, whatever its time
+    splits, repeats = advice.rows
+    assert splits.step.flops == pytest.approx(split, rel=0.01)
+    assert repeats.step.flops == pytest.approx(2 * split, rel=0.01)
+    (said,) = [f for f in repeats.flags if "repeat each other's work" in f]
+    assert said.startswith("devices repeat each other's work along data (2):")
+    assert not [f for f in splits.flags if "repeat each other's work" in f]
+    for row in advice.rows:  # tokens per second at the time the rows rank by
+        assert row.tokens_per_second == pytest.approx(16 * g.LENGTH / row.time.predicted_seconds)
