@@ -713,9 +713,11 @@ def test_a_step_with_a_pallas_kernel_compiles_for_the_target(preset):
     with jax.set_mesh(mesh):
         compiled = jax.jit(flash).lower(placed, placed, placed).compile()
     assert "__gpu$xla.gpu.triton" in compiled.as_text()
-    # Triton's call keeps no cost estimate: its FLOPs are not counted, and it says so.
-    assert ours.flops == 0
-    assert [str(f) for f in ours.flags if "hand-written kernel" in str(f)], ours.flags
+    # Triton's call keeps no cost estimate; this kernel is jax's own attention, so its
+    # FLOPs come from its shapes (0.6; 0.5 counted none, with a flag): two dots of the
+    # head width over every query-key pair, halved under the causal mask
+    assert ours.flops == 2 * 2 * (1 * 512 * 2 * 64) * 512 // 2
+    assert not [str(f) for f in ours.flags if "hand-written kernel" in str(f)], ours.flags
     memory = compiled.memory_analysis()
     assert ours.argument_bytes == memory.argument_size_in_bytes == 3 * 512 * 2 * 64 * 2
     assert ours.peak_bytes == (
