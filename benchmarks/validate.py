@@ -1,29 +1,36 @@
 """The predicted step time against published training runs (docs/planning.md, "Validation").
 
-Each run is a JAX step written like the published one (widths, layers, heads,
-vocabulary, sequence, batch per device, remat, layout), compiled by the
-target's own compiler without the hardware (`st.preflight(..., target=...)`),
-and its predicted time (`StepPlan.time(hardware).predicted_seconds`, a walk of
-the compiled schedule) turned into the published unit:
+Each run is a JAX step written as a JAX user of that stack writes it (widths, layers,
+heads, vocabulary, sequence, batch, remat, layout; on GPU the attention is cuDNN's flash
+kernel, `jax.nn.dot_product_attention(implementation="cudnn")`), compiled by the
+target's own compiler without the hardware (`st.preflight(..., target=...)`), and its
+predicted time (`StepPlan.time(hardware).predicted_seconds`, a walk of the compiled
+schedule) turned into the published unit:
 
-- torchtitan, Llama 3.1 8B on 8 H100s (pytorch/torchtitan, docs/performance.md
-  at commit 820504e2^, Table 1): FSDP over 8, local batch 2, sequence 8,192,
-  selective activation checkpointing ("op": every matmul's output saved but
-  every second one, and the attention's), bf16 compute over fp32 params;
-  5,762 tokens/s per GPU eager, 6,667 with torch.compile (the ratio is against
-  the torch.compile figure, the closer analogue of an XLA-compiled step);
-- MaxText 16B on one TPU v5e-256 (AI-Hypercomputer/maxtext, configs/v5e/16b.sh
-  and the v5e README, both of October-December 2023): global parameter scale
-  16 over the base.yml of that time, per-device batch 6, sequence 2,048,
-  remat full, FSDP over 256, flash attention; 120 TFLOP/s per chip (61.10%
-  MFU) in MaxText's own FLOP count of that time (`calculate_training_tflops`).
+- torchtitan, Llama 3.1 8B on 8 H100s (pytorch/torchtitan, docs/performance.md at
+  commit 820504e2^, Table 1): FSDP over 8, local batch 2, sequence 8,192, selective
+  activation checkpointing ("op": every second matmul's output and the attention's
+  kept), bf16 compute over fp32 params; 5,762 tokens/s per GPU eager, 6,667 with
+  torch.compile (the ratio is against the torch.compile figure);
+- torchtitan, Llama 3 8B on 64 H100s as FSDP 8 x TP 8 (benchmarks/
+  asyncTP_llama3_h100_2025-06_torchtitan.md: bf16, torch.compile, per-op selective
+  checkpointing, local batch 12 per data rank, sequence 8,192, vanilla TP): 4,378
+  tokens/s per GPU. Both on torchtitan's own H100s (96 GB HBM2e at 2.4 TB/s, 500 W):
+  `TORCHTITAN_H100`;
+- MaxText 128B on a v5p-256 (128 chips) as FSDP 16 x TP 8 (its v5p README table as
+  first published, 2023-12-15 at commit 76bd53b, with the 2023 base.yml:
+  global_parameter_scale 128, per-device batch 2, remat minimal, sequence 2,048): 315
+  TFLOP/s per chip in MaxText's count of that time;
+- MaxText 16B on one TPU v5e-256 (configs/v5e/16b.sh and the v5e README, October-
+  December 2023): scale 16, per-device batch 6, sequence 2,048, remat full, FSDP over
+  256; 120 TFLOP/s per chip (61.10% MFU), in the same count.
 
-Attention is written in blocks (`blocked_attention`: an online softmax over key
-blocks, the masked-out blocks skipped, the backward recomputing each block's
-probabilities from the saved log-sum-exp; grouped queries as rows of their
-key-value head, the diagonal blocks masked in a loop of their own), so the step
-holds what a flash kernel holds; its scores still go through memory between
-XLA's kernels, which a flash kernel keeps on chip.
+The TPU runs write their attention in blocks (`blocked_attention`: an online softmax
+over key blocks, the masked-out blocks skipped, the backward recomputing each block's
+probabilities from the saved log-sum-exp), not with splash attention: splash compiles
+for libtpu without the hardware, but its block mask is a constant the compiled module
+does not print, so its FLOPs are counted as if it kept every block (twice a causal
+kernel's), where the blocked step's are its own.
 
 Run: python benchmarks/validate.py [--quick] [--only torchtitan maxtext]
 Exit status 1 if a ratio is outside +-20% (never with --quick: tiny models,
