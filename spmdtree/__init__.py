@@ -73,6 +73,7 @@ from spmdtree._src.specs import to_sharding as to_sharding
 from spmdtree._src.specs import to_spec as to_spec
 from spmdtree._src.specs import validate_rules as validate_rules
 from spmdtree._src.step.advise.advise import advise as advise
+from spmdtree._src.step.advise.advise import candidates as candidates
 from spmdtree._src.step.advise.advise import layouts as layouts
 from spmdtree._src.step.advise.diagnose import Traffic as Traffic
 from spmdtree._src.step.advise.records import Advice as Advice
@@ -97,6 +98,7 @@ from spmdtree._src.step.time.bound import StepTime as StepTime
 from spmdtree._src.tactics import UnmatchedWarning as UnmatchedWarning
 from spmdtree._src.tactics import fsdp as fsdp
 from spmdtree._src.tactics import match as match
+from spmdtree._src.transforms import accumulate as accumulate
 from spmdtree._src.transforms import scan as scan
 from spmdtree._src.transforms import sharded_init as sharded_init
 from spmdtree._src.transforms import vmap as vmap
@@ -146,9 +148,11 @@ __all__ = [
     "UnmatchedWarning",
     "UnshardedWarning",
     "Verdict",
+    "accumulate",
     "add_axis",
     "advise",
     "box",
+    "candidates",
     "constrain",
     "describe",
     "from_flax",

@@ -1,11 +1,13 @@
 """layouts, Candidate, advise, Advice: candidates planned, compiled once each, ranked."""
 
+import dataclasses
 import functools
 import itertools
 import math
 import pickle
 import random
 import re
+import types
 import warnings
 
 import jax
@@ -704,3 +706,98 @@ def test_a_layout_whose_devices_repeat_each_others_work_is_said_so_and_ranks_aft
     repeats = [data(row) > 1 for row in advice.rows if row.verdict == "fits"]
     assert repeats == sorted(repeats) and repeats[0] is False and repeats[-1] is True
     assert "repeat each other's work along data" in str(advice)
+
+
+def test_the_traffic_flag_of_a_layout_that_repeats_work_says_the_repeat_is_its_cause():
+    # The traffic flag's usual advice (constrain the activations) misdirects where the
+    # traffic comes from an axis that splits nothing: the repeat's flag says so instead.
+    from spmdtree._src.step.advise import advise as search
+
+    meshes = [m for m in st.layouts(8, ("data", "fsdp")) if dict(m.shape)["data"] <= 2]
+    candidates = [st.Candidate(m, FSDP_ONLY, batch=64, length=16) for m in meshes]
+    splits, repeats = st.advise(mlp_step, candidates, hardware=HW, progress=False).rows
+    # as if XLA all-reduced 1 GiB of activations over the data axis, ten times a step
+    reduced = st.Collective("all-reduce", 10, 1 << 30, axes=("data",), group=2)
+    step = dataclasses.replace(repeats.step, collectives=(*repeats.step.collectives, reduced))
+    traffic = step.unexplained_traffic
+    assert traffic is not None and "st.with_logical_constraint" in traffic.sentence
+    plain = tuple(f for f in repeats.flags if "repeat each other's work" not in f)
+    flagged = repeats._replace(step=step, flags=(*plain, traffic.sentence))
+    records = {0: search._Confirmed(splits), 1: search._Confirmed(flagged)}
+    said = search._said_repeats(search._State(types.MappingProxyType(records), 2))
+    flags = said.records[1].row.flags
+    assert traffic.sentence not in flags
+    assert flags[0].startswith("devices repeat each other's work along data (2):")
+    assert flags[0].endswith(
+        "; the collectives beyond what the layout explains come from it too, not from "
+        "unconstrained activations"
+    )
+    assert said.records[0].row.flags == splits.flags  # the one that splits: untouched
+
+
+# --- options: what a job chooses beside its mesh (0.6) -----------------------------------
+
+
+def accumulated_mlp_step(candidate):
+    """mlp_step's SGD step, its gradients accumulated over the candidate's microbatches."""
+    count = candidate.options["microbatches"]
+    x = st.LogicallyPartitioned(
+        jax.ShapeDtypeStruct((candidate.batch, WIDE), jnp.float32), ("batch", "embed")
+    )
+    params = mlp_step(candidate)[1][0]
+
+    def loss(p, batch):
+        h = st.with_logical_constraint(jnp.tanh(batch @ p["w1"]), ("batch", "mlp"))
+        return jnp.mean((h @ p["w2"]) ** 2)
+
+    def step(params, x):
+        value, grads = st.accumulate(jax.value_and_grad(loss), count)(st.unbox(params), x.value)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, st.unbox(params), grads), value
+
+    return step, (params, x), {}
+
+
+def test_advise_over_options_compiles_each_and_ranks_them_with_the_layouts():
+    meshes = [m for m in st.layouts(8, ("data", "tensor")) if dict(m.shape)["tensor"] in (1, 8)]
+    found = st.candidates(meshes, RULES, 64, length=16, microbatches=(1, 4))
+    assert [(dict(c.mesh.shape)["tensor"], c.options) for c in found] == [
+        (8, {"microbatches": 1}),
+        (8, {"microbatches": 4}),
+        (1, {"microbatches": 1}),
+        (1, {"microbatches": 4}),
+    ]
+    advice = st.advise(accumulated_mlp_step, found, hardware=HW, progress=False)
+    assert advice.compiles == 4  # each option's step its own
+    shown = str(advice)
+    for row in advice.rows:  # each row's options after its layout
+        layout = " x ".join(f"{a} {n}" for a, n in row.candidate.mesh.shape.items())
+        assert f"{layout}, microbatches {row.candidate.options['microbatches']}" in shown
+    # ranked across options by the predicted time per sequence, the fastest that fits best
+    fits = [row for row in advice.rows if row.verdict == "fits"]
+    times = [row.time.predicted_seconds / row.candidate.batch for row in fits]
+    assert times == sorted(times) and advice.best is fits[0]
+
+
+@pytest.mark.parametrize(
+    "call, error, said",
+    [
+        (
+            lambda: st.candidates([_mesh(2, 4)], RULES, 8, remat="full"),
+            TypeError,
+            r"^candidates: option remat is 'full'; expected a sequence",
+        ),
+        (
+            lambda: st.advise(
+                mlp_step,
+                [st.Candidate(_mesh(2, 4), RULES, 8, options={"tile": [1, 2]})],
+                hardware=HW,
+            ),
+            TypeError,
+            r"^advise: option 'tile' of candidate 'data 2 x tensor 4' is \[1, 2\], which is not hashable",
+        ),
+    ],
+    ids=["one-value", "unhashable"],
+)
+def test_option_mistakes(call, error, said):
+    with pytest.raises(error, match=said):
+        call()

@@ -775,6 +775,62 @@ MUTANTS.update(
                 '.get(target, "start")',
             )
         ],
+        "repeats-ranked-with-the-rest": [
+            (
+                "_src/step/advise/advise.py",
+                "    repeats = int(_repeated(row, split or {}) is not None)",
+                "    repeats = 0",
+            )
+        ],
+        "repeats-along-an-axis-that-splits": [
+            (
+                "_src/step/advise/diagnose.py",
+                "    if not axes:  # every axis splits something: FLOPs counted apart, not work repeated",
+                "    if False:",
+            )
+        ],
+        "repeats-at-any-excess": [
+            (
+                "_src/step/advise/diagnose.py",
+                "    if least <= 0 or flops < REPEATS * least:",
+                "    if least <= 0 or flops <= least:",
+            )
+        ],
+        "tokens-at-the-bound": [
+            (
+                "_src/step/advise/advise.py",
+                "        tokens = candidate.batch * candidate.length / _seconds(timed)",
+                "        tokens = candidate.batch * candidate.length / timed.bound_seconds",
+            )
+        ],
+        "over-budget-by-label": [
+            (
+                "_src/step/advise/advise.py",
+                "        return (order, 0, 0.0, row.step.peak_bytes, 0.0, *_tie(row, index))",
+                "        return (order, 0, 0.0, 0, 0.0, *_tie(row, index))",
+            )
+        ],
+        "traffic-flag-kept-beside-the-repeat": [
+            (
+                "_src/step/advise/advise.py",
+                "        flags = tuple(f for f in row.flags if traffic is None or f != traffic.sentence)",
+                "        flags = row.flags",
+            )
+        ],
+        "progress-at-every-rows-pace": [
+            (
+                "_src/step/advise/advise.py",
+                "        left = _duration(elapsed / compiled * (total - done))",
+                "        left = _duration(elapsed / done * (total - done))",
+            )
+        ],
+        "nothing-fits-silent-uncompiled": [
+            (
+                "_src/step/advise/advise.py",
+                "    if not compiled:\n        closest = [",
+                "    if False:\n        closest = [",
+            )
+        ],
         "batch-window-as-kernel": [
             (
                 "_src/step/hlo/opcodes.py",

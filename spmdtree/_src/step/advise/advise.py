@@ -13,13 +13,14 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import itertools
 import math
 import os
 import sys
 import time
 import types
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal, cast
 
 import numpy as np
@@ -27,7 +28,7 @@ from jax.sharding import AbstractMesh, AxisType, Mesh
 
 from spmdtree._src.errors import Mistake, public
 from spmdtree._src.plan import Plan
-from spmdtree._src.rules import AnyMesh
+from spmdtree._src.rules import AnyMesh, Rules
 from spmdtree._src.step.advise.diagnose import (
     REPEATS,
     Closest,
@@ -1131,6 +1132,7 @@ def _checked(candidates: Iterable[Candidate]) -> list[Candidate]:
                 f"candidates holds {c!r}; expected st.Candidate(mesh, rules, batch) with a "
                 "jax.sharding.AbstractMesh (or Mesh) and a batch >= 1.",
             )
+        _check_options(c)
     counts: dict[int, list[Candidate]] = {}
     for c in candidates:
         counts.setdefault(math.prod(c.mesh.shape.values()), []).append(c)
@@ -1146,6 +1148,78 @@ def _checked(candidates: Iterable[Candidate]) -> list[Candidate]:
             "them), and call advise once per count.",
         )
     return candidates
+
+
+def _check_options(candidate: Candidate) -> None:
+    """A candidate's options: a mapping of names to hashable values, or None."""
+    options = candidate.options
+    if options is None:
+        return
+    if not isinstance(options, Mapping) or not all(isinstance(k, str) for k in options):
+        raise Mistake(
+            TypeError,
+            f"the options of candidate {label_of(candidate._replace(options=None))!r} are "
+            f"{options!r}; expected a mapping of names to values ({{'remat': 'full'}}).",
+        )
+    for name, value in options.items():
+        if not isinstance(value, Hashable):
+            raise Mistake(
+                TypeError,
+                f"option {name!r} of candidate {label_of(candidate._replace(options=None))!r} "
+                f"is {value!r}, which is not hashable; give a value that is (a string, a "
+                "number, a tuple).",
+            )
+
+
+@public
+def candidates(
+    meshes: Sequence[AnyMesh],
+    rules: Rules | None,
+    batches: int | Sequence[int],
+    *,
+    length: int | None = None,
+    **options: Sequence[Hashable],
+) -> list[Candidate]:
+    """Every combination of `meshes`, `batches` and each option's values, as
+    `Candidate`s, in a fixed order (meshes, then batches, then the options in the
+    order given; new in 0.6).
+
+    Args:
+        meshes: the layouts (`layouts` gives them).
+        rules: the rules for every candidate.
+        batches: a global batch, or several.
+        length: the sequence length (for tokens per second).
+        **options: each option's values, e.g. ``remat=("full", "minimal"),
+            microbatches=(1, 4)``; ``make_step(candidate)`` reads
+            ``candidate.options``.
+
+    Returns:
+        The candidates, ``len(meshes) x len(batches) x`` each option's count.
+
+    Raises:
+        TypeError: for an option given one value rather than a sequence of them.
+
+    Example:
+        >>> import spmdtree as st
+        >>> found = st.candidates(st.layouts(8, ("data", "fsdp"))[:2], None, 64, remat=("full", "none"))
+        >>> [(dict(c.mesh.shape)["data"], c.batch, c.options) for c in found]
+        [(1, 64, {'remat': 'full'}), (1, 64, {'remat': 'none'}), (2, 64, {'remat': 'full'}), (2, 64, {'remat': 'none'})]
+    """
+    for name, values in options.items():
+        if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+            raise Mistake(
+                TypeError,
+                f"option {name} is {values!r}; expected a sequence of its values, e.g. "
+                f"{name}=({values!r},).",
+            )
+    sizes = (batches,) if isinstance(batches, int) else tuple(batches)
+    names = tuple(options)
+    return [
+        Candidate(mesh, rules, batch, length, options=dict(zip(names, chosen, strict=True)) or None)
+        for mesh in meshes
+        for batch in sizes
+        for chosen in itertools.product(*options.values())
+    ]
 
 
 def _budget(budget_bytes: object, hardware: Hardware) -> int:

@@ -9,7 +9,7 @@ import dataclasses
 import enum
 import math
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -62,7 +62,8 @@ TIGHT_MARGIN = 0.05
 
 
 class Candidate(NamedTuple):
-    """One layout to try: a mesh, its rules, a global batch.
+    """One layout to try: a mesh, its rules, a global batch, and the job's other
+    choices.
 
     Attributes:
         mesh: an `AbstractMesh` (a `Mesh` stands for its ``abstract_mesh``).
@@ -70,12 +71,18 @@ class Candidate(NamedTuple):
         batch: the global batch (sequences).
         length: the sequence length, where there is one (for tokens per second).
         label: what the table calls it (default: the mesh's axis sizes).
+        options: named, hashable choices that ``make_step(candidate)`` reads
+            (``{"remat": "full", "microbatches": 4}``); the table shows them
+            after the layout, and advise ranks across them by the predicted
+            time per sequence (new in 0.6).
 
     Example:
         >>> import jax, spmdtree as st
         >>> mesh = jax.sharding.AbstractMesh((2, 4), ("data", "tensor"))
         >>> st.Candidate(mesh, [("batch", "data")], batch=64, length=1024).length
         1024
+        >>> st.Candidate(mesh, None, 64, options={"remat": "full"}).options["remat"]
+        'full'
     """
 
     mesh: AnyMesh
@@ -83,11 +90,15 @@ class Candidate(NamedTuple):
     batch: int
     length: int | None = None
     label: str = ""
+    options: Mapping[str, Hashable] | None = None
 
 
 def label_of(candidate: Candidate) -> str:
-    """The candidate's label, or its mesh's axis sizes: ``data 2 x fsdp 4``."""
-    return candidate.label or " x ".join(f"{a} {n}" for a, n in candidate.mesh.shape.items())
+    """The candidate's label, or its mesh's axis sizes: ``data 2 x fsdp 4``; then its
+    options, ``remat full, microbatches 4``."""
+    layout = candidate.label or " x ".join(f"{a} {n}" for a, n in candidate.mesh.shape.items())
+    chosen = ", ".join(f"{name} {value}" for name, value in (candidate.options or {}).items())
+    return f"{layout}, {chosen}" if chosen else layout
 
 
 class AdviceRow(NamedTuple):
