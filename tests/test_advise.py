@@ -1,5 +1,6 @@
 """layouts, Candidate, advise, Advice: candidates planned, compiled once each, ranked."""
 
+import concurrent.futures
 import dataclasses
 import functools
 import itertools
@@ -801,3 +802,86 @@ def test_advise_over_options_compiles_each_and_ranks_them_with_the_layouts():
 def test_option_mistakes(call, error, said):
     with pytest.raises(error, match=said):
         call()
+
+
+# --- compiles on an executor of the caller's: Dask's (0.6) -------------------------------
+
+
+def sixteen_device_candidates():
+    """Layouts of 16 devices: more than this process has, so each compiles in a child
+    (the work an executor takes)."""
+    return [
+        st.Candidate(m, RULES, batch=16, length=16) for m in st.layouts(16, ("data", "tensor"))[:3]
+    ]
+
+
+def same_rows(a, b):
+    return [(st_label(r), r.verdict, r.step and r.step.peak_bytes) for r in a.rows] == [
+        (st_label(r), r.verdict, r.step and r.step.peak_bytes) for r in b.rows
+    ]
+
+
+def st_label(row):
+    return " x ".join(f"{a} {n}" for a, n in row.candidate.mesh.shape.items())
+
+
+def test_advise_on_a_dask_cluster_gives_the_same_rows_verdicts_and_peaks():
+    distributed = pytest.importorskip("distributed")
+    candidates = sixteen_device_candidates()
+    local = st.advise(mlp_step, candidates, hardware=HW, progress=False)
+    with (
+        distributed.LocalCluster(
+            host="127.0.0.1",
+            n_workers=2,
+            threads_per_worker=1,
+            processes=True,
+            dashboard_address=None,
+        ) as cluster,
+        distributed.Client(cluster, timeout=60) as client,
+    ):
+        with distributed.get_task_stream(client) as stream:
+            remote = st.advise(
+                mlp_step, candidates, hardware=HW, progress=False, executor=client.get_executor()
+            )
+        # each compile ran as a task on a worker
+        ran = [task for task in stream.data if task["key"].startswith("compile_child")]
+        assert len(ran) == len(candidates)
+    assert remote.compiles == local.compiles == len(candidates)
+    assert same_rows(local, remote)
+
+
+class _Failing(concurrent.futures.ThreadPoolExecutor):
+    """An executor whose second task's worker is lost."""
+
+    def __init__(self):
+        super().__init__(max_workers=2)
+        self.given = 0
+
+    def submit(self, fn, *args, **kwargs):
+        self.given += 1
+        if self.given == 2:
+
+            def lost(*_, **__):
+                raise RuntimeError("worker lost: the scheduler gave up on it")
+
+            return super().submit(lost)
+        return super().submit(fn, *args, **kwargs)
+
+
+def test_a_workers_failure_is_that_rows_and_the_rest_are_the_same():
+    candidates = sixteen_device_candidates()
+    local = st.advise(mlp_step, candidates, hardware=HW, progress=False)
+    remote = st.advise(mlp_step, candidates, hardware=HW, progress=False, executor=_Failing())
+    failed = [r for r in remote.rows if r.verdict == "does not compile"]
+    assert len(failed) == 1 and "worker lost: the scheduler gave up on it" in failed[0].reason
+    kept = [r for r in remote.rows if r.verdict != "does not compile"]
+    assert [(st_label(r), r.step.peak_bytes) for r in kept] == [
+        (st_label(r), r.step.peak_bytes) for r in local.rows if st_label(r) != st_label(failed[0])
+    ]
+
+
+def test_an_executor_that_is_none_is_refused():
+    with pytest.raises(
+        TypeError, match=r"^advise: executor is 4; expected a concurrent.futures.Executor"
+    ):
+        st.advise(mlp_step, sixteen_device_candidates(), hardware=HW, executor=4)

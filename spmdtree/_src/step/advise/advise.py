@@ -52,11 +52,12 @@ from spmdtree._src.step.compile.compilers import (
     DoesNotFit,
     TargetChild,
     check_options,
+    compile_child,
     compiler_for,
 )
 from spmdtree._src.step.compile.preflight import Keywords, plan_arguments, step_plan, trace_for
 from spmdtree._src.step.compile.step_plan import StepPlan
-from spmdtree._src.step.compile.trace import Arguments, Traced
+from spmdtree._src.step.compile.trace import Arguments, Exported, Traced
 from spmdtree._src.step.hw.hardware import PRESETS, Hardware, check_devices_per_node
 from spmdtree._src.step.time.bound import StepTime
 from spmdtree._src.text import (
@@ -202,6 +203,7 @@ class _Search:
     candidates: tuple[Candidate, ...]
     asks: TargetChild | None = None
     report: Callable[[AdviceRow, int], None] | None = None
+    executor: concurrent.futures.Executor | None = None
 
 
 # --- a candidate's records: each stage's outcome, immutable -----------------------------
@@ -690,7 +692,7 @@ def _run(
         if isinstance(first, _Pending):
             key = (first.traced.digest, first.compiler)
             if key not in children:
-                children[key] = pool.submit(first.compiler.compile, first.traced)
+                children[key] = _submit(search, pool, first)
                 waiting[children[key]] = []
                 state = state.counted(1)
             waiting[children[key]].append(first)
@@ -698,6 +700,19 @@ def _run(
             state = _recorded(search, state, index, first, int(isinstance(first, _Compiled)))
         state = finish(state, [child for child in waiting if child.done()])
     return finish(state, concurrent.futures.as_completed(list(waiting)))
+
+
+def _submit(
+    search: _Search, pool: concurrent.futures.ThreadPoolExecutor, pending: _Pending
+) -> _Child:
+    """A pending step's compile started: a compile in a fresh process of the step
+    exported for it by the caller's executor where there is one (a Dask cluster's
+    workers: the payload and the compiler pickle), else here; a step lowered in
+    this process (cuDNN's attention on XLA GPU's topology) always here."""
+    stage = pending.traced.stage
+    if search.executor is None or not isinstance(stage, Exported):
+        return pool.submit(pending.compiler.compile, pending.traced)
+    return search.executor.submit(compile_child, stage.payload, pending.compiler)
 
 
 def _confirmed(
@@ -902,6 +917,7 @@ def advise(
     confirm: int = 0,
     screen: Screen = "auto",
     compiler_options: Mapping[str, Any] | None = None,
+    executor: concurrent.futures.Executor | None = None,
 ) -> Advice:
     """Preflights every candidate layout and ranks them by a roofline of each step.
 
@@ -966,6 +982,14 @@ def advise(
         compiler_options: the job's own XLA options, as for `preflight`: every
             compile for the target takes them (new in 0.6); the CPU estimate's
             rows compile without them, and say so in their flags.
+        executor: a `concurrent.futures.Executor` that runs the compiles (new
+            in 0.6): Dask's, ``distributed.Client(address).get_executor()``,
+            spreads them over a cluster's workers (each needs spmdtree and the
+            target's compiler installed; docs/planning.md, "A search on more
+            than one machine"). The steps are traced here; each compile is a
+            fresh process on a worker, fed the exported step; a worker's
+            failure is the row's. None: local processes, `jobs` at a time. A
+            step that must lower here (cuDNN's attention) compiles here.
 
     Returns:
         The `Advice`, ranked.
@@ -1023,7 +1047,13 @@ def advise(
     )
     first = _screen(asks, screen)
     report = _printer(len(candidates)) if progress else None
-    search = _Search(hardware, devices_per_node, budget, tuple(candidates), asks, report)
+    if executor is not None and not isinstance(executor, concurrent.futures.Executor):
+        raise Mistake(
+            TypeError,
+            f"executor is {executor!r}; expected a concurrent.futures.Executor (Dask's: "
+            "distributed.Client(address).get_executor()), or None for local processes.",
+        )
+    search = _Search(hardware, devices_per_node, budget, tuple(candidates), asks, report, executor)
     if progress:
         print(
             _start_line(candidates, workers, confirm, first, asks is not None),
