@@ -467,6 +467,20 @@ MUTANTS: dict[str, list[tuple[str, str, str]]] = {
     "ranking-per-step-across-batches": [
         ("_src/step/advise/advise.py", "per = row.candidate.batch", "per = 1"),
     ],
+    "microbatch-index-sharded": [
+        (
+            "_src/transforms.py",
+            "    return jnp.swapaxes(x.reshape(x.shape[0] // count, count, *x.shape[1:]), 0, 1)",
+            "    return x.reshape(count, x.shape[0] // count, *x.shape[1:])",
+        ),
+    ],
+    "microbatches-summed": [
+        (
+            "_src/transforms.py",
+            "        return jax.tree.map(lambda t: t / microbatches, total)",
+            "        return total",
+        ),
+    ],
     "ties-in-candidate-order": [
         ("_src/step/advise/advise.py", "serial = row.time.serial_seconds / per", "serial = 0.0"),
     ],
@@ -829,6 +843,20 @@ MUTANTS.update(
                 "_src/step/advise/advise.py",
                 "    if not compiled:\n        closest = [",
                 "    if False:\n        closest = [",
+            )
+        ],
+        "options-left-out-of-the-label": [
+            (
+                "_src/step/advise/records.py",
+                '    return f"{layout}, {chosen}" if chosen else layout',
+                "    return layout",
+            )
+        ],
+        "executor-ignored": [
+            (
+                "_src/step/advise/advise.py",
+                "    if search.executor is None or not isinstance(stage, Exported):",
+                "    if True:",
             )
         ],
         "batch-window-as-kernel": [
