@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
-from test_targets import has_compiler, has_module
+from test_targets import has_compiler, has_module, peak_of
 
 import spmdtree as st
 from spmdtree._src.step.compile.backends import XLA_GPU, target_for
@@ -58,13 +58,7 @@ def raw_peak():
     grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
     with jax.set_mesh(mesh):
         lowered = grads.lower(spec, spec, spec)
-    memory = lowered.compile(XLA_GPU.options_for(deviceless=True)).memory_analysis()
-    return (
-        memory.argument_size_in_bytes
-        + memory.output_size_in_bytes
-        - memory.alias_size_in_bytes
-        + memory.temp_size_in_bytes
-    )
+    return peak_of(lowered.compile(XLA_GPU.options_for(deviceless=True)))
 
 
 @pytest.mark.skipif(not has_cudnn(), reason="needs cuDNN's library (spmdtree[cuda])")

@@ -198,6 +198,18 @@ def raw(preset):
     return mesh, compiled
 
 
+def peak_of(compiled):
+    """A raw compile's peak as preflight adds it: arguments + outputs - aliased +
+    temporaries, from the compiler's own memory analysis."""
+    memory = compiled.memory_analysis()
+    return (
+        memory.argument_size_in_bytes
+        + memory.output_size_in_bytes
+        - memory.alias_size_in_bytes
+        + memory.temp_size_in_bytes
+    )
+
+
 KINDS = r"(all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)"
 
 
@@ -222,14 +234,7 @@ SAMPLE = ("h100", "tpu-v5p")
 def test_a_target_compile_is_the_raw_compile_of_the_same_program(preset):
     ours = targeted(preset)
     mesh, compiled = raw(preset)
-    memory = compiled.memory_analysis()
-    peak = (
-        memory.argument_size_in_bytes
-        + memory.output_size_in_bytes
-        - memory.alias_size_in_bytes
-        + memory.temp_size_in_bytes
-    )
-    assert ours.peak_bytes == pytest.approx(peak, rel=0.01)
+    assert ours.peak_bytes == pytest.approx(peak_of(compiled), rel=0.01)
     assert {c.kind for c in ours.collectives} == kinds_in(compiled.as_text())
     # the same raw compile read by preflight itself (a Mesh of the topology's devices)
     with st.logical_axis_rules(RULES):
@@ -256,14 +261,7 @@ def test_a_users_own_compile_on_target_mesh_is_preflights(preset):
     with st.logical_axis_rules(RULES), jax.set_mesh(mesh):
         args = (st.to_abstract(params(), mesh), st.to_abstract(tokens(256), mesh))
         compiled = jax.jit(make_step(True), donate_argnums=0).lower(*args).compile(options)
-    memory = compiled.memory_analysis()
-    peak = (
-        memory.argument_size_in_bytes
-        + memory.output_size_in_bytes
-        - memory.alias_size_in_bytes
-        + memory.temp_size_in_bytes
-    )
-    assert targeted(preset).peak_bytes == pytest.approx(peak, rel=0.01)
+    assert targeted(preset).peak_bytes == pytest.approx(peak_of(compiled), rel=0.01)
 
 
 def test_target_mesh_mistakes_are_said():
