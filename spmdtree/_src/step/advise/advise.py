@@ -65,6 +65,7 @@ from spmdtree._src.text import (
     Located,
     argument_path,
     entries_text,
+    seconds_text,
     size_text,
 )
 
@@ -202,7 +203,7 @@ class _Search:
     budget: int
     candidates: tuple[Candidate, ...]
     asks: TargetChild | None = None
-    report: Callable[[AdviceRow, int], None] | None = None
+    report: Callable[[AdviceRow, int, bool], None] | None = None
     executor: concurrent.futures.Executor | None = None
 
 
@@ -304,7 +305,7 @@ def _recorded(
     """`state` with `record`; a decided row (not a flag added to one) reported."""
     after = state.add(index, record, compiles)
     if search.report is not None and not isinstance(record, _Unconfirmed):
-        search.report(record.row, len(after.records))
+        search.report(record.row, len(after.records), index in state.records)
     return after
 
 
@@ -495,21 +496,25 @@ def _unsharded_batch(candidate: Candidate, planned: Plan) -> str | None:
     return None
 
 
-def _printer(total: int) -> Callable[[AdviceRow, int], None]:
-    """What reports each row decided: its progress line on stderr, timed from now."""
+def _printer(total: int) -> Callable[[AdviceRow, int, bool], None]:
+    """What reports each row decided: its progress line on stderr, timed from now;
+    a row decided again (compiled for the target after the estimate) said so."""
     started = time.perf_counter()
     compiled = [0]
 
-    def report(row: AdviceRow, done: int) -> None:
+    def report(row: AdviceRow, done: int, again: bool) -> None:
         compiled[0] += row.step is not None
         elapsed = time.perf_counter() - started
-        print(_progress_line(row, done, total, elapsed, compiled[0]), file=sys.stderr, flush=True)
+        line = _progress_line(row, done, total, elapsed, compiled[0])
+        if again:  # 0.5 printed another "[n/n] ... done" for each
+            line = f"advise [for the target] {line.split('] ', 1)[1].rsplit('; ', 1)[0]}"
+        print(line, file=sys.stderr, flush=True)
 
     return report
 
 
 def _progress_line(row: AdviceRow, done: int, total: int, elapsed: float, compiled: int) -> str:
-    """``advise [3/12] data 2 x tensor 4, batch 8: fits, bound 1.2 ms (peak ...); about 40 s left``.
+    """``advise [3/12] data 2 x tensor 4, batch 8: fits, predicted 1.2 ms (peak ...); about 40 s left``.
 
     The time left is the rows left at the pace of the compiles so far, as if each
     compiled (new in 0.6: 0.5 took the pace of every row, and a few quick
@@ -531,7 +536,7 @@ def _progress_line(row: AdviceRow, done: int, total: int, elapsed: float, compil
     else:
         left = _duration(elapsed / compiled * (total - done))
         left = f"{'' if left.startswith('under') else 'about '}{left} left"
-    bound = "" if row.time is None else f", bound {row.time.bound_seconds:.3g} s"
+    bound = "" if row.time is None else f", predicted {seconds_text(_seconds(row.time))}"
     return (
         f"advise [{done}/{total}] {label_of(row.candidate)}, batch {row.candidate.batch}: "
         f"{row.verdict}{bound} ({row.reason}); {left}"
@@ -561,7 +566,9 @@ def _start_line(
     most = n + (confirm if again else 0)
     on = "the CPU estimate" if first is None else str(first)
     over = (
-        ", the target's compiler for rows over the budget on it" if first is None and asks else ""
+        f", and up to {n} more for the target's compiler for the rows over the budget on it"
+        if first is None and asks
+        else ""
     )
     return (
         f"advise: {n} candidate{'' if n == 1 else 's'} on {devices} devices, at most {most} "

@@ -212,9 +212,11 @@ def _repeated(devices: Sequence[Any]) -> Any:
 class Advice:
     """Candidates ranked by verdict (`VERDICTS`' order: fits, tight, may fit,
     over budget (compiled, then not), batch unsharded, does not compile); within
-    the first three by the bound per sequence of the batch (the bound itself
-    where the batches are equal), equal ones (to 6 significant figures) by the
-    smaller peak, then by the serial time (compute + collectives).
+    the first three, a row whose devices repeat each other's work after those
+    that split it (new in 0.6), then by the predicted time per sequence of the
+    batch (the bound where there is none), equal ones (to 6 significant figures)
+    by the smaller peak, then by the serial time (compute + collectives); rows
+    over budget by their peak (the least over first; new in 0.6).
 
     Attributes:
         rows: one `AdviceRow` per candidate, ranked.
@@ -341,9 +343,12 @@ def _table(advice: Advice, *, width: int = 100) -> str:
             lines += textwrap.wrap(
                 flag, width, initial_indent="     ! ", subsequent_indent="       "
             )
+    estimated = any(row.step is not None and row.step.backend.estimates for row in rows)
     lines.append(
         "times: bound, a roofline (peak FLOPs, collectives at full link bandwidth, perfect "
-        "overlap); predicted, the compiled schedule walked with each kernel timed by a model "
-        "(from the CPU program on cpu est. rows), what rows rank by"
+        "overlap); predicted, the compiled schedule walked with each kernel timed by a model"
+        + (" (from the CPU program on cpu est. rows)" if estimated else "")
+        + ", what rows rank by, per sequence, and tokens/s is at it; a row whose devices "
+        "repeat each other's work ranks after those that split it"
     )
     return "\n".join(lines)
