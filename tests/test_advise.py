@@ -885,3 +885,21 @@ def test_an_executor_that_is_none_is_refused():
         TypeError, match=r"^advise: executor is 4; expected a concurrent.futures.Executor"
     ):
         st.advise(mlp_step, sixteen_device_candidates(), hardware=HW, executor=4)
+
+
+@pytest.mark.parametrize(
+    "times, said", [(1.0, False), (1.2, False), (1.49, False), (1.5, True), (2.0, True)]
+)
+def test_a_layout_is_said_to_repeat_work_from_half_again_the_least(times, said):
+    # a little more than the least (XLA splitting some work itself, a reduction's adds)
+    # is no repeat; a 2-way copy is 2x. The oracle: the threshold the docs state.
+    from spmdtree._src.step.advise.diagnose import repeated
+
+    mesh = jax.sharding.AbstractMesh((2, 4), ("data", "fsdp"))
+    inputs = st.plan(
+        {"x": st.Partitioned(jax.ShapeDtypeStruct((64, 8), jnp.float32), ("fsdp", None))}, mesh
+    )
+    found = repeated({"data": 2, "fsdp": 4}, inputs, int(times * 10**9), 10**9)
+    assert (found is not None) == said
+    if said:
+        assert found.startswith("devices repeat each other's work along data (2):")
