@@ -650,6 +650,54 @@ def b12_predict(bench: Bench) -> None:
     bench.figure(f"B12 the target compile, {size} on {chips}", compile_s, "reported", unit="s")
 
 
+def b13_dask(bench: Bench) -> None:
+    """advise's compiles per minute through a 2-worker Dask `LocalCluster` on 127.0.0.1
+    against its own local pool of 2 on the same cores (the CPU estimate of the
+    Llama-3 step on more chips than this process has: every compile a child's)."""
+    try:
+        import distributed
+    except ImportError:
+        print("B13 skipped: pip install 'spmdtree[dask]'")
+        return
+    size, devices, length = ADVISED[bench.quick]
+    sizes = {"tensor": 8, "data": (1, 2)} if bench.quick else {"tensor": (4, 8), "data": (1, 4)}
+    meshes = st.layouts(devices, advised.example.AXES, sizes=sizes)
+    candidates = [st.Candidate(m, advised.example.RULES, devices, length=length) for m in meshes]
+
+    def per_minute(executor: object) -> float:
+        start = timeit.default_timer()
+        advice = st.advise(
+            advised.make_step(size, length),
+            candidates,
+            hardware=st.hardware("h100"),
+            progress=False,
+            screen="cpu",
+            jobs=2,
+            executor=executor,
+        )
+        assert all(row.step is not None for row in advice.rows), str(advice)
+        return advice.compiles / (timeit.default_timer() - start) * 60
+
+    local = per_minute(None)
+    with (
+        distributed.LocalCluster(
+            host="127.0.0.1", n_workers=2, threads_per_worker=1, dashboard_address=None
+        ) as cluster,
+        distributed.Client(cluster, timeout=120) as client,
+    ):
+        remote = per_minute(client.get_executor())
+    n = len(candidates)
+    bench.figure(
+        f"B13 compiles per minute, local pool of 2 ({n} of {size})", local, "reported", unit=""
+    )
+    bench.figure(
+        "B13 on a 2-worker Dask LocalCluster / the local pool",
+        remote / local,
+        "goal >= 0.9",
+        remote / local >= 0.9,
+    )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes; never fails on a goal")
@@ -678,6 +726,7 @@ def main() -> int:
     b10_advise(bench)
     b11_targets(bench)
     b12_predict(bench)
+    b13_dask(bench)
     if bench.missed and not args.quick:
         print(f"missed: {', '.join(bench.missed)}")
         return 1
