@@ -796,8 +796,22 @@ def test_advise_over_options_compiles_each_and_ranks_them_with_the_layouts():
             TypeError,
             r"^advise: option 'tile' of candidate 'data 2 x tensor 4' is \[1, 2\], which is not hashable",
         ),
+        (
+            lambda: st.candidates([_mesh(2, 4)], RULES, 8, remat=()),
+            ValueError,
+            r"^candidates: option remat has no values",
+        ),
+        (
+            lambda: st.advise(
+                mlp_step,
+                [st.Candidate(_mesh(2, 4), RULES, 8, options={"tile": ([1],)})],
+                hardware=HW,
+            ),
+            TypeError,
+            r"which is not hashable",
+        ),
     ],
-    ids=["one-value", "unhashable"],
+    ids=["one-value", "unhashable", "no-values", "unhashable-inside"],
 )
 def test_option_mistakes(call, error, said):
     with pytest.raises(error, match=said):
@@ -903,3 +917,32 @@ def test_a_layout_is_said_to_repeat_work_from_half_again_the_least(times, said):
     assert (found is not None) == said
     if said:
         assert found.startswith("devices repeat each other's work along data (2):")
+
+
+def test_a_mistake_crosses_an_executors_process_boundary_as_itself():
+    # a compile's refusal (the target's compiler: too big for a chip) raised on a worker
+    # comes back as the same mistake, so its row says "over budget", not a broken pickle
+    from spmdtree._src.errors import Mistake
+    from spmdtree._src.step.compile.compilers import DoesNotFit
+
+    for mistake in (Mistake(ValueError, "a message"), DoesNotFit(ValueError, "too big")):
+        back = pickle.loads(pickle.dumps(mistake))
+        assert type(back) is type(mistake) and back.kind is ValueError
+        assert back.message == mistake.message and str(back) == str(mistake)
+
+
+def test_repeats_compare_the_same_work_only():
+    # two lengths (or two options) at one batch are two works: each row's FLOPs are held
+    # against the least of its own work, never the other's
+    from spmdtree._src.step.advise import advise as search
+
+    mesh = st.layouts(8, ("data", "tensor"))[0]
+    found = [
+        st.Candidate(mesh, RULES, 64, length=16),
+        st.Candidate(mesh, RULES, 64, length=32),
+        st.Candidate(mesh, RULES, 64, length=32, options={"remat": "full"}),
+    ]
+    advice = st.advise(mlp_step, found, hardware=HW, progress=False)
+    split = search._split(advice.rows)
+    assert len(split) == 3
+    assert all(split[search._work(r.candidate)] == r.step.flops for r in advice.rows)

@@ -158,3 +158,22 @@ def test_a_pallas_kernel_on_a_sharded_array_is_told_to_run_per_device():
     assert str(info.value).endswith(
         "(a Pallas kernel runs per device: call it under jax.shard_map, as a job does)"
     )
+
+
+@pytest.mark.parametrize(
+    "op_name, name",
+    [
+        ("jit(step)/jvp(jit(mha))/mha_forward/pallas_call", "mha_forward"),
+        ("jit(f)/transpose(jvp(mha_backward))/pallas_call", "mha_backward"),
+        ("jit(train_step)/pallas_call", "pallas_call"),  # no name=: the caller's scope
+        ("jit(f)/while/body/pallas_call", "pallas_call"),
+        ("jit(f)/jit(mha_forward_of_mine)/pallas_call", "pallas_call"),
+    ],
+)
+def test_a_triton_kernel_is_named_by_its_own_scope_only_where_jax_gave_it_one(op_name, name):
+    from spmdtree._src.step.hlo.instructions import Instr, Op
+    from spmdtree._src.step.hlo.opcodes import kernel_name
+
+    call = Instr("pallas_call.7", Op.kCustomCall, (), False, (), False, (),
+                 target="__gpu$xla.gpu.triton", op_name=op_name)  # fmt: skip
+    assert kernel_name(call) == name

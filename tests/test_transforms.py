@@ -269,3 +269,15 @@ def test_accumulate_mistakes(count, error, said):
     params, data = _mlp()
     with pytest.raises(error, match=said):
         st.accumulate(jax.value_and_grad(_mlp_loss), count)(params, data)
+
+
+def test_accumulate_says_a_scalar_in_the_batch_cannot_be_split():
+    params, data = _mlp()
+    data = {**data, "scale": jnp.float32(2.0)}
+
+    def loss(p, b):
+        return _mlp_loss(p, b) * b["scale"]
+
+    assert st.accumulate(jax.value_and_grad(loss), 1)(params, data)[0] > 0  # one: fn itself
+    with pytest.raises(ValueError, match=r"^accumulate: batch\['scale'\] is a scalar: every leaf"):
+        st.accumulate(jax.value_and_grad(loss), 2)(params, data)

@@ -36,6 +36,11 @@ class Mistake(Exception):
         self.kind = kind
         self.message = message
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickles whole (new in 0.6): a compile's mistake crosses an executor's
+        process boundary (a Dask worker's) as itself, not as a broken pickle."""
+        return (type(self), (self.kind, self.message), self.__dict__)
+
     def error(self, function: str) -> Exception:
         """The exception a user sees from `function`."""
         return self.kind(f"{function}: {self.message}")

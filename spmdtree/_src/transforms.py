@@ -271,7 +271,8 @@ def accumulate(fn: Callable[[Any, Any], Any], microbatches: int) -> Callable[[An
     averaged (new in 0.6).
 
     `fn` is what `jax.value_and_grad` returns (or any function of ``(params,
-    batch)`` whose outputs are floating-point pytrees): for a loss that is a mean
+    batch)`` whose outputs are floating-point pytrees: an integer output, a
+    count in an aux, is averaged into a float): for a loss that is a mean
     over the batch, the result equals ``fn(params, batch)`` to float tolerance,
     with the activations of one microbatch alive at a time: a lower peak (what
     preflight measures) for more, smaller kernels and a loop (what the
@@ -317,10 +318,21 @@ def accumulate(fn: Callable[[Any, Any], Any], microbatches: int) -> Callable[[An
         )
 
     def accumulated(params: Any, batch: Any) -> Any:
+        if microbatches == 1:
+            return fn(params, batch)
+        leaves = jax.tree_util.tree_leaves_with_path(batch)
+        scalars = [at("batch", path) for path, leaf in leaves if not jnp.ndim(leaf)]
+        if scalars:
+            raise Mistake(
+                ValueError,
+                f"{', '.join(scalars)} {'is a scalar' if len(scalars) == 1 else 'are scalars'}: "
+                "every leaf of the batch needs the batch as its leading dimension to be split "
+                "into microbatches. Pass what is not per example with the params (a closure).",
+            )
         wrong = [
             f"{at('batch', path)} (shape {tuple(jnp.shape(leaf))})"
-            for path, leaf in jax.tree_util.tree_leaves_with_path(batch)
-            if not jnp.ndim(leaf) or jnp.shape(leaf)[0] % microbatches
+            for path, leaf in leaves
+            if jnp.shape(leaf)[0] % microbatches
         ]
         if wrong:
             raise Mistake(
@@ -328,8 +340,6 @@ def accumulate(fn: Callable[[Any, Any], Any], microbatches: int) -> Callable[[An
                 f"{microbatches} microbatches do not divide the leading (batch) dimension "
                 f"of {', '.join(wrong)}. Give a batch the count divides, or another count.",
             )
-        if microbatches == 1:
-            return fn(params, batch)
         split = jax.tree.map(lambda x: _microbatches(x, microbatches), batch)
         one = jax.tree.map(lambda x: x[0], split)
         zero = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(fn, params, one))

@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import itertools
 import math
+import numbers
 import os
 import sys
 import time
@@ -417,22 +418,29 @@ def _verdict(step: StepPlan, budget: int, asks: TargetChild | None) -> tuple[Ver
     return Verdict.OVER_BUDGET, f"peak {peak} > {said} budget on {high}: {ask}"
 
 
-def _split(rows: Iterable[AdviceRow]) -> dict[int, int]:
-    """Per batch, the fewest FLOPs per device of the compiled rows (`split_work`)."""
-    return split_work([(r.candidate.batch, r.step.flops) for r in rows if r.step is not None])
+def _work(candidate: Candidate) -> Hashable:
+    """What fixes a candidate's work: its batch, length and options (its layout only
+    splits it)."""
+    return (candidate.batch, candidate.length, tuple(sorted((candidate.options or {}).items())))
 
 
-def _repeated(row: AdviceRow, split: Mapping[int, int]) -> str | None:
+def _split(rows: Iterable[AdviceRow]) -> dict[Hashable, int]:
+    """Per work (`_work`), the fewest FLOPs per device of the compiled rows
+    (`split_work`)."""
+    return split_work([(_work(r.candidate), r.step.flops) for r in rows if r.step is not None])
+
+
+def _repeated(row: AdviceRow, split: Mapping[Hashable, int]) -> str | None:
     """What a compiled row whose devices repeat each other's work is told, or None
     (`diagnose.repeated`)."""
-    least = split.get(row.candidate.batch, 0)
+    least = split.get(_work(row.candidate), 0)
     if row.step is None or least <= 0 or row.step.flops < REPEATS * least:
         return None
     return repeated(dict(row.candidate.mesh.shape), row.step.inputs, row.step.flops, least)
 
 
 def rank(
-    row: AdviceRow, index: int, split: Mapping[int, int] | None = None
+    row: AdviceRow, index: int, split: Mapping[Hashable, int] | None = None
 ) -> tuple[int, int, float, int, float, str, int, int]:
     """A row's place, the one key for every row, whichever compiler's figures it
     has: its verdict (`Verdict`'s order; compiled over budget before rejected),
@@ -566,7 +574,7 @@ def _start_line(
     most = n + (confirm if again else 0)
     on = "the CPU estimate" if first is None else str(first)
     over = (
-        f", and up to {n} more for the target's compiler for the rows over the budget on it"
+        f"; then up to {n} more for the target's compiler, for the rows over the budget on it"
         if first is None and asks
         else ""
     )
@@ -1199,13 +1207,21 @@ def _check_options(candidate: Candidate) -> None:
             f"{options!r}; expected a mapping of names to values ({{'remat': 'full'}}).",
         )
     for name, value in options.items():
-        if not isinstance(value, Hashable):
+        if not _hashable(value):
             raise Mistake(
                 TypeError,
                 f"option {name!r} of candidate {label_of(candidate._replace(options=None))!r} "
                 f"is {value!r}, which is not hashable; give a value that is (a string, a "
                 "number, a tuple).",
             )
+
+
+def _hashable(value: object) -> bool:
+    try:
+        hash(value)
+    except TypeError:
+        return False
+    return True
 
 
 @public
@@ -1243,13 +1259,19 @@ def candidates(
         [(1, 64, {'remat': 'full'}), (1, 64, {'remat': 'none'}), (2, 64, {'remat': 'full'}), (2, 64, {'remat': 'none'})]
     """
     for name, values in options.items():
-        if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+        if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) or not values:
             raise Mistake(
-                TypeError,
-                f"option {name} is {values!r}; expected a sequence of its values, e.g. "
-                f"{name}=({values!r},).",
+                TypeError if not isinstance(values, Sequence) or values else ValueError,
+                f"option {name} is {values!r}; expected a sequence of one or more of its "
+                f"values, e.g. {name}=({values!r},)."
+                if values
+                else f"option {name} has no values; give one or more, or leave it out.",
             )
-    sizes = (batches,) if isinstance(batches, int) else tuple(batches)
+    sizes = (
+        (int(batches),)
+        if isinstance(batches, numbers.Integral)
+        else tuple(cast(Sequence[int], batches))
+    )
     names = tuple(options)
     return [
         Candidate(mesh, rules, batch, length, options=dict(zip(names, chosen, strict=True)) or None)

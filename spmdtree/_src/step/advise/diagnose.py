@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 from spmdtree._src.plan import Plan, PlanRow
 from spmdtree._src.resolve import axes_of
@@ -229,18 +229,19 @@ def _batch(closest: Closest, budget_bytes: int) -> str:
 REPEATS = 1.5
 
 
-def split_work(rows: Sequence[tuple[int, int]]) -> dict[int, int]:
-    """Per batch, the fewest FLOPs per device of any compiled layout, from
-    ``(batch, flops per device)`` pairs: the work split over all the devices.
+def split_work(rows: Sequence[tuple[Hashable, int]]) -> dict[Hashable, int]:
+    """Per work (a batch, or what fixes a step's work: its batch, length and
+    options), the fewest FLOPs per device of any compiled layout, from ``(work,
+    flops per device)`` pairs: the work split over all the devices.
 
     Example:
         >>> split_work([(8, 400), (8, 200), (16, 800), (8, 0)])
         {8: 200, 16: 800}
     """
-    least: dict[int, int] = {}
-    for batch, flops in rows:
+    least: dict[Hashable, int] = {}
+    for work, flops in rows:
         if flops > 0:
-            least[batch] = min(least.get(batch, flops), flops)
+            least[work] = min(least.get(work, flops), flops)
     return least
 
 

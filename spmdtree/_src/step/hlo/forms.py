@@ -412,8 +412,8 @@ def async_link(mod: Module, ins: Instr) -> tuple[str, str, tuple[str, Instr]] | 
         for i in mod.comps.get(callee, [])
         if i.op in SYNC and config_field(i.config, "async_collective_fusion_config") is not None
     ]
-    if len(inner) != 1:
-        return None
+    if len(inner) != 1 or not inner[0].frontend.get("chain_id"):
+        return None  # no chain to pair its start and done by: read as it stands
     root = mod.root(callee)
     target = root.target if root is not None and root.op == Op.kCustomCall else ""
     role = {"AsyncCollectiveStart": "start", "AsyncCollectiveDone": "done"}.get(target, "continue")

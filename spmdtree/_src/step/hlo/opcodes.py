@@ -216,7 +216,10 @@ def kernel_name(ins: Instr) -> str:
     name = ins.name.rsplit(".", 1)[0]
     scopes = ins.op_name.split("/")
     if name == "pallas_call" and len(scopes) > 1 and scopes[-1] == "pallas_call":
-        return scopes[-2].split("(")[-1].rstrip(")") or name
+        # the scope before is the kernel's own only where pallas_call was given a
+        # name= (jax's kernels are): else it is the caller's, which names nothing
+        scope = scopes[-2].split("(")[-1].rstrip(")")
+        return scope if scope in FLASH else name
     return name
 
 
@@ -253,7 +256,7 @@ class Flash:
 #: heads x head width; its backward recomputes the scores twice, once for dK and dV
 #: and once for dQ: 7 dots) and ...ops.tpu.splash_attention (Mosaic: the block
 #: mask's arrays first, then heads x sequence x head width; dQ's kernel 3 dots,
-#: dK and dV's 4).
+#: dK and dV's 4, 5 where it fuses dQ's; MQA's alike).
 FLASH: Mapping[str, Flash] = {
     "mha_forward": Flash(2, False, True, 1),
     "mha_backward": Flash(7, True, True, 1),
@@ -261,6 +264,9 @@ FLASH: Mapping[str, Flash] = {
     "splash_mha_fwd": Flash(2, False, False, -2),
     "splash_mha_dq": Flash(3, True, False, -2),
     "splash_mha_dkv": Flash(4, True, False, -2),
+    "splash_mqa_fwd": Flash(2, False, False, -2),  # one key-value head: the same dots
+    "splash_mqa_dq": Flash(3, True, False, -2),
+    "splash_mqa_dkv": Flash(4, True, False, -2),
 }
 
 
@@ -289,7 +295,13 @@ def _flash_flops(mod: Module, comp: str, ins: Instr) -> int:
     if flash is None or len(arrays) < 2 or len(arrays[1].dims) < 3:
         return 0
     causal = flash.mask_read and _WHILE.search(ins.config.get("mlir", "")) is not None
-    return flash.flops(arrays[0], arrays[1], causal)
+    dots = flash.dots
+    if kernel_name(ins).startswith(("splash_mha_dkv", "splash_mqa_dkv")):
+        # with BlockSizes(use_fused_bwd_kernel=True) it computes dQ too (dQ, dK and dV
+        # among its results, not dK and dV alone): dQ's dot besides its own four
+        shaped = [a for a in ins.arrays if len(a.dims) >= 3 and a.dtype[:1] in "bf"]
+        dots += 1 if len(shaped) >= 3 else 0
+    return dataclasses.replace(flash, dots=dots).flops(arrays[0], arrays[1], causal)
 
 
 def kernel_estimate(ins: Instr) -> tuple[int, int] | None:

@@ -393,17 +393,15 @@ class _Walker:
         if link is None:
             return None
         role, chain, inner = link
-        if role == "start":
+        kernel: list[Event] = [self._kernel(comp, ins)] if self._computes(ins) else []
+        if role == "start":  # any compute fused with the start runs beside the collective
             rows = self._rows(inner[0], inner[1], inner[1], SYNC[inner[1].op])
             started = self._starts(comp, ins, rows, sync=False)
             self.chains[chain] = tuple(e.ident for e in started if isinstance(e, Start))
-            return started
-        kernel: list[Event] = (
-            [] if role == "done" and not self._computes(ins) else [self._kernel(comp, ins)]
-        )
-        if role == "done":
-            return kernel + [Done(i) for i in self.chains.pop(chain, ())]
-        return kernel
+            return started + kernel
+        if role == "done":  # compute fused with the done uses the collective's result
+            return [Done(i) for i in self.chains.pop(chain, ())] + kernel
+        return [self._kernel(comp, ins)]
 
     def _computes(self, ins: Instr) -> bool:
         """Whether a fusion does more than a chain's done: any op of its own."""
