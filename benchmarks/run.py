@@ -540,12 +540,29 @@ def b10_advise(bench: Bench) -> None:
     b10_estimate(bench)
 
 
+def _estimated_layouts(bench: Bench) -> tuple[str, int, int, list]:
+    """The Llama-3 step's size, chips and length, and the layouts B10 and B13 search."""
+    size, devices, length = ADVISED[bench.quick]
+    sizes = {"tensor": 8, "data": (1, 2)} if bench.quick else {"tensor": (4, 8), "data": (1, 4)}
+    return size, devices, length, st.layouts(devices, advised.example.AXES, sizes=sizes)
+
+
+def _estimate(size: str, length: int, candidates: list, **kwargs: object) -> st.Advice:
+    """advise over `candidates` of the Llama-3 step on the CPU estimate, for H100s."""
+    return st.advise(
+        advised.make_step(size, length),
+        candidates,
+        hardware=st.hardware("h100"),
+        progress=False,
+        screen="cpu",
+        **kwargs,
+    )
+
+
 def b10_estimate(bench: Bench) -> None:
     """advise over layouts x 2 batches of the Llama-3 step on 256 chips on the CPU
     estimate, against one bare compile of the same step (its first candidate)."""
-    size, devices, length = ADVISED[bench.quick]
-    sizes = {"tensor": 8, "data": (1, 2)} if bench.quick else {"tensor": (4, 8), "data": (1, 4)}
-    meshes = st.layouts(devices, advised.example.AXES, sizes=sizes)
+    size, devices, length, meshes = _estimated_layouts(bench)
     batches = (devices,) if bench.quick else (devices, 2 * devices)
     candidates = [
         st.Candidate(mesh, advised.example.RULES, batch, length=length)
@@ -553,13 +570,8 @@ def b10_estimate(bench: Bench) -> None:
         for mesh in meshes
     ]
     start = timeit.default_timer()
-    advice = st.advise(
-        advised.make_step(size, length),
-        candidates,
-        hardware=st.hardware("h100"),
-        progress=False,
-        screen="cpu",  # the CPU estimate, as the bare compile it is measured against
-    )
+    # the CPU estimate, as the bare compile it is measured against
+    advice = _estimate(size, length, candidates)
     seconds = timeit.default_timer() - start
     assert all(row.step is not None for row in advice.rows), str(advice)
     base = bare_compile(size, tuple(meshes[0].shape.values()), batches[0], length)
@@ -659,29 +671,19 @@ def b13_dask(bench: Bench) -> None:
     except ImportError:
         print("B13 skipped: pip install 'spmdtree[dask]'")
         return
-    size, devices, length = ADVISED[bench.quick]
-    sizes = {"tensor": 8, "data": (1, 2)} if bench.quick else {"tensor": (4, 8), "data": (1, 4)}
-    meshes = st.layouts(devices, advised.example.AXES, sizes=sizes)
+    size, devices, length, meshes = _estimated_layouts(bench)
     candidates = [st.Candidate(m, advised.example.RULES, devices, length=length) for m in meshes]
 
     def per_minute(executor: object) -> float:
         start = timeit.default_timer()
-        advice = st.advise(
-            advised.make_step(size, length),
-            candidates,
-            hardware=st.hardware("h100"),
-            progress=False,
-            screen="cpu",
-            jobs=2,
-            executor=executor,
-        )
+        advice = _estimate(size, length, candidates, jobs=2, executor=executor)
         assert all(row.step is not None for row in advice.rows), str(advice)
         return advice.compiles / (timeit.default_timer() - start) * 60
 
     local = per_minute(None)
     with (
         distributed.LocalCluster(
-            host="127.0.0.1", n_workers=2, threads_per_worker=1, dashboard_address=None
+            host="127.0.0.1", n_workers=2, threads_per_worker=1, dashboard_address="127.0.0.1:0"
         ) as cluster,
         distributed.Client(cluster, timeout=120) as client,
     ):

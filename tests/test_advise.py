@@ -849,7 +849,7 @@ def test_advise_on_a_dask_cluster_gives_the_same_rows_verdicts_and_peaks():
             n_workers=2,
             threads_per_worker=1,
             processes=True,
-            dashboard_address=None,
+            dashboard_address="127.0.0.1:0",
         ) as cluster,
         distributed.Client(cluster, timeout=60) as client,
     ):
