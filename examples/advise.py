@@ -140,7 +140,7 @@ def main():
         f"\nbest: {best.candidate.label or _label(best.candidate)}, "
         f"global batch {best.candidate.batch}: bound {ms(t.bound_seconds)} per step "
         f"(compute {ms(t.compute_seconds)}, collectives {ms(t.comm_seconds)}), "
-        f"{best.tokens_per_second:,.0f} tokens/s at the bound"
+        f"{best.tokens_per_second:,.0f} tokens/s at the predicted time"
     )
     print(
         "collectives by mesh axes: "
