@@ -5,7 +5,8 @@ its first line says it continues (``# continues ...``), so no block silently
 depends on another. A ```text block right after a Python block is what that
 block prints (compared doctest-style: ``...`` stands for any text, runs of
 whitespace are equal); one after ``<!-- output: python examples/X.py ... -->``
-is what that command prints, checked by running it. A block after
+is what that command prints, checked by running it (``spmdtree ...`` over an
+example too, as ``python -m spmdtree``). A block after
 ``<!-- measured: ... -->`` is a record of timings from one run of that command
 (timings vary, so it is not compared); the command must exist. No other text
 block may stand unchecked.
@@ -113,11 +114,12 @@ def test_measured_figures_name_a_command_that_exists():
 )
 def test_example_output_shown_is_what_it_prints(page, command, expected):
     argv = shlex.split(command)
-    assert argv[0] == "python" and argv[1].startswith("examples/"), command
+    ran = argv[0] == "python" and argv[1].startswith("examples/")
+    cli = argv[0] == "spmdtree" and any(a.startswith("examples/") for a in argv)
+    assert ran or cli, command  # an example, or the command line over one (new in 0.6)
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
-    done = subprocess.run(
-        [sys.executable, *argv[1:]], cwd=ROOT, capture_output=True, text=True, timeout=600, env=env
-    )
+    run = [sys.executable, *argv[1:]] if ran else [sys.executable, "-m", "spmdtree", *argv[1:]]
+    done = subprocess.run(run, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stdout + done.stderr
     assert _same(expected, done.stdout), f"{command} printed:\n{done.stdout}\nnot:\n{expected}"
 

@@ -79,6 +79,7 @@ def test_the_changelog_opens_with_this_version():
 FLOW = [
     "errors",
     "text",
+    "pictures",
     "registry",
     "rules",
     "resolve",
@@ -106,6 +107,7 @@ FLOW = [
     "step.compile.analysis",
     "step.compile.compilers",
     "step.time.predict",
+    "step.time.timeline",
     "step.time.bound",
     "step.advise.diagnose",
     "step.compile.step_plan",
@@ -113,6 +115,7 @@ FLOW = [
     "step.advise.records",
     "step.advise.advise",
     "report",
+    "cli",
 ]
 
 

@@ -148,7 +148,9 @@ def test_a_loop_runs_its_body_its_trip_count_times(layers):
 def test_a_memory_bound_fusion_is_timed_by_its_bytes():
     text = compiled(lambda x: jnp.exp(x) * 2 + 1, ((8 * 2**20,), jnp.float32, P("data")))
     schedule, timed = predicted(text)
-    assert schedule.events == (schedule_.Kernel("memory", 0, 2 * 2**20 * 4),)  # read + write
+    (kernel,) = schedule.events
+    assert kernel == schedule_.Kernel("memory", 0, 2 * 2**20 * 4, name=kernel.name)  # read + write
+    assert kernel.name.startswith(("fusion", "loop_")), kernel.name  # as the module names it
     assert timed.predicted_seconds == pytest.approx(2 * 2**22 / HBM + LAUNCH)
     assert timed.predicted_by_class["launch"] == pytest.approx(LAUNCH)
 

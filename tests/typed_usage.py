@@ -43,7 +43,16 @@ boxed = [
 with st.logical_axis_rules(rules):
     activations = st.with_logical_constraint(jnp.zeros((4, 8)), ("batch", "embed"), mesh=mesh)
 
+# What users look at (new in 0.6): a step's JSON, trace and time by mesh axes.
+step = st.preflight(lambda x: jnp.sum(x * 2), jnp.zeros((8, 4)), mesh=abstract)
+step_json: dict[str, object] = step.to_json(st.hardware("h100"))
+step_trace: dict[str, object] = step.trace(st.hardware("h100"))
+waited = step.time(st.hardware("h100")).exposed_by_axes
+advice_json: dict[str, object] = st.Advice((), 0, st.hardware("h100"), 2**30).to_json()
+
 if TYPE_CHECKING:
+    step.trace("h100")  # type: ignore[arg-type]
+    step.to_json(hardware="h100")  # type: ignore[arg-type]
     st.to_spec(params, 5)  # type: ignore[arg-type]
     st.to_spec(params, rules, mesh="mesh")  # type: ignore[arg-type]
     st.Partitioned(jnp.zeros(4), 5)  # type: ignore[arg-type]

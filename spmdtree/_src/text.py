@@ -399,6 +399,20 @@ def axis_types_text(mesh: Any) -> str:
     return ", ".join(f"{name} {kind}" for name, kind in zip(mesh.axis_names, types, strict=True))
 
 
+#: The version of the JSON that `StepPlan.to_json` and `Advice.to_json` write (its
+#: ``"schema"`` field, ``"spmdtree.StepPlan/1"``): raised when a field changes
+#: meaning or goes; a new field does not raise it (new in 0.6; docs/api.md, "JSON").
+JSON_VERSION = 1
+
+
+def mesh_json(mesh: Any) -> dict[str, Any]:
+    """A mesh's axis sizes and types as JSON values."""
+    return {
+        "axes": {name: int(size) for name, size in mesh.shape.items()},
+        "axis_types": [t.name for t in mesh.axis_types],
+    }
+
+
 def seconds_text(seconds: float | None) -> str:
     """``1.23 s``, ``45.6 ms``, ``789 us``; ``-`` for none."""
     if seconds is None:

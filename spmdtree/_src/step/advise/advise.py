@@ -60,7 +60,7 @@ from spmdtree._src.step.compile.preflight import Keywords, plan_arguments, step_
 from spmdtree._src.step.compile.step_plan import StepPlan
 from spmdtree._src.step.compile.trace import Arguments, Exported, Traced
 from spmdtree._src.step.hw.hardware import PRESETS, Hardware, check_devices_per_node
-from spmdtree._src.step.time.bound import StepTime
+from spmdtree._src.step.time.bound import StepTime, ranked_seconds
 from spmdtree._src.text import (
     LeftUnsharded,
     Located,
@@ -329,8 +329,8 @@ def _row(
     if timed is not None and verdict in (Verdict.FITS, Verdict.TIGHT):
         reason += "; " + _bound_by(timed)
     tokens = None
-    if timed is not None and candidate.length is not None and _seconds(timed) > 0:
-        tokens = candidate.batch * candidate.length / _seconds(timed)
+    if timed is not None and candidate.length is not None and ranked_seconds(timed) > 0:
+        tokens = candidate.batch * candidate.length / ranked_seconds(timed)
     flags = _batch_first(candidate, flags)
     return AdviceRow(candidate, verdict, reason, step, timed, tokens, flags)
 
@@ -467,15 +467,9 @@ def rank(
     # per sequence: at one batch, the bound's order; across batches, the step
     # time alone would always favour the smaller batch
     per = row.candidate.batch
-    bound = float(f"{_seconds(row.time) / per:.6g}")
+    bound = float(f"{ranked_seconds(row.time) / per:.6g}")
     serial = row.time.serial_seconds / per
     return (order, repeats, bound, row.step.peak_bytes, serial, *_tie(row, index))
-
-
-def _seconds(timed: StepTime) -> float:
-    """What a row ranks by: the predicted step time where there is one (the compiled
-    schedule walked, on any hardware since 0.6), else the bound."""
-    return timed.bound_seconds if timed.predicted_seconds is None else timed.predicted_seconds
 
 
 def _tie(row: AdviceRow, index: int) -> tuple[str, int, int]:
@@ -544,7 +538,7 @@ def _progress_line(row: AdviceRow, done: int, total: int, elapsed: float, compil
     else:
         left = _duration(elapsed / compiled * (total - done))
         left = f"{'' if left.startswith('under') else 'about '}{left} left"
-    bound = "" if row.time is None else f", predicted {seconds_text(_seconds(row.time))}"
+    bound = "" if row.time is None else f", predicted {seconds_text(ranked_seconds(row.time))}"
     return (
         f"advise [{done}/{total}] {label_of(row.candidate)}, batch {row.candidate.batch}: "
         f"{row.verdict}{bound} ({row.reason}); {left}"
@@ -614,7 +608,7 @@ def _first_pass(
         returned = make_step(candidate)
     except Exception as e:
         return _failed(search, index, f"make_step raised {_message(e)}")
-    fn, args, keywords = _step_call(returned)
+    fn, args, keywords = step_call(returned)
     mesh = _abstract(candidate)
     try:
         planned = plan_arguments(args, mesh, candidate.rules, keywords)
@@ -633,7 +627,7 @@ def _first_pass(
     return _Compiled(_judged(search, index, compiled), step)
 
 
-def _step_call(returned: object) -> tuple[Callable[..., Any], tuple[Any, ...], Keywords]:
+def step_call(returned: object) -> tuple[Callable[..., Any], tuple[Any, ...], Keywords]:
     """`make_step`'s return, checked: ``(fn, args, kwargs)``, kwargs preflight's own
     keywords but the mesh and rules (`Keywords`)."""
     shape = (

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import os
 import textwrap
 from collections.abc import Hashable, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -17,13 +18,14 @@ import numpy as np
 from jax.sharding import Mesh
 
 from spmdtree._src.errors import Mistake, public
+from spmdtree._src.pictures import Point, advice_picture, saved
 from spmdtree._src.rules import AnyMesh, Rules
 from spmdtree._src.step.compile.backends import TOOLCHAINS, Toolchain, target_for
 from spmdtree._src.step.compile.step_plan import StepPlan
 from spmdtree._src.step.hw.hardware import Hardware
 from spmdtree._src.step.kinds import Backend
-from spmdtree._src.step.time.bound import StepTime
-from spmdtree._src.text import flags_summary, seconds_text, size_text
+from spmdtree._src.step.time.bound import StepTime, ranked_seconds, time_json
+from spmdtree._src.text import JSON_VERSION, flags_summary, mesh_json, seconds_text, size_text
 
 
 class Verdict(enum.StrEnum):
@@ -256,8 +258,127 @@ class Advice:
         target = target_for(self.hardware)
         return "" if target is None else target.toolchain.backend
 
+    @public
+    def to_json(self) -> dict[str, Any]:
+        """The advice as JSON values (``json.dumps`` takes them), in the versioned
+        schema ``"spmdtree.Advice/1"`` (new in 0.6; docs/api.md, "JSON", lists
+        every field): the hardware, budget and note, ``best`` (the best row's
+        index, or None), and one entry per row in rank order: its label, mesh,
+        batch, length, options, verdict, reason, flags, tokens per second, its
+        time (`StepPlan.to_json`'s ``time``) and its step (`StepPlan.to_json`,
+        or None where it was not compiled).
+
+        Returns:
+            A dict of JSON values.
+
+        Example:
+            >>> import jax, spmdtree as st
+            >>> mesh = jax.sharding.AbstractMesh((1,), ("data",))
+            >>> row = st.AdviceRow(st.Candidate(mesh, None, 8), "does not compile", "a typo", None, None, None)
+            >>> data = st.Advice((row,), 0, st.hardware("h100"), 2**30).to_json()
+            >>> data["schema"], data["best"], data["rows"][0]["verdict"], data["rows"][0]["step"]
+            ('spmdtree.Advice/1', None, 'does not compile', None)
+        """
+        best = self.best
+        return {
+            "schema": f"spmdtree.Advice/{JSON_VERSION}",
+            "hardware": self.hardware.name,
+            "devices": _devices(self),
+            "budget_bytes": self.budget_bytes,
+            "margin": self.margin,
+            "compiles": self.compiles,
+            "note": self.note,
+            "best": None if best is None else self.rows.index(best),
+            "rows": [_row_json(row) for row in self.rows],
+        }
+
+    @public
+    def plot(self, path: str | os.PathLike[str] | None = None) -> Any:
+        """A picture of the advice: one point per compiled row, its peak per device
+        against its predicted time per sequence (what rows rank by), shaped and
+        coloured by verdict; the budget a dashed line; the best ringed and
+        labelled (new in 0.6; needs matplotlib: ``pip install 'spmdtree[plot]'``).
+
+        Rows that did not compile, or were rejected by their arrays alone, have
+        neither figure and are not drawn. Memory and time trade off along a
+        front: the points low and to the left.
+
+        Args:
+            path: where to save it (its format by its suffix: ``.png``,
+                ``.svg``, ``.pdf``); None: not saved.
+
+        Returns:
+            The `matplotlib.figure.Figure` (a notebook shows it).
+
+        Raises:
+            ImportError: where matplotlib is not installed.
+
+        Example:
+            >>> import jax, jax.numpy as jnp, spmdtree as st
+            >>> mesh = jax.sharding.AbstractMesh((2,), ("data",))
+            >>> x = st.Partitioned(jax.ShapeDtypeStruct((64, 256), jnp.float32), ("data", None))
+            >>> step = st.preflight(lambda x: jnp.sum(x.value @ x.value.T), x, mesh=mesh)
+            >>> row = st.AdviceRow(st.Candidate(mesh, None, 64), "fits", "fits", step,
+            ...                    step.time(st.hardware("h100")), None)
+            >>> fig = st.Advice((row,), 1, st.hardware("h100"), 2**30).plot()
+            >>> fig.axes[0].get_xlabel()
+            'predicted time per sequence (ms)'
+        """
+        points = {
+            id(row): _point(row, row.step, row.time)
+            for row in self.rows
+            if row.step is not None and row.time is not None
+        }
+        best = self.best
+        title = (
+            f"{len(self.rows)} candidates on {_devices(self)} x {self.hardware.name}: "
+            "peak against predicted time"
+        )
+        fig = advice_picture(
+            list(points.values()),
+            None if best is None else points.get(id(best)),
+            self.budget_bytes,
+            title,
+        )
+        return saved(fig, path)
+
     def __str__(self) -> str:
         return _table(self)
+
+
+def _row_json(row: AdviceRow) -> dict[str, Any]:
+    """One row of `Advice.to_json`."""
+    c = row.candidate
+    return {
+        "label": label_of(c),
+        "mesh": mesh_json(c.mesh),
+        "batch": c.batch,
+        "length": c.length,
+        "options": {name: _plain(value) for name, value in (c.options or {}).items()},
+        "verdict": str(row.verdict),
+        "reason": row.reason,
+        "flags": list(row.flags),
+        "tokens_per_second": row.tokens_per_second,
+        "time": None if row.time is None else time_json(row.time),
+        "step": None if row.step is None else row.step.to_json(),
+    }
+
+
+def _plain(value: Hashable) -> Any:
+    """An option's value as JSON takes it: itself where it is a JSON scalar, else
+    its repr."""
+    return value if value is None or isinstance(value, (bool, int, float, str)) else repr(value)
+
+
+def _point(row: AdviceRow, step: StepPlan, timed: StepTime) -> Point:
+    """A compiled, timed row (its `step` and `timed`) as a point of the advice's picture."""
+    seconds = ranked_seconds(timed) / row.candidate.batch
+    return Point(seconds, step.peak_bytes, str(row.verdict), label_of(row.candidate))
+
+
+def _devices(advice: Advice) -> int:
+    rows = advice.rows
+    return math.prod(rows[0].candidate.mesh.shape.values()) if rows else 0
 
 
 def _budget_text(advice: Advice) -> str:
@@ -294,7 +415,7 @@ def _table(advice: Advice, *, width: int = 100) -> str:
     (``!``), summarised by kind (`flags_summary`; 0.5: a row's many replicated
     arrays are one line)."""
     rows = advice.rows
-    devices = math.prod(rows[0].candidate.mesh.shape.values()) if rows else 0
+    devices = _devices(advice)
     header = ["#", "layout", "batch", "peak", "compute", "comm", "bound", "predicted"]
     header += ["tokens/s", "from"]
     header.append("verdict")

@@ -6,11 +6,16 @@ record; 0.5 rendered it in text.py)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import os
+import pathlib
+from typing import Any
 
 import numpy as np
 
 from spmdtree._src.errors import Mistake, public
+from spmdtree._src.pictures import saved, time_picture
 from spmdtree._src.plan import Plan
 from spmdtree._src.rules import AnyMesh
 from spmdtree._src.specs import RuleProblem
@@ -19,8 +24,16 @@ from spmdtree._src.step.compile.analysis import Memory
 from spmdtree._src.step.hlo.schedule import Collective, Schedule
 from spmdtree._src.step.hw.hardware import Hardware
 from spmdtree._src.step.kinds import Backend
-from spmdtree._src.step.time.bound import StepTime, step_time
-from spmdtree._src.text import axis_types_text, flops_text, seconds_text, size_text
+from spmdtree._src.step.time.bound import StepTime, step_spans, step_time, time_json
+from spmdtree._src.step.time.timeline import trace_events
+from spmdtree._src.text import (
+    JSON_VERSION,
+    axis_types_text,
+    flops_text,
+    mesh_json,
+    seconds_text,
+    size_text,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -324,6 +337,202 @@ class StepPlan:
         return step_time(
             self.collectives, self.flops, self.mesh.shape, hardware, per_node, self.schedule
         )
+
+    @public
+    def to_json(self, hardware: Hardware | None = None) -> dict[str, Any]:
+        """The step as JSON values (``json.dumps`` takes them), in the versioned
+        schema ``"spmdtree.StepPlan/1"`` (new in 0.6; docs/api.md, "JSON", lists
+        every field): its mesh, target, memory per device, FLOPs, collectives,
+        inputs, flags and rule problems; with `hardware`, its ``time`` there too
+        (`time_json`'s fields: the bound, the prediction, by class and axes).
+
+        Args:
+            hardware: a `Hardware` to time it on, or None for no ``time``.
+
+        Returns:
+            A dict of JSON values.
+
+        Raises:
+            TypeError: for `hardware` that is no `Hardware`.
+
+        Example:
+            >>> import json, jax, jax.numpy as jnp, spmdtree as st
+            >>> mesh = jax.sharding.AbstractMesh((2,), ("data",))
+            >>> x = st.Partitioned(jax.ShapeDtypeStruct((8, 4), jnp.float32), ("data", None))
+            >>> data = st.preflight(lambda x: jnp.sum(x.value * 2), x, mesh=mesh).to_json()
+            >>> data["schema"], data["mesh"]["axes"], data["memory"]["argument_bytes"]
+            ('spmdtree.StepPlan/1', {'data': 2}, 64)
+            >>> [c["kind"] for c in json.loads(json.dumps(data))["collectives"]]
+            ['all-reduce']
+        """
+        data: dict[str, Any] = {
+            "schema": f"spmdtree.StepPlan/{JSON_VERSION}",
+            "mesh": mesh_json(self.mesh),
+            "target": self.target,
+            "backend": str(self.backend),
+            "devices_per_node": self.devices_per_node,
+            "compile_seconds": self.compile_seconds,
+            "memory": {
+                field: getattr(self, field)
+                for field in (
+                    "argument_bytes",
+                    "output_bytes",
+                    "alias_bytes",
+                    "temp_bytes",
+                    "code_bytes",
+                    "peak_bytes",
+                    "compiler_peak_bytes",
+                    "overstated_bytes",
+                    "host_argument_bytes",
+                    "host_output_bytes",
+                    "host_alias_bytes",
+                    "host_temp_bytes",
+                    "host_peak_bytes",
+                )
+            },
+            "flops": self.flops,
+            "compiler_seconds": self.compiler_seconds,
+            "collectives": [
+                {
+                    "kind": str(row.kind),
+                    "count": row.count,
+                    "bytes": row.bytes,
+                    "wire_bytes": row.wire_bytes,
+                    "axes": list(row.axes),
+                    "group": row.group,
+                    "written_as": row.written_as,
+                }
+                for row in self.collectives
+            ],
+            "inputs": {
+                "arrays": len(self.inputs.rows),
+                "device_bytes": self.inputs.device_bytes,
+                "total_bytes": self.inputs.total_bytes,
+            },
+            "flags": list(self.flags),
+            "rule_problems": list(dict.fromkeys(p.sentence for p in self.rule_problems)),
+        }
+        if hardware is not None:
+            data["time"] = {"hardware": hardware.name, **time_json(self.time(hardware))}
+        return data
+
+    @public
+    def trace(
+        self,
+        hardware: Hardware,
+        path: str | os.PathLike[str] | None = None,
+        *,
+        devices_per_node: int | None = None,
+    ) -> dict[str, Any]:
+        """The predicted schedule on `hardware` as a trace: Chrome trace-event JSON,
+        what Perfetto (ui.perfetto.dev), chrome://tracing and TensorBoard's trace
+        viewer open, as they open `jax.profiler`'s traces (new in 0.6).
+
+        Two tracks: ``compute`` (each kernel, named as the compiled module names
+        it, with its class, FLOPs and bytes; the compute waiting for a
+        collective, ``waits for ...``) and ``collectives`` (each collective with
+        its kind, bytes, mesh axes and group). A loop's first three iterations
+        are laid out whole and the rest as one span per track, its args saying
+        how many (what `time` walks). The last event ends at
+        `StepTime.predicted_seconds`: a picture of the prediction, not a profile.
+
+        Args:
+            hardware: a `Hardware` (e.g. ``st.hardware("h100")``).
+            path: where to write the JSON too (open it in Perfetto); None: not
+                written.
+            devices_per_node: as for `time`.
+
+        Returns:
+            The trace, a dict of JSON values: ``traceEvents``, and ``otherData``
+            with the step's predicted seconds, hardware and target.
+
+        Raises:
+            TypeError: for `hardware` that is no `Hardware`.
+            ValueError: for a step without a compiled schedule.
+
+        Example:
+            >>> import jax, jax.numpy as jnp, spmdtree as st
+            >>> mesh = jax.sharding.AbstractMesh((2,), ("data",))
+            >>> x = st.Partitioned(jax.ShapeDtypeStruct((64, 256), jnp.float32), ("data", None))
+            >>> step = st.preflight(lambda x: jnp.sum(x.value @ x.value.T), x, mesh=mesh)
+            >>> trace = step.trace(st.hardware("h100"))
+            >>> tracks = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
+            >>> sorted(tracks)
+            ['collectives', 'compute']
+            >>> end = max(e["ts"] + e["dur"] for e in trace["traceEvents"] if e["ph"] == "X")
+            >>> abs(end / 1e6 - step.time(st.hardware("h100")).predicted_seconds) < 1e-12
+            True
+        """
+        if self.schedule is None:
+            raise Mistake(
+                ValueError,
+                "this StepPlan carries no compiled schedule to lay out (one rebuilt from its "
+                "fields alone); preflight the step again for its trace.",
+            ).error("StepPlan.trace")
+        per_node = self.devices_per_node if devices_per_node is None else devices_per_node
+        timed, spans = step_spans(
+            self.collectives, self.flops, self.mesh.shape, hardware, per_node, self.schedule
+        )
+        other = {
+            "spmdtree": "predicted step (StepPlan.trace)",
+            "hardware": hardware.name,
+            "compiled for": self.target or str(self.backend),
+            "predicted_seconds": timed.predicted_seconds,
+            "by class": dict(timed.predicted_by_class or {}),
+            "flags": list(timed.flags),
+        }
+        title = f"predicted step on {hardware.name} ({self.target or self.backend})"
+        trace = trace_events(spans, title, other)
+        if path is not None:
+            pathlib.Path(path).write_text(json.dumps(trace))
+        return trace
+
+    @public
+    def plot(
+        self,
+        hardware: Hardware,
+        path: str | os.PathLike[str] | None = None,
+        *,
+        devices_per_node: int | None = None,
+    ) -> Any:
+        """A picture of the step's time on `hardware` (new in 0.6; needs matplotlib:
+        ``pip install 'spmdtree[plot]'``): above, the predicted step as one bar
+        split by class (matmul, attention, memory, the compute waiting for
+        collectives, launches) beside the roofline bound's compute and
+        collectives; below, per set of mesh axes, its collectives at the links'
+        bandwidth and how long the compute waits for them (`StepTime.exposed_by_axes`).
+
+        Args:
+            hardware: a `Hardware` (e.g. ``st.hardware("h100")``).
+            path: where to save it (its format by its suffix); None: not saved.
+            devices_per_node: as for `time`.
+
+        Returns:
+            The `matplotlib.figure.Figure`.
+
+        Raises:
+            TypeError: for `hardware` that is no `Hardware`.
+            ImportError: where matplotlib is not installed.
+
+        Example:
+            >>> import jax, jax.numpy as jnp, spmdtree as st
+            >>> mesh = jax.sharding.AbstractMesh((2,), ("data",))
+            >>> x = st.Partitioned(jax.ShapeDtypeStruct((64, 256), jnp.float32), ("data", None))
+            >>> step = st.preflight(lambda x: jnp.sum(x.value @ x.value.T), x, mesh=mesh)
+            >>> fig = step.plot(st.hardware("h100"))
+            >>> [label.get_text() for label in fig.axes[0].get_yticklabels()]
+            ['predicted', 'bound']
+        """
+        timed = self.time(hardware, devices_per_node=devices_per_node)
+        by_class = dict(timed.predicted_by_class or {"matmul": timed.compute_seconds})
+        bound = {"compute": timed.compute_seconds, "collectives": timed.comm_seconds}
+        exposed = timed.exposed_by_axes or {}
+        by_axes = {
+            "+".join(axes) or "-": (timed.comm_by_axes.get(axes, 0.0), exposed.get(axes, 0.0))
+            for axes in dict.fromkeys([*timed.comm_by_axes, *exposed])
+        }
+        title = f"predicted step on {hardware.name} ({self.target or self.backend})"
+        return saved(time_picture(by_class, bound, by_axes, title), path)
 
     def __str__(self) -> str:
         return _table(self)

@@ -138,7 +138,8 @@ class Kernel(NamedTuple):
     (``bf16``, ``f32``; ``f32/highest`` at the highest precision); `opaque`, a
     hand-written kernel's name where its call keeps no cost estimate (new in 0.6);
     `call`, a library kernel's custom-call target (``__cudnn$fmhaSoftmax``: cuDNN's
-    fused attention) or a hand-written kernel's name (``mha_forward``; new in 0.6)."""
+    fused attention) or a hand-written kernel's name (``mha_forward``; new in 0.6);
+    `name`, the instruction's name in the compiled module (``fusion.12``; new in 0.6)."""
 
     kind: KernelClass
     flops: int
@@ -150,6 +151,7 @@ class Kernel(NamedTuple):
     dtype: str = ""
     opaque: str = ""
     call: str = ""
+    name: str = ""
 
     @property
     def flash(self) -> str:
@@ -171,12 +173,14 @@ class Kernel(NamedTuple):
 class Start(NamedTuple):
     """A collective begins: `ident` pairs it with its `Done`; `sync` where it runs
     on the compute stream (a synchronous collective, or one XLA marked
-    ``is_sync``); `partial` where its groups are not whole mesh axes (new in 0.6)."""
+    ``is_sync``); `partial` where its groups are not whole mesh axes (new in 0.6);
+    `name`, the instruction's name in the compiled module (new in 0.6)."""
 
     ident: int
     row: Collective
     sync: bool
     partial: bool = False
+    name: str = ""
 
 
 class Done(NamedTuple):
@@ -187,11 +191,13 @@ class Done(NamedTuple):
 
 class Loop(NamedTuple):
     """A ``while``: its body (condition included) runs `trips` times; `known` is
-    False where the compiler does not say how often (timed and counted once)."""
+    False where the compiler does not say how often (timed and counted once);
+    `name`, the instruction's name in the compiled module (new in 0.6)."""
 
     trips: int
     body: tuple[Event, ...]
     known: bool = True
+    name: str = ""
 
 
 class Branches(NamedTuple):
@@ -263,11 +269,12 @@ def _event_json(event: Event) -> list[Any]:
     if isinstance(event, Kernel):
         return ["kernel", *event]
     if isinstance(event, Start):
-        return ["start", event.ident, list(event.row), event.sync, event.partial]
+        return ["start", event.ident, list(event.row), event.sync, event.partial, event.name]
     if isinstance(event, Done):
         return ["done", event.ident]
     if isinstance(event, Loop):
-        return ["loop", event.trips, [_event_json(e) for e in event.body], event.known]
+        body = [_event_json(e) for e in event.body]
+        return ["loop", event.trips, body, event.known, event.name]
     return ["branches", [[_event_json(e) for e in option] for option in event.options]]
 
 
@@ -278,11 +285,11 @@ def _event_from(data: Sequence[Any]) -> Event:
     if tag == "start":
         kind, count, size, axes, group, written = rest[1]
         row = Collective(CollectiveKind(kind), count, size, tuple(axes), group, written)
-        return Start(rest[0], row, rest[2], rest[3])
+        return Start(rest[0], row, rest[2], rest[3], rest[4])
     if tag == "done":
         return Done(rest[0])
     if tag == "loop":
-        return Loop(rest[0], tuple(_event_from(e) for e in rest[1]), rest[2])
+        return Loop(rest[0], tuple(_event_from(e) for e in rest[1]), rest[2], rest[3])
     return Branches(tuple(tuple(_event_from(e) for e in option) for option in rest[0]))
 
 
@@ -363,7 +370,7 @@ class _Walker:
             trips = trip_count(self.mod, comp, ins)
             self.unknown |= trips is None
             body = self.events(callees.get("condition", "")) + self.events(callees.get("body", ""))
-            return [Loop(1 if trips is None else trips, body, trips is not None)]
+            return [Loop(1 if trips is None else trips, body, trips is not None, ins.name)]
         if ins.op == Op.kConditional:
             return [Branches(tuple(self.events(c) for _, c in ins.callees))]
         if ins.op == Op.kCall:
@@ -425,7 +432,9 @@ class _Walker:
         """A `Start` per row, paired with the instruction whose done waits for them;
         where the compute waits at once (`waits`: a synchronous op), its `Done`s too."""
         first, self.started = self.started, self.started + len(rows)
-        starts = [Start(first + i, row, sync, partial) for i, (row, partial) in enumerate(rows)]
+        starts = [
+            Start(first + i, row, sync, partial, ins.name) for i, (row, partial) in enumerate(rows)
+        ]
         self.idents[(comp, ins.name)] = tuple(start.ident for start in starts)
         if sync if waits is None else waits:
             return [*starts, *(Done(start.ident) for start in starts)]
@@ -554,7 +563,14 @@ class _Walker:
             shape, dtype = (0, 0, 0, 0), self._flash_dtype(comp, ins)
         call = ins.target if ins.target.startswith("__cudnn$") else name
         return Kernel(
-            kind, flops, self._bytes(comp, ins), *shape, dtype if flops else "", opaque, call
+            kind,
+            flops,
+            self._bytes(comp, ins),
+            *shape,
+            dtype if flops else "",
+            opaque,
+            call,
+            ins.name,
         )
 
     def _flash_dtype(self, comp: str, ins: Instr) -> str:
@@ -819,7 +835,7 @@ def read_schedule(
         >>> schedule.events[0].row
         Collective(kind='all-gather', count=1, bytes=2097152, axes=('data',), group=8, written_as='')
         >>> schedule.events[1]
-        Kernel(kind='matmul', flops=2147483648, bytes=6291456, batch=1, m=1024, n=1024, k=1024, dtype='bf16', opaque='', call='')
+        Kernel(kind='matmul', flops=2147483648, bytes=6291456, batch=1, m=1024, n=1024, k=1024, dtype='bf16', opaque='', call='', name='d')
         >>> Schedule.from_json(schedule.to_json()) == schedule
         True
     """

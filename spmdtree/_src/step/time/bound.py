@@ -14,7 +14,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -29,7 +29,7 @@ from spmdtree._src.step.hw.hardware import (
     positive,
 )
 from spmdtree._src.step.kinds import CollectiveKind, LinkKind
-from spmdtree._src.step.time.predict import predict
+from spmdtree._src.step.time.predict import Span, predict
 
 
 class Row(Protocol):
@@ -75,11 +75,15 @@ class StepTime:
         flags: what the prediction rests on beyond the compiled schedule: the
             model's defaults it took for figures the hardware leaves out, loops
             of unknown trip count timed once (new in 0.6).
+        exposed_by_axes: `exposed_comm_seconds` split by the mesh axes of the
+            collectives the compute waited for (each collective with its
+            latency); a read-only dict, or None where no schedule was walked
+            (new in 0.6).
 
     Raises:
         ValueError: for a `flops_per_second` <= 0, or a prediction < 0.
-        TypeError: for a `comm_by_axes` or `predicted_by_class` that is not a
-            mapping.
+        TypeError: for a `comm_by_axes`, `predicted_by_class` or
+            `exposed_by_axes` that is not a mapping.
 
     Example:
         >>> import spmdtree as st
@@ -97,6 +101,9 @@ class StepTime:
     exposed_comm_seconds: float | None = None
     predicted_by_class: Mapping[str, float] | None = dataclasses.field(default=None, hash=False)
     flags: tuple[str, ...] = ()
+    exposed_by_axes: Mapping[tuple[str, ...], float] | None = dataclasses.field(
+        default=None, hash=False
+    )
 
     @functools.partial(public, name="StepTime")
     def __post_init__(self) -> None:
@@ -121,6 +128,14 @@ class StepTime:
                     "of class names to seconds, e.g. {'matmul': 0.5, 'memory': 0.1}.",
                 )
             object.__setattr__(self, "predicted_by_class", Frozen(self.predicted_by_class))
+        if self.exposed_by_axes is not None:
+            if not isinstance(self.exposed_by_axes, Mapping):
+                raise Mistake(
+                    TypeError,
+                    f"exposed_by_axes is {self.exposed_by_axes!r}; expected a mapping of "
+                    "mesh-axes tuples to seconds, e.g. {('fsdp',): 0.01}.",
+                )
+            object.__setattr__(self, "exposed_by_axes", Frozen(self.exposed_by_axes))
 
     @property
     def comm_seconds(self) -> float:
@@ -179,6 +194,35 @@ class StepTime:
                 "which sets it, or build it with flops_per_second=.",
             )
         return model_flops / self.flops_per_second / step_seconds
+
+
+def time_json(timed: StepTime) -> dict[str, Any]:
+    """A `StepTime` as JSON values, for `StepPlan.to_json` and `Advice.to_json`
+    (new in 0.6): mesh-axes tuples joined by ``+`` (``""`` for none)."""
+
+    def axes(by: Mapping[tuple[str, ...], float] | None) -> dict[str, float] | None:
+        return None if by is None else {"+".join(k): v for k, v in by.items()}
+
+    return {
+        "compute_seconds": timed.compute_seconds,
+        "comm_seconds": timed.comm_seconds,
+        "bound_seconds": timed.bound_seconds,
+        "comm_by_axes": axes(timed.comm_by_axes),
+        "predicted_seconds": timed.predicted_seconds,
+        "exposed_comm_seconds": timed.exposed_comm_seconds,
+        "predicted_by_class": None
+        if timed.predicted_by_class is None
+        else dict(timed.predicted_by_class),
+        "exposed_by_axes": axes(timed.exposed_by_axes),
+        "flops_per_second": timed.flops_per_second,
+        "flags": list(timed.flags),
+    }
+
+
+def ranked_seconds(timed: StepTime) -> float:
+    """What advice ranks a row by: the predicted step time where there is one (the
+    compiled schedule walked, on any hardware since 0.6), else the bound."""
+    return timed.bound_seconds if timed.predicted_seconds is None else timed.predicted_seconds
 
 
 def nodes_spanned(shape: Sequence[int], varying: Sequence[int], devices_per_node: int) -> int:
@@ -285,6 +329,20 @@ def step_time(
     mesh of this shape (axis name -> size), on `hw`; with the compiled module's
     `schedule` (`schedule.read_schedule`), its predicted time too, timed by the
     hardware's own figures (new in 0.5; 0.6: any `Hardware`, its defaults said)."""
+    return step_spans(collectives, flops, shape, hw, devices_per_node, schedule, False)[0]
+
+
+def step_spans(
+    collectives: Iterable[Row],
+    flops: float,
+    shape: Mapping[str, int],
+    hw: Hardware,
+    devices_per_node: int | None,
+    schedule: Schedule | None,
+    spans: bool = True,
+) -> tuple[StepTime, tuple[Span, ...]]:
+    """`step_time`, and with `spans` what ran when on each stream of the walk
+    (`predict.Span`; none without a schedule; new in 0.6)."""
     if not isinstance(hw, Hardware):
         raise Mistake(
             TypeError, f"hardware is {hw!r}; expected a st.Hardware (st.hardware('h100'))."
@@ -298,16 +356,18 @@ def step_time(
         by_axes[tuple(row.axes)] = by_axes.get(tuple(row.axes), 0.0) + seconds
     bound = StepTime(flops / hw.flops_per_second, by_axes, hw.flops_per_second)
     if schedule is None:
-        return bound
+        return bound, ()
     timed = functools.cache(lambda row: collective_seconds(row, shape, hw, per_node))
-    said = predict(schedule, hw.costs(), hw.flops_per_second, timed)
-    return dataclasses.replace(
+    said = predict(schedule, hw.costs(), hw.flops_per_second, timed, spans)
+    predicted = dataclasses.replace(
         bound,
         predicted_seconds=said.seconds,
         exposed_comm_seconds=said.exposed_comm_seconds,
         predicted_by_class=said.by_class,
+        exposed_by_axes=said.exposed_by_axes,
         flags=(*_defaults_said(hw, schedule), *schedule.flags),
     )
+    return predicted, said.spans
 
 
 #: The model's fields only a flash-attention kernel's time reads.

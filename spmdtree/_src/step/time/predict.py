@@ -39,7 +39,8 @@ The per-kernel model (`hardware.Costs`; every figure's source is listed with it)
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 from spmdtree._src.step.hlo.schedule import (
     Collective,
@@ -53,6 +54,8 @@ from spmdtree._src.step.hlo.schedule import (
 from spmdtree._src.step.hw.hardware import Costs
 from spmdtree._src.step.kinds import KernelClass
 
+#: A collective's mesh axes.
+Axes = tuple[str, ...]
 #: The classes a step's time is split into; `Prediction` has one field each.
 CLASSES = tuple(KernelClass)
 
@@ -116,6 +119,32 @@ def kernel_seconds(kernel: Kernel, costs: Costs, peak: float) -> float:
 # --- the walk ---------------------------------------------------------------------------
 
 
+class Span(NamedTuple):
+    """One stretch of a walked schedule on one stream (new in 0.6): a kernel, a
+    collective, the compute waiting for one, or a loop's iterations after the
+    walked ones, summarised.
+
+    Attributes:
+        stream: ``"compute"`` or ``"collectives"``.
+        name: the instruction's name in the compiled module (``fusion.12``,
+            ``all-gather-start.3``); ``waits for ...`` for the compute waiting;
+            ``... iterations 4-32`` for a loop's summarised iterations.
+        start: seconds from the step's start.
+        seconds: how long.
+        kind: a `KernelClass` (``matmul``, ``attention``, ``memory``,
+            ``collectives``, or ``loop`` for summarised iterations).
+        args: what the compiled module says of it: FLOPs, bytes, a collective's
+            kind, axes and group, a summary's iterations.
+    """
+
+    stream: str
+    name: str
+    start: float
+    seconds: float
+    kind: str
+    args: Mapping[str, Any]
+
+
 @dataclasses.dataclass(frozen=True)
 class Prediction:
     """A step's predicted time on one device, split by class.
@@ -133,6 +162,11 @@ class Prediction:
         launch_seconds: the kernels' launch overheads.
         comm_seconds: every collective's time, hidden or not.
         kernels: how many kernels run per step.
+        exposed_by_axes: `exposed_comm_seconds` by the mesh axes of the
+            collectives waited for (new in 0.6).
+        spans: what ran when on each stream, where the walk was traced (`Span`;
+            the first `_Walk.WALKED` iterations of a loop whole, the rest one
+            span per stream); () otherwise (new in 0.6).
     """
 
     matmul_seconds: float
@@ -142,6 +176,8 @@ class Prediction:
     launch_seconds: float
     comm_seconds: float
     kernels: int
+    exposed_by_axes: Mapping[Axes, float] = dataclasses.field(default_factory=dict)
+    spans: tuple[Span, ...] = dataclasses.field(default=(), repr=False, compare=False)
 
     @property
     def seconds(self) -> float:
@@ -169,24 +205,66 @@ class _Clock:
     spent: dict[str, float] = dataclasses.field(default_factory=lambda: dict.fromkeys(CLASSES, 0.0))
     comm: float = 0.0
     kernels: int = 0
-    pending: dict[int, float] = dataclasses.field(default_factory=dict)
+    pending: dict[int, tuple[float, str, Axes]] = dataclasses.field(default_factory=dict)
+    waited: dict[Axes, float] = dataclasses.field(default_factory=dict)  # exposed, per axes
+    spans: list[Span] | None = None  # where the walk is traced: what ran when
 
-    def copy(self) -> _Clock:
-        return dataclasses.replace(self, spent=dict(self.spent), pending=dict(self.pending))
+    def copy(self, spans: bool = True) -> _Clock:
+        """A clock that goes on from here (with the spans so far, where traced)."""
+        kept = list(self.spans) if spans and self.spans is not None else None
+        return dataclasses.replace(
+            self,
+            spent=dict(self.spent),
+            pending=dict(self.pending),
+            waited=dict(self.waited),
+            spans=kept,
+        )
 
-    def wait(self, until: float) -> None:
-        """The compute stream waits for a collective finishing at `until`."""
+    def record(
+        self, stream: str, name: str, start: float, seconds: float, kind: str, **args: Any
+    ) -> None:
+        if self.spans is not None:
+            self.spans.append(Span(stream, name, start, seconds, kind, args))
+
+    def wait(self, until: float, name: str, axes: Axes) -> None:
+        """The compute stream waits for collective `name` over `axes`, finishing at
+        `until`."""
         if until > self.compute:
+            self.waited[axes] = self.waited.get(axes, 0.0) + until - self.compute
+            self.record(
+                "compute",
+                f"waits for {name}",
+                self.compute,
+                until - self.compute,
+                KernelClass.COLLECTIVES,
+            )
             self.spent[KernelClass.COLLECTIVES] += until - self.compute
             self.compute = until
 
-    def advance(self, before: _Clock, times: int) -> None:
-        """Repeats `times` more the change since `before` (a loop's steady iteration)."""
+    def advance(self, before: _Clock, times: int, name: str) -> None:
+        """Repeats `times` more the change since `before` (a loop's steady iteration),
+        each stream's repeats one span, `name`."""
+        for stream, was, now in (
+            ("compute", before.compute, self.compute),
+            ("collectives", before.links, self.links),
+        ):
+            if now > was:
+                self.record(
+                    stream,
+                    name,
+                    now,
+                    times * (now - was),
+                    "loop",
+                    iterations=times,
+                    summarised="each iteration timed as the last one walked before it",
+                )
         self.compute += times * (self.compute - before.compute)
         self.links += times * (self.links - before.links)
         for kind in CLASSES:
             self.spent[kind] += times * (self.spent[kind] - before.spent[kind])
         self.comm += times * (self.comm - before.comm)
+        for axes, seconds in list(self.waited.items()):
+            self.waited[axes] += times * (seconds - before.waited.get(axes, 0.0))
         self.kernels += times * (self.kernels - before.kernels)
 
 
@@ -207,28 +285,53 @@ class _Walk:
     def step(self, event: Event, clock: _Clock) -> _Clock:
         if isinstance(event, Kernel):
             seconds = kernel_seconds(event, self.costs, self.peak)
+            clock.record(
+                "compute",
+                event.name or event.call or event.kind,
+                clock.compute,
+                seconds + self.costs.launch_seconds,
+                event.kind,
+                flops=event.flops,
+                bytes=event.bytes,
+                **({"call": event.call} if event.call else {}),
+            )
             clock.spent[event.kind] += seconds
             clock.spent[KernelClass.LAUNCH] += self.costs.launch_seconds
             clock.compute += seconds + self.costs.launch_seconds
             clock.kernels += 1
         elif isinstance(event, Start):
             seconds = self.comm(event.row) + self.costs.collective_latency_seconds
-            clock.links = max(clock.compute, clock.links) + seconds
+            start = max(clock.compute, clock.links)
+            name = event.name or event.row.kind
+            clock.record(
+                "collectives",
+                name,
+                start,
+                seconds,
+                KernelClass.COLLECTIVES,
+                collective=event.row.label,
+                bytes=event.row.bytes,
+                axes=list(event.row.axes),
+                group=event.row.group,
+                sync=event.sync,
+            )
+            clock.links = start + seconds
             clock.comm += seconds
             if event.sync:
-                clock.wait(clock.links)
+                clock.wait(clock.links, name, event.row.axes)
             else:
-                clock.pending[event.ident] = clock.links
+                clock.pending[event.ident] = (clock.links, name, event.row.axes)
         elif isinstance(event, Done):
             if event.ident in clock.pending:
-                clock.wait(clock.pending.pop(event.ident))
+                clock.wait(*clock.pending.pop(event.ident))
         elif isinstance(event, Loop):
             before = clock
             for _ in range(min(event.trips, self.WALKED)):
-                before = clock.copy()
+                before = clock.copy(spans=False)
                 clock = self.run(event.body, clock)
             if event.trips > self.WALKED:
-                clock.advance(before, event.trips - self.WALKED)
+                name = f"{event.name or 'loop'}: iterations {self.WALKED + 1}-{event.trips}"
+                clock.advance(before, event.trips - self.WALKED, name)
         else:
             ends = [self.run(option, clock.copy()) for option in event.options]
             clock = max(ends, key=lambda c: c.compute, default=clock)
@@ -240,10 +343,12 @@ def predict(
     costs: Costs,
     peak_flops: float,
     collective_seconds: Callable[[Collective], float],
+    spans: bool = False,
 ) -> Prediction:
     """The predicted time of one step of `schedule` on a chip of these `costs` and
     peak, each collective row timed by `collective_seconds` (the links' alpha-beta
-    time; `Costs.collective_latency_seconds` is added to it).
+    time; `Costs.collective_latency_seconds` is added to it); with `spans`, what
+    ran when on each stream too (`Prediction.spans`, new in 0.6).
 
     Example:
         A kernel of 1 ms, an async collective of 2 ms started before it and done
@@ -258,7 +363,8 @@ def predict(
         >>> round(p.seconds * 1e3, 6), round(p.exposed_comm_seconds * 1e3, 6), p.comm_seconds
         (4.0, 3.0, 0.004)
     """
-    end = _Walk(costs, peak_flops, collective_seconds).run(schedule.events, _Clock())
+    start = _Clock(spans=[] if spans else None)
+    end = _Walk(costs, peak_flops, collective_seconds).run(schedule.events, start)
     return Prediction(
         matmul_seconds=end.spent[KernelClass.MATMUL],
         attention_seconds=end.spent[KernelClass.ATTENTION],
@@ -267,4 +373,6 @@ def predict(
         launch_seconds=end.spent[KernelClass.LAUNCH],
         comm_seconds=end.comm,
         kernels=end.kernels,
+        exposed_by_axes={axes: s for axes, s in end.waited.items() if s > 0},
+        spans=tuple(end.spans or ()),
     )

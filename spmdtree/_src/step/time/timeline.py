@@ -1,0 +1,69 @@
+"""A predicted step as a trace (new in 0.6): the walk's spans (`predict.Span`) as
+Chrome trace-event JSON, the format `jax.profiler`'s traces, Perfetto,
+chrome://tracing and TensorBoard's trace viewer read.
+
+One process, the predicted step; two threads, its streams: ``compute`` (each
+kernel, and the compute waiting for a collective) and ``collectives``. Each span
+is a complete event (``"ph": "X"``) with its start and length in microseconds,
+named as the compiled module names the instruction, its class as the category
+and what the module says of it as its args. The format:
+https://docs.google.com/document/d/1CvAClvFfyA5R-PhYUmn5OOQtYMH4h6I0nSsKchNAySU
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from spmdtree._src.step.time.predict import Span
+
+#: The tracks, as Chrome trace-event threads of one process, in display order.
+STREAMS = {"compute": 1, "collectives": 2}
+_PID = 1
+_MICROSECONDS = 1e6
+
+
+def trace_events(
+    spans: Sequence[Span], title: str, other: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """Chrome trace-event JSON of `spans`: a process named `title`, a thread per
+    stream, a complete event per span; `other` goes to ``otherData``.
+
+    Example:
+        >>> span = Span("compute", "fusion.1", 0.0, 2e-6, "memory", {"bytes": 64})
+        >>> trace = trace_events([span], "a step")
+        >>> [e["name"] for e in trace["traceEvents"] if e["ph"] == "X"]
+        ['fusion.1']
+        >>> event = trace["traceEvents"][-1]
+        >>> event["ts"], event["dur"], event["tid"], event["cat"], event["args"]["class"]
+        (0.0, 2.0, 1, 'memory', 'memory')
+    """
+    meta: list[dict[str, Any]] = [_meta("process_name", 0, name=title)]
+    for stream, tid in STREAMS.items():
+        meta += [
+            _meta("thread_name", tid, name=stream),
+            _meta("thread_sort_index", tid, sort_index=tid),
+        ]
+    events = [_event(span) for span in sorted(spans, key=lambda s: (STREAMS[s.stream], s.start))]
+    return {
+        "traceEvents": meta + events,
+        "displayTimeUnit": "ns",
+        "otherData": dict(other or {}),
+    }
+
+
+def _meta(what: str, tid: int, **args: Any) -> dict[str, Any]:
+    return {"name": what, "ph": "M", "pid": _PID, "tid": tid, "args": args}
+
+
+def _event(span: Span) -> dict[str, Any]:
+    return {
+        "name": span.name,
+        "cat": str(span.kind),
+        "ph": "X",
+        "pid": _PID,
+        "tid": STREAMS[span.stream],
+        "ts": span.start * _MICROSECONDS,
+        "dur": span.seconds * _MICROSECONDS,
+        "args": {"class": str(span.kind), **span.args},
+    }
