@@ -88,25 +88,51 @@ def layer(x, p):
     return st.with_logical_constraint(x + gated @ p["wo"], ("batch", "length", "embed")), None
 
 
-def loss_fn(params, tokens):
-    table = st.with_logical_constraint(st.unbox(params["embed"]), ("vocab", None))
-    x = jnp.take(table, tokens[:, :-1], axis=0)
-    x = st.with_logical_constraint(x, ("batch", "length", "embed"))
-    x, _ = st.scan(
-        jax.checkpoint(layer, prevent_cse=False), x, params["layers"], partition_name="layers"
-    )
-    x = rms_norm(x, st.unbox(params["final_norm"]))
-    logits = (x @ st.unbox(params["output"])).astype(jnp.float32)
-    logits = st.with_logical_constraint(logits, ("batch", "length", "vocab"))
-    log_probs = jax.nn.log_softmax(logits)
-    return -jnp.mean(jnp.take_along_axis(log_probs, tokens[:, 1:, None], axis=-1))
+#: What each layer keeps for the backward pass, by MaxText's names for its
+#: `remat_policy`: "full" keeps nothing (the layer is recomputed), "minimal" keeps
+#: the matmuls' outputs that have no batch dimensions in their contraction.
+REMAT = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "minimal": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+}
 
 
-def train_step(params, state, tokens):
-    tx = optax.adamw(1e-4)
-    loss, grads = jax.value_and_grad(loss_fn)(params, tokens.value)
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state, loss
+def make_loss_fn(remat="full"):
+    """The next-token loss, each layer under `jax.checkpoint` with `REMAT[remat]`."""
+    remat_layer = jax.checkpoint(layer, prevent_cse=False, policy=REMAT[remat])
+
+    def loss_fn(params, tokens):
+        table = st.with_logical_constraint(st.unbox(params["embed"]), ("vocab", None))
+        x = jnp.take(table, tokens[:, :-1], axis=0)
+        x = st.with_logical_constraint(x, ("batch", "length", "embed"))
+        x, _ = st.scan(remat_layer, x, params["layers"], partition_name="layers")
+        x = rms_norm(x, st.unbox(params["final_norm"]))
+        logits = (x @ st.unbox(params["output"])).astype(jnp.float32)
+        logits = st.with_logical_constraint(logits, ("batch", "length", "vocab"))
+        log_probs = jax.nn.log_softmax(logits)
+        return -jnp.mean(jnp.take_along_axis(log_probs, tokens[:, 1:, None], axis=-1))
+
+    return loss_fn
+
+
+loss_fn = make_loss_fn()
+
+
+def make_train_step(remat="full", microbatches=1):
+    """The adamw train step, its layers under `remat`, its gradients accumulated
+    over `microbatches` slices of the batch (`st.accumulate`)."""
+    grad_fn = st.accumulate(jax.value_and_grad(make_loss_fn(remat)), microbatches)
+
+    def train_step(params, state, tokens):
+        tx = optax.adamw(1e-4)
+        loss, grads = grad_fn(params, tokens.value)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, loss
+
+    return train_step
+
+
+train_step = make_train_step()
 
 
 def preflight(layout, chips, per_chip, length):
