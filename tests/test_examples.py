@@ -93,14 +93,20 @@ def test_example_runs(script):
             said = (f"8 x {target}", f"pip install 'spmdtree[{extra}]'")
             assert any(s in done.stdout for s in said), done.stdout
     if script == "advise.py":  # the ranked table of every candidate, the best, why the rest lost
-        table = done.stdout.split("4 candidates on 16 x h100")[1].split("times: a roofline")[0]
-        ranked = [line for line in table.splitlines() if line[:1].isdigit()]
-        assert [line.split()[0] for line in ranked] == ["1", "2", "3", "4"], done.stdout
+        # 2 layouts x 2 remat policies x 2 microbatch counts (0.6: options searched too)
+        table = done.stdout.split("8 candidates on 16 x h100")[1].split("times: bound")[0]
+        ranked = [line.strip() for line in table.splitlines() if line.strip()[:1].isdigit()]
+        assert [line.split()[0] for line in ranked] == [str(n) for n in range(1, 9)], done.stdout
         assert all(line.endswith("fits") for line in ranked)
+        assert all(", remat " in line and ", microbatches " in line for line in ranked)
         assert "best: data " in done.stdout and "why the others lost:" in done.stdout
-        assert "3 fit but are slower" in done.stdout and "4 compiles" in done.stdout
-        assert "advise: 4 candidates on 16 devices, at most 4 compiles" in done.stderr
-        assert done.stderr.count("advise [") == 4  # one progress line per candidate
+        assert "7 fit but are slower" in done.stdout and "8 compiles" in done.stdout
+        changed = done.stdout.split("what the options changed:\n")[1].splitlines()[:4]
+        assert sorted(line.split(":")[0].strip() for line in changed) == sorted(
+            f"remat {remat}, microbatches {n}" for remat in ("full", "minimal") for n in (1, 4)
+        ), done.stdout
+        assert "advise: 8 candidates on 16 devices, at most 8 compiles" in done.stderr
+        assert done.stderr.count("advise [") == 8  # one progress line per candidate
         assert "advice.best.make_mesh() gives the jax.sharding.Mesh" in done.stdout
     if script == "train.py":  # the plan table, progress lines and the summary
         assert "names -> mesh spec" in done.stdout and "per device" in done.stdout

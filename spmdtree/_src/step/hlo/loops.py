@@ -98,20 +98,44 @@ def _condition(mod: Module, cond: str) -> tuple[int, str, int] | None:
     return None
 
 
+#: A condition ``i <direction> n`` at the counter's start.
+_HOLDS = {
+    "LT": lambda i, n: i < n,
+    "LE": lambda i, n: i <= n,
+    "GT": lambda i, n: i > n,
+    "GE": lambda i, n: i >= n,
+    "NE": lambda i, n: i != n,
+    "EQ": lambda i, n: i == n,
+}
+
+
 def _trips(start: int, step: int, direction: str, limit: int) -> int | None:
-    """How many times ``i = start; while i <direction> limit: i += step`` runs."""
+    """How many times ``i = start; while i <direction> limit: i += step`` runs, in
+    closed form: 0 where the condition fails at the start (whatever the step), None
+    where it never stops (the counter moves away from the limit, or steps over it
+    under ``!=``).
+
+    Example:
+        >>> _trips(0, 1, "LT", 4), _trips(10, -1, "LT", 4), _trips(3, 1, "EQ", 3)
+        (4, 0, 1)
+        >>> _trips(0, -1, "LT", 4) is None, _trips(0, 2, "NE", 5) is None
+        (True, True)
+    """
+    if not _HOLDS[direction](start, limit):
+        return 0
     if step == 0:
         return None
-    if direction in ("LT", "LE", "NE") and step > 0:
-        end = limit + (1 if direction == "LE" else 0)
-    elif direction in ("GT", "GE", "NE") and step < 0:
-        end = limit - (1 if direction == "GE" else 0)
-    else:
+    if direction == "EQ":  # one step away from the limit, it fails
+        return 1
+    if direction == "NE":
+        steps, left = divmod(limit - start, step)
+        return steps if not left and steps > 0 else None
+    upward = direction in ("LT", "LE")
+    if upward != (step > 0):  # moving away from the limit: it never stops
         return None
-    count = -(-(end - start) // step)
-    if direction == "NE" and (limit - start) % step:
-        return None
-    return max(count, 0)
+    inclusive = direction in ("LE", "GE")
+    distance, by = (limit - start, step) if upward else (start - limit, -step)
+    return distance // by + 1 if inclusive else -(-distance // by)
 
 
 def trip_count(mod: Module, comp: str, ins: Instr) -> int | None:
