@@ -111,9 +111,7 @@ def dot_module(batch, m, n, k):
     dims = ",".join(str(b) for b in batch)
     lead = f"{dims}," if batch else ""
     numbered = ",".join(str(i) for i in range(len(batch)))
-    batch_dims = (
-        f"lhs_batch_dims={{{numbered}}}, rhs_batch_dims={{{numbered}}}, " if batch else ""
-    )
+    batch_dims = f"lhs_batch_dims={{{numbered}}}, rhs_batch_dims={{{numbered}}}, " if batch else ""
     r = len(batch)
     return f"""HloModule m, is_scheduled=true
 ENTRY %main (a: bf16[{lead}{m},{k}], b: bf16[{lead}{k},{n}]) -> bf16[{lead}{m},{n}] {{
@@ -142,9 +140,7 @@ def placed_tiles(gemms, m, n, cores, tile):
     """The share of tile slots a batched GEMM fills, by placing each tile: every GEMM's
     output cut into tile x tile blocks, dealt to the cores in waves."""
     tm, tn = tile
-    tiles = [
-        (g, r, c) for g in range(gemms) for r in range(0, m, tm) for c in range(0, n, tn)
-    ]
+    tiles = [(g, r, c) for g in range(gemms) for r in range(0, m, tm) for c in range(0, n, tn)]
     filled = sum(min(tm, m - r) * min(tn, n - c) for _, r, c in tiles)
     waves = -(-len(tiles) // cores)
     return filled / (waves * cores * tm * tn)
