@@ -155,3 +155,319 @@ def test_a_batched_matmuls_waves_are_its_gemms_tiles_placed(gemms, m, n):
     costs = st.hardware("h100").costs()
     want = placed_tiles(gemms, m, n, costs.cores, costs.tile)
     assert wave_efficiency(gemms, m, n, costs) == pytest.approx(want, rel=1e-12)
+
+
+# --- 2. a collective XLA marks synchronous is waited for where it starts -----------------
+
+ADD = """%add (lhs: f32[], rhs: f32[]) -> f32[] {
+  %lhs = f32[] parameter(0)
+  %rhs = f32[] parameter(1)
+  ROOT %sum = f32[] add(%lhs, %rhs)
+}
+"""
+
+#: Each async collective as XLA writes its start and done, over 8 devices as 2 x 4.
+STARTS = {
+    "all-reduce": (
+        "%s = f32[256,64] all-reduce-start(%b), replica_groups=[2,4]<=[8], to_apply=%add{config}",
+        "%r = f32[256,64] all-reduce-done(%s)",
+    ),
+    "all-gather": (
+        "%s = (f32[256,64], f32[1024,64]) all-gather-start(%b), replica_groups=[2,4]<=[8], "
+        "dimensions={{0}}{config}",
+        "%r = f32[1024,64] all-gather-done(%s)",
+    ),
+    "collective-permute": (
+        "%s = (f32[256,64], f32[256,64]) collective-permute-start(%b), "
+        "source_target_pairs={{{{0,1}},{{1,0}}}}{config}",
+        "%r = f32[256,64] collective-permute-done(%s)",
+    ),
+}
+#: How XLA GPU says a collective is synchronous, or says nothing.
+SYNC_CONFIGS = {
+    "is_sync": ', backend_config={{"collective_backend_config":{{"is_sync":true}}}}',
+    "not is_sync": ', backend_config={{"collective_backend_config":{{"is_sync":false}}}}',
+    "no config": "",
+}
+
+
+def overlapped(kind, config, dots):
+    """An async `kind` started, `dots` 64 x 64 matmuls, then its done."""
+    start, done = STARTS[kind]
+    start = start.format(config=SYNC_CONFIGS[config].format())
+    chain = ["%d0 = f32[64,64] copy(%a)"] + [
+        f"%d{i + 1} = f32[64,64] dot(%d{i}, %a), lhs_contracting_dims={{1}}, "
+        "rhs_contracting_dims={0}"
+        for i in range(dots)
+    ]
+    result = done.split(" = ")[1].split(" ")[0]
+    body = "\n  ".join([start, *chain, done])
+    reducer = ADD if kind == "all-reduce" else ""  # no computation that nothing calls
+    return f"""HloModule m, is_scheduled=true
+{reducer}
+ENTRY %main (a: f32[64,64], b: f32[256,64]) -> (f32[64,64], {result}) {{
+  %a = f32[64,64] parameter(0)
+  %b = f32[256,64] parameter(1)
+  {body}
+  ROOT %t = (f32[64,64], {result}) tuple(%d{dots}, %r)
+}}
+"""
+
+
+@examples(120)
+@given(
+    hs.sampled_from(sorted(STARTS)),
+    hs.sampled_from(sorted(SYNC_CONFIGS)),
+    hs.integers(0, 4),
+    hs.sampled_from([1e-7, 3e-6, 1e-5, 1e-3]),
+)
+def test_a_collective_marked_is_sync_is_waited_for_where_it_starts(kind, config, dots, seconds):
+    from spmdtree._src.step.hlo.schedule import Start
+    from spmdtree._src.step.hw.hardware import Costs
+    from spmdtree._src.step.time.predict import predict
+
+    schedule = read_schedule(
+        overlapped(kind, config, dots), (("data", 2), ("fsdp", 4)), platform="cuda"
+    )
+    (start,) = [e for e in schedule.events if isinstance(e, Start)]
+    sync = config == "is_sync"
+    assert start.sync is sync
+    latency = 2e-6
+    costs = Costs(1e12, 0.5, 0.8, 4, (8, 8), 1e-6, latency)
+    said = predict(schedule, costs, 1e14, lambda row: seconds)
+    compute = said.matmul_seconds + said.memory_seconds + said.launch_seconds
+    comm = seconds + latency
+    # by hand: synchronous, the compute waits for all of it where it starts; async, the
+    # kernels between its start and its done (here every one) hide what they cover
+    exposed = comm if sync else max(0.0, comm - compute)
+    assert said.exposed_comm_seconds == pytest.approx(exposed, rel=1e-9, abs=1e-15)
+    assert said.seconds == pytest.approx(compute + exposed, rel=1e-9)
+
+
+# --- 4. which torus axes a TPU group spans, on slices of unequal axes ---------------------
+
+
+def scaling_book_links(group, dims, wraps):
+    """How many times one axis's ICI figure a group of `group` chips sends at, by the
+    scaling book's rule, found by trying every set of axes: a mesh axis is laid along
+    whole torus axes, the fewest that hold the group, and of those the longest; each
+    adds its links (1 wrapped round, 1/2 a line)."""
+    import itertools
+
+    axes = [i for i, d in enumerate(dims) if d > 1]
+    for count in range(1, len(axes) + 1):
+        holding = [
+            chosen
+            for chosen in itertools.combinations(axes, count)
+            if math.prod(dims[i] for i in chosen) >= group
+        ]
+        if holding:
+            longest = max(holding, key=lambda c: sorted((dims[i] for i in c), reverse=True))
+            return sum(1.0 if wraps[i] else 0.5 for i in longest)
+    return 1.0
+
+
+SIDES = [1, 2, 4, 8, 16, 32]
+SLICES = [(a, b) for a in SIDES for b in SIDES if a != b and a * b >= 4] + [
+    (a, b, c) for a in SIDES[:5] for b in SIDES[:5] for c in SIDES[:5] if len({a, b, c}) > 1
+]
+
+
+@examples(400)
+@given(hs.sampled_from(SLICES), hs.integers(1, 15), hs.sampled_from([4, 16]))
+def test_a_group_spans_the_fewest_longest_torus_axes_of_an_unequal_slice(dims, power, side):
+    from spmdtree._src.step.hw.chips import torus_links
+
+    dims = list(dims)
+    group = 2**power
+    if group > math.prod(dims):
+        group = math.prod(dims)
+    wraps = [d % side == 0 for d in dims]  # an axis wraps round where it is whole rings
+    assert torus_links(group, dims, wraps) == scaling_book_links(group, dims, wraps)
+
+
+@pytest.mark.parametrize(
+    "preset, chips, group, links",
+    [
+        ("tpu-v5e", 128, 16, 1.0),  # 8 x 16: one wrapped axis of 16, not the 8 and half of 16
+        ("tpu-v5e", 128, 8, 1.0),  # the 16-long axis holds 8 too: wrapped
+        ("tpu-v5e", 32, 8, 0.5),  # 4 x 8: the 8, a line (v5e wraps axes of 16)
+        ("tpu-v5p", 128, 8, 1.0),  # 4 x 4 x 8 of whole cubes: the 8, wrapped
+        ("tpu-v5p", 32, 8, 1.0),  # 2 x 4 x 4: no whole cubes, no wraparound; 8 spans two 4s
+    ],
+)
+def test_a_groups_links_on_a_preset_slice_are_the_axes_it_spans(preset, chips, group, links):
+    from spmdtree._src.step.hw.chips import slice_dims, torus_links, wrapped
+
+    chip = __import__("spmdtree").hardware(preset).chip
+    dims = slice_dims(chips, chip.dimensions)
+    assert torus_links(group, dims, wrapped(dims, chip.wraparound, chip.cubes)) == links
+
+
+# --- 5. the batch check: a non-batch dimension left unsharded is still a layout ----------
+
+BATCH_RULES = [("batch", "data"), ("embed", "fsdp")]
+
+
+def scaled_step(params, x):
+    """A norm's scale times the batch: the scale's `embed` over fsdp, the batch over data."""
+    return (x.value * params["scale"].value).sum()
+
+
+@pytest.fixture(scope="module")
+def batch_advice():
+    """advise over every (data, fsdp) layout of 8 devices at batches 8 and 6, with a
+    norm scale of 5 (only fsdp 1 divides it) and of 16 (every fsdp does)."""
+    import jax
+    import jax.numpy as jnp
+
+    import spmdtree as st
+
+    def make_step(candidate):
+        size = candidate.options["scale"]
+        box = lambda shape, names: st.LogicallyPartitioned(  # noqa: E731
+            jax.ShapeDtypeStruct(shape, jnp.float32), names
+        )
+        params = {"scale": box((size,), ("embed",))}
+        return scaled_step, (params, box((candidate.batch, size), ("batch", "embed"))), {}
+
+    found = st.candidates(st.layouts(8, ("data", "fsdp")), BATCH_RULES, (8, 6), scale=(5, 16))
+    return st.advise(make_step, found, hardware=st.hardware("h100"), progress=False, screen="cpu")
+
+
+def test_a_layout_that_leaves_only_a_non_batch_dimension_unsharded_still_fits(batch_advice):
+    seen = set()
+    for row in batch_advice.rows:
+        mesh = dict(row.candidate.mesh.shape)
+        batch, scale = row.candidate.batch, row.candidate.options["scale"]
+        split = batch % mesh["data"] == 0  # the test's own arithmetic: the batch over data
+        scale_split = scale % mesh["fsdp"] == 0
+        seen.add((split, scale_split))
+        if split:
+            assert row.verdict == "fits", (row.candidate, row.verdict, row.reason)
+            assert (row.step is not None) and not any(
+                "not divided by its batch axes" in f for f in row.flags
+            )
+        else:
+            assert row.verdict == "batch unsharded", (row.candidate, row.verdict)
+            assert f"batch {batch} is not divided by its batch axes" in row.reason
+    assert seen == {(True, True), (True, False), (False, True), (False, False)}  # the grid's four
+
+
+# --- 6. confirm: no more target compiles than settle the order -------------------------
+
+ORDER = ["fits", "tight", "may fit", "over budget", "batch unsharded", "does not compile"]
+
+
+def place(key, figures):
+    """A row's place by `figures` (verdict, seconds per step, peak, serial seconds),
+    advise's documented order: verdict, then time per sequence (6 figures), the peak,
+    the serial time, the label and batch (`key`)."""
+    verdict, seconds, peak, serial = figures
+    label, per = key
+    hopeful = verdict in ORDER[:3]
+    return (
+        ORDER.index(verdict),
+        float(f"{seconds / per:.6g}") if hopeful else 0.0,
+        peak if hopeful or verdict == "over budget" else 0,
+        serial / per if hopeful else 0.0,
+        label,
+        per,
+    )
+
+
+def figures(row):
+    t = row.time
+    seconds = t.bound_seconds if t.predicted_seconds is None else t.predicted_seconds
+    return (str(row.verdict), seconds, row.step.peak_bytes, t.serial_seconds)
+
+
+def fewest_confirmations(screened, confirmed, most):
+    """The rows confirm must compile, by simulating its rule on the two runs' figures:
+    best first by the figures known so far, while a screened row that fits (or may)
+    ranks above the best row the target's figures fit, up to `most`."""
+    keys = list(screened)
+    tried = []
+    while len(tried) < most:
+        known = {k: confirmed[k] if k in tried else screened[k] for k in keys}
+        order = sorted(keys, key=lambda k: place(k, known[k]))
+        anchors = [k for k in order if k in tried and known[k][0] in ("fits", "tight")]
+        above = order[: order.index(anchors[0])] if anchors else order
+        contenders = [k for k in above if k not in tried and known[k][0] in ORDER[:3]]
+        if not contenders:
+            break
+        tried.append(contenders[0])
+    return tried
+
+
+def keyed(advice, target_only=False):
+    """The rows by (label, batch); only those the target compiled, where asked."""
+    from spmdtree._src.step.advise.records import label_of
+
+    return {
+        (label_of(r.candidate), r.candidate.batch): r
+        for r in advice.rows
+        if not target_only or (r.step is not None and r.step.backend == "gpu")
+    }
+
+
+def confirm_step(candidate):
+    import test_look
+
+    return test_look.step, test_look.arguments(candidate.batch), {}
+
+
+def judged(step, budget):
+    """A target compile's figures, its verdict by the test's own arithmetic: over the
+    budget, within 5% of it (tight), or fits."""
+    import spmdtree as st
+
+    t = step.time(st.hardware("h100"))
+    peak = step.peak_bytes
+    verdict = "over budget" if peak > budget else "tight" if peak > 0.95 * budget else "fits"
+    return (verdict, t.predicted_seconds, peak, t.serial_seconds)
+
+
+@pytest.fixture(scope="module")
+def confirm_search():
+    """Every (data, fsdp) layout of 8 devices at a batch of 64: screened on the CPU
+    estimate (advise, confirm=0), and each compiled for 8 H100s by preflight itself."""
+    import test_look
+
+    import spmdtree as st
+
+    found = st.candidates(st.layouts(8, ("data", "fsdp")), test_look.RULES, 64)
+    kwargs = dict(hardware=st.hardware("h100"), progress=False, screen="cpu", jobs=1)
+    screened = keyed(st.advise(confirm_step, found, confirm=0, **kwargs))
+    targeted = {
+        key: st.preflight(
+            *confirm_step(row.candidate)[:1],
+            *confirm_step(row.candidate)[1],
+            mesh=row.candidate.mesh,
+            rules=row.candidate.rules,
+            target="h100",
+        )
+        for key, row in screened.items()
+    }
+    return found, kwargs, screened, targeted
+
+
+@pytest.mark.skipif(
+    not __import__("test_targets").has_compiler("cuda"), reason="needs pip install 'spmdtree[cuda]'"
+)
+@pytest.mark.parametrize("budget", [None, 22_000_000], ids=["roomy", "target-over"])
+@pytest.mark.parametrize("most", [1, 2, 16])
+def test_confirm_compiles_no_more_than_settle_the_order(confirm_search, most, budget):
+    import spmdtree as st
+
+    found, kwargs, screened, targeted = confirm_search
+    limit = budget or st.hardware("h100").memory_bytes
+    cpu = {k: figures(r) for k, r in screened.items()}
+    if budget:  # the CPU figures judged against this budget too
+        cpu = {k: judged(r.step, budget)[:1] + cpu[k][1:] for k, r in screened.items()}
+    want = fewest_confirmations(cpu, {k: judged(s, limit) for k, s in targeted.items()}, most)
+    advice = st.advise(confirm_step, found, confirm=most, budget_bytes=budget, **kwargs)
+    assert set(keyed(advice, True)) == set(want), (most, want)
+    assert advice.compiles == len(found) + len(want)
+    if budget and most > 1:  # the target puts the CPU's best over: more than one to settle
+        assert len(want) > 1
