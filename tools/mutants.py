@@ -1358,6 +1358,112 @@ MUTANTS.update(
     }
 )
 
+# The six kinds of bug 0.6's net is for (tests/test_net.py), each in two forms or more.
+MUTANTS.update(
+    {
+        # 1. a loop's trip count from a condition written either way round
+        "loop-constant-first-not-flipped": [
+            (
+                "_src/step/hlo/loops.py",
+                "        return b.element, _FLIPPED[direction], a.value",
+                "        return b.element, direction, a.value",
+            )
+        ],
+        "loop-inclusive-bound-read-exclusive": [
+            (
+                "_src/step/hlo/loops.py",
+                "    return distance // by + 1 if inclusive else -(-distance // by)",
+                "    return -(-distance // by)",
+            )
+        ],
+        "loop-false-at-start-still-counted": [
+            (
+                "_src/step/hlo/loops.py",
+                "    if not _HOLDS[direction](start, limit):\n        return 0",
+                "    if False:\n        return 0",
+            )
+        ],
+        # 2. a collective the compiler marks synchronous walked as overlapping compute
+        "is-sync-ignored": [
+            (
+                "_src/step/hlo/schedule.py",
+                'sync = ins.op in SYNC or config_field(ins.config, "is_sync") is True',
+                "sync = ins.op in SYNC",
+            )
+        ],
+        "is-sync-read-as-text": [
+            (
+                "_src/step/hlo/schedule.py",
+                'sync = ins.op in SYNC or config_field(ins.config, "is_sync") is True',
+                'sync = ins.op in SYNC or config_field(ins.config, "is_sync") == "true"',
+            )
+        ],
+        # 3. a batched matmul's batch dimensions counted into its rows
+        "batched-dot-batch-into-rows": [
+            (
+                "_src/step/hlo/schedule.py",
+                "    return batch, m, n, k",
+                "    return 1, batch * m, n, k",
+            )
+        ],
+        "batched-dot-rows-keep-the-batch": [
+            (
+                "_src/step/hlo/schedule.py",
+                "    m = math.prod(s for d, s in enumerate(lhs) if d not in lb + lc)",
+                "    m = math.prod(s for d, s in enumerate(lhs) if d not in lc)",
+            )
+        ],
+        "waves-ignore-the-batch": [
+            (
+                "_src/step/time/predict.py",
+                "    tiles = batch * -(-m // tm) * -(-n // tn)",
+                "    tiles = -(-m // tm) * -(-n // tn)",
+            )
+        ],
+        # 4. which torus axes a TPU group spans on a slice of unequal axes
+        "torus-shortest-axes-first": [
+            ("_src/step/hw/chips.py", "key=lambda i: -dims[i]", "key=lambda i: dims[i]")
+        ],
+        "torus-first-axis-wraps-for-all": [
+            (
+                "_src/step/hw/chips.py",
+                "    return sum(1.0 if wraps[i] else 0.5 for i in axes) if axes else 1.0",
+                "    return sum(1.0 if wraps[0] else 0.5 for i in axes) if axes else 1.0",
+            )
+        ],
+        # 5. the batch check reading a non-batch dimension left unsharded as the batch
+        "any-unsharded-dimension-is-the-batch": [
+            (
+                "_src/step/advise/advise.py",
+                "    return isinstance(flag, LeftUnsharded) and flag.size == candidate.batch",
+                "    return isinstance(flag, LeftUnsharded)",
+            )
+        ],
+        "the-batch-is-the-leading-dimension": [
+            (
+                "_src/step/advise/advise.py",
+                "    return isinstance(flag, LeftUnsharded) and flag.size == candidate.batch",
+                "    return isinstance(flag, LeftUnsharded) and flag.dimension == 0",
+            )
+        ],
+        # 6. confirm's stopping rule: past the point no screened row can beat the best
+        "confirm-past-the-best": [
+            (
+                "_src/step/advise/advise.py",
+                "    above = order.index(confirmed[0]) if confirmed else len(order)",
+                "    above = len(order)",
+            )
+        ],
+        "confirm-anchored-on-the-last-fitting-row": [
+            (
+                "_src/step/advise/advise.py",
+                "    above = order.index(confirmed[0]) if confirmed else len(order)",
+                "    above = order.index(confirmed[-1]) if confirmed else len(order)",
+            )
+        ],
+    }
+)
+
 #: The step wing's tests: what `--step` runs the step wing's mutants against.
 STEP_TESTS = [
     "tests/test_presets.py",
@@ -1377,6 +1483,8 @@ STEP_TESTS = [
     "tests/test_layout.py",
     "tests/test_said.py",
     "tests/test_flash.py",
+    "tests/test_look.py",
+    "tests/test_net.py",
 ]
 
 
