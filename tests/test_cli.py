@@ -42,8 +42,19 @@ MODULE = textwrap.dedent(
 JAX_LOG = re.compile(r"^(WARNING: All log messages before absl|[IWE]\d{4} )")
 
 
+#: Modules with a user's mistake in them, beside mystep.
+BROKEN = {
+    "raising.py": "import mystep\nRULES = mystep.RULES\n\ndef make_step(candidate):\n"
+    "    raise RuntimeError('a broken builder')\n",
+    "badimport.py": "RULES = []\n1 / 0\n",
+    "norules.py": "from mystep import make_step\n",
+}
+
+
 def run(tmp_path, *args):
     (tmp_path / "mystep.py").write_text(MODULE)
+    for name, text in BROKEN.items():
+        (tmp_path / name).write_text(text)
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
     done = subprocess.run(
         [sys.executable, "-m", "spmdtree", *args],
@@ -106,9 +117,30 @@ def test_preflight_prints_the_step_and_writes_its_trace_and_json(tmp_path):
         (["advise", "mystep:make_step", "--batch", "8", "--hardware", "h100"], "--devices"),
         (["preflight", "mystep:make_step", "--mesh", "data=8", "--batch", "8", "--trace", "t.json"],
          "needs a chip to time on"),
+        (["preflight", "raising:make_step", "--mesh", "data=2,fsdp=2,tensor=2", "--batch", "8"],
+         "make_step raised RuntimeError: a broken builder"),
+        (["preflight", "badimport:make_step", "--mesh", "data=8", "--batch", "8"],
+         "importing badimport raised ZeroDivisionError"),
+        (["preflight", "norules:make_step", "--mesh", "data=8", "--batch", "8"],
+         "module 'norules' has no RULES"),
+        (["preflight", "mystep:make_step", "--mesh", "data=2,fsdp=4", "--batch", "8"],
+         "the rules name mesh axis 'tensor' (for 'mlp'), not in --mesh data=2,fsdp=4"),
+        (["advise", "mystep:make_step", "--devices", "8", "--axes", "data,fsdp", "--batch", "8",
+          "--hardware", "h100"], "not in --axes data,fsdp: add it to --axes"),
+        ([*ADVISE, "--batch", "8", "--hardware", "h100", "--option", "width=1",
+          "--option", "width=2"], "--option width is given twice"),
+        (["preflight", "mystep:make_step", "--mesh", "data=8", "--batch", "0"], "--batch"),
+        (["preflight", "mystep:make_step", "--mesh", "data=2,fsdp=2,tensor=2", "--batch", "8",
+          "--hardware", "h100", "--plot", "step.xyz"], "no format matplotlib writes"),
+        (["preflight", "mystep:make_step", "--mesh", "data=2,fsdp=2,tensor=2", "--batch", "8",
+          "--json", "nowhere/step.json"], "no folder nowhere"),
+        (["preflight", "mystep:make_stpe", "--mesh", "data=8", "--batch", "8"],
+         "did you mean 'make_step'?"),
     ],
     ids=["unknown-function", "unknown-module", "no-function", "bad-mesh", "unknown-hardware",
-         "bad-option", "missing-argument", "trace-without-hardware"],
+         "bad-option", "missing-argument", "trace-without-hardware", "make-step-raises",
+         "import-raises", "no-rules", "mesh-lacks-an-axis", "axes-lack-an-axis",
+         "option-twice", "batch-zero", "plot-format", "no-folder", "misspelt-function"],
 )  # fmt: skip
 def test_a_users_mistake_is_one_line_on_stderr_and_exit_2(tmp_path, args, says):
     done, said = run(tmp_path, *args)
@@ -151,3 +183,20 @@ def test_the_console_script_is_installed():
 )
 def test_option_values_are_read_as_json_scalars(text, value):
     assert cli._value(text) == value and type(cli._value(text)) is type(value)
+
+
+def test_advise_where_nothing_fits_prints_the_table_and_exits_1(tmp_path):
+    done, said = run(tmp_path, *ADVISE, "--batch", "64", "--hardware", "h100", "--screen", "cpu",
+                     "--budget-gib", "0.000001")  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    assert "over budget" in done.stdout
+    assert said[-1] == "spmdtree advise: no candidate fits (the table says why)"
+    assert all(line.startswith("advise") for line in said[:-1])  # its progress, then that
+
+
+def test_json_to_stdout(tmp_path):
+    done, _ = run(tmp_path, "preflight", "mystep:make_step", "--mesh", "data=2,fsdp=2,tensor=2",
+                  "--batch", "8", "--json", "-")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    data = json.loads(done.stdout[done.stdout.index("{\n") :])
+    assert data["schema"] == "spmdtree.StepPlan/1" and not (tmp_path / "-").exists()

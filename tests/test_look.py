@@ -210,6 +210,10 @@ def test_advice_plot_draws_a_point_per_compiled_row_and_marks_the_best(advice, t
         assert any(st._src.step.advise.records.label_of(best.candidate) in t for t in texts)
     verdicts = {row.verdict for row in advice.rows if row.step is not None}
     assert {t.get_text().split(" (")[0] for t in ax.get_legend().get_texts()} == verdicts
+    peaks = [row.step.peak_bytes for row in advice.rows if row.step is not None]
+    unit = {"(KiB)": 2**10, "(MiB)": 2**20, "(GiB)": 2**30}[ax.get_ylabel().split()[-1]]
+    drawn_peaks = sorted(y for c in ax.collections for _, y in c.get_offsets())
+    assert max(drawn_peaks) * unit == pytest.approx(max(peaks))  # in the unit the axis says
 
 
 def test_step_plot_splits_the_prediction_by_class_and_the_collectives_by_axes(scanned, tmp_path):
@@ -218,8 +222,17 @@ def test_step_plot_splits_the_prediction_by_class_and_the_collectives_by_axes(sc
     assert png(path)
     top, bottom = fig.axes
     timed = scanned.time(H100)
-    bars = [p for p in top.patches if p.get_y() < 0.5 and p.get_width() > 0 and p.get_y() > -0.5]
-    assert sum(p.get_width() for p in bars) / 1e3 == pytest.approx(timed.predicted_seconds)
+    unit = {"(s)": 1.0, "(ms)": 1e-3, "(us)": 1e-6}[top.get_xlabel().split()[-1]]
+    bars = [p for p in top.patches if -0.5 < p.get_y() < 0.5 and p.get_width() > 0]
+    assert sum(p.get_width() for p in bars) * unit == pytest.approx(timed.predicted_seconds)
+    classes = {t.get_text() for t in top.get_legend().get_texts()}
+    said = {
+        "exposed collectives" if k == "collectives" else k
+        for k, v in timed.predicted_by_class.items()
+        if v > 0
+    }
+    assert said <= classes  # every class the step spends time in, and no empty one
+    assert not {"attention"} & classes or timed.predicted_by_class["attention"] > 0
     labels = [t.get_text() for t in bottom.get_yticklabels()]
     assert labels == ["+".join(axes) for axes in timed.comm_by_axes]
 
@@ -235,3 +248,15 @@ def test_plotting_without_matplotlib_says_which_extra_to_install(advice, monkeyp
     monkeypatch.setattr(pictures.importlib, "import_module", missing)
     with pytest.raises(ImportError, match=r"plot: plotting needs matplotlib.*spmdtree\[plot\]"):
         advice.plot()
+
+
+def test_advice_where_nothing_compiled_says_so_on_its_picture(tmp_path):
+    def make_step(candidate):
+        raise RuntimeError("a broken builder")
+
+    found = st.candidates(st.layouts(8, AXES)[:2], RULES, 64)
+    advice = st.advise(make_step, found, hardware=H100, progress=False, screen="cpu")
+    fig = advice.plot(tmp_path / "none.png")
+    texts = [t.get_text() for t in fig.axes[0].texts] + [t.get_text() for t in fig.texts]
+    assert any("nothing to draw" in t for t in texts)
+    assert any(t.startswith("2 rows not drawn") for t in texts)

@@ -13,8 +13,10 @@ runs a script); the rules are ``MODULE:RULES`` unless ``--rules`` names others.
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import importlib.util
+import inspect
 import json
 import math
 import os
@@ -28,6 +30,7 @@ import jax
 from jax.sharding import AxisType
 
 from spmdtree._src.errors import Mistake
+from spmdtree._src.rules import normalize_rules
 from spmdtree._src.step.advise.advise import advise, candidates, layouts, step_call
 from spmdtree._src.step.advise.records import Candidate
 from spmdtree._src.step.compile.preflight import Keywords, preflight
@@ -35,15 +38,33 @@ from spmdtree._src.step.hw.hardware import hardware
 from spmdtree._src.text import seconds_text
 
 PROGRAM = "spmdtree"
-#: Exit statuses: the run's, and a user's mistake (argparse's own for bad usage).
-OK, MISTAKE = 0, 2
+#: Exit statuses: the run's; advise's where no candidate fits (the table printed);
+#: a user's mistake (argparse's own for bad usage).
+OK, NOTHING_FITS, MISTAKE = 0, 1, 2
+#: The formats --plot writes (matplotlib's, by the file's suffix).
+PLOT_SUFFIXES = (
+    ".png",
+    ".svg",
+    ".svgz",
+    ".pdf",
+    ".eps",
+    ".ps",
+    ".jpg",
+    ".jpeg",
+    ".tif",
+    ".tiff",
+    ".webp",
+)
 
 _EPILOG = """\
 MAKE_STEP is MODULE:FUNCTION, FUNCTION(candidate) -> (fn, args, kwargs) as st.advise
 takes it: candidate.mesh, .rules, .batch, .length and .options say what to build
 (args may be jax.ShapeDtypeStructs; kwargs preflight's keywords, e.g. donate_argnums).
 MODULE is a dotted module importable from here or a path to a .py file; the rules
-are MODULE:RULES unless --rules names others. Docs: docs/planning.md, "The command line".
+are MODULE:RULES unless --rules names others (--rules none: the step's boxes name
+mesh axes). Exit status: 0; 1 where advise finds no candidate that fits; 2 for a
+mistake (one line on stderr). Docs: the README's "Documentation" (docs/planning.md,
+"What users look at").
 """
 
 
@@ -56,7 +77,8 @@ class _Parser(argparse.ArgumentParser):
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the command line on `argv` (``sys.argv[1:]`` by default) and returns
-    its exit status: 0, or 2 for a user's mistake (one line on stderr).
+    its exit status: 0; 1 where advise finds no candidate that fits; 2 for a
+    user's mistake (one line on stderr).
 
     Example:
         >>> main(["preflight", "no_such_module:make_step", "--mesh", "data=2", "--batch", "8"])
@@ -95,12 +117,16 @@ def _common(sub: argparse.ArgumentParser) -> None:
     """The arguments both subcommands take."""
     sub.add_argument("make_step", metavar="MODULE:MAKE_STEP", help="the step builder")
     sub.add_argument(
-        "--length", type=int, help="tokens per sequence (for tokens/s, and candidate.length)"
+        "--length", type=_positive, help="tokens per sequence (candidate.length; advise's tokens/s)"
     )
     sub.add_argument(
-        "--rules", metavar="MODULE:NAME", help="the logical-axis rules (default MODULE:RULES)"
+        "--rules",
+        metavar="MODULE:NAME",
+        help="the logical-axis rules (default MODULE:RULES; none: the boxes name mesh axes)",
     )
-    sub.add_argument("--json", metavar="PATH", help="write the result as JSON (docs/api.md)")
+    sub.add_argument(
+        "--json", metavar="PATH", help="write the result as JSON (- for stdout; docs/api.md)"
+    )
     sub.add_argument(
         "--traceback", action="store_true", help="on an error, print the whole traceback"
     )
@@ -118,12 +144,16 @@ def _advise_parser(commands: Any) -> None:
     )
     sub.set_defaults(run=_advise)
     _common(sub)
-    sub.add_argument("--devices", type=int, required=True, help="how many devices")
+    sub.add_argument("--devices", type=_positive, required=True, help="how many devices")
     sub.add_argument(
         "--axes", default="data,fsdp,tensor", help="mesh axis names (default data,fsdp,tensor)"
     )
     sub.add_argument(
-        "--batch", type=int, action="append", required=True, help="a global batch (repeatable)"
+        "--batch",
+        type=_positive,
+        action="append",
+        required=True,
+        help="a global batch (repeatable)",
     )
     sub.add_argument(
         "--option",
@@ -136,11 +166,16 @@ def _advise_parser(commands: Any) -> None:
         "--hardware", required=True, help="the chip to time on: h100, h200, b200, tpu-v5p, ..."
     )
     sub.add_argument(
-        "--confirm", type=int, default=0, help="rows to confirm with the target's compiler"
+        "--confirm", type=_count, default=0, help="rows to confirm with the target's compiler"
     )
     sub.add_argument("--budget-gib", type=float, help="memory per device (default: the chip's)")
     sub.add_argument(
-        "--screen", choices=("auto", "cpu", "target"), default="auto", help="what compiles"
+        "--screen",
+        choices=("auto", "cpu", "target"),
+        default="auto",
+        help="where the first pass compiles: the target where it screens cheaply (auto), the "
+        "CPU estimate, or the target; a row over budget on the estimate is asked of the "
+        "target's compiler where it is installed",
     )
     sub.add_argument("--plot", metavar="PATH", help="write the advice's picture (PNG, SVG, PDF)")
 
@@ -158,7 +193,7 @@ def _preflight_parser(commands: Any) -> None:
     sub.set_defaults(run=_preflight)
     _common(sub)
     sub.add_argument("--mesh", required=True, metavar="AXIS=N,...", help="e.g. data=8,fsdp=8")
-    sub.add_argument("--batch", type=int, required=True, help="the global batch")
+    sub.add_argument("--batch", type=_positive, required=True, help="the global batch")
     sub.add_argument(
         "--option",
         action="append",
@@ -175,9 +210,12 @@ def _preflight_parser(commands: Any) -> None:
 
 
 def _advise(args: argparse.Namespace) -> int:
-    make_step, rules = _loaded(args.make_step, args.rules)
+    chip = hardware(args.hardware)  # said before anything compiles
+    _check_paths(args.json, args.plot)
     axes = tuple(name.strip() for name in args.axes.split(",") if name.strip())
-    options = dict(_option(text, many=True) for text in args.option)
+    make_step, rules = _loaded(args.make_step, args.rules)
+    _check_axes(rules, axes, f"--axes {','.join(axes)}", "add it to --axes")
+    options = _options(args.option, many=True)
     found = candidates(
         layouts(args.devices, axes), rules, args.batch, length=args.length, **options
     )
@@ -185,7 +223,7 @@ def _advise(args: argparse.Namespace) -> int:
     advice = advise(
         make_step,
         found,
-        hardware=hardware(args.hardware),
+        hardware=chip,
         budget_bytes=budget,
         confirm=args.confirm,
         screen=args.screen,
@@ -194,28 +232,39 @@ def _advise(args: argparse.Namespace) -> int:
     _write_json(args.json, advice.to_json())
     if args.plot:
         advice.plot(args.plot)
+    if advice.best is None:
+        print(f"{PROGRAM} advise: no candidate fits (the table says why)", file=sys.stderr)
+        return NOTHING_FITS
     return OK
 
 
 def _preflight(args: argparse.Namespace) -> int:
     chip = args.hardware or args.target
+    timed = None if chip is None else hardware(chip)  # said before anything compiles
+    if args.target is not None:
+        hardware(args.target)
     for path, what in ((args.trace, "trace"), (args.plot, "plot")):
-        if path and chip is None:  # said before the compile, not after it
+        if path and chip is None:
             raise Mistake(
                 ValueError, f"--{what} needs a chip to time on: give --hardware or --target."
             )
-    make_step, rules = _loaded(args.make_step, args.rules)
+    _check_paths(args.json, args.plot, args.trace)
     shape = _mesh_shape(args.mesh)
+    make_step, rules = _loaded(args.make_step, args.rules)
+    _check_axes(rules, tuple(shape), f"--mesh {args.mesh}", "add it to --mesh, size 1 where unused")
     mesh = jax.sharding.AbstractMesh(
         tuple(shape.values()), tuple(shape), axis_types=(AxisType.Auto,) * len(shape)
     )
-    options = dict(_option(text, many=False) for text in args.option)
+    options = _options(args.option, many=False)
     candidate = Candidate(mesh, rules, args.batch, length=args.length, options=options or None)
-    fn, step_args, keywords = step_call(make_step(candidate))
+    try:
+        returned = make_step(candidate)
+    except Exception as e:
+        raise Mistake(ValueError, f"make_step raised {type(e).__name__}: {e}") from e
+    fn, step_args, keywords = step_call(returned)
     given = {name: getattr(keywords, name) for name in Keywords.names()}
     step = preflight(fn, *step_args, mesh=mesh, rules=rules, target=args.target, **given)
     print(step)
-    timed = None if chip is None else hardware(chip)
     if timed is not None:
         t = step.time(timed)
         print(
@@ -230,18 +279,93 @@ def _preflight(args: argparse.Namespace) -> int:
     return OK
 
 
+def _positive(text: str) -> int:
+    """An argparse type: an int >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a whole number >= 1")
+    return value
+
+
+def _count(text: str) -> int:
+    """An argparse type: an int >= 0."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a whole number >= 0")
+    return value
+
+
+def _check_paths(json_path: str | None, plot: str | None, trace: str | None = None) -> None:
+    """The files asked for can be written: their folders exist, a plot's format is
+    one matplotlib writes."""
+    for flag, path in (("--json", json_path), ("--plot", plot), ("--trace", trace)):
+        if path is None or (path == "-" and flag == "--json"):
+            continue
+        folder = pathlib.Path(path).parent
+        if not folder.is_dir():
+            raise Mistake(ValueError, f"{flag} {path}: no folder {folder} to write it in.")
+    if plot is not None and pathlib.Path(plot).suffix.lower() not in PLOT_SUFFIXES:
+        raise Mistake(
+            ValueError,
+            f"--plot {plot}: its suffix says no format matplotlib writes; use one of "
+            f"{', '.join(PLOT_SUFFIXES)}.",
+        )
+
+
+def _check_axes(rules: Any, axes: tuple[str, ...], given: str, fix: str) -> None:
+    """Every mesh axis the rules name is one of `axes`, or the one line that says
+    which is not and how to add it."""
+    if rules is None:
+        return
+    named: dict[str, str] = {}
+    for logical, target in normalize_rules(rules):
+        for axis in (
+            (target,) if isinstance(target, str) else target if isinstance(target, tuple) else ()
+        ):
+            if isinstance(axis, str):
+                named.setdefault(axis, logical)
+    missing = [axis for axis in named if axis not in axes]
+    if missing:
+        which = ", ".join(f"{axis!r} (for {named[axis]!r})" for axis in missing)
+        raise Mistake(
+            ValueError,
+            f"the rules name mesh axis {which}, not in {given}: {fix}, or leave it out of "
+            "the rules.",
+        )
+
+
+def _options(texts: Sequence[str], many: bool) -> dict[str, Any]:
+    """The ``--option`` flags as candidate.options, each name once."""
+    options: dict[str, Any] = {}
+    for text in texts:
+        name, values = _option(text, many)
+        if name in options:
+            form = "NAME=V1,V2" if many else "NAME=V"
+            raise Mistake(ValueError, f"--option {name} is given twice; give it once, as {form}.")
+        options[name] = values
+    return options
+
+
 def _loaded(target: str, rules_at: str | None) -> tuple[Any, Any]:
-    """The function `target` names, and the rules (`rules_at`, else its module's RULES)."""
+    """The function `target` names, and the rules (`rules_at`, else its module's RULES;
+    ``none`` for none)."""
     module, function = _named(target, "MODULE:MAKE_STEP")
     make_step = _attribute(module, function, target)
     if not callable(make_step):
         raise Mistake(TypeError, f"{target} is a {type(make_step).__name__}, not a function.")
-    if rules_at is None:
-        rules = getattr(module, "RULES", None)
-    else:
+    if rules_at is not None and rules_at.lower() == "none":
+        return make_step, None
+    if rules_at is not None:
         where, name = _named(rules_at, "MODULE:NAME")
-        rules = _attribute(where, name, rules_at)
-    return make_step, rules
+        return make_step, _attribute(where, name, rules_at)
+    if not hasattr(module, "RULES"):
+        raise Mistake(
+            ValueError,
+            f"module {module.__name__!r} has no RULES: define RULES (logical name -> mesh "
+            "axes pairs) in it, name them with --rules MODULE:NAME, or give --rules none "
+            "where the step's boxes name mesh axes.",
+        )
+    return make_step, module.RULES
 
 
 def _named(text: str, form: str) -> tuple[Any, str]:
@@ -264,7 +388,7 @@ def _module(name: str) -> Any:
             raise Mistake(ImportError, f"{name} cannot be imported as a module.")
         module = importlib.util.module_from_spec(spec)
         sys.modules[path.stem] = module
-        spec.loader.exec_module(module)
+        _imported(name, lambda: spec.loader.exec_module(module))
         return module
     if "" not in sys.path and os.getcwd() not in sys.path:  # as `python -m` would
         sys.path.insert(0, os.getcwd())
@@ -277,16 +401,34 @@ def _module(name: str) -> Any:
                 f"no module {name!r} importable from {os.getcwd()} (give a dotted module on "
                 "the path, or a path to a .py file).",
             ) from e
-        raise
+        raise Mistake(ImportError, f"importing {name} raised {type(e).__name__}: {e}") from e
+    except Exception as e:
+        raise Mistake(ImportError, f"importing {name} raised {type(e).__name__}: {e}") from e
+
+
+def _imported(name: str, load: Any) -> None:
+    """Runs a module's code, its own error said as one line."""
+    try:
+        load()
+    except Exception as e:
+        raise Mistake(ImportError, f"importing {name} raised {type(e).__name__}: {e}") from e
 
 
 def _attribute(module: Any, name: str, text: str) -> Any:
     if not hasattr(module, name):
-        public = sorted(n for n in vars(module) if not n.startswith("_"))[:12]
+        own = sorted(
+            n
+            for n, value in vars(module).items()
+            if not n.startswith("_")
+            and not inspect.ismodule(value)
+            and getattr(value, "__module__", module.__name__) == module.__name__
+        )
+        close = difflib.get_close_matches(name, own, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
         raise Mistake(
             AttributeError,
-            f"module {module.__name__!r} has no {name!r} ({text}); it has "
-            f"{', '.join(public) or 'no public names'}.",
+            f"module {module.__name__!r} has no {name!r} ({text}); {hint}it defines "
+            f"{', '.join(own[:12]) or 'no public names'}.",
         )
     return getattr(module, name)
 
@@ -337,5 +479,8 @@ def _mesh_shape(text: str) -> dict[str, int]:
 
 
 def _write_json(path: str | None, data: dict[str, Any]) -> None:
-    if path:
+    """The JSON to `path`, or to stdout for ``-``."""
+    if path == "-":
+        print(json.dumps(data, indent=1))
+    elif path:
         pathlib.Path(path).write_text(json.dumps(data, indent=1) + "\n")

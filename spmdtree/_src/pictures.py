@@ -60,50 +60,97 @@ def saved(fig: Any, path: str | os.PathLike[str] | None) -> Any:
     return fig
 
 
+def unit(largest: float, units: Sequence[tuple[str, float]]) -> tuple[str, float]:
+    """The largest of `units` (name, scale; smallest first) that `largest` fills at
+    least one of, for an axis's labels: ``("MiB", 2**20)`` for 300 MiB."""
+    chosen = units[0]
+    for name, scale in units:
+        if largest >= scale:
+            chosen = (name, scale)
+    return chosen
+
+
+SIZES = (("KiB", 2.0**10), ("MiB", 2.0**20), ("GiB", 2.0**30))
+TIMES = (("us", 1e-6), ("ms", 1e-3), ("s", 1.0))
+
+
 def advice_picture(
-    points: Sequence[Point], best: Point | None, budget_bytes: int, title: str
+    points: Sequence[Point], best: Point | None, budget_bytes: int, title: str, left_out: int = 0
 ) -> Any:
     """Peak per device against the time per sequence, one point per compiled row,
-    coloured and shaped by verdict; the budget as a line; the best ringed and
-    labelled."""
+    coloured and shaped by verdict; the budget as a line (said in words where it
+    lies far above every point); the best ringed and labelled; the rows not drawn
+    (not compiled) counted under the axes."""
     fig = figure(8.0, 5.0)
     ax = fig.add_subplot()
-    gib = 2**30
+    peaks = [p.peak_bytes for p in points]
+    near = bool(peaks) and budget_bytes <= 3 * max(peaks)  # else the points would lie flat
+    size, size_scale = unit(max([*peaks, budget_bytes if near or not peaks else 0]), SIZES)
+    time, time_scale = unit(max([p.seconds for p in points], default=1e-3), TIMES)
     for verdict, (colour, marker) in VERDICT_STYLE.items():
         mine = [p for p in points if p.verdict == verdict]
         if mine:
             ax.scatter(
-                [p.seconds * 1e3 for p in mine],
-                [p.peak_bytes / gib for p in mine],
+                [p.seconds / time_scale for p in mine],
+                [p.peak_bytes / size_scale for p in mine],
                 c=colour,
                 marker=marker,
                 label=f"{verdict} ({len(mine)})",
                 alpha=0.8,
             )
-    ax.axhline(budget_bytes / gib, color="black", linestyle="--", linewidth=1)
-    ax.annotate(
-        f"budget {size_text(budget_bytes)}",
-        (0, budget_bytes / gib),
-        xycoords=("axes fraction", "data"),
-        xytext=(4, 4),
-        textcoords="offset points",
-        fontsize=8,
-    )
-    if best is not None:
-        x, y = best.seconds * 1e3, best.peak_bytes / gib
-        ax.scatter([x], [y], s=260, facecolors="none", edgecolors="black", linewidths=1.5)
+    budget = f"budget {size_text(budget_bytes)}"
+    if near or not points:
+        ax.axhline(budget_bytes / size_scale, color="black", linestyle="--", linewidth=1)
         ax.annotate(
-            f"best: {best.label}\n{seconds_text(best.seconds)} per sequence, {size_text(best.peak_bytes)}",
-            (x, y),
-            xytext=(12, -24),
+            budget,
+            (0, budget_bytes / size_scale),
+            xycoords=("axes fraction", "data"),
+            xytext=(4, 4),
             textcoords="offset points",
             fontsize=8,
+        )
+    else:
+        ax.annotate(
+            f"{budget}: above every point",
+            (0.01, 0.97),
+            xycoords="axes fraction",
+            va="top",
+            fontsize=8,
+        )
+    if best is not None:
+        x, y = best.seconds / time_scale, best.peak_bytes / size_scale
+        ax.scatter([x], [y], s=260, facecolors="none", edgecolors="black", linewidths=1.5)
+        ax.annotate(
+            f"best: {best.label}\n{seconds_text(best.seconds)} per sequence, "
+            f"{size_text(best.peak_bytes)}",
+            (x, y),
+            xytext=(12, 12),
+            textcoords="offset points",
+            fontsize=8,
+            bbox={"boxstyle": "round", "facecolor": "white", "alpha": 0.8},
             arrowprops={"arrowstyle": "-", "linewidth": 0.8},
         )
-    ax.set_xlabel("predicted time per sequence (ms)")
-    ax.set_ylabel("peak per device (GiB)")
+    if not points:
+        ax.text(
+            0.5,
+            0.5,
+            "no row compiled: nothing to draw (the table says why)",
+            transform=ax.transAxes,
+            ha="center",
+            fontsize=9,
+        )
+    ax.set_xlabel(f"predicted time per sequence ({time})")
+    ax.set_ylabel(f"peak per device ({size})")
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
+    if left_out:
+        fig.text(
+            0.01,
+            0.005,
+            f"{left_out} row{'' if left_out == 1 else 's'} not drawn: "
+            "not compiled (batch unsharded, arrays alone over budget, or does not compile)",
+            fontsize=7,
+        )
     if points:
         ax.legend(fontsize=8, loc="best")
     return fig
@@ -122,44 +169,44 @@ def time_picture(
     (bound seconds, exposed seconds))."""
     fig = figure(8.0, 5.5)
     top, bottom = fig.subplots(2, 1, height_ratios=(1, 1.3))
+    step = sum(by_class.values())
+    name, scale = unit(max(step, bound["compute"], bound["collectives"]), TIMES)
     left = 0.0
     for kind, seconds in by_class.items():
+        if seconds <= 0:
+            continue
         label = "exposed collectives" if kind == "collectives" else kind
         top.barh(
             ["predicted"],
-            [seconds * 1e3],
-            left=left * 1e3,
+            [seconds / scale],
+            left=left / scale,
             color=CLASS_COLOURS.get(kind),
             label=label,
         )
         left += seconds
-    top.barh(
-        ["bound"], [bound["compute"] * 1e3], color="tab:blue", alpha=0.4, label="bound: compute"
-    )
-    top.barh(
-        ["bound"],
-        [bound["collectives"] * 1e3],
-        color="tab:red",
-        alpha=0.4,
-        label="bound: collectives",
-    )
+    for part, colour in (("compute", "tab:blue"), ("collectives", "tab:red")):
+        if bound[part] > 0:
+            top.barh(
+                ["bound"], [bound[part] / scale], color=colour, alpha=0.4, label=f"bound: {part}"
+            )
     top.annotate(
         f"{seconds_text(left)}",
-        (left * 1e3, 0),
+        (left / scale, 0),
         xytext=(3, 0),
         textcoords="offset points",
         va="center",
         fontsize=8,
     )
-    top.set_xlim(0, 1.1 * max(left, bound["compute"], bound["collectives"]) * 1e3)
-    top.set_xlabel("time per step (ms)")
-    top.set_title(title, fontsize=10)
-    top.legend(fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.35))
+    top.set_xlim(0, 1.12 * max(left, bound["compute"], bound["collectives"]) / scale)
+    top.set_xlabel(f"time per step ({name})")
+    top.set_title(title, fontsize=10, pad=28)
+    top.legend(fontsize=7, ncol=4, loc="lower center", bbox_to_anchor=(0.5, 1.0), frameon=False)
     names = list(by_axes)
     rows = range(len(names))
     height = 0.4
-    sent = [by_axes[n][0] * 1e3 for n in names]
-    waited = [by_axes[n][1] * 1e3 for n in names]
+    axis_name, axis_scale = unit(max((max(v) for v in by_axes.values()), default=1e-3), TIMES)
+    sent = [by_axes[n][0] / axis_scale for n in names]
+    waited = [by_axes[n][1] / axis_scale for n in names]
     bottom.barh(
         [r - height / 2 for r in rows],
         sent,
@@ -176,6 +223,7 @@ def time_picture(
     )
     bottom.set_yticks(list(rows), names)
     bottom.invert_yaxis()
-    bottom.set_xlabel("collectives per step, by mesh axes (ms)")
+    bottom.set_xlabel(f"collectives per step, by mesh axes ({axis_name})")
+    bottom.set_xlim(0, 1.35 * max([*sent, *waited, 1e-9]))
     bottom.legend(fontsize=7, loc="lower right")
     return fig

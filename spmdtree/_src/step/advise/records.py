@@ -300,8 +300,9 @@ class Advice:
         labelled (new in 0.6; needs matplotlib: ``pip install 'spmdtree[plot]'``).
 
         Rows that did not compile, or were rejected by their arrays alone, have
-        neither figure and are not drawn. Memory and time trade off along a
-        front: the points low and to the left.
+        neither figure and are not drawn (a line under the axes counts them); a
+        budget far above every point is said in words, not drawn. Memory and
+        time trade off along a front: the points low and to the left.
 
         Args:
             path: where to save it (its format by its suffix: ``.png``,
@@ -322,7 +323,7 @@ class Advice:
             ...                    step.time(st.hardware("h100")), None)
             >>> fig = st.Advice((row,), 1, st.hardware("h100"), 2**30).plot()
             >>> fig.axes[0].get_xlabel()
-            'predicted time per sequence (ms)'
+            'predicted time per sequence (us)'
         """
         points = {
             id(row): _point(row, row.step, row.time)
@@ -339,6 +340,7 @@ class Advice:
             None if best is None else points.get(id(best)),
             self.budget_bytes,
             title,
+            left_out=len(self.rows) - len(points),
         )
         return saved(fig, path)
 
