@@ -578,14 +578,8 @@ def b10_estimate(bench: Bench) -> None:
     base = bare_compile(size, tuple(meshes[0].shape.values()), batch, length)
     n = len(candidates)
     name = f"B10 advise, {n} candidates (with options) of the {size} step on {devices} chips, CPU"
-    bench.figure(name, seconds, "reported", unit="s")
-    bench.figure(
-        f"B10   seconds per candidate ({size})",
-        seconds / n,
-        "goal <= 10 s",
-        seconds / n <= 10,
-        unit="s",
-    )
+    bench.figure(name, seconds, "goal <= 120 s", seconds <= 120, unit="s")
+    bench.figure(f"B10   seconds per candidate ({size})", seconds / n, "reported", unit="s")
     bench.figure(
         f"B10 advise per candidate / one bare compile ({size})", seconds / n / base, "reported"
     )

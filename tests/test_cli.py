@@ -136,11 +136,16 @@ def test_preflight_prints_the_step_and_writes_its_trace_and_json(tmp_path):
           "--json", "nowhere/step.json"], "no folder nowhere"),
         (["preflight", "mystep:make_stpe", "--mesh", "data=8", "--batch", "8"],
          "did you mean 'make_step'?"),
+        ([*ADVISE, "--batch", "8", "--hardware", "h100", "--budget-gib", "inf"],
+         "inf is not a finite number of GiB > 0"),
+        ([*ADVISE, "--batch", "8", "--hardware", "h100", "--option", "width=1,"],
+         "has an empty value"),
     ],
     ids=["unknown-function", "unknown-module", "no-function", "bad-mesh", "unknown-hardware",
          "bad-option", "missing-argument", "trace-without-hardware", "make-step-raises",
          "import-raises", "no-rules", "mesh-lacks-an-axis", "axes-lack-an-axis",
-         "option-twice", "batch-zero", "plot-format", "no-folder", "misspelt-function"],
+         "option-twice", "batch-zero", "plot-format", "no-folder", "misspelt-function",
+         "budget-not-finite", "empty-option-value"],
 )  # fmt: skip
 def test_a_users_mistake_is_one_line_on_stderr_and_exit_2(tmp_path, args, says):
     done, said = run(tmp_path, *args)
@@ -198,5 +203,19 @@ def test_json_to_stdout(tmp_path):
     done, _ = run(tmp_path, "preflight", "mystep:make_step", "--mesh", "data=2,fsdp=2,tensor=2",
                   "--batch", "8", "--json", "-")  # fmt: skip
     assert done.returncode == 0, done.stderr
-    data = json.loads(done.stdout[done.stdout.index("{\n") :])
+    data = json.loads(done.stdout)  # stdout is the JSON alone; the table went to stderr
     assert data["schema"] == "spmdtree.StepPlan/1" and not (tmp_path / "-").exists()
+    assert "memory per device" in done.stderr
+
+
+def test_a_py_file_named_twice_is_imported_once_and_never_over_a_loaded_module(tmp_path):
+    from spmdtree._src import cli
+
+    (tmp_path / "copy.py").write_text("RULES = []\nLOADS = []\nLOADS.append(1)\n")
+    import copy as standard
+
+    first = cli._module(str(tmp_path / "copy.py"))
+    again = cli._module(str(tmp_path / "copy.py"))
+    assert first is again and first.LOADS == [1]  # its code ran once
+    assert sys.modules["copy"] is standard  # the standard library's copy untouched
+    assert first.__name__ == "_spmdtree_user_copy"

@@ -260,3 +260,31 @@ def test_advice_where_nothing_compiled_says_so_on_its_picture(tmp_path):
     texts = [t.get_text() for t in fig.axes[0].texts] + [t.get_text() for t in fig.texts]
     assert any("nothing to draw" in t for t in texts)
     assert any(t.startswith("2 rows not drawn") for t in texts)
+
+
+def test_the_trace_of_a_step_with_a_conditional_lays_out_the_branch_it_times(tmp_path):
+    def branchy(params, x):
+        p = st.unbox(params)["layers"]
+        y = x.value @ p["up"][0]
+        heavy = lambda y: jnp.tanh(y @ p["down"][0] @ p["up"][1]) @ p["down"][1]  # noqa: E731
+        light = lambda y: y @ p["down"][0]  # noqa: E731
+        return jnp.sum(jax.lax.cond(jnp.sum(y) > 0, heavy, light, y))
+
+    mesh = AbstractMesh((2, 4), AXES, axis_types=(AxisType.Auto,) * 2)
+    plan = st.preflight(branchy, *arguments(), mesh=mesh, rules=RULES)
+    trace, _ = check_trace(plan, H100, tmp_path)
+    dots = [e for e in spans(trace, "compute") if e["args"].get("flops")]
+    # the slower branch is the one timed: its three matmuls after the first, not one
+    assert len(dots) >= 4, [e["name"] for e in dots]
+
+
+def test_options_that_are_numpy_scalars_or_not_finite_are_strict_json():
+    import numpy as np
+
+    mesh = AbstractMesh((8,), ("data",), axis_types=(AxisType.Auto,))
+    options = {"n": np.int64(3), "on": np.True_, "lr": float("inf"), "f": len}
+    row = st.AdviceRow(st.Candidate(mesh, None, 8, options=options), "does not compile",
+                       "a typo", None, None, None)  # fmt: skip
+    data = st.Advice((row,), 0, H100, 2**30).to_json()
+    said = json.loads(json.dumps(data, allow_nan=False))["rows"][0]["options"]
+    assert said == {"n": 3, "on": True, "lr": "inf", "f": repr(len)}

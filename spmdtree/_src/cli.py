@@ -78,17 +78,18 @@ class _Parser(argparse.ArgumentParser):
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the command line on `argv` (``sys.argv[1:]`` by default) and returns
     its exit status: 0; 1 where advise finds no candidate that fits; 2 for a
-    user's mistake (one line on stderr).
+    user's mistake (one line on stderr; bad usage and ``--help`` exit through
+    argparse's ``SystemExit``, with 2 and 0).
 
     Example:
         >>> main(["preflight", "no_such_module:make_step", "--mesh", "data=2", "--batch", "8"])
         2
     """
     parser = _parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(argv)  # bad usage: argparse's one line, SystemExit(2)
     try:
         return int(args.run(args))
-    except (Mistake, TypeError, ValueError, ImportError, AttributeError, OSError) as e:
+    except Exception as e:  # the boundary: every error is one line, or the whole trace
         if args.traceback:
             traceback.print_exc()
         text = e.message if isinstance(e, Mistake) else str(e) or type(e).__name__
@@ -168,7 +169,9 @@ def _advise_parser(commands: Any) -> None:
     sub.add_argument(
         "--confirm", type=_count, default=0, help="rows to confirm with the target's compiler"
     )
-    sub.add_argument("--budget-gib", type=float, help="memory per device (default: the chip's)")
+    sub.add_argument(
+        "--budget-gib", type=_gib, help="memory per device in GiB (default: the chip's)"
+    )
     sub.add_argument(
         "--screen",
         choices=("auto", "cpu", "target"),
@@ -228,7 +231,7 @@ def _advise(args: argparse.Namespace) -> int:
         confirm=args.confirm,
         screen=args.screen,
     )
-    print(advice)
+    print(advice, file=sys.stderr if args.json == "-" else sys.stdout)
     _write_json(args.json, advice.to_json())
     if args.plot:
         advice.plot(args.plot)
@@ -264,13 +267,15 @@ def _preflight(args: argparse.Namespace) -> int:
     fn, step_args, keywords = step_call(returned)
     given = {name: getattr(keywords, name) for name in Keywords.names()}
     step = preflight(fn, *step_args, mesh=mesh, rules=rules, target=args.target, **given)
-    print(step)
+    said = sys.stderr if args.json == "-" else sys.stdout  # stdout is the JSON's
+    print(step, file=said)
     if timed is not None:
         t = step.time(timed)
         print(
             f"time on {timed.name}: predicted {seconds_text(t.predicted_seconds)}, bound "
             f"{seconds_text(t.bound_seconds)} (compute {seconds_text(t.compute_seconds)}, "
-            f"collectives {seconds_text(t.comm_seconds)})"
+            f"collectives {seconds_text(t.comm_seconds)})",
+            file=said,
         )
     _write_json(args.json, step.to_json(timed))
     for path, what in ((args.trace, "trace"), (args.plot, "plot")):
@@ -284,6 +289,14 @@ def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text} is not a whole number >= 1")
+    return value
+
+
+def _gib(text: str) -> float:
+    """An argparse type: a finite number of GiB > 0."""
+    value = float(text)
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a finite number of GiB > 0")
     return value
 
 
@@ -304,6 +317,12 @@ def _check_paths(json_path: str | None, plot: str | None, trace: str | None = No
         folder = pathlib.Path(path).parent
         if not folder.is_dir():
             raise Mistake(ValueError, f"{flag} {path}: no folder {folder} to write it in.")
+    if plot is not None and importlib.util.find_spec("matplotlib") is None:
+        raise Mistake(
+            ImportError,
+            "--plot needs matplotlib, which spmdtree does not install by default: "
+            "pip install 'spmdtree[plot]'.",
+        )
     if plot is not None and pathlib.Path(plot).suffix.lower() not in PLOT_SUFFIXES:
         raise Mistake(
             ValueError,
@@ -382,12 +401,19 @@ def _module(name: str) -> Any:
         path = pathlib.Path(name).resolve()
         if not path.is_file():
             raise Mistake(ValueError, f"no file {name} (MODULE is a dotted module or a .py file).")
-        sys.path.insert(0, str(path.parent))
-        spec = importlib.util.spec_from_file_location(path.stem, path)
+        if str(path.parent) not in sys.path:  # its siblings import, as `python file.py`
+            sys.path.insert(0, str(path.parent))
+        for loaded in list(sys.modules.values()):  # loaded once, whoever names it again
+            if getattr(loaded, "__file__", None) == str(path):
+                return loaded
+        # its own name where that is free, else a private one: never over a module
+        # already loaded (a user's copy.py is not the standard library's copy)
+        stem = path.stem if path.stem not in sys.modules else f"_spmdtree_user_{path.stem}"
+        spec = importlib.util.spec_from_file_location(stem, path)
         if spec is None or spec.loader is None:
             raise Mistake(ImportError, f"{name} cannot be imported as a module.")
         module = importlib.util.module_from_spec(spec)
-        sys.modules[path.stem] = module
+        sys.modules[stem] = module
         _imported(name, lambda: spec.loader.exec_module(module))
         return module
     if "" not in sys.path and os.getcwd() not in sys.path:  # as `python -m` would
@@ -439,6 +465,8 @@ def _option(text: str, many: bool) -> tuple[str, Any]:
     if not sep or not name.strip() or not values.strip():
         form = "NAME=V1,V2" if many else "NAME=V"
         raise Mistake(ValueError, f"--option {text!r} is not {form} (e.g. remat=full,minimal).")
+    if any(not v.strip() for v in values.split(",")):
+        raise Mistake(ValueError, f"--option {text!r} has an empty value; give each value once.")
     parsed = tuple(_value(v.strip()) for v in values.split(","))
     if not many and len(parsed) > 1:
         raise Mistake(
@@ -479,8 +507,14 @@ def _mesh_shape(text: str) -> dict[str, int]:
 
 
 def _write_json(path: str | None, data: dict[str, Any]) -> None:
-    """The JSON to `path`, or to stdout for ``-``."""
+    """The JSON to `path`, or to stdout for ``-`` (strict JSON: no NaN or Infinity)."""
     if path == "-":
-        print(json.dumps(data, indent=1))
+        print(json.dumps(data, indent=1, allow_nan=False))
     elif path:
-        pathlib.Path(path).write_text(json.dumps(data, indent=1) + "\n")
+        pathlib.Path(path).write_text(json.dumps(data, indent=1, allow_nan=False) + "\n")
+
+
+# argparse names a type in its messages ("invalid whole number value: '1.5'")
+_positive.__name__ = "whole number"
+_count.__name__ = "whole number"
+_gib.__name__ = "number of GiB"

@@ -288,7 +288,7 @@ class Advice:
             "margin": self.margin,
             "compiles": self.compiles,
             "note": self.note,
-            "best": None if best is None else self.rows.index(best),
+            "best": next((i for i, row in enumerate(self.rows) if row is best), None),
             "rows": [_row_json(row) for row in self.rows],
         }
 
@@ -367,8 +367,12 @@ def _row_json(row: AdviceRow) -> dict[str, Any]:
 
 
 def _plain(value: Hashable) -> Any:
-    """An option's value as JSON takes it: itself where it is a JSON scalar, else
-    its repr."""
+    """An option's value as strict JSON takes it: a numpy scalar as its Python value,
+    a JSON scalar as itself (a float that is not finite as its text), else its repr."""
+    if isinstance(value, np.generic):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value)
     return value if value is None or isinstance(value, (bool, int, float, str)) else repr(value)
 
 
