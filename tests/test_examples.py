@@ -3,6 +3,7 @@
 import importlib.util
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -95,7 +96,7 @@ def test_example_runs(script):
     if script == "advise.py":  # the ranked table of every candidate, the best, why the rest lost
         # 2 layouts x 2 remat policies x 2 microbatch counts (0.6: options searched too)
         table = done.stdout.split("8 candidates on 16 x h100")[1].split("times: bound")[0]
-        ranked = [line.strip() for line in table.splitlines() if line.strip()[:1].isdigit()]
+        ranked = [line.strip() for line in table.splitlines() if re.match(r"\s*\d+\s+data ", line)]
         assert [line.split()[0] for line in ranked] == [str(n) for n in range(1, 9)], done.stdout
         assert all(line.endswith("fits") for line in ranked)
         assert all(", remat " in line and ", microbatches " in line for line in ranked)
