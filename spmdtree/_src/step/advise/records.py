@@ -316,7 +316,7 @@ class Advice:
 
         Example:
             >>> import jax, jax.numpy as jnp, spmdtree as st
-            >>> mesh = jax.sharding.AbstractMesh((2,), ("data",))
+            >>> mesh = jax.sharding.AbstractMesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
             >>> x = st.Partitioned(jax.ShapeDtypeStruct((64, 256), jnp.float32), ("data", None))
             >>> step = st.preflight(lambda x: jnp.sum(x.value @ x.value.T), x, mesh=mesh)
             >>> row = st.AdviceRow(st.Candidate(mesh, None, 64), "fits", "fits", step,

@@ -452,7 +452,7 @@ class StepPlan:
 
         Example:
             >>> import jax, jax.numpy as jnp, spmdtree as st
-            >>> mesh = jax.sharding.AbstractMesh((2,), ("data",))
+            >>> mesh = jax.sharding.AbstractMesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
             >>> x = st.Partitioned(jax.ShapeDtypeStruct((64, 256), jnp.float32), ("data", None))
             >>> step = st.preflight(lambda x: jnp.sum(x.value @ x.value.T), x, mesh=mesh)
             >>> trace = step.trace(st.hardware("h100"))
@@ -516,7 +516,7 @@ class StepPlan:
 
         Example:
             >>> import jax, jax.numpy as jnp, spmdtree as st
-            >>> mesh = jax.sharding.AbstractMesh((2,), ("data",))
+            >>> mesh = jax.sharding.AbstractMesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
             >>> x = st.Partitioned(jax.ShapeDtypeStruct((64, 256), jnp.float32), ("data", None))
             >>> step = st.preflight(lambda x: jnp.sum(x.value @ x.value.T), x, mesh=mesh)
             >>> fig = step.plot(st.hardware("h100"))
