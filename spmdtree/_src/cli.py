@@ -284,12 +284,20 @@ def _preflight(args: argparse.Namespace) -> int:
     return OK
 
 
-def _positive(text: str) -> int:
-    """An argparse type: an int >= 1."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text} is not a whole number >= 1")
-    return value
+def _whole(least: int) -> Any:
+    """An argparse type: a whole number >= `least` (named so in argparse's messages)."""
+
+    def whole(text: str) -> int:
+        value = int(text)
+        if value < least:
+            raise argparse.ArgumentTypeError(f"{text} is not a whole number >= {least}")
+        return value
+
+    whole.__name__ = "whole number"
+    return whole
+
+
+_positive, _count = _whole(1), _whole(0)
 
 
 def _gib(text: str) -> float:
@@ -300,12 +308,7 @@ def _gib(text: str) -> float:
     return value
 
 
-def _count(text: str) -> int:
-    """An argparse type: an int >= 0."""
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text} is not a whole number >= 0")
-    return value
+_gib.__name__ = "number of GiB"
 
 
 def _check_paths(json_path: str | None, plot: str | None, trace: str | None = None) -> None:
@@ -512,9 +515,3 @@ def _write_json(path: str | None, data: dict[str, Any]) -> None:
         print(json.dumps(data, indent=1, allow_nan=False))
     elif path:
         pathlib.Path(path).write_text(json.dumps(data, indent=1, allow_nan=False) + "\n")
-
-
-# argparse names a type in its messages ("invalid whole number value: '1.5'")
-_positive.__name__ = "whole number"
-_count.__name__ = "whole number"
-_gib.__name__ = "number of GiB"

@@ -107,35 +107,29 @@ class StepTime:
 
     @functools.partial(public, name="StepTime")
     def __post_init__(self) -> None:
-        if not isinstance(self.comm_by_axes, Mapping):
-            raise Mistake(
-                TypeError,
-                f"comm_by_axes is {self.comm_by_axes!r}; expected a mapping of mesh-axes "
-                "tuples to seconds, e.g. {('fsdp',): 0.25}.",
-            )
+        self._freeze(
+            "comm_by_axes", "mesh-axes tuples to seconds, e.g. {('fsdp',): 0.25}", optional=False
+        )
         if self.flops_per_second is not None:
             positive(self.flops_per_second, "flops_per_second")
-        object.__setattr__(self, "comm_by_axes", Frozen(self.comm_by_axes))
         for what in ("predicted_seconds", "exposed_comm_seconds"):
             value = getattr(self, what)
             if value is not None and value != 0:
                 positive(value, what)
-        if self.predicted_by_class is not None:
-            if not isinstance(self.predicted_by_class, Mapping):
-                raise Mistake(
-                    TypeError,
-                    f"predicted_by_class is {self.predicted_by_class!r}; expected a mapping "
-                    "of class names to seconds, e.g. {'matmul': 0.5, 'memory': 0.1}.",
-                )
-            object.__setattr__(self, "predicted_by_class", Frozen(self.predicted_by_class))
-        if self.exposed_by_axes is not None:
-            if not isinstance(self.exposed_by_axes, Mapping):
-                raise Mistake(
-                    TypeError,
-                    f"exposed_by_axes is {self.exposed_by_axes!r}; expected a mapping of "
-                    "mesh-axes tuples to seconds, e.g. {('fsdp',): 0.01}.",
-                )
-            object.__setattr__(self, "exposed_by_axes", Frozen(self.exposed_by_axes))
+        self._freeze(
+            "predicted_by_class", "class names to seconds, e.g. {'matmul': 0.5, 'memory': 0.1}"
+        )
+        self._freeze("exposed_by_axes", "mesh-axes tuples to seconds, e.g. {('fsdp',): 0.01}")
+
+    def _freeze(self, what: str, mapping: str, optional: bool = True) -> None:
+        """Field `what`, a mapping of `mapping` (or None where `optional`), kept
+        read-only; another value is the TypeError that says so."""
+        value = getattr(self, what)
+        if value is None and optional:
+            return
+        if not isinstance(value, Mapping):
+            raise Mistake(TypeError, f"{what} is {value!r}; expected a mapping of {mapping}.")
+        object.__setattr__(self, what, Frozen(value))
 
     @property
     def comm_seconds(self) -> float:

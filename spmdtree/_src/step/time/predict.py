@@ -285,16 +285,17 @@ class _Walk:
     def step(self, event: Event, clock: _Clock) -> _Clock:
         if isinstance(event, Kernel):
             seconds = kernel_seconds(event, self.costs, self.peak)
-            clock.record(
-                "compute",
-                event.name or event.call or event.kind,
-                clock.compute,
-                seconds + self.costs.launch_seconds,
-                event.kind,
-                flops=event.flops,
-                bytes=event.bytes,
-                **({"call": event.call} if event.call else {}),
-            )
+            if clock.spans is not None:  # traced: its args built only then (a hot path)
+                clock.record(
+                    "compute",
+                    event.name or event.call or event.kind,
+                    clock.compute,
+                    seconds + self.costs.launch_seconds,
+                    event.kind,
+                    flops=event.flops,
+                    bytes=event.bytes,
+                    **({"call": event.call} if event.call else {}),
+                )
             clock.spent[event.kind] += seconds
             clock.spent[KernelClass.LAUNCH] += self.costs.launch_seconds
             clock.compute += seconds + self.costs.launch_seconds
@@ -303,18 +304,19 @@ class _Walk:
             seconds = self.comm(event.row) + self.costs.collective_latency_seconds
             start = max(clock.compute, clock.links)
             name = event.name or event.row.kind
-            clock.record(
-                "collectives",
-                name,
-                start,
-                seconds,
-                KernelClass.COLLECTIVES,
-                collective=event.row.label,
-                bytes=event.row.bytes,
-                axes=list(event.row.axes),
-                group=event.row.group,
-                sync=event.sync,
-            )
+            if clock.spans is not None:
+                clock.record(
+                    "collectives",
+                    name,
+                    start,
+                    seconds,
+                    KernelClass.COLLECTIVES,
+                    collective=event.row.label,
+                    bytes=event.row.bytes,
+                    axes=list(event.row.axes),
+                    group=event.row.group,
+                    sync=event.sync,
+                )
             clock.links = start + seconds
             clock.comm += seconds
             if event.sync:
