@@ -4,8 +4,10 @@ chrome://tracing and TensorBoard's trace viewer read.
 
 One process, the predicted step; two threads, its streams: ``compute`` (each
 kernel, and the compute waiting for a collective) and ``collectives``. Each span
-is a complete event (``"ph": "X"``) with its start and length in microseconds,
-named as the compiled module names the instruction, its class as the category
+is a complete event (``"ph": "X"``) with its start and length in microseconds
+on a grid of whole nanoseconds, so that a span that starts where another ends
+starts there exactly as a reader rounds it (Perfetto drops a complete event
+that overlaps the one before it on its thread by a nanosecond), named as the compiled module names the instruction, its class as the category
 and what the module says of it as its args. The format:
 https://docs.google.com/document/d/1CvAClvFfyA5R-PhYUmn5OOQtYMH4h6I0nSsKchNAySU
 """
@@ -17,10 +19,11 @@ from typing import Any
 
 from spmdtree._src.step.time.predict import Span
 
-#: The tracks, as Chrome trace-event threads of one process, in display order.
-STREAMS = {"compute": 1, "collectives": 2}
+#: The tracks, as Chrome trace-event threads of one process, in display order
+#: (neither thread's id the process's: Perfetto calls that one the main thread).
+STREAMS = {"compute": 2, "collectives": 3}
 _PID = 1
-_MICROSECONDS = 1e6
+_NANOSECONDS = 1e9
 
 
 def trace_events(
@@ -36,13 +39,13 @@ def trace_events(
         ['fusion.1']
         >>> event = trace["traceEvents"][-1]
         >>> event["ts"], event["dur"], event["tid"], event["cat"], event["args"]["class"]
-        (0.0, 2.0, 1, 'memory', 'memory')
+        (0.0, 2.0, 2, 'memory', 'memory')
     """
     meta: list[dict[str, Any]] = [_meta("process_name", 0, name=title)]
-    for stream, tid in STREAMS.items():
+    for order, (stream, tid) in enumerate(STREAMS.items()):
         meta += [
             _meta("thread_name", tid, name=stream),
-            _meta("thread_sort_index", tid, sort_index=tid),
+            _meta("thread_sort_index", tid, sort_index=order),
         ]
     events = [_event(span) for span in sorted(spans, key=lambda s: (STREAMS[s.stream], s.start))]
     return {
@@ -57,13 +60,19 @@ def _meta(what: str, tid: int, **args: Any) -> dict[str, Any]:
 
 
 def _event(span: Span) -> dict[str, Any]:
+    start, end = _nanoseconds(span.start), _nanoseconds(span.start + span.seconds)
     return {
         "name": span.name,
         "cat": str(span.kind),
         "ph": "X",
         "pid": _PID,
         "tid": STREAMS[span.stream],
-        "ts": span.start * _MICROSECONDS,
-        "dur": span.seconds * _MICROSECONDS,
+        "ts": start / 1000,
+        "dur": (end - start) / 1000,
         "args": {"class": str(span.kind), **span.args},
     }
+
+
+def _nanoseconds(seconds: float) -> int:
+    """`seconds` on the trace's grid: whole nanoseconds."""
+    return round(seconds * _NANOSECONDS)
