@@ -919,6 +919,26 @@ def test_a_layout_is_said_to_repeat_work_from_half_again_the_least(times, said):
         assert found.startswith("devices repeat each other's work along data (2):")
 
 
+@pytest.mark.parametrize("logical", [True, False])
+def test_a_repeating_layout_is_told_the_rule_or_the_specs_as_its_arguments_are_named(logical):
+    # a batch named logically is sharded by its rule; one named by mesh axes (a model
+    # that writes its own specs and out_sharding=, as flax's Gemma does) by its specs
+    from spmdtree._src.step.advise.diagnose import repeated
+
+    mesh = jax.sharding.AbstractMesh((2, 4), ("data", "fsdp"))
+    x = jax.ShapeDtypeStruct((64, 8), jnp.float32)
+    if logical:
+        tree = {"x": st.LogicallyPartitioned(x, ("batch", None))}
+        inputs = st.plan(tree, mesh, rules=[("batch", "fsdp")])
+    else:
+        inputs = st.plan({"x": st.Partitioned(x, ("fsdp", None))}, mesh)
+    found = repeated({"data": 2, "fsdp": 4}, inputs, 2 * 10**9, 10**9)
+    assert found.startswith("devices repeat each other's work along data (2):")
+    assert ("its rule: ('batch', ('data', ...))" in found) == logical
+    assert ("out_sharding= included" in found) == (not logical)
+    assert found.endswith("or give data's devices to the axes that split it")
+
+
 def test_a_mistake_crosses_an_executors_process_boundary_as_itself():
     # a compile's refusal (the target's compiler: too big for a chip) raised on a worker
     # comes back as the same mistake, so its row says "over budget", not a broken pickle

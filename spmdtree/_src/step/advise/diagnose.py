@@ -274,22 +274,41 @@ def repeating_axes(sizes: dict[str, int], used: set[str], factor: float) -> tupl
 
 
 def repeated_sentence(
-    axes: tuple[str, ...], sizes: dict[str, int], flops: int, least: int, devices: int
+    axes: tuple[str, ...],
+    sizes: dict[str, int],
+    flops: int,
+    least: int,
+    devices: int,
+    *,
+    logical: bool = True,
 ) -> str:
-    """What a layout whose devices repeat each other's work is told.
+    """What a layout whose devices repeat each other's work is told: where its
+    arguments are named logically (`logical`), the rule that would shard the batch
+    over `axes` too; where they name mesh axes (a model that writes its own
+    `PartitionSpec`s and ``out_sharding=``, as flax's Gemma does), the specs that
+    name the batch's axes.
 
     Example:
         >>> print(repeated_sentence(("data",), {"data": 2, "fsdp": 32}, 2 * 10**12, 10**12, 64))
         devices repeat each other's work along data (2): 2.0 TFLOP per device, 2.0x the 1.0 TFLOP of a layout that splits the same batch over all 64 devices; shard the batch over data too (its rule: ('batch', ('data', ...))), or give data's devices to the axes that split it
+        >>> print(repeated_sentence(("data",), {"data": 2, "fsdp": 32}, 2 * 10**12, 10**12, 64,
+        ...                         logical=False))
+        devices repeat each other's work along data (2): 2.0 TFLOP per device, 2.0x the 1.0 TFLOP of a layout that splits the same batch over all 64 devices; shard the batch over data too (name ('data', ...) in the batch's spec and in its activations' specs, out_sharding= included), or give data's devices to the axes that split it
     """
     named = " x ".join(f"{a} ({sizes[a]})" for a in axes)
     which = "+".join(axes)
+    first = ", ".join(repr(a) for a in axes)
+    how = (
+        f"its rule: ('batch', ({first}, ...))"
+        if logical
+        else f"name ({first}, ...) in the batch's spec and in its activations' specs, "
+        "out_sharding= included"
+    )
     return (
         f"devices repeat each other's work along {named}: {flops_text(flops)} per device, "
         f"{flops / least:.1f}x the {flops_text(least)} of a layout that splits the same batch "
-        f"over all {devices} devices; shard the batch over {which} too (its rule: "
-        f"('batch', ({', '.join(repr(a) for a in axes)}, ...))), or give {which}'s devices "
-        "to the axes that split it"
+        f"over all {devices} devices; shard the batch over {which} too ({how}), or give "
+        f"{which}'s devices to the axes that split it"
     )
 
 
@@ -299,11 +318,18 @@ def repeated(sizes: dict[str, int], inputs: Plan, flops: int, least: int) -> str
     them is `least`; None where they do not repeat each other's work: FLOPs under
     `REPEATS` times the least, or no axis of the layout that shards none of its
     arguments to repeat it along (a layout that splits everything can still count
-    fewer FLOPs where XLA rewrites a matmul of one row as a reduction)."""
+    fewer FLOPs where XLA rewrites a matmul of one row as a reduction). The fix
+    it names is a rule where any argument is named logically, else the specs."""
     if least <= 0 or flops < REPEATS * least:
         return None
     used = {axis for row in inputs.rows for entry in row.spec for axis in axes_of(entry)}
     axes = repeating_axes(sizes, used, flops / least)
     if not axes:  # every axis splits something: FLOPs counted apart, not work repeated
         return None
-    return repeated_sentence(axes, sizes, flops, least, math.prod(sizes.values()))
+    logical = any(
+        name not in sizes
+        for row in inputs.rows
+        for entry in row.names or ()
+        for name in axes_of(entry)
+    )
+    return repeated_sentence(axes, sizes, flops, least, math.prod(sizes.values()), logical=logical)
