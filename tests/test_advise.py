@@ -709,6 +709,74 @@ def test_a_layout_whose_devices_repeat_each_others_work_is_said_so_and_ranks_aft
     assert "repeat each other's work along data" in str(advice)
 
 
+HEADS = 1020  # divided by 2 and 4, not by 8
+
+
+def two_branch_step(candidate):
+    """An MLP beside a second branch whose hidden units ("heads") a tensor axis of 8
+    does not divide (a model's 8 heads over a tensor axis of 16, in small)."""
+    x = st.LogicallyPartitioned(
+        jax.ShapeDtypeStruct((candidate.batch, WIDE), jnp.float32), ("batch", "embed")
+    )
+
+    def weight(shape, names):
+        return st.LogicallyPartitioned(jax.ShapeDtypeStruct(shape, jnp.float32), names)
+
+    params = {
+        "w1": weight((WIDE, MLP), ("embed", "mlp")),
+        "w2": weight((MLP, WIDE), ("mlp", "embed")),
+        "w3": weight((WIDE, HEADS), ("embed", "heads")),
+        "w4": weight((HEADS, WIDE), ("heads", "embed")),
+    }
+
+    def step(params, x):
+        def loss(p):
+            out = jax.nn.relu(x @ p["w1"]) @ p["w2"] + jax.nn.relu(x @ p["w3"]) @ p["w4"]
+            return jnp.mean(out**2)
+
+        params, x = st.unbox(params), x.value
+        grads = jax.grad(loss)(params)
+        return jax.tree.map(lambda p, g: p - 1e-3 * g, params, grads)
+
+    return step, (params, x), {}
+
+
+def test_a_layout_whose_axis_does_not_divide_what_it_splits_repeats_that_work_and_says_so():
+    # tensor 8 splits the MLP but not the 1020 "heads": every device computes that branch
+    # whole (flax's wmt, 8 heads over tensor 16, found it); tensor shards arguments, so
+    # it is no axis the batch was never split over, yet the work repeats along it
+    rules = [("batch", "data"), ("embed", None), ("mlp", "tensor"), ("heads", "tensor")]
+    candidates = [
+        st.Candidate(m, rules, batch=64, length=16) for m in st.layouts(8, ("data", "tensor"))
+    ]
+    advice = st.advise(two_branch_step, candidates, hardware=HW, progress=False)
+
+    def tensor(row):
+        return dict(row.candidate.mesh.shape)["tensor"]
+
+    # the oracle: five matmuls per branch (as the MLP's), the MLP split over all 8
+    # devices, the heads' branch split over data alone where tensor is 8
+    mlp, heads = 5 * 2 * 64 * WIDE * MLP, 5 * 2 * 64 * WIDE * HEADS
+    split = (mlp + heads) / 8
+    repeats = [row for row in advice.rows if tensor(row) == 8]
+    splits = [row for row in advice.rows if tensor(row) < 8]
+    for row in splits:
+        assert row.step.flops == pytest.approx(split, rel=0.05)
+        assert not [f for f in row.flags if "repeat each other's work" in f]
+    (row,) = repeats
+    assert row.step.flops == pytest.approx(mlp / 8 + heads, rel=0.05)
+    (said,) = [f for f in row.flags if "repeat each other's work" in f]
+    assert said.startswith(
+        "devices repeat each other's work along tensor (8), which does not divide what it "
+        f"is to split (heads, size {HEADS})"
+    )
+    assert said.endswith(
+        "give tensor a size that divides it, or its devices to the axes that split the batch"
+    )
+    fits = [row for row in advice.rows if row.verdict == "fits"]
+    assert fits[-1] is row  # after every layout that splits the work
+
+
 def test_the_traffic_flag_of_a_layout_that_repeats_work_says_the_repeat_is_its_cause():
     # The traffic flag's usual advice (constrain the activations) misdirects where the
     # traffic comes from an axis that splits nothing: the repeat's flag says so instead.
@@ -913,29 +981,40 @@ def test_a_layout_is_said_to_repeat_work_from_half_again_the_least(times, said):
     inputs = st.plan(
         {"x": st.Partitioned(jax.ShapeDtypeStruct((64, 8), jnp.float32), ("fsdp", None))}, mesh
     )
-    found = repeated({"data": 2, "fsdp": 4}, inputs, int(times * 10**9), 10**9)
+    found = repeated({"data": 2, "fsdp": 4}, inputs, int(times * 10**9), 10**9, 64)
     assert (found is not None) == said
     if said:
         assert found.startswith("devices repeat each other's work along data (2):")
 
 
-@pytest.mark.parametrize("logical", [True, False])
-def test_a_repeating_layout_is_told_the_rule_or_the_specs_as_its_arguments_are_named(logical):
-    # a batch named logically is sharded by its rule; one named by mesh axes (a model
-    # that writes its own specs and out_sharding=, as flax's Gemma does) by its specs
+@pytest.mark.parametrize("naming", ["logical", "mesh", "mixed", "logical, as a mesh axis"])
+def test_a_repeating_layout_is_told_the_rule_or_the_specs_as_its_batch_is_named(naming):
+    # the batch named logically is sharded by its own rule; named by mesh axes (a model
+    # that writes its own specs and out_sharding=, as flax's Gemma does), by its specs,
+    # whatever its params are named (logical params beside a mesh-axis batch: flax linen
+    # through from_flax); a logical name spelt as a mesh axis is still a rule's
     from spmdtree._src.step.advise.diagnose import repeated
 
     mesh = jax.sharding.AbstractMesh((2, 4), ("data", "fsdp"))
     x = jax.ShapeDtypeStruct((64, 8), jnp.float32)
-    if logical:
-        tree = {"x": st.LogicallyPartitioned(x, ("batch", None))}
-        inputs = st.plan(tree, mesh, rules=[("batch", "fsdp")])
-    else:
-        inputs = st.plan({"x": st.Partitioned(x, ("fsdp", None))}, mesh)
-    found = repeated({"data": 2, "fsdp": 4}, inputs, 2 * 10**9, 10**9)
+    w = st.LogicallyPartitioned(jax.ShapeDtypeStruct((8, 8), jnp.float32), ("embed", None))
+    rules = [("rows", "fsdp"), ("embed", "fsdp")]
+    batch, rule = {
+        "logical": (st.LogicallyPartitioned(x, ("rows", None)), "rows"),
+        "mesh": (st.Partitioned(x, ("fsdp", None)), None),
+        "mixed": (st.Partitioned(x, ("fsdp", None)), None),
+        "logical, as a mesh axis": (st.LogicallyPartitioned(x, ("fsdp", None)), "fsdp"),
+    }[naming]
+    tree = {"x": batch} if naming in ("logical", "mesh") else {"w": w, "x": batch}
+    if naming == "logical, as a mesh axis":
+        rules = [("fsdp", "fsdp"), ("embed", "fsdp")]
+    inputs = st.plan(tree, mesh, rules=rules)
+    found = repeated({"data": 2, "fsdp": 4}, inputs, 2 * 10**9, 10**9, 64)
     assert found.startswith("devices repeat each other's work along data (2):")
-    assert ("its rule: ('batch', ('data', ...))" in found) == logical
-    assert ("out_sharding= included" in found) == (not logical)
+    if rule is None:
+        assert "its rule" not in found and "out_sharding=" in found
+    else:
+        assert f"its rule: ({rule!r}, ('data', ...))" in found and "out_sharding=" not in found
     assert found.endswith("or give data's devices to the axes that split it")
 
 

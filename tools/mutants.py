@@ -803,6 +803,20 @@ MUTANTS.update(
                 "    if False:",
             )
         ],
+        "repeats-not-along-an-undivided-axis": [
+            (
+                "_src/step/advise/diagnose.py",
+                "    axes = repeating_axes(sizes, used - undivided, flops / least)",
+                "    axes = repeating_axes(sizes, used, flops / least)",
+            )
+        ],
+        "batch-rule-from-any-argument": [
+            (
+                "_src/step/advise/diagnose.py",
+                "        if row.logical and row.shape[:1] == (batch,) and row.names:",
+                "        if row.logical and row.names:",
+            )
+        ],
         "repeats-at-any-excess": [
             (
                 "_src/step/advise/diagnose.py",

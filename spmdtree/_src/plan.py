@@ -71,6 +71,8 @@ class PlanRow(NamedTuple):
             or why each candidate was passed over, or that nothing names it.
         memory_kind: the memory its shards sit in: its box's `memory_kind`,
             a placed array's own, or None for the device's default (new in 0.5).
+        logical: whether `names` are logical names, resolved through rules
+            (False for mesh-axis names and arrays in no box; new in 0.6).
 
     Example:
         >>> import jax, spmdtree as st
@@ -92,6 +94,7 @@ class PlanRow(NamedTuple):
     flags: tuple[str, ...]
     why: tuple[str, ...]
     memory_kind: str | None = None
+    logical: bool = False
 
     @property
     def on_host(self) -> bool:
@@ -398,6 +401,7 @@ def _template(
         tuple(flags),
         why,
         res.layout.memory_kind,
+        res.logical,
     )
 
 

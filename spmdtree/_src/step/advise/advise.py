@@ -436,7 +436,8 @@ def _repeated(row: AdviceRow, split: Mapping[Hashable, int]) -> str | None:
     least = split.get(_work(row.candidate), 0)
     if row.step is None or least <= 0 or row.step.flops < REPEATS * least:
         return None
-    return repeated(dict(row.candidate.mesh.shape), row.step.inputs, row.step.flops, least)
+    sizes = dict(row.candidate.mesh.shape)
+    return repeated(sizes, row.step.inputs, row.step.flops, least, row.candidate.batch)
 
 
 def rank(

@@ -20,7 +20,7 @@ from collections.abc import Hashable, Sequence
 from spmdtree._src.plan import Plan, PlanRow
 from spmdtree._src.resolve import axes_of
 from spmdtree._src.step.hlo.schedule import Collective
-from spmdtree._src.text import flops_text, size_text
+from spmdtree._src.text import LeftUnsharded, flops_text, size_text
 
 #: How many times what the layout explains the collectives may move before it is said.
 TRAFFIC_RATIO = 4.0
@@ -280,29 +280,30 @@ def repeated_sentence(
     least: int,
     devices: int,
     *,
-    logical: bool = True,
+    rule: str | None,
 ) -> str:
-    """What a layout whose devices repeat each other's work is told: where its
-    arguments are named logically (`logical`), the rule that would shard the batch
-    over `axes` too; where they name mesh axes (a model that writes its own
-    `PartitionSpec`s and ``out_sharding=``, as flax's Gemma does), the specs that
-    name the batch's axes.
+    """What a layout whose devices repeat each other's work is told.
+
+    The fix it names follows how the batch is named (new in 0.6): by the logical
+    name `rule`, the rule that would shard it over `axes` too; by mesh axes (None:
+    a model that writes its own specs, as flax's Gemma does), the specs and
+    ``out_sharding=`` that name the batch's axes.
 
     Example:
-        >>> print(repeated_sentence(("data",), {"data": 2, "fsdp": 32}, 2 * 10**12, 10**12, 64))
+        >>> sizes = {"data": 2, "fsdp": 32}
+        >>> print(repeated_sentence(("data",), sizes, 2 * 10**12, 10**12, 64, rule="batch"))
         devices repeat each other's work along data (2): 2.0 TFLOP per device, 2.0x the 1.0 TFLOP of a layout that splits the same batch over all 64 devices; shard the batch over data too (its rule: ('batch', ('data', ...))), or give data's devices to the axes that split it
-        >>> print(repeated_sentence(("data",), {"data": 2, "fsdp": 32}, 2 * 10**12, 10**12, 64,
-        ...                         logical=False))
-        devices repeat each other's work along data (2): 2.0 TFLOP per device, 2.0x the 1.0 TFLOP of a layout that splits the same batch over all 64 devices; shard the batch over data too (name ('data', ...) in the batch's spec and in its activations' specs, out_sharding= included), or give data's devices to the axes that split it
+        >>> print(repeated_sentence(("data",), sizes, 2 * 10**12, 10**12, 64, rule=None))
+        devices repeat each other's work along data (2): 2.0 TFLOP per device, 2.0x the 1.0 TFLOP of a layout that splits the same batch over all 64 devices; shard the batch over data too (name ('data', ...) in the batch's spec and wherever an out_sharding= or a sharding constraint names the batch's axes), or give data's devices to the axes that split it
     """
     named = " x ".join(f"{a} ({sizes[a]})" for a in axes)
     which = "+".join(axes)
-    first = ", ".join(repr(a) for a in axes)
+    listed = ", ".join(repr(a) for a in axes)
     how = (
-        f"its rule: ('batch', ({first}, ...))"
-        if logical
-        else f"name ({first}, ...) in the batch's spec and in its activations' specs, "
-        "out_sharding= included"
+        f"name ({listed}, ...) in the batch's spec and wherever an out_sharding= or a "
+        "sharding constraint names the batch's axes"
+        if rule is None
+        else f"its rule: ({rule!r}, ({listed}, ...))"
     )
     return (
         f"devices repeat each other's work along {named}: {flops_text(flops)} per device, "
@@ -312,24 +313,87 @@ def repeated_sentence(
     )
 
 
-def repeated(sizes: dict[str, int], inputs: Plan, flops: int, least: int) -> str | None:
-    """The sentence for a layout of `sizes`, its arguments laid out as `inputs`,
-    whose devices do `flops` per device where its batch's work split over all of
-    them is `least`; None where they do not repeat each other's work: FLOPs under
-    `REPEATS` times the least, or no axis of the layout that shards none of its
-    arguments to repeat it along (a layout that splits everything can still count
-    fewer FLOPs where XLA rewrites a matmul of one row as a reduction). The fix
-    it names is a rule where any argument is named logically, else the specs."""
+def batch_rule(inputs: Plan, batch: int) -> str | None:
+    """The logical name of the batch's dimension, whose rule shards it: the leading
+    name of an argument named logically whose leading dimension is `batch`; None
+    where the batch is named by mesh axes (or not named).
+
+    Example:
+        >>> import jax, spmdtree as st
+        >>> mesh = jax.sharding.AbstractMesh((2, 4), ("data", "fsdp"))
+        >>> x = jax.ShapeDtypeStruct((64, 8), "float32")
+        >>> tree = {"w": st.LogicallyPartitioned(jax.ShapeDtypeStruct((8, 8), "float32"),
+        ...                                      ("embed", None)),
+        ...         "tokens": st.Partitioned(x, ("fsdp", None))}
+        >>> print(batch_rule(st.plan(tree, mesh, rules=[("embed", "fsdp")]), 64))
+        None
+        >>> tree["tokens"] = st.LogicallyPartitioned(x, ("rows", None))
+        >>> batch_rule(st.plan(tree, mesh, rules=[("rows", "fsdp"), ("embed", "fsdp")]), 64)
+        'rows'
+    """
+    for row in inputs.rows:
+        if row.logical and row.shape[:1] == (batch,) and row.names:
+            leading = row.names[0]
+            if isinstance(leading, str):
+                return leading
+    return None
+
+
+def undivided_sentence(
+    axes: tuple[str, ...],
+    sizes: dict[str, int],
+    left: Sequence[LeftUnsharded],
+    flops: int,
+    least: int,
+    devices: int,
+) -> str:
+    """What a layout is told whose devices repeat work along `axes` because those
+    axes do not divide dimensions they were to split (`left`, its arguments'
+    flags: 8 heads over a tensor axis of 16), so each device computes them whole
+    (new in 0.6).
+
+    Example:
+        >>> from spmdtree._src.text import LeftUnsharded
+        >>> left = [LeftUnsharded(1, "heads", 8, (("tensor",),))]
+        >>> print(undivided_sentence(("tensor",), {"tensor": 16}, left, 7 * 10**9, 10**9, 16))
+        devices repeat each other's work along tensor (16), which does not divide what it is to split (heads, size 8), so each of its devices computes that whole: 7.0 GFLOP per device, 7.0x the 1.0 GFLOP of a layout that splits the same batch over all 16 devices; give tensor a size that divides it, or its devices to the axes that split the batch
+    """
+    named = " x ".join(f"{a} ({sizes[a]})" for a in axes)
+    which = "+".join(axes)
+    dims = list(dict.fromkeys((str(f.name), f.size) for f in left))
+    what = ", ".join(f"{name}, size {size}" for name, size in dims[:3])
+    if len(dims) > 3:
+        what += f", and {len(dims) - 3} more"
+    return (
+        f"devices repeat each other's work along {named}, which does not divide what it "
+        f"is to split ({what}), so each of its devices computes that whole: "
+        f"{flops_text(flops)} per device, {flops / least:.1f}x the {flops_text(least)} of a "
+        f"layout that splits the same batch over all {devices} devices; give {which} a size "
+        "that divides it, or its devices to the axes that split the batch"
+    )
+
+
+def repeated(sizes: dict[str, int], inputs: Plan, flops: int, least: int, batch: int) -> str | None:
+    """The sentence for a layout of `sizes`, its arguments laid out as `inputs`
+    around a batch of `batch`, whose devices do `flops` per device where that
+    work split over all of them is `least`; None where they do not repeat each
+    other's work: FLOPs under `REPEATS` times the least, or no axis to repeat it
+    along. The axes it can repeat along are those of size > 1 that shard none of
+    the arguments (a batch never split over them) and those that leave some
+    dimension of the arguments unsharded, not dividing it (new in 0.6: 8 heads
+    over a tensor axis of 16). A layout whose every axis splits everything can
+    still count fewer FLOPs where XLA rewrites a matmul of one row as a
+    reduction: no repeat."""
     if least <= 0 or flops < REPEATS * least:
         return None
+    left = [f for row in inputs.rows for f in row.flags if isinstance(f, LeftUnsharded)]
+    undivided = {a for f in left for tried in f.axes for a in axes_of(tried)}
     used = {axis for row in inputs.rows for entry in row.spec for axis in axes_of(entry)}
-    axes = repeating_axes(sizes, used, flops / least)
+    axes = repeating_axes(sizes, used - undivided, flops / least)
     if not axes:  # every axis splits something: FLOPs counted apart, not work repeated
         return None
-    logical = any(
-        name not in sizes
-        for row in inputs.rows
-        for entry in row.names or ()
-        for name in axes_of(entry)
-    )
-    return repeated_sentence(axes, sizes, flops, least, math.prod(sizes.values()), logical=logical)
+    devices = math.prod(sizes.values())
+    if undivided & set(axes):
+        cause = [f for f in left if {a for t in f.axes for a in axes_of(t)} & set(axes)]
+        return undivided_sentence(axes, sizes, cause, flops, least, devices)
+    return repeated_sentence(axes, sizes, flops, least, devices, rule=batch_rule(inputs, batch))

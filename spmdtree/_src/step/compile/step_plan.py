@@ -433,8 +433,9 @@ class StepPlan:
         collective, ``waits for ...``) and ``collectives`` (each collective with
         its kind, bytes, mesh axes and group). A loop's first three iterations
         are laid out whole and the rest as one span per track, its args saying
-        how many (what `time` walks). The last event ends at
-        `StepTime.predicted_seconds`: a picture of the prediction, not a profile.
+        how many (what `time` walks). Times are on a grid of whole nanoseconds;
+        the last event ends at `StepTime.predicted_seconds` to the nanosecond: a
+        picture of the prediction, not a profile.
 
         Args:
             hardware: a `Hardware` (e.g. ``st.hardware("h100")``).
@@ -460,7 +461,7 @@ class StepPlan:
             >>> sorted(tracks)
             ['collectives', 'compute']
             >>> end = max(e["ts"] + e["dur"] for e in trace["traceEvents"] if e["ph"] == "X")
-            >>> abs(end / 1e6 - step.time(st.hardware("h100")).predicted_seconds) < 1e-12
+            >>> abs(end / 1e6 - step.time(st.hardware("h100")).predicted_seconds) < 1e-9  # the grid: 1 ns
             True
         """
         if self.schedule is None:

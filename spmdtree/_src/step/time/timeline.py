@@ -4,11 +4,12 @@ chrome://tracing and TensorBoard's trace viewer read.
 
 One process, the predicted step; two threads, its streams: ``compute`` (each
 kernel, and the compute waiting for a collective) and ``collectives``. Each span
-is a complete event (``"ph": "X"``) with its start and length in microseconds
-on a grid of whole nanoseconds, so that a span that starts where another ends
-starts there exactly as a reader rounds it (Perfetto drops a complete event
-that overlaps the one before it on its thread by a nanosecond), named as the compiled module names the instruction, its class as the category
-and what the module says of it as its args. The format:
+is a complete event (``"ph": "X"``) named as the compiled module names the
+instruction, its class as the category and what the module says of it as its
+args, its start and length in microseconds on a grid of whole nanoseconds. On
+that grid a span that starts where another ends starts there exactly as a
+reader rounds it: Perfetto drops a complete event that overlaps the one before
+it on its thread by a nanosecond. The format:
 https://docs.google.com/document/d/1CvAClvFfyA5R-PhYUmn5OOQtYMH4h6I0nSsKchNAySU
 """
 
@@ -23,7 +24,8 @@ from spmdtree._src.step.time.predict import Span
 #: (neither thread's id the process's: Perfetto calls that one the main thread).
 STREAMS = {"compute": 2, "collectives": 3}
 _PID = 1
-_NANOSECONDS = 1e9
+_NS_PER_S = 10**9
+_NS_PER_US = 1000
 
 
 def trace_events(
@@ -67,12 +69,12 @@ def _event(span: Span) -> dict[str, Any]:
         "ph": "X",
         "pid": _PID,
         "tid": STREAMS[span.stream],
-        "ts": start / 1000,
-        "dur": (end - start) / 1000,
+        "ts": start / _NS_PER_US,
+        "dur": (end - start) / _NS_PER_US,
         "args": {"class": str(span.kind), **span.args},
     }
 
 
 def _nanoseconds(seconds: float) -> int:
     """`seconds` on the trace's grid: whole nanoseconds."""
-    return round(seconds * _NANOSECONDS)
+    return round(seconds * _NS_PER_S)
