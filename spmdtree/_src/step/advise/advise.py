@@ -31,7 +31,6 @@ from spmdtree._src.errors import Mistake, public
 from spmdtree._src.plan import Plan
 from spmdtree._src.rules import AnyMesh, Rules
 from spmdtree._src.step.advise.diagnose import (
-    REPEATS,
     Closest,
     nothing_fits,
     repeated,
@@ -433,9 +432,9 @@ def _split(rows: Iterable[AdviceRow]) -> dict[Hashable, int]:
 def _repeated(row: AdviceRow, split: Mapping[Hashable, int]) -> str | None:
     """What a compiled row whose devices repeat each other's work is told, or None
     (`diagnose.repeated`)."""
-    least = split.get(_work(row.candidate), 0)
-    if row.step is None or least <= 0 or row.step.flops < REPEATS * least:
+    if row.step is None:
         return None
+    least = split.get(_work(row.candidate), 0)
     sizes = dict(row.candidate.mesh.shape)
     return repeated(sizes, row.step.inputs, row.step.flops, least, row.candidate.batch)
 

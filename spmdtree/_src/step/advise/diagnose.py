@@ -373,6 +373,11 @@ def undivided_sentence(
     )
 
 
+def _tried(flag: LeftUnsharded) -> set[str]:
+    """The mesh axes a dimension left unsharded was tried on, that do not divide it."""
+    return {axis for tried in flag.axes for axis in axes_of(tried)}
+
+
 def repeated(sizes: dict[str, int], inputs: Plan, flops: int, least: int, batch: int) -> str | None:
     """The sentence for a layout of `sizes`, its arguments laid out as `inputs`
     around a batch of `batch`, whose devices do `flops` per device where that
@@ -387,13 +392,13 @@ def repeated(sizes: dict[str, int], inputs: Plan, flops: int, least: int, batch:
     if least <= 0 or flops < REPEATS * least:
         return None
     left = [f for row in inputs.rows for f in row.flags if isinstance(f, LeftUnsharded)]
-    undivided = {a for f in left for tried in f.axes for a in axes_of(tried)}
+    undivided = set().union(*map(_tried, left))
     used = {axis for row in inputs.rows for entry in row.spec for axis in axes_of(entry)}
     axes = repeating_axes(sizes, used - undivided, flops / least)
     if not axes:  # every axis splits something: FLOPs counted apart, not work repeated
         return None
     devices = math.prod(sizes.values())
     if undivided & set(axes):
-        cause = [f for f in left if {a for t in f.axes for a in axes_of(t)} & set(axes)]
+        cause = [f for f in left if _tried(f) & set(axes)]
         return undivided_sentence(axes, sizes, cause, flops, least, devices)
     return repeated_sentence(axes, sizes, flops, least, devices, rule=batch_rule(inputs, batch))
