@@ -242,6 +242,17 @@ def constrain(x: jax.Array, *names: str) -> jax.Array:
     return st.with_logical_constraint(x, names)
 
 
+@functools.cache
+def _splash(heads: int, length: int) -> Callable[..., jax.Array]:
+    """Splash attention's causal kernel for `heads` heads of `length` (0.7)."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+
+    mask = sm.MultiHeadMask([sm.CausalMask((length, length)) for _ in range(heads)])
+    blocks = sk.BlockSizes(*(min(512, length),) * 8)  # MaxText's sa_block_* defaults
+    return sk.make_splash_mha(mask, block_sizes=blocks, head_shards=1, q_seq_shards=1)
+
+
 def _op_policy(prim: Any, *_: Any, **params: Any) -> bool:
     """torchtitan's "op" checkpointing: the values named "saved", and cuDNN's attention
     forward whole (its output and softmax statistics: torchtitan's list saves the flash
@@ -267,7 +278,9 @@ class Model:
     style: str  # "llama" (sequential block, SwiGLU, RoPE, untied) or "maxtext-2023"
     remat: str  # "op" (torchtitan's selective checkpointing), "minimal" or "full"
     #: "cudnn": jax.nn.dot_product_attention(implementation="cudnn"), what a GPU job
-    #: runs; "blocked": `blocked_attention`, XLA's kernels (0.5's step)
+    #: runs; "blocked": `blocked_attention`, XLA's kernels (0.5's step); "xla":
+    #: jax.nn.dot_product_attention(implementation="xla"), the whole scores; "splash":
+    #: splash attention with a causal mask in blocks of 512, as MaxText runs it on TPU (0.7)
     kernel: str = "blocked"
 
     def params(self) -> dict[str, Any]:
@@ -314,12 +327,28 @@ class Model:
                     q, k, v, is_causal=True, implementation="cudnn"
                 )
             return jnp.einsum("blhd,hde->ble", save(attended, "saved"), p["out"])
+        if self.kernel in ("xla", "splash"):
+            with jax.named_scope("attention"):
+                attended = save(self.whole_attention(q, k, v), "saved")
+            return jnp.einsum("blhd,hde->ble", attended, p["out"])
         groups = self.heads // self.kv_heads
         q = q.reshape(*q.shape[:2], self.kv_heads, groups, self.head_dim)
         with jax.named_scope("attention"):
             attended = save(blocked_attention(q, k, v, self.block), "saved")
         attended = attended.reshape(*attended.shape[:2], self.heads, self.head_dim)
         return jnp.einsum("blhd,hde->ble", attended, p["out"])
+
+    def whole_attention(self, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        """Causal attention over (batch, length, heads, head dim) by XLA's kernels over
+        the whole scores, or by splash attention (each kv head repeated over its
+        queries' group; the kernel takes heads x length x head dim per sequence)."""
+        if self.kernel == "xla":
+            return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+        groups = self.heads // self.kv_heads
+        k, v = (jnp.repeat(a, groups, axis=2) for a in (k, v))
+        heads_first = lambda a: jnp.swapaxes(a, 1, 2)  # noqa: E731
+        q, k, v = map(heads_first, (q / math.sqrt(self.head_dim), k, v))
+        return heads_first(jax.vmap(_splash(self.heads, self.length))(q, k, v))
 
     def layer(self, x: jax.Array, p: dict[str, Any]) -> tuple[jax.Array, None]:
         p = jax.tree.map(lambda a: a.astype(BF16), st.unbox(p))

@@ -94,7 +94,11 @@ from spmdtree._src.step.kinds import Backend as Backend
 from spmdtree._src.step.kinds import CollectiveKind as CollectiveKind
 from spmdtree._src.step.kinds import KernelClass as KernelClass
 from spmdtree._src.step.kinds import LinkKind as LinkKind
+from spmdtree._src.step.measure.calibrate import calibrate as calibrate
+from spmdtree._src.step.measure.measure import measure as measure
 from spmdtree._src.step.time.bound import StepTime as StepTime
+from spmdtree._src.step.time.measured import Measurement as Measurement
+from spmdtree._src.step.time.measured import OpTime as OpTime
 from spmdtree._src.tactics import UnmatchedWarning as UnmatchedWarning
 from spmdtree._src.tactics import fsdp as fsdp
 from spmdtree._src.tactics import match as match
@@ -111,7 +115,7 @@ from spmdtree._src.trees import remove_axis as remove_axis
 from spmdtree._src.trees import replace_boxed as replace_boxed
 from spmdtree._src.trees import unbox as unbox
 
-__version__ = "0.6.0"
+__version__ = "0.7.0"
 
 __all__ = [
     "PARTITION_NAME",
@@ -130,10 +134,12 @@ __all__ = [
     "KernelClass",
     "LinkKind",
     "LogicallyPartitioned",
+    "Measurement",
     "Memory",
     "MeshAxes",
     "Names",
     "NamesFn",
+    "OpTime",
     "Partitioned",
     "Plan",
     "PlanDiff",
@@ -152,6 +158,7 @@ __all__ = [
     "add_axis",
     "advise",
     "box",
+    "calibrate",
     "candidates",
     "constrain",
     "describe",
@@ -170,6 +177,7 @@ __all__ = [
     "logical_to_mesh_sharding",
     "map_boxes",
     "match",
+    "measure",
     "optimizer_sharding",
     "plan",
     "preflight",

@@ -387,7 +387,8 @@ def _template(
         if d.indivisible
     ]
     flags += [Unmentioned(name) for name in res.unmentioned]
-    if sizes and shard == shape and total >= large and math.prod(shape) > 1:
+    # one device holds everything: nothing is said of replication there (0.7)
+    if math.prod(sizes.values()) > 1 and shard == shape and total >= large and math.prod(shape) > 1:
         flags.append(LargeReplicated(total))
     why = _why(res, shape)
     return (

@@ -59,6 +59,8 @@ from spmdtree._src.step.compile.preflight import Keywords, plan_arguments, step_
 from spmdtree._src.step.compile.step_plan import StepPlan
 from spmdtree._src.step.compile.trace import Arguments, Exported, Traced
 from spmdtree._src.step.hw.hardware import PRESETS, Hardware, check_devices_per_node
+from spmdtree._src.step.measure.measure import check_here
+from spmdtree._src.step.measure.measure import measure as run_step
 from spmdtree._src.step.time.bound import StepTime, ranked_seconds
 from spmdtree._src.text import (
     LeftUnsharded,
@@ -927,6 +929,7 @@ def advise(
     screen: Screen = "auto",
     compiler_options: Mapping[str, Any] | None = None,
     executor: concurrent.futures.Executor | None = None,
+    measure: int = 0,
 ) -> Advice:
     """Preflights every candidate layout and ranks them by a roofline of each step.
 
@@ -999,6 +1002,11 @@ def advise(
             fresh process on a worker, fed the exported step; a worker's
             failure is the row's. None: local processes, `jobs` at a time. A
             step that must lower here (cuDNN's attention) compiles here.
+        measure: run up to `measure` of the best-predicted rows that fit on
+            their devices (`st.measure`; new in 0.7): each candidate's mesh must
+            be a `Mesh` of this process's devices. The rows run rank first, by
+            their measured time per sequence, measured beside predicted (their
+            `AdviceRow.measured`); a row that fails to run says why in its flags.
 
     Returns:
         The `Advice`, ranked.
@@ -1009,8 +1017,10 @@ def advise(
         ValueError: for no candidates, candidates over different device
             counts, a `budget_bytes` <= 0, bad `jobs`, `devices_per_node` or
             `screen`, ``confirm`` > 0 or ``screen="target"`` where the target's
-            compiler is not installed (naming the pip command) (all before any
-            `make_step` runs), or kwargs that name the mesh or rules.
+            compiler is not installed (naming the pip command), ``measure`` > 0
+            with a candidate whose mesh is no `Mesh` of this process's devices
+            (all before any `make_step` runs), or kwargs that name the mesh or
+            rules.
 
     Example:
         >>> import jax, jax.numpy as jnp, spmdtree as st
@@ -1048,6 +1058,7 @@ def advise(
             f"screen is {screen!r}; expected 'auto' (the target's compiler where it is about "
             "as cheap as the CPU's: XLA GPU), 'cpu' (the CPU estimate) or 'target'.",
         )
+    _check_measure(measure, candidates)
     budget = _budget(budget_bytes, hardware)
     workers = jobs or default_jobs()
     needed = confirm > 0 or screen == "target"
@@ -1075,10 +1086,76 @@ def advise(
         state = _ask(search, state, _over_on_the_estimate(search, state), pool)
         state, confirmed = _confirm(search, state, confirm, pool, workers)
     state = _said_repeats(state)
+    rows = _measured(state.ranked(), measure, make_step, hardware, compiler_options)
     said = [_screen_note(asks, first, why, screen), confirmed]
     said += [_rules_said(state), _nothing_fits(state, budget)]
     note = "; ".join(part for part in said if part)
-    return Advice(state.ranked(), state.compiles, hardware, budget, note=note)
+    return Advice(rows, state.compiles, hardware, budget, note=note)
+
+
+def _check_measure(measure: object, candidates: Sequence[Candidate]) -> None:
+    """Refuses a `measure` that is no count, or candidates whose devices are not here."""
+    if not isinstance(measure, int) or isinstance(measure, bool) or measure < 0:
+        raise Mistake(
+            ValueError,
+            f"measure is {measure!r}; expected an int >= 0: how many of the best rows that "
+            "fit to run on their devices (0: none).",
+        )
+    for i, candidate in enumerate(candidates if measure else ()):
+        try:
+            check_here(candidate.mesh)
+        except Mistake as e:
+            raise Mistake(
+                ValueError,
+                f"measure={measure} runs rows on their devices, but candidate {i}'s {e.message}",
+            ) from None
+
+
+def _measured(
+    rows: tuple[AdviceRow, ...],
+    k: int,
+    make_step: Callable[[Candidate], Any],
+    hardware: Hardware,
+    options: Mapping[str, Any] | None,
+) -> tuple[AdviceRow, ...]:
+    """The ranked rows with the `k` best that fit run on their devices: those first,
+    by their measured time per sequence, then the rest as ranked."""
+    chosen = [
+        i for i, r in enumerate(rows) if r.verdict in (Verdict.FITS, Verdict.TIGHT) and r.step
+    ][:k]
+    ran = {i: _ran(rows[i], make_step, hardware, options) for i in chosen}
+    first = sorted(
+        (row for row in ran.values() if row.measured is not None),
+        key=lambda row: row.measured.seconds / row.candidate.batch,  # type: ignore[union-attr]
+    )
+    rest = [ran.get(i, row) for i, row in enumerate(rows) if ran.get(i, row) not in first]
+    return (*first, *rest)
+
+
+def _ran(
+    row: AdviceRow,
+    make_step: Callable[[Candidate], Any],
+    hardware: Hardware,
+    options: Mapping[str, Any] | None,
+) -> AdviceRow:
+    """`row` with its step run on its devices, or a flag saying why it could not be."""
+    c = row.candidate
+    try:
+        fn, args, kw = step_call(make_step(c))
+        keywords = {name: getattr(kw, name) for name in Keywords.names()}
+        m = run_step(
+            fn,
+            *args,
+            mesh=c.mesh,
+            rules=c.rules,
+            **keywords,
+            compiler_options=options,
+            hardware=hardware,
+        )
+    except Exception as e:  # the row's, as a compile's failure is
+        return _flagged(row, f"not measured: {_message(e)}")
+    tokens = c.batch * c.length / m.seconds if c.length else None
+    return row._replace(measured=m, tokens_per_second=tokens)
 
 
 def _said_repeats(state: _State) -> _State:

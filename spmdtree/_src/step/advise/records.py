@@ -25,6 +25,7 @@ from spmdtree._src.step.compile.step_plan import StepPlan
 from spmdtree._src.step.hw.hardware import Hardware
 from spmdtree._src.step.kinds import Backend
 from spmdtree._src.step.time.bound import StepTime, ranked_seconds, time_json
+from spmdtree._src.step.time.measured import Measurement
 from spmdtree._src.text import JSON_VERSION, flags_summary, mesh_json, seconds_text, size_text
 
 
@@ -123,6 +124,9 @@ class AdviceRow(NamedTuple):
         flags: what needs a look apart from the verdict: the step's flags (an
             array replicated on every device, a dimension left unsharded), or
             the plan's where it was not compiled (new in 0.4).
+        measured: the `Measurement` of the step run on its devices, where
+            ``advise(..., measure=k)`` ran it (new in 0.7; its tokens per second
+            are then at the measured time); else None.
 
     Example:
         >>> import jax, spmdtree as st
@@ -139,6 +143,7 @@ class AdviceRow(NamedTuple):
     time: StepTime | None
     tokens_per_second: float | None
     flags: tuple[str, ...] = ()
+    measured: Measurement | None = None
 
     @public
     def make_mesh(self, devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -363,7 +368,14 @@ def _row_json(row: AdviceRow) -> dict[str, Any]:
         "tokens_per_second": row.tokens_per_second,
         "time": None if row.time is None else time_json(row.time),
         "step": None if row.step is None else row.step.to_json(),
+        "measured": None if row.measured is None else _measured_json(row.measured),
     }
+
+
+def _measured_json(m: Measurement) -> dict[str, Any]:
+    """A measured row's figures (new in 0.7): the step's times beside the prediction."""
+    figures = ("seconds", "min_seconds", "predicted_seconds", "ratio", "joined_share")
+    return {"times": list(m.times), **{name: getattr(m, name) for name in figures}}
 
 
 def _plain(value: Hashable) -> Any:
@@ -422,8 +434,9 @@ def _table(advice: Advice, *, width: int = 100) -> str:
     arrays are one line)."""
     rows = advice.rows
     devices = _devices(advice)
+    measured = any(row.measured is not None for row in rows)
     header = ["#", "layout", "batch", "peak", "compute", "comm", "bound", "predicted"]
-    header += ["tokens/s", "from"]
+    header += ["measured"] * measured + ["tokens/s", "from"]
     header.append("verdict")
     cells = []
     for rank, row in enumerate(rows, 1):
@@ -439,13 +452,14 @@ def _table(advice: Advice, *, width: int = 100) -> str:
                 seconds_text(None if t is None else t.comm_seconds),
                 seconds_text(None if t is None else t.bound_seconds),
                 seconds_text(None if t is None else t.predicted_seconds),
+                *[seconds_text(row.measured.seconds if row.measured else None)] * measured,
                 "-" if row.tokens_per_second is None else f"{row.tokens_per_second:,.0f}",
                 "-" if step is None else TOOLCHAINS[step.backend].label,
                 row.verdict,
             ]
         )
     widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(header)]
-    right = {0, 2, 3, 4, 5, 6, 7, 8}
+    right = set(range(9 + measured)) - {1}
 
     def line(items: list[str]) -> str:
         return "  ".join(
@@ -477,5 +491,11 @@ def _table(advice: Advice, *, width: int = 100) -> str:
         + (" (from the CPU program on cpu est. rows)" if estimated else "")
         + ", what rows rank by, per sequence, and tokens/s is at it; a row whose devices "
         "repeat each other's work ranks after those that split it"
+        + (
+            "; measured, the step run on its devices (measure=k): those rows rank first, "
+            "by it, and their tokens/s is at it"
+            if measured
+            else ""
+        )
     )
     return "\n".join(lines)

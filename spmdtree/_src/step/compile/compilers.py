@@ -124,11 +124,20 @@ class Here:
 
     def compile(self, traced: Traced) -> Analysis:
         """Compiles the step lowered for `here`."""
+        return self.executable(traced)[0]
+
+    def executable(
+        self, traced: Traced, extra: Mapping[str, Any] | None = None
+    ) -> tuple[Analysis, jax.stages.Compiled]:
+        """Compiles the step lowered for `here`, with `extra` options beside the
+        toolchain's and the job's (what a run adds: XLA CPU's profiler events),
+        and keeps the executable to run (new in 0.7: `st.measure`)."""
         start = time.perf_counter()
         stage = cast(Lowered, traced.stage)  # `here` set: trace lowered it
-        compiled = _compiled(stage, _options(self.toolchain, False, self.options), self)
+        options = {**_options(self.toolchain, False, self.options), **(extra or {})}
+        compiled = _compiled(stage, options, self)
         found = analyse(compiled, self.here, self.toolchain)
-        return dataclasses.replace(found, seconds=time.perf_counter() - start)
+        return dataclasses.replace(found, seconds=time.perf_counter() - start), compiled
 
     def __str__(self) -> str:
         if self.toolchain.backend.estimates:

@@ -22,9 +22,11 @@ from spmdtree._src.specs import RuleProblem
 from spmdtree._src.step.advise.diagnose import Closest, Traffic, nothing_fits, unexplained_traffic
 from spmdtree._src.step.compile.analysis import Memory
 from spmdtree._src.step.hlo.schedule import Collective, Schedule
-from spmdtree._src.step.hw.hardware import Hardware
+from spmdtree._src.step.hw.hardware import Hardware, preset_in
 from spmdtree._src.step.kinds import Backend
 from spmdtree._src.step.time.bound import StepTime, step_spans, step_time, time_json
+from spmdtree._src.step.time.measured import Measurement, compare
+from spmdtree._src.step.time.profile import read_profile
 from spmdtree._src.step.time.timeline import trace_events
 from spmdtree._src.text import (
     JSON_VERSION,
@@ -487,6 +489,70 @@ class StepPlan:
         if path is not None:
             pathlib.Path(path).write_text(json.dumps(trace))
         return trace
+
+    @public
+    def compare(
+        self,
+        profile: str | os.PathLike[str] | dict[str, Any],
+        *,
+        hardware: Hardware | None = None,
+        module: str | None = None,
+    ) -> Measurement:
+        """This step's prediction held against a profile taken elsewhere, without
+        running anything (new in 0.7): each instruction of the compiled schedule
+        joined by name to the time the profile gives it, and the step's time read
+        from the profile's own steps.
+
+        The profile is the trace ``jax.profiler.trace(dir,
+        create_perfetto_trace=True)`` wrote while this step ran: on an
+        accelerator its first device's ``XLA Ops`` and ``XLA Modules`` tracks;
+        on CPU devices, XLA CPU's own events (compiled with
+        ``xla_cpu_enable_xprof_traceme``). For the names to join, the profiled
+        program must be the one this plan compiled: the same step, mesh and
+        compiler (a deviceless ``target=`` compile names its instructions as the
+        chip's own does).
+
+        Args:
+            profile: the trace (``.json`` or ``.json.gz``), the folder the
+                profiler wrote (its newest Perfetto trace), or the parsed JSON.
+            hardware: what to time the prediction on; None: the preset the
+                step was compiled for (its target, or its devices' kind).
+            module: the compiled module's name in the profile (``jit_step``);
+                None: the module whose steps took the most device time.
+
+        Returns:
+            The `Measurement`.
+
+        Raises:
+            ValueError: for a profile that is no trace or holds no device's
+                instructions or no step of the module, a step without a compiled
+                schedule, or no `hardware` where none can be told.
+            TypeError: for `hardware` that is no `Hardware`.
+
+        Example:
+            >>> import jax, jax.numpy as jnp, spmdtree as st
+            >>> mesh = jax.sharding.AbstractMesh((1,), ("data",))
+            >>> step = st.preflight(jnp.sin, jax.ShapeDtypeStruct((256,), jnp.float32), mesh=mesh)
+            >>> (kernel,) = [k.name for k in step.schedule.kernels()]
+            >>> ops = [{"ph": "X", "pid": 1, "tid": 1, "name": kernel, "ts": 0, "dur": 4,
+            ...         "args": {"hlo_op": kernel, "hlo_module": "jit_sin", "run_id": "1"}}]
+            >>> m = step.compare({"traceEvents": ops}, hardware=st.hardware("h100"))
+            >>> m.joined_share, m.seconds, [op.measured_seconds for op in m.ops]
+            (1.0, 4e-06, [4e-06])
+        """
+        if hardware is not None and not isinstance(hardware, Hardware):
+            raise Mistake(
+                TypeError,
+                f"hardware is {hardware!r}; expected a st.Hardware (st.hardware('tpu-v5e')).",
+            )
+        chosen = hardware or preset_in(self.target)
+        if chosen is None:
+            raise Mistake(
+                ValueError,
+                f"no preset matches what the step was compiled for ({self.target}); pass "
+                "hardware= (a preset, st.calibrate()'s, or your own st.Hardware).",
+            )
+        return compare(self, read_profile(profile, module), chosen)
 
     @public
     def plot(

@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
+import os
+import pathlib
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -217,10 +220,15 @@ class Hardware:
             `GpuChip` (XLA GPU's target description) or a `TpuChip` (libtpu's
             generation and its slices' torus, which the links' time reads too);
             None: no compiler target, and links timed as one ring.
+        provenance: where figures came from, by field name (``"matmul_efficiency":
+            "measured 2026-12-06 on TPU v5 lite, jax 0.10.2, libtpu 0.0.42.1"``,
+            or a preset's source); a read-only dict, empty for none said (new
+            in 0.7: `st.calibrate` fills it, and the presets name their table).
 
     Raises:
         ValueError: for a figure <= 0 (a latency < 0), a link kind other than
-            ``"ici"``/``"dcn"``, or `devices_per_node` < 1.
+            ``"ici"``/``"dcn"``, `devices_per_node` < 1, or a provenance for
+            a field `Hardware` does not have.
         TypeError: for a `chip` that is no `GpuChip` or `TpuChip`.
 
     Example:
@@ -256,6 +264,7 @@ class Hardware:
     launch_seconds: float | None = None
     collective_latency_seconds: float | None = None
     chip: GpuChip | TpuChip | None = None
+    provenance: Mapping[str, str] = dataclasses.field(default_factory=dict, hash=False)
 
     @functools.partial(public, name="Hardware")
     def __post_init__(self) -> None:
@@ -294,6 +303,7 @@ class Hardware:
                 f"chip is {self.chip!r}; expected a st.GpuChip, a st.TpuChip or None.",
             )
         object.__setattr__(self, "links", Frozen(links))
+        object.__setattr__(self, "provenance", Frozen(_checked_provenance(self.provenance)))
 
     def _check_model(self) -> None:
         """The model's figures: each > 0 (latencies >= 0), the shares at most 1
@@ -342,12 +352,204 @@ class Hardware:
             **figure,
         )
 
+    def to_json(self) -> str:
+        """This hardware as JSON text, in the versioned schema ``"spmdtree.Hardware/1"``:
+        every field by name, links as ``[bytes_per_second, latency_seconds]``, the
+        chip as its fields and its ``kind`` (``"gpu"``, ``"tpu"``), the provenance
+        (new in 0.7). `Hardware.from_json` reads it back equal.
+
+        Example:
+            >>> import json, spmdtree as st
+            >>> data = json.loads(st.hardware("tpu-v5e").to_json())
+            >>> data["schema"], data["chip"]["kind"], data["links"]["ici"]
+            ('spmdtree.Hardware/1', 'tpu', [90000000000.0, 1e-06])
+        """
+        data: dict[str, Any] = {"schema": HARDWARE_SCHEMA}
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if field.name == "links":
+                value = {str(kind): list(figures) for kind, figures in value.items()}
+            elif field.name == "chip" and value is not None:
+                kind = "gpu" if isinstance(value, GpuChip) else "tpu"
+                value = {"kind": kind, **dataclasses.asdict(value)}
+            elif field.name == "provenance":
+                value = dict(value)
+            if field.name != "_":
+                data[field.name] = value
+        return json.dumps(data, indent=1)
+
+    @classmethod
+    def from_json(cls, source: str | os.PathLike[str]) -> Hardware:
+        """A `Hardware` from `Hardware.to_json`'s text, or a path to a file of it
+        (new in 0.7: ``st.calibrate().to_json()`` saved on one machine times steps
+        on another; the command line's ``--hardware chip.json``).
+
+        Args:
+            source: the JSON text (starting with ``{``), or a file's path.
+
+        Returns:
+            The `Hardware`, equal to the one written.
+
+        Raises:
+            ValueError: for a file that cannot be read, text that is not JSON of
+                the schema, a field missing or not known (named), or a figure
+                `Hardware` refuses.
+            TypeError: for a source that is neither text nor a path.
+
+        Example:
+            >>> import spmdtree as st
+            >>> chip = st.hardware("h100")
+            >>> st.Hardware.from_json(chip.to_json()) == chip
+            True
+            >>> st.Hardware.from_json('{"schema": "spmdtree.Hardware/1", "name": "x"}')
+            Traceback (most recent call last):
+            ...
+            ValueError: Hardware.from_json: the JSON has no field 'memory_bytes' (nor 'flops_per_second', 'links' and 14 more); write it with Hardware.to_json(), which gives every field.
+        """
+        return _from_json(source)
+
+
+#: The schema `Hardware.to_json` writes (new in 0.7).
+HARDWARE_SCHEMA = "spmdtree.Hardware/1"
+
+
+def _checked_provenance(provenance: object) -> dict[str, str]:
+    """`provenance` as a dict of field names to sentences, checked."""
+    if not isinstance(provenance, Mapping):
+        raise Mistake(
+            TypeError,
+            f"provenance is {provenance!r}; expected a mapping of field names to where each "
+            "figure came from.",
+        )
+    names = {field.name for field in dataclasses.fields(Hardware)}
+    for field, said in provenance.items():
+        if field not in names or not isinstance(said, str):
+            raise Mistake(
+                ValueError,
+                f"provenance has {field!r}: {said!r}; expected a field of Hardware "
+                f"({', '.join(sorted(names - {'_', 'provenance'}))}) and a sentence.",
+            )
+    return dict(provenance)
+
+
+@functools.partial(public, name="Hardware.from_json")
+def _from_json(source: object) -> Hardware:
+    """`Hardware.from_json`, below its boundary."""
+    data = _json_of(source)
+    if not isinstance(data, dict) or data.get("schema") != HARDWARE_SCHEMA:
+        schema = data.get("schema") if isinstance(data, dict) else None
+        raise Mistake(
+            ValueError,
+            f"the JSON's schema is {schema!r}; expected {HARDWARE_SCHEMA!r}, what "
+            "Hardware.to_json() writes.",
+        )
+    fields = [f.name for f in dataclasses.fields(Hardware) if f.name != "_"]
+    unknown = sorted(set(data) - {"schema", *fields})
+    if unknown:
+        raise Mistake(
+            ValueError,
+            f"the JSON has a field {unknown[0]!r}, which Hardware does not know; its fields "
+            f"are {', '.join(map(repr, fields))}.",
+        )
+    missing = [name for name in fields if name not in data]
+    if missing:
+        more = f" (nor {', '.join(map(repr, missing[1:3]))}" if missing[1:] else ""
+        more += f" and {len(missing) - 3} more)" if missing[3:] else ")" if more else ""
+        raise Mistake(
+            ValueError,
+            f"the JSON has no field {missing[0]!r}{more}; write it with Hardware.to_json(), "
+            "which gives every field.",
+        )
+    figures = {name: data[name] for name in fields}
+    figures["links"] = {kind: tuple(pair) for kind, pair in dict(data["links"]).items()}
+    figures["chip"] = _chip_of(data["chip"])
+    return Hardware(**figures)
+
+
+def _json_of(source: object) -> Any:
+    """The JSON value of `source`: text starting with ``{``, else a file's path."""
+    if not isinstance(source, (str, os.PathLike)):
+        raise Mistake(
+            TypeError, f"source is {source!r}; expected JSON text or a path to a JSON file."
+        )
+    text = source if isinstance(source, str) and source.lstrip().startswith("{") else None
+    if text is None:
+        try:
+            text = pathlib.Path(source).read_text()
+        except OSError as e:
+            raise Mistake(
+                ValueError,
+                f"cannot read {os.fspath(source)!r} ({e.strerror}); pass a JSON file "
+                "that Hardware.to_json() wrote, or its text.",
+            ) from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise Mistake(ValueError, f"the text is not JSON ({e}).") from None
+
+
+def _chip_of(data: object) -> GpuChip | TpuChip | None:
+    """A chip from its JSON fields (``kind`` says which)."""
+    if data is None:
+        return None
+    kinds: dict[str, type[GpuChip] | type[TpuChip]] = {"gpu": GpuChip, "tpu": TpuChip}
+    if not isinstance(data, dict) or data.get("kind") not in kinds:
+        raise Mistake(
+            ValueError,
+            f"the JSON's chip is {data!r}; expected null or an object of a GpuChip's or a "
+            'TpuChip\'s fields with "kind": "gpu" or "tpu".',
+        )
+    cls = kinds[data["kind"]]
+    names = [f.name for f in dataclasses.fields(cls)]
+    facts = {k: v for k, v in data.items() if k != "kind"}
+    unknown = sorted(set(facts) - set(names))
+    if unknown:
+        raise Mistake(
+            ValueError,
+            f"the JSON's chip has a field {unknown[0]!r}, which {cls.__name__} does not "
+            f"know; its fields are {', '.join(map(repr, names))}.",
+        )
+    if "capability" in facts:
+        facts["capability"] = tuple(facts["capability"])
+    try:
+        return cls(**facts)
+    except TypeError as e:
+        raise Mistake(ValueError, f"the JSON's chip is incomplete: {e}.") from None
+
 
 #: The presets, built from `chips.CHIPS` alone (every figure's source is listed there
 #: and in docs/planning.md, "Hardware and time"). A GPU's memory is what the device
 #: reports, the bytes its compiler target is given too; a TPU's is its data sheet's GB
 #: read as GiB. Latencies are rough.
-PRESETS = {name: Hardware(name, **figures) for name, figures in CHIPS.items()}
+PRESETS = {
+    name: Hardware(
+        name,
+        **figures,
+        provenance={
+            field: f"the {name} preset (chips.CHIPS; docs/planning.md lists its source)"
+            for field in figures
+        },
+    )
+    for name, figures in CHIPS.items()
+}
+
+
+def preset_in(text: str) -> Hardware | None:
+    """The preset a step's description names (``"1 x TPU v5 lite, their own
+    compiler"``, ``"64 x h100, ..."``): by its name, or its chip's device kind or
+    description as the devices report it, the longest that appears; None if none does.
+
+    Example:
+        >>> preset_in("1 x TPU v5 lite, their own compiler").name, preset_in("8 CPU devices")
+        ('tpu-v5e', None)
+    """
+    names = {name: name for name in PRESETS}
+    for name, preset in PRESETS.items():
+        chip = preset.chip
+        said = chip.device_kind if isinstance(chip, TpuChip) else getattr(chip, "description", "")
+        names[said] = names.get(said, name)
+    found = sorted((said for said in names if said and said in text), key=len)
+    return PRESETS[names[found[-1]]] if found else None
 
 
 @public

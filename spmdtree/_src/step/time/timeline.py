@@ -29,10 +29,14 @@ _NS_PER_US = 1000
 
 
 def trace_events(
-    spans: Sequence[Span], title: str, other: Mapping[str, Any] | None = None
+    spans: Sequence[Span],
+    title: str,
+    other: Mapping[str, Any] | None = None,
+    streams: Mapping[str, int] = STREAMS,
 ) -> dict[str, Any]:
     """Chrome trace-event JSON of `spans`: a process named `title`, a thread per
-    stream, a complete event per span; `other` goes to ``otherData``.
+    stream (`streams`: each stream's thread id, in display order; new in 0.7), a
+    complete event per span; `other` goes to ``otherData``.
 
     Example:
         >>> span = Span("compute", "fusion.1", 0.0, 2e-6, "memory", {"bytes": 64})
@@ -44,12 +48,13 @@ def trace_events(
         (0.0, 2.0, 2, 'memory', 'memory')
     """
     meta: list[dict[str, Any]] = [_meta("process_name", 0, name=title)]
-    for order, (stream, tid) in enumerate(STREAMS.items()):
+    for order, (stream, tid) in enumerate(streams.items()):
         meta += [
             _meta("thread_name", tid, name=stream),
             _meta("thread_sort_index", tid, sort_index=order),
         ]
-    events = [_event(span) for span in sorted(spans, key=lambda s: (STREAMS[s.stream], s.start))]
+    ordered = sorted(spans, key=lambda s: (streams[s.stream], s.start))
+    events = [_event(span, streams[span.stream]) for span in ordered]
     return {
         "traceEvents": meta + events,
         "displayTimeUnit": "ns",
@@ -61,14 +66,14 @@ def _meta(what: str, tid: int, **args: Any) -> dict[str, Any]:
     return {"name": what, "ph": "M", "pid": _PID, "tid": tid, "args": args}
 
 
-def _event(span: Span) -> dict[str, Any]:
+def _event(span: Span, tid: int) -> dict[str, Any]:
     start, end = _nanoseconds(span.start), _nanoseconds(span.start + span.seconds)
     return {
         "name": span.name,
         "cat": str(span.kind),
         "ph": "X",
         "pid": _PID,
-        "tid": STREAMS[span.stream],
+        "tid": tid,
         "ts": start / _NS_PER_US,
         "dur": (end - start) / _NS_PER_US,
         "args": {"class": str(span.kind), **span.args},

@@ -1,0 +1,138 @@
+"""What a TPU chip's run records for the tests and the docs (new in 0.7).
+
+- ``fixture``: tests/chip_step.py's step run by `st.measure` on the chip, its
+  profile kept (``fixture_trace.json.gz``) with the measured times
+  (``fixture.json``): tests/test_measure.py joins it to the deviceless compile of
+  the same step, without a chip (tests/data).
+- ``calibrate``: `st.calibrate()` on the chip, timed (``chip.json``, the
+  calibrated `Hardware`).
+- ``advise``: `st.advise(..., measure=2)` over three remat policies of a decoder
+  step on the chip: the two best predicted, run and ranked by measured time.
+
+Run on the chip: python benchmarks/chip.py --out DIR [fixture calibrate advise]
+Without a chip it says so and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+import pathlib
+import shutil
+import sys
+import tempfile
+import time
+from typing import Any
+
+import jax
+
+import spmdtree as st
+
+HERE = pathlib.Path(__file__).parent
+sys.path.insert(0, str(HERE.parent / "tests"))
+sys.path.insert(0, str(HERE))
+
+
+def fixture(out: pathlib.Path) -> None:
+    """The recorded step: measured, its profile kept beside its times."""
+    import chip_step
+
+    with tempfile.TemporaryDirectory() as folder:
+        m = st.measure(
+            chip_step.step,
+            chip_step.params(),
+            chip_step.tokens(),
+            mesh=chip_step.mesh(False),
+            donate_argnums=0,
+            steps=10,
+            profile_dir=folder,
+        )
+        trace = sorted(pathlib.Path(folder).rglob("perfetto_trace.json.gz"))[-1]
+        shutil.copy(trace, out / "fixture_trace.json.gz")
+    print(m)
+    record = {"versions": versions(), "times": list(m.times), "seconds": m.seconds}
+    (out / "fixture.json").write_text(json.dumps(record, indent=1))
+    described(out / "fixture_trace.json.gz")
+
+
+def described(path: pathlib.Path) -> None:
+    """What the trace holds: its processes, threads and most frequent events."""
+    events = json.loads(gzip.decompress(path.read_bytes()))["traceEvents"]
+    names = {}
+    for e in events:
+        if e.get("ph") == "M" and e.get("name") in ("process_name", "thread_name"):
+            names[(e.get("pid"), e.get("tid"))] = e["args"].get("name")
+    print("tracks:", json.dumps({f"{k[0]}/{k[1]}": v for k, v in names.items()})[:3000])
+    counts = collections.Counter((e.get("pid"), e.get("tid"), e.get("name")) for e in events)
+    for (pid, tid, name), n in counts.most_common(25):
+        print(f"  {names.get((pid, tid)) or names.get((pid, None))} : {name!r} x{n}")
+    ops = [e for e in events if names.get((e.get("pid"), e.get("tid"))) == "XLA Ops"]
+    print("an op event:", json.dumps(ops[:2])[:1500])
+
+
+def calibrate(out: pathlib.Path) -> None:
+    start = time.perf_counter()
+    chip = st.calibrate()
+    print(f"st.calibrate() in {time.perf_counter() - start:.1f} s")
+    print(chip.to_json())
+    (out / "chip.json").write_text(chip.to_json())
+
+
+def advise(out: pathlib.Path) -> None:
+    """Three remat policies of a decoder step on the chip, the two best measured."""
+    import measured
+
+    chip = one_chip_hardware(out)
+    row = measured.ROWS[7]
+
+    def make_step(candidate: st.Candidate) -> tuple[Any, ...]:
+        remat = dict(candidate.options)["remat"]
+        model = measured.dataclasses.replace(row.model, remat=remat)
+        a = measured.Row(row.name, model, candidate.batch).arguments(candidate.mesh)
+        fn, args = a.pop("fn"), a.pop("args")
+        a.pop("mesh")
+        a.pop("rules")
+        return fn, args, a
+
+    mesh = measured.one_chip()
+    candidates = st.candidates([mesh], measured.RULES, [4], remat=("full", "minimal", "op"))
+    start = time.perf_counter()
+    advice = st.advise(make_step, candidates, hardware=chip, measure=2)
+    print(f"advise(measure=2) in {time.perf_counter() - start:.1f} s")
+    print(advice)
+    (out / "advice.json").write_text(advice.to_json())
+
+
+def one_chip_hardware(out: pathlib.Path) -> st.Hardware:
+    path = out / "chip.json"
+    return st.Hardware.from_json(path) if path.exists() else st.hardware("tpu-v5e")
+
+
+def versions() -> str:
+    from importlib import metadata
+
+    return (
+        f"{time.strftime('%Y-%m-%d')} on {jax.devices()[0].device_kind}, jax {jax.__version__}, "
+        f"libtpu {metadata.version('libtpu')}"
+    )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=pathlib.Path, required=True)
+    parser.add_argument("what", nargs="*", default=["fixture", "calibrate", "advise"])
+    args = parser.parse_args()
+    if jax.devices()[0].platform != "tpu":
+        print("no TPU here: benchmarks/chip.py records a chip's run")
+        return 0
+    args.out.mkdir(parents=True, exist_ok=True)
+    jobs = {"fixture": fixture, "calibrate": calibrate, "advise": advise}
+    for what in args.what:
+        jobs[what](args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,342 @@
+"""A prediction held against a measurement (new in 0.7): `Measurement`, the step's
+measured time beside its predicted one and, per instruction of the compiled
+schedule, the model's time beside the profile's, joined by name.
+
+`compare` builds it from a step's record and a `profile.Profile`; `st.measure`
+runs the step and gives its own times; `StepPlan.compare` joins a profile taken
+elsewhere. The records are frozen; `__str__` is a table, `trace` Perfetto JSON
+with the predicted and the measured step side by side, `to_dict` the versioned
+JSON values and `to_json` their text.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import pathlib
+import statistics
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Protocol
+
+from spmdtree._src.errors import Mistake
+from spmdtree._src.rules import AnyMesh
+from spmdtree._src.step.hlo.schedule import Collective, Event, Kernel, Loop, Schedule, Start
+from spmdtree._src.step.hw.hardware import Hardware
+from spmdtree._src.step.time.bound import StepTime, collective_seconds, step_spans
+from spmdtree._src.step.time.predict import Span, kernel_seconds
+from spmdtree._src.step.time.profile import Profile
+from spmdtree._src.step.time.timeline import trace_events
+from spmdtree._src.text import JSON_VERSION, mesh_json, seconds_text
+
+#: A measured step whose unjoined device time is above this share is flagged.
+UNJOINED = 0.01
+
+
+class Planned(Protocol):
+    """What a `Measurement` reads of the step's record (a `StepPlan`)."""
+
+    @property
+    def schedule(self) -> Schedule | None: ...
+    @property
+    def collectives(self) -> tuple[Collective, ...]: ...
+    @property
+    def flops(self) -> int: ...
+    @property
+    def mesh(self) -> AnyMesh: ...
+    @property
+    def devices_per_node(self) -> int | None: ...
+    @property
+    def target(self) -> str: ...
+    @property
+    def flags(self) -> tuple[str, ...]: ...
+
+    def time(self, hardware: Hardware, *, devices_per_node: int | None = None) -> StepTime: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class OpTime:
+    """One instruction of a compiled step's schedule, predicted and measured (new in
+    0.7).
+
+    Attributes:
+        name: its name in the compiled module (``fusion.12``), what the profile
+            names it too.
+        kind: its class: ``matmul``, ``attention``, ``memory`` or
+            ``collectives``.
+        calls: how often it runs per step (its loops' trip counts multiplied).
+        predicted_seconds: the model's time for it per step, all its calls.
+        measured_seconds: the profile's self time for it per step (a
+            collective: its start's and its done's), 0.0 where the profile
+            holds none.
+        flops: its FLOPs per call (0 for a collective).
+        bytes: the bytes it reads and writes per call (a collective: its result's).
+        call: a library or hand-written kernel's name, where it runs one.
+    """
+
+    name: str
+    kind: str
+    calls: int
+    predicted_seconds: float
+    measured_seconds: float
+    flops: int = 0
+    bytes: int = 0
+    call: str = ""
+
+    @property
+    def miss_seconds(self) -> float:
+        """Measured less predicted, per step: > 0 where the model is fast."""
+        return self.measured_seconds - self.predicted_seconds
+
+
+@dataclasses.dataclass(frozen=True)
+class Measurement:
+    """A step's measured time beside its prediction, per step and per instruction
+    (new in 0.7; `st.measure`, `StepPlan.compare`).
+
+    Attributes:
+        plan: the step's `StepPlan`, compiled once for the devices it ran on.
+        hardware: the `Hardware` the prediction is timed on.
+        times: each measured step's seconds, in the order run (wall clock,
+            each step run to completion; read from the profile's steps for
+            `StepPlan.compare`).
+        predicted_seconds: the prediction on `hardware` (`StepTime.predicted_seconds`).
+        ops: one `OpTime` per instruction of the compiled schedule, in
+            schedule order.
+        joined_share: the share of the profile's device time (its instructions'
+            self time within the step) joined by name to the schedule.
+        profiled_seconds: the profile's own median step, on the device.
+        device: the device the profile was read on (``/device:TPU:0``).
+        flags: the step's (its `StepPlan`'s and its prediction's), then what
+            the join could not cover.
+    """
+
+    plan: Planned
+    hardware: Hardware
+    times: tuple[float, ...]
+    predicted_seconds: float
+    ops: tuple[OpTime, ...]
+    joined_share: float
+    profiled_seconds: float
+    device: str
+    flags: tuple[str, ...] = ()
+    first: tuple[Span, ...] = dataclasses.field(default=(), repr=False, compare=False)
+
+    @property
+    def seconds(self) -> float:
+        """The median measured step."""
+        return statistics.median(self.times)
+
+    @property
+    def min_seconds(self) -> float:
+        """The fastest measured step."""
+        return min(self.times)
+
+    @property
+    def ratio(self) -> float:
+        """Predicted over measured (the median): below 1, the model is fast."""
+        return self.predicted_seconds / self.seconds
+
+    def misses(self, k: int = 10) -> tuple[OpTime, ...]:
+        """The `k` instructions whose predicted and measured times differ most per
+        step, largest first.
+
+        Example:
+            >>> ops = (OpTime("a", "memory", 1, 1e-3, 1e-3), OpTime("b", "matmul", 2, 1e-3, 5e-3))
+            >>> m = Measurement(None, None, (6e-3,), 2e-3, ops, 1.0, 6e-3, "cpu:0")  # type: ignore[arg-type]
+            >>> [op.name for op in m.misses(1)], m.ratio
+            (['b'], 0.3333333333333333)
+        """
+        return tuple(sorted(self.ops, key=lambda op: -abs(op.miss_seconds))[:k])
+
+    def to_dict(self) -> dict[str, Any]:
+        """The measurement as JSON values, in the versioned schema
+        ``"spmdtree.Measurement/1"``: the times, the prediction, the join and each
+        instruction's figures."""
+        return {
+            "schema": f"spmdtree.Measurement/{JSON_VERSION}",
+            "mesh": mesh_json(self.plan.mesh),
+            "target": self.plan.target,
+            "device": self.device,
+            "hardware": self.hardware.name,
+            "times": list(self.times),
+            "seconds": self.seconds,
+            "min_seconds": self.min_seconds,
+            "predicted_seconds": self.predicted_seconds,
+            "ratio": self.ratio,
+            "profiled_seconds": self.profiled_seconds,
+            "joined_share": self.joined_share,
+            "ops": [dataclasses.asdict(op) for op in self.ops],
+            "flags": list(self.flags),
+        }
+
+    def to_json(self) -> str:
+        """`to_dict`'s JSON text."""
+        return json.dumps(self.to_dict())
+
+    def trace(self, path: str | os.PathLike[str] | None = None) -> dict[str, Any]:
+        """The predicted step and the first profiled one as a trace: Chrome
+        trace-event JSON that Perfetto opens, three tracks: ``compute`` and
+        ``collectives`` (the prediction, as `StepPlan.trace` lays it out) and
+        ``measured`` (each instruction as the device ran it, from the step's
+        start). Written to `path` too, where given."""
+        title = f"predicted and measured step on {self.device}"
+        other = {
+            "spmdtree": "predicted beside measured (Measurement.trace)",
+            "hardware": self.hardware.name,
+            "predicted_seconds": self.predicted_seconds,
+            "measured_seconds": self.seconds,
+            "joined_share": self.joined_share,
+        }
+        trace = trace_events(self.first, title, other, streams=STREAMS)
+        if path is not None:
+            pathlib.Path(path).write_text(json.dumps(trace))
+        return trace
+
+    def __str__(self) -> str:
+        return _table(self)
+
+
+#: A measurement's trace tracks: the prediction's two streams, then the device's.
+STREAMS = {"compute": 2, "collectives": 3, "measured": 4}
+
+
+def compare(
+    plan: Planned,
+    profile: Profile,
+    hardware: Hardware,
+    times: Sequence[float] | None = None,
+) -> Measurement:
+    """`plan`'s prediction on `hardware` held against `profile`: each instruction
+    joined by name; the step's `times` (None: the profile's own steps)."""
+    if plan.schedule is None:
+        raise Mistake(
+            ValueError,
+            "this StepPlan carries no compiled schedule to join (one rebuilt from its "
+            "fields alone); preflight the step again.",
+        )
+    per_node = plan.devices_per_node
+    timed, spans = step_spans(
+        plan.collectives, plan.flops, plan.mesh.shape, hardware, per_node, plan.schedule
+    )
+
+    def comm(row: Collective) -> float:
+        return collective_seconds(row, plan.mesh.shape, hardware, per_node)
+
+    predicted = list(instruction_seconds(plan.schedule, hardware, comm))
+    ops = tuple(_joined(op, profile) for op in predicted)
+    joined = sum(op.measured_seconds for op in ops)
+    share = joined / profile.op_seconds if profile.op_seconds else 0.0
+    measured = tuple(
+        Span("measured", e.name, e.start, e.seconds, "measured", {}) for e in profile.first
+    )
+    return Measurement(
+        plan=plan,
+        hardware=hardware,
+        times=tuple(times) if times else profile.steps,
+        predicted_seconds=float(timed.predicted_seconds or 0.0),
+        ops=ops,
+        joined_share=share,
+        profiled_seconds=statistics.median(profile.steps),
+        device=profile.device,
+        flags=tuple(dict.fromkeys([*plan.flags, *timed.flags, *_unjoined(ops, profile, share)])),
+        first=(*spans, *measured),
+    )
+
+
+def instruction_seconds(
+    schedule: Schedule, hardware: Hardware, comm: Callable[[Collective], float]
+) -> Iterator[OpTime]:
+    """Each instruction of `schedule` with the model's time for it per step (its
+    calls: its loops' trip counts multiplied; a conditional's branches each as if
+    it ran), its measured time not yet read."""
+    costs, peak = hardware.costs(), hardware.flops_per_second
+    totals: dict[str, OpTime] = {}
+
+    def walk(events: Sequence[Event], times: int) -> None:
+        for event in events:
+            if isinstance(event, Kernel):
+                seconds = kernel_seconds(event, costs, peak) + costs.launch_seconds
+                add(event.name or event.call, event.kind, times, seconds, event)
+            elif isinstance(event, Start):
+                seconds = comm(event.row) + costs.collective_latency_seconds
+                add(event.name, "collectives", times, seconds, None, event.row.bytes)
+            elif isinstance(event, Loop):
+                walk(event.body, times * event.trips)
+            elif not hasattr(event, "ident"):  # branches: each as if it ran
+                for option in event.options:
+                    walk(option, times)
+
+    def add(
+        name: str, kind: str, times: int, seconds: float, k: Kernel | None, size: int = 0
+    ) -> None:
+        if not name:
+            return
+        was = totals.get(name)
+        calls = times + (was.calls if was else 0)
+        spent = times * seconds + (was.predicted_seconds if was else 0.0)
+        totals[name] = OpTime(
+            name,
+            str(kind),
+            calls,
+            spent,
+            0.0,
+            flops=k.flops if k else 0,
+            bytes=k.bytes if k else size,
+            call=k.call if k else "",
+        )
+
+    walk(schedule.events, 1)
+    return iter(totals.values())
+
+
+def _joined(op: OpTime, profile: Profile) -> OpTime:
+    """`op` with its measured time: its own name's, and a collective start's done's."""
+    seconds = profile.ops.get(op.name, 0.0)
+    if op.kind == "collectives" and "-start" in op.name:
+        seconds += profile.ops.get(op.name.replace("-start", "-done"), 0.0)
+    return dataclasses.replace(op, measured_seconds=seconds)
+
+
+def _unjoined(ops: Sequence[OpTime], profile: Profile, share: float) -> Iterator[str]:
+    """The sentence for the device time the join could not place, where it matters."""
+    if 1 - share <= UNJOINED:
+        return
+    names = {op.name for op in ops}
+    names |= {op.name.replace("-start", "-done") for op in ops if "-start" in op.name}
+    left = sorted(
+        ((seconds, name) for name, seconds in profile.ops.items() if name not in names),
+        reverse=True,
+    )
+    listed = ", ".join(f"{name} ({seconds_text(seconds)})" for seconds, name in left[:5])
+    yield (
+        f"{1 - share:.1%} of the measured device time joined no instruction of the schedule "
+        f"by name ({listed or 'none named'}): the per-instruction figures leave it out; the "
+        "step's times hold it"
+    )
+
+
+def _table(m: Measurement, most: int = 10) -> str:
+    """A measurement's table: the step, then the largest misses per instruction."""
+    devices = math.prod(m.plan.mesh.shape.values())
+    lines = [
+        f"measured on {m.device} ({devices} device{'' if devices == 1 else 's'}): "
+        f"{len(m.times)} steps, median {seconds_text(m.seconds)} (fastest "
+        f"{seconds_text(m.min_seconds)}); profiled {seconds_text(m.profiled_seconds)}",
+        f"predicted on {m.hardware.name}: {seconds_text(m.predicted_seconds)}, "
+        f"{m.ratio:.2f} of measured",
+        f"joined {m.joined_share:.1%} of the device time to {len(m.ops)} instructions",
+        "the largest misses, per step:",
+        f"  {'instruction':<28}{'class':<13}{'calls':>7}{'predicted':>12}{'measured':>12}"
+        f"{'ratio':>7}",
+    ]
+    for op in m.misses(most):
+        ratio = f"{op.predicted_seconds / op.measured_seconds:.2f}" if op.measured_seconds else "-"
+        lines.append(
+            f"  {op.name[:27]:<28}{op.kind:<13}{op.calls:>7}"
+            f"{seconds_text(op.predicted_seconds):>12}{seconds_text(op.measured_seconds):>12}"
+            f"{ratio:>7}"
+        )
+    lines += [f"! {flag}" for flag in m.flags]
+    return "\n".join(lines)
