@@ -6,8 +6,9 @@
   the same step, without a chip (tests/data).
 - ``calibrate``: `st.calibrate()` on the chip, timed (``chip.json``, the
   calibrated `Hardware`).
-- ``advise``: `st.advise(..., measure=2)` over three remat policies of a decoder
-  step on the chip: the two best predicted, run and ranked by measured time.
+- ``advise``: `st.advise(..., measure=2)` over three remat policies (full, minimal,
+  torchtitan's named one) of benchmarks/measured.py's small decoder step on the
+  chip: the two best predicted that fit, run and ranked by measured time.
 
 Run on the chip: python benchmarks/chip.py --out DIR [fixture calibrate advise]
 Without a chip it says so and exits 0.
@@ -85,7 +86,7 @@ def advise(out: pathlib.Path) -> None:
     import measured
 
     chip = one_chip_hardware(out)
-    row = measured.ROWS[7]
+    row = measured.ROWS[0]  # the small decoder, attention by XLA's kernels
 
     def make_step(candidate: st.Candidate) -> tuple[Any, ...]:
         remat = dict(candidate.options)["remat"]
@@ -106,6 +107,7 @@ def advise(out: pathlib.Path) -> None:
 
 
 def one_chip_hardware(out: pathlib.Path) -> st.Hardware:
+    """The chip calibrate recorded in `out` (or --hardware's), else the preset."""
     path = out / "chip.json"
     return st.Hardware.from_json(path) if path.exists() else st.hardware("tpu-v5e")
 

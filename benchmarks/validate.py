@@ -59,7 +59,7 @@ import spmdtree as st
 
 #: How far a prediction may be from the published figure.
 TOLERANCE = 0.20
-#: How far libtpu's own estimate (`optimal_seconds`) may be from ours before the
+#: How far libtpu's own estimate (its kernels' estimated cycles) may be from ours before the
 #: docs must explain it.
 COMPILER_TOLERANCE = 0.25
 
@@ -625,7 +625,7 @@ def main() -> int:
         if step.compiler_seconds:
             own = step.compiler_seconds / t.predicted_seconds
             print(
-                f"  libtpu's own estimate (optimal_seconds) {step.compiler_seconds:.3f} s: "
+                f"  libtpu's own estimate {step.compiler_seconds:.3f} s: "
                 f"{own:.3f} x ours"
                 + ("" if abs(own - 1) <= COMPILER_TOLERANCE else " (outside 25%: docs explain)")
             )

@@ -1,18 +1,24 @@
 """Flash-attention kernels as the job runs them (0.6): their FLOPs at the share of
 the peak published for their chip and direction; jax's own Pallas kernels, which
-keep no cost estimate, counted from their shapes; splash attention for libtpu."""
+keep no cost estimate, counted from their shapes; splash attention for libtpu,
+over the blocks its mask keeps, and jax's Pallas TPU flash attention over the
+causal triangle (0.7: read from the traced step)."""
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from test_targets import has_compiler
 
 import spmdtree as st
+from spmdtree._src.step.hlo.opcodes import Kept
+from spmdtree._src.step.hlo.reading import reading_of
 from spmdtree._src.step.hlo.schedule import Kernel, Schedule
 from spmdtree._src.step.hw.chips import CHIPS
 from spmdtree._src.step.time import predict
@@ -127,23 +133,146 @@ def test_jax_pallas_gpu_attention_counts_its_flops_from_its_shapes(causal):
     assert time.predicted_by_class["attention"] > 0
 
 
-@pytest.mark.skipif(not has_compiler("tpu"), reason="needs libtpu (spmdtree[tpu])")
-def test_splash_attention_preflights_for_libtpu_forward_and_backward_counted():
+def splash(make_mask):
+    """Splash attention over `H` heads of one mask, as a job builds it."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
-    mask = sm.MultiHeadMask([sm.CausalMask((T, T)) for _ in range(H)])
-    kernel = sk.make_splash_mha(mask, head_shards=1, q_seq_shards=1)
+    mask = sm.MultiHeadMask([make_mask(sm) for _ in range(H)])
+    return sk.make_splash_mha(mask, head_shards=1, q_seq_shards=1), mask
+
+
+def kept_blocks(mask, block):
+    """The oracle, from the mask itself: its query-key blocks of `block` x `block`
+    with any element kept, over its heads."""
+    dense = np.asarray(mask[:, :, :])
+    heads, queries, keys = dense.shape
+    blocks = dense.reshape(heads, queries // block, block, keys // block, block)
+    return int(blocks.any(axis=(2, 4)).sum())
+
+
+MASKS = {
+    "causal": lambda sm: sm.CausalMask((T, T)),
+    "full": lambda sm: sm.FullMask((T, T)),
+    # a window of 256 keys: each row of blocks keeps 3 at most, stored shrunk to them
+    "local": lambda sm: sm.LocalMask((T, T), (256, 0), 0),
+}
+
+
+@pytest.mark.skipif(not has_compiler("tpu"), reason="needs libtpu (spmdtree[tpu])")
+@pytest.mark.parametrize("masked", list(MASKS))
+def test_splash_attention_is_counted_over_the_blocks_its_mask_keeps(masked):
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+
+    kernel, mask = splash(MASKS[masked])
     step, args, mesh = gradients(jax.vmap(kernel), (B, H, T, D))
     plan = st.preflight(step, *args, mesh=mesh, target="tpu-v5e")
-    calls = sorted(k.call for k in plan.schedule.kernels() if k.flash)
-    assert [c.split("_")[2] for c in calls] == ["dkv", "dq", "fwd"]
-    # forward 2 dots, dQ's kernel 3, dK and dV's 4, each over every block: the
-    # module does not print the mask, and the flag says so
-    assert plan.flops == (2 + 3 + 4) * scores(B // 8)
-    (dense,) = [f for f in plan.flags if "as if its mask kept every block" in f]
-    assert "splash_mha_fwd" in dense
+    block = sk.BlockSizes.get_default().block_q  # 128: every kernel's blocks, both ways
+    kept = kept_blocks(mask, block)
+    per_block = 2 * (B // 8) * block * block * D  # one dot over one block pair of a head
+    # forward 2 dots, dQ's kernel 3, dK and dV's 4, each over the blocks the mask keeps
+    by_call = {k.call.split("_")[2]: k.flops for k in plan.schedule.kernels() if k.flash}
+    assert by_call == {
+        "fwd": 2 * kept * per_block,
+        "dq": 3 * kept * per_block,
+        "dkv": 4 * kept * per_block,
+    }
+    assert plan.flops == (2 + 3 + 4) * kept * per_block
+    assert not [f for f in plan.flags if "as if its mask kept every block" in f]
     assert not [f for f in plan.flags if "no cost estimate" in f]
+    if masked == "causal":  # the triangle and the diagonal's blocks whole: about half
+        assert kept == H * (8 * 9 // 2) and plan.flops == (2 + 3 + 4) * scores(B // 8) * 36 // 64
+    if masked == "full":  # every block: the dense count, as 0.6 counted every mask
+        assert plan.flops == (2 + 3 + 4) * scores(B // 8)
+    if masked == "local":
+        assert kept == H * (1 + 2 + 6 * 3)
+
+
+@pytest.mark.skipif(not has_compiler("tpu"), reason="needs libtpu (spmdtree[tpu])")
+def test_kernels_of_one_name_built_with_different_masks_are_said_counted_over_every_block():
+    causal, _ = splash(MASKS["causal"])
+    full, _ = splash(MASKS["full"])
+
+    def both(q, k, v):  # a causal layer and a full one: the same kernels, two masks
+        return jax.vmap(causal)(q, k, v) + jax.vmap(full)(q, k, v)
+
+    step, args, mesh = gradients(both, (B, H, T, D))
+    plan = st.preflight(step, *args, mesh=mesh, target="tpu-v5e")
+    assert plan.flops == 2 * (2 + 3 + 4) * scores(B // 8)
+    (dense,) = [f for f in plan.flags if "as if its mask kept every block" in f]
+    assert "the traced step builds 2 different masks" in dense
+    assert all(name in dense for name in ("splash_mha_fwd", "splash_mha_dq", "splash_mha_dkv"))
+
+
+def test_a_mask_the_step_is_given_is_not_read_and_the_reason_is_kept():
+    # the kernel passed in whole: its block mask an input of the jaxpr, no constant
+    from spmdtree._src.step.compile.trace import kernel_masks
+
+    kernel, _ = splash(MASKS["causal"])
+    x = jax.ShapeDtypeStruct((H, T, D), jnp.bfloat16)
+    given = kernel_masks(jax.make_jaxpr(lambda kern, q: kern(q, q, q))(kernel, x))
+    closed = kernel_masks(jax.make_jaxpr(lambda q: kernel(q, q, q))(x))
+    assert given == {
+        "splash_mha_fwd_no_residuals": Kept(
+            why="its block mask is computed in the step, not a constant of it"
+        )
+    }
+    # one mask for every head (head_shards=1): 36 of its 8 x 8 blocks
+    assert closed == {"splash_mha_fwd_no_residuals": Kept(36, 64)}
+
+
+def test_a_flash_kernel_whose_mask_is_not_read_is_counted_whole_and_said_with_why():
+    kernel = Kernel("attention", 6400, 64, call="splash_mha_fwd_residuals")
+    schedule = Schedule((kernel,), "tpu")
+    unread = {
+        "splash_mha_fwd_residuals": Kept(
+            why="its block mask is computed in the step, not a constant of it"
+        )
+    }
+    for masks, why in [
+        (None, "the compiled module does not print the constants"),
+        ({}, "no call of that name was found in the traced step"),
+        (unread, "its block mask is computed in the step"),
+    ]:
+        read = reading_of(schedule.masked(masks or {}), masks)
+        (dense,) = [f for f in read.flags if "as if its mask kept every block" in f]
+        assert why in dense and read.flops == 6400
+    read = reading_of(
+        schedule.masked({"splash_mha_fwd_residuals": Kept(36, 64)}),
+        {"splash_mha_fwd_residuals": Kept(36, 64)},
+    )
+    assert read.flops == 3600 and read.flags == ()
+
+
+@pytest.mark.skipif(not has_compiler("tpu"), reason="needs libtpu (spmdtree[tpu])")
+@pytest.mark.parametrize("causal", [False, True])
+def test_jax_pallas_tpu_flash_attention_counts_the_causal_triangle(causal):
+    from jax.experimental.pallas.ops.tpu import flash_attention as fa
+
+    attention = functools.partial(fa.flash_attention, causal=causal)
+    step, args, mesh = gradients(attention, (B, H, T, D))
+    plan = st.preflight(step, *args, mesh=mesh, target="tpu-v5e")
+    rows = T // fa.BlockSizes.get_default(B // 8, H, T, T, D).block_q  # 8 blocks of 128
+    # causal: the triangle, the blocks on the diagonal whole (a block runs where its
+    # bottom-left corner is on or below the diagonal); else every block
+    kept, blocks = (rows * (rows + 1) // 2 if causal else rows * rows), rows * rows
+    by_call = {
+        re.match(r"flash_(attention|mha_bwd_dkv|mha_bwd_dq)", k.call)[1]: k
+        for k in plan.schedule.kernels()
+        if k.flash
+    }
+    assert {call: k.flash for call, k in by_call.items()} == {
+        "attention": "forward",
+        "mha_bwd_dkv": "backward",
+        "mha_bwd_dq": "backward",
+    }
+    # the backward keeps no cost estimate: dK and dV's kernel 4 dots, dQ's 3 (0.6: none)
+    assert by_call["mha_bwd_dkv"].flops == 4 * scores(B // 8) * kept // blocks
+    assert by_call["mha_bwd_dq"].flops == 3 * scores(B // 8) * kept // blocks
+    # the forward's own estimate (the scores, their product with V, the softmax's
+    # elementwise FLOPs: over every block) counted over the kept blocks
+    assert by_call["attention"].flops == pytest.approx(2 * scores(B // 8) * kept / blocks, rel=0.02)
+    assert not [f for f in plan.flags if "no cost estimate" in f or "every block" in f]
 
 
 def test_a_pallas_kernel_on_a_sharded_array_is_told_to_run_per_device():
@@ -176,4 +305,34 @@ def test_a_triton_kernel_is_named_by_its_own_scope_only_where_jax_gave_it_one(op
 
     call = Instr("pallas_call.7", Op.kCustomCall, (), False, (), False, (),
                  target="__gpu$xla.gpu.triton", op_name=op_name)  # fmt: skip
+    assert kernel_name(call) == name
+
+
+@pytest.mark.parametrize(
+    "called, op_name, name",
+    [
+        # jax's Pallas TPU flash attention's forward is named for where it is called
+        (
+            "jvp_jit_flash_attention__.1",
+            "jit(loss)/jvp(jit(flash_attention))/pallas_call",
+            "flash_attention",
+        ),
+        ("flash_attention.1", "jit(step)/shard_map/flash_attention/pallas_call", "flash_attention"),
+        (
+            "splash_mha_fwd_residuals.3",
+            "jit(f)/splash_mha_fwd_residuals/pallas_call",
+            "splash_mha_fwd_residuals",
+        ),
+        ("my_kernel.2", "jit(f)/jvp(jit(flash_attention_of_mine))/pallas_call", "my_kernel"),
+    ],
+)
+def test_a_mosaic_kernel_is_named_by_its_call_or_else_by_a_flash_kernels_scope(
+    called, op_name, name
+):
+    from spmdtree._src.step.hlo.instructions import Instr, Op
+    from spmdtree._src.step.hlo.opcodes import kernel_name
+
+    call = Instr(
+        called, Op.kCustomCall, (), False, (), False, (), target="tpu_custom_call", op_name=op_name
+    )
     assert kernel_name(call) == name

@@ -11,13 +11,18 @@ the precision shown.
 import pathlib
 import re
 
+import jax
+import jax.numpy as jnp
 import pytest
+from test_targets import has_compiler
 
 import spmdtree as st
 
 # The chips' descriptions (what XLA's GPU compiler and libtpu are given) have no
-# public name: read where preflight builds them from a Hardware.
+# public name: read where preflight builds them from a Hardware; a TPU's clock by
+# its devices' kind, where a compile reads it.
 from spmdtree._src.step.compile.backends import target_for
+from spmdtree._src.step.hw.chips import tpu_clock_ghz
 
 DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs" / "planning.md"
 GIB, MIB = 2**30, 2**20
@@ -157,8 +162,11 @@ SOURCES = {
     },
     "tpu-v5e": {
         # https://cloud.google.com/tpu/docs/v5e: "Peak compute per chip (bf16) 197
-        # TFLOPs", "HBM2 capacity and bandwidth 16 GB, 819 GBps"
-        "memory": (16, "GiB"),
+        # TFLOPs", "HBM2 capacity and bandwidth 16 GB, 819 GBps"; the memory is what
+        # libtpu allows (0.7): jax.devices()[0].memory_stats()["bytes_limit"] on a v5e,
+        # 16909336064 with jax 0.10.2 and libtpu 0.0.42.1 (the 16 GB read as 16 GiB was
+        # more than it allows)
+        "memory": (16909336064, "B"),
         "peak": (197, "TFLOP/s"),
         # https://jax-ml.github.io/scaling-book/tpus/: ICI BW/link (bidi) 9e10 bytes/s,
         # DCN "3.125e9 for TPU v5e"
@@ -376,7 +384,9 @@ def test_every_table_says_what_the_chips_table_says(name):
     figures, hardware = CHIPS[name], st.hardware(name)
     target, costs = target_for(hardware), hardware.costs()
     assert set(CHIPS) == set(PRESET_TABLE)
-    assert hardware == st.Hardware(name, **figures)
+    # and says where each figure came from (0.7: the table)
+    assert hardware == st.Hardware(name, **figures, provenance=hardware.provenance)
+    assert set(hardware.provenance) == set(figures)
     # every figure given, but a flash kernel's share on a TPU: none is published
     gpu = isinstance(figures["chip"], st.GpuChip)
     flash = ("flash_forward_efficiency", "flash_backward_efficiency")
@@ -440,3 +450,43 @@ def test_every_flash_share_is_the_docs_table_and_its_source(name):
         assert used == given
     assert used[0] == pytest.approx(ratio(forward), rel=1e-12)
     assert used[1] == pytest.approx(ratio(backward), rel=1e-12)
+
+
+# --- a TPU's clock: libtpu's estimated cycles as seconds (0.7) ---------------------------
+
+#: The bf16 FLOPs a TPU's MXUs run a cycle: a 128 x 128 MXU's multiply-adds (256 x 256
+#: on v6e), 2 FLOPs each, times its MXUs (the scaling book, "How to Think About TPUs":
+#: "about 5e13 bf16 FLOPs/s per MXU at 1.5GHz on TPU v5e", 4 MXUs a TensorCore; v5p's
+#: two TensorCores one megacore).
+MXU_FLOPS = {
+    "tpu-v5e": 4 * 128 * 128 * 2,
+    "tpu-v5p": 2 * 4 * 128 * 128 * 2,
+    "tpu-v6e": 4 * 256 * 256 * 2,
+}
+
+
+@pytest.mark.parametrize("name", list(MXU_FLOPS))
+def test_a_tpus_clock_is_its_peak_over_its_mxus_flops_a_cycle(name):
+    hardware = st.hardware(name)
+    clock = hardware.flops_per_second / MXU_FLOPS[name] / 1e9
+    assert hardware.chip.clock_ghz == pytest.approx(clock, abs=0.005)  # 1.5, 1.75, 1.75
+    assert tpu_clock_ghz(hardware.chip.device_kind) == hardware.chip.clock_ghz
+    assert tpu_clock_ghz(CHIPS["h100"]["chip"].description) == 0.0
+
+
+@pytest.mark.skipif(not has_compiler("tpu"), reason="needs libtpu (spmdtree[tpu])")
+@pytest.mark.parametrize("name", list(MXU_FLOPS))
+def test_libtpus_cycles_of_a_large_matmul_run_at_most_the_mxus_flops_a_cycle(name):
+    # what libtpu models of the chip agrees with the MXUs counted above: a bf16 4096^3
+    # matmul's estimated cycles give 0.97, 0.96 and 0.87 of their FLOPs a cycle (two
+    # MXUs on v6e, as one Google page says, could not run 455,675 a cycle)
+    from jax.sharding import AbstractMesh
+
+    a = jax.ShapeDtypeStruct((4096, 4096), jnp.bfloat16)
+    step = st.preflight(lambda x: x @ x, a, mesh=AbstractMesh((1,), ("data",)), target=name)
+    (kernel,) = step.schedule.kernels()
+    flops_a_cycle = 2 * 4096**3 / kernel.estimated_cycles
+    assert 0.8 * MXU_FLOPS[name] < flops_a_cycle <= MXU_FLOPS[name]
+    assert step.compiler_seconds == kernel.estimated_cycles / (
+        st.hardware(name).chip.clock_ghz * 1e9
+    )

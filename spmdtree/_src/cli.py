@@ -1,6 +1,6 @@
-"""The command line (new in 0.6): ``spmdtree advise`` and ``spmdtree preflight`` over
-a user's ``make_step(candidate) -> (fn, args, kwargs)``, the function `advise`
-takes, for a CI job or a cluster's scheduler: the table on stdout, JSON, a trace
+"""The command line (new in 0.6): ``spmdtree advise``, ``spmdtree preflight`` and (new
+in 0.7) ``spmdtree measure`` over a user's ``make_step(candidate) -> (fn, args,
+kwargs)``, the function `advise` takes, and ``spmdtree calibrate``; for a CI job or a cluster's scheduler: the table on stdout, JSON, a trace
 and a plot to files, and a user's mistake as one line on stderr with exit
 status 2.
 
@@ -34,7 +34,9 @@ from spmdtree._src.rules import normalize_rules
 from spmdtree._src.step.advise.advise import advise, candidates, layouts, step_call
 from spmdtree._src.step.advise.records import Candidate
 from spmdtree._src.step.compile.preflight import Keywords, preflight
-from spmdtree._src.step.hw.hardware import hardware
+from spmdtree._src.step.hw.hardware import Hardware, hardware
+from spmdtree._src.step.measure.calibrate import calibrate
+from spmdtree._src.step.measure.measure import measure
 from spmdtree._src.text import seconds_text
 
 PROGRAM = "spmdtree"
@@ -111,6 +113,8 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _advise_parser(commands)
     _preflight_parser(commands)
+    _measure_parser(commands)
+    _calibrate_parser(commands)
     return parser
 
 
@@ -164,7 +168,10 @@ def _advise_parser(commands: Any) -> None:
         help="an option make_step reads from candidate.options, and its values (repeatable)",
     )
     sub.add_argument(
-        "--hardware", required=True, help="the chip to time on: h100, h200, b200, tpu-v5p, ..."
+        "--hardware",
+        required=True,
+        help="the chip to time on: a preset (h100, h200, b200, tpu-v5p, ...) or a JSON file "
+        "(spmdtree calibrate --json)",
     )
     sub.add_argument(
         "--confirm", type=_count, default=0, help="rows to confirm with the target's compiler"
@@ -204,16 +211,128 @@ def _preflight_parser(commands: Any) -> None:
         metavar="NAME=V",
         help="an option make_step reads from candidate.options (repeatable)",
     )
-    sub.add_argument("--target", help="compile with this chip's own compiler (h100, tpu-v5p, ...)")
-    sub.add_argument("--hardware", help="the chip to time on (default: the target)")
+    sub.add_argument(
+        "--target",
+        help="compile with this chip's own compiler (h100, tpu-v5p, ..., or a JSON file)",
+    )
+    sub.add_argument(
+        "--hardware", help="the chip to time on, a preset or a JSON file (default: the target)"
+    )
     sub.add_argument(
         "--trace", metavar="PATH", help="write the predicted schedule (Perfetto, chrome://tracing)"
     )
     sub.add_argument("--plot", metavar="PATH", help="write the step's time as a picture")
 
 
+def _measure_parser(commands: Any) -> None:
+    sub = commands.add_parser(
+        "measure",
+        help="run one step on this machine's devices and set its prediction beside it",
+        description="Compile one step for a mesh of this machine's devices, run it (warm-up, "
+        "then timed steps, then a profile), and print its measured time beside the predicted "
+        "one, per step and per instruction (new in 0.7).",
+        epilog="example: spmdtree measure mymodule:make_step --mesh data=1 --batch 8 "
+        "--hardware chip.json --json measured.json",
+    )
+    sub.set_defaults(run=_measure)
+    _common(sub)
+    sub.add_argument("--mesh", required=True, metavar="AXIS=N,...", help="e.g. data=8 (N devices)")
+    sub.add_argument("--batch", type=_positive, required=True, help="the global batch")
+    sub.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="NAME=V",
+        help="an option make_step reads from candidate.options (repeatable)",
+    )
+    sub.add_argument(
+        "--hardware", help="the chip to predict on, a preset or a JSON file (default: the devices')"
+    )
+    sub.add_argument("--steps", type=_positive, default=10, help="timed steps (default 10)")
+    sub.add_argument("--warmup", type=_count, default=3, help="steps before them (default 3)")
+    sub.add_argument(
+        "--trace", metavar="PATH", help="write the predicted and measured step (Perfetto)"
+    )
+
+
+def _calibrate_parser(commands: Any) -> None:
+    sub = commands.add_parser(
+        "calibrate",
+        help="measure this machine's chip: its model figures, as JSON for --hardware",
+        description="Run microbenchmarks on this machine's first device and print the "
+        "calibrated hardware, each measured figure with its provenance (new in 0.7).",
+        epilog="example: spmdtree calibrate --json chip.json; then spmdtree advise ... "
+        "--hardware chip.json",
+    )
+    sub.set_defaults(run=_calibrate)
+    sub.add_argument("--json", metavar="PATH", help="write the hardware's JSON (- for stdout)")
+    sub.add_argument("--seconds", type=_positive, default=60, help="about how long (default 60)")
+    sub.add_argument("--preset", help="the preset whose peak, memory and links are kept")
+    sub.add_argument(
+        "--traceback", action="store_true", help="on an error, print the whole traceback"
+    )
+
+
+def _chip(text: str) -> Hardware:
+    """--hardware and --target: a preset's name, or a JSON file `Hardware.to_json` wrote."""
+    if text.endswith(".json") or os.path.sep in text:
+        return Hardware.from_json(pathlib.Path(text))
+    return hardware(text)
+
+
+def _measure(args: argparse.Namespace) -> int:
+    chip = None if args.hardware is None else _chip(args.hardware)
+    _check_paths(args.json, None, args.trace)
+    shape = _mesh_shape(args.mesh)
+    make_step, rules = _loaded(args.make_step, args.rules)
+    _check_axes(rules, tuple(shape), f"--mesh {args.mesh}", "add it to --mesh, size 1 where unused")
+    mesh = jax.make_mesh(
+        tuple(shape.values()), tuple(shape), axis_types=(AxisType.Auto,) * len(shape)
+    )
+    fn, step_args, given = _step(make_step, mesh, rules, args)
+    m = measure(
+        fn, *step_args, mesh=mesh, rules=rules, hardware=chip, steps=args.steps,
+        warmup=args.warmup, **given,
+    )  # fmt: skip
+    print(m, file=sys.stderr if args.json == "-" else sys.stdout)
+    _write_json(args.json, m.to_dict())
+    if args.trace:
+        m.trace(args.trace)
+    return OK
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    if args.json not in (None, "-"):
+        _check_paths(args.json, None)
+    chip = calibrate(seconds=float(args.seconds), preset=args.preset)
+    said = sys.stderr if args.json == "-" else sys.stdout
+    for name, why in chip.provenance.items():
+        if why.startswith(("measured", "not measured")):
+            print(f"{name:<27}{getattr(chip, name)!s:<22}{why}", file=said)
+    if args.json == "-":
+        print(chip.to_json())
+    elif args.json:
+        pathlib.Path(args.json).write_text(chip.to_json())
+    return OK
+
+
+def _step(
+    make_step: Any, mesh: Any, rules: Any, args: argparse.Namespace
+) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
+    """`make_step`'s step for the one candidate the arguments describe: its function,
+    arguments and preflight's other keywords."""
+    options = _options(args.option, many=False)
+    candidate = Candidate(mesh, rules, args.batch, length=args.length, options=options or None)
+    try:
+        returned = make_step(candidate)
+    except Exception as e:
+        raise Mistake(ValueError, f"make_step raised {type(e).__name__}: {e}") from e
+    fn, step_args, keywords = step_call(returned)
+    return fn, step_args, {name: getattr(keywords, name) for name in Keywords.names()}
+
+
 def _advise(args: argparse.Namespace) -> int:
-    chip = hardware(args.hardware)  # said before anything compiles
+    chip = _chip(args.hardware)  # said before anything compiles
     _check_paths(args.json, args.plot)
     axes = tuple(name.strip() for name in args.axes.split(",") if name.strip())
     make_step, rules = _loaded(args.make_step, args.rules)
@@ -243,9 +362,8 @@ def _advise(args: argparse.Namespace) -> int:
 
 def _preflight(args: argparse.Namespace) -> int:
     chip = args.hardware or args.target
-    timed = None if chip is None else hardware(chip)  # said before anything compiles
-    if args.target is not None:
-        hardware(args.target)
+    timed = None if chip is None else _chip(chip)  # said before anything compiles
+    target = None if args.target is None else _chip(args.target)
     for path, what in ((args.trace, "trace"), (args.plot, "plot")):
         if path and chip is None:
             raise Mistake(
@@ -258,15 +376,8 @@ def _preflight(args: argparse.Namespace) -> int:
     mesh = jax.sharding.AbstractMesh(
         tuple(shape.values()), tuple(shape), axis_types=(AxisType.Auto,) * len(shape)
     )
-    options = _options(args.option, many=False)
-    candidate = Candidate(mesh, rules, args.batch, length=args.length, options=options or None)
-    try:
-        returned = make_step(candidate)
-    except Exception as e:
-        raise Mistake(ValueError, f"make_step raised {type(e).__name__}: {e}") from e
-    fn, step_args, keywords = step_call(returned)
-    given = {name: getattr(keywords, name) for name in Keywords.names()}
-    step = preflight(fn, *step_args, mesh=mesh, rules=rules, target=args.target, **given)
+    fn, step_args, given = _step(make_step, mesh, rules, args)
+    step = preflight(fn, *step_args, mesh=mesh, rules=rules, target=target, **given)
     said = sys.stderr if args.json == "-" else sys.stdout  # stdout is the JSON's
     print(step, file=said)
     if timed is not None:

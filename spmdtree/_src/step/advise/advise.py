@@ -398,10 +398,12 @@ def _verdict(step: StepPlan, budget: int, asks: TargetChild | None) -> tuple[Ver
     """A compiled step's verdict and its reason: its peak against the budget. Over
     it on the CPU estimate, where the target cannot be asked, the row says the
     estimate runs high."""
-    peak, said = size_text(step.peak_bytes), size_text(budget)
-    if step.peak_bytes <= budget * (1 - TIGHT_MARGIN):
+    peak, said = size_text(step.judged_bytes), size_text(budget)
+    if step.judged_bytes != step.peak_bytes:  # the compiler's own, which it checks
+        peak = f"{peak} (the compiler's own; {size_text(step.peak_bytes)} summed)"
+    if step.judged_bytes <= budget * (1 - TIGHT_MARGIN):
         return Verdict.FITS, f"peak {peak} of {said} budget"
-    if step.peak_bytes <= budget:
+    if step.judged_bytes <= budget:
         return Verdict.TIGHT, f"peak {peak} of {said} budget, within {TIGHT_MARGIN:.0%} of it"
     if not step.backend.estimates:
         return Verdict.OVER_BUDGET, f"peak {peak} > {said} budget"
@@ -1202,13 +1204,13 @@ def _nothing_fits(state: _State, budget: int) -> str:
     closest = [
         Closest(
             f"{label_of(row.candidate)}, batch {row.candidate.batch}",
-            row.step.peak_bytes,
+            row.step.judged_bytes,
             row.step.temp_bytes,
             math.prod(row.candidate.mesh.shape.values()),
             row.candidate.batch,
         )
         for row in compiled
-        if row.step is not None and row.step.peak_bytes > budget
+        if row.step is not None and row.step.judged_bytes > budget
     ]
     if not compiled:
         closest = [

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import jax
@@ -19,8 +19,10 @@ from spmdtree._src.errors import Mistake
 from spmdtree._src.resolve import HOST_KINDS
 from spmdtree._src.step.compile.backends import Toolchain
 from spmdtree._src.step.hlo.forms import overstated_bytes
+from spmdtree._src.step.hlo.opcodes import Kept
 from spmdtree._src.step.hlo.reading import Reading, reading_of
 from spmdtree._src.step.hlo.schedule import Schedule, read_schedule
+from spmdtree._src.step.hw.chips import tpu_clock_ghz
 from spmdtree._src.step.kinds import Backend
 
 
@@ -92,8 +94,10 @@ class Analysis:
     """What a compile says of a step, per device: its `Memory` (the compiler's
     own peak where it gives one, and the host memory it holds where arrays are
     offloaded), what its HLO says (`reading`), its schedule, and the compiler's
-    own time estimate where it gives one (`compiler_seconds`: libtpu; 0
-    elsewhere), and how long reading the compiled module took (`read_seconds`). Crosses a process boundary as JSON (`to_json`, `from_json`)."""
+    own time estimate where it gives one (`compiler_seconds`: libtpu's kernels'
+    estimated cycles at its chip's clock, `compiler_time`; 0 elsewhere), and how
+    long reading the compiled module took (`read_seconds`). Crosses a process
+    boundary as JSON (`to_json`, `from_json`)."""
 
     memory: Memory
     reading: Reading
@@ -108,6 +112,16 @@ class Analysis:
         """The analysis as plain JSON values."""
         schedule = self.schedule.to_json() if self.schedule else None
         return {**dataclasses.asdict(self), "reading": self.reading.to_json(), "schedule": schedule}
+
+    def masked(self, masks: Mapping[str, Kept]) -> Analysis:
+        """This analysis with its flash-attention kernels' FLOPs counted over the blocks
+        their masks keep, as the traced step says (`masks`, by kernel name; new in
+        0.7): the schedule's kernels and the reading's FLOPs, a kernel whose mask was
+        not read flagged. A child compiles without the trace: the parent applies it."""
+        if self.schedule is None:
+            return self
+        schedule = self.schedule.masked(masks)
+        return dataclasses.replace(self, schedule=schedule, reading=reading_of(schedule, masks))
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Analysis:
@@ -186,7 +200,7 @@ def analyse(
         overstated_bytes=overstated_bytes(read.held_bytes, temp) if estimates else 0,
         backend=toolchain.backend,
         schedule=schedule,
-        compiler_seconds=_optimal_seconds(compiled),
+        compiler_seconds=compiler_time(schedule, mesh),
         read_seconds=read_at - start,
     )
 
@@ -212,15 +226,19 @@ def _apart(device: int, host: int, placed: Iterable[tuple[Any, Any]]) -> tuple[i
     return (device, host) if host or not offloaded else (device - offloaded, offloaded)
 
 
-def _optimal_seconds(compiled: jax.stages.Compiled) -> float:
-    """The compiler's own estimate of the step's time: libtpu's cost analysis says
-    ``optimal_seconds``; 0.0 where the compiler gives none (XLA GPU without a
-    device gives no cost analysis at all; the CPU's has no such key)."""
-    try:
-        costs = compiled.cost_analysis()
-    except Exception:  # a compiler without a cost model raises: no figure
-        return 0.0
-    if isinstance(costs, (list, tuple)):  # older jax: one dict per module
-        costs = costs[0] if costs else None
-    seconds = costs.get("optimal_seconds", 0.0) if isinstance(costs, dict) else 0.0
-    return max(0.0, float(seconds))
+def compiler_time(schedule: Schedule, mesh: Mesh) -> float:
+    """libtpu's own estimate of a step's time: its kernels' estimated cycles, each
+    times how often it runs (`Schedule.compiler_cycles`), at the clock of the chip
+    its devices are (`chips.tpu_clock_ghz`); 0.0 where the compiler estimates no
+    cycles (XLA GPU, the CPU) or the chip's clock is not known (new in 0.7).
+
+    0.6 read libtpu's ``cost_analysis()["optimal_seconds"]``, which is no step's
+    time: a roofline of its operations (a bf16 8192^3 matmul at exactly the peak,
+    where its own kernel estimate is 14% longer), a loop's body counted once (a
+    scanned model's layers as one), and -1 s for each custom call it does not cost
+    (libtpu 0.0.42.1's ``ConcatBitcast``: a step of
+    ``jax.nn.dot_product_attention(implementation="xla")`` gave -2.0 s), so
+    negative, read as none, on most steps measured on a v5e.
+    """
+    clock = tpu_clock_ghz(str(mesh.devices.flat[0].device_kind))
+    return schedule.compiler_cycles() / (clock * 1e9) if clock else 0.0

@@ -67,6 +67,13 @@ class Toolchain:
         lowers_here: whether a step whose primitives need devices to lower
             (cuDNN's attention) is lowered and compiled on its devices in this
             process (XLA GPU: its topology is a description; new in 0.6).
+        checks_memory: whether it refuses, as it compiles, a step that does not fit
+            in its device's memory (libtpu, deviceless too: "RESOURCE_EXHAUSTED ...
+            exceeds available HBM"), so that a step it compiled fits and its own
+            peak is what fitting is judged by (new in 0.7).
+        flash: the flash-attention kernel a job on its chips runs, which
+            `st.calibrate` times (``"splash"``: jax's Pallas splash attention;
+            ``"cudnn"``: cuDNN's fused attention; ``""``: none; new in 0.7).
     """
 
     backend: Backend
@@ -82,6 +89,8 @@ class Toolchain:
     refuses: tuple[str, ...] = ()
     node: str = "node"
     lowers_here: bool = False
+    checks_memory: bool = False
+    flash: str = ""
 
     @property
     def reports_peak(self) -> bool:
@@ -378,6 +387,7 @@ XLA_GPU = _XlaGpu(
     taken="on GPU, JAX preallocates 75% of it unless XLA_PYTHON_CLIENT_MEM_FRACTION says "
     "otherwise, and fragmentation takes some",
     lowers_here=True,
+    flash="cudnn",
 )
 
 #: libtpu: a screen on it costs 7-10x a CPU compile, so advise screens on the CPU
@@ -394,6 +404,8 @@ LIBTPU = _Libtpu(
     screens_cheaply=False,
     refuses=("unpinned_host",),
     node="slice",
+    checks_memory=True,
+    flash="splash",
 )
 
 #: Each backend's toolchain: what a step's `Backend` was compiled by (a real `Mesh`'s

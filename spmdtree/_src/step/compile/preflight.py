@@ -198,8 +198,10 @@ def trace_for(
 
 
 def step_plan(traced: Traced, analysis: Analysis, compiler: Compiler) -> StepPlan:
-    """The last stage: the `StepPlan` of an analysis; its flags: the inputs' first,
-    then the step's, then the warnings tracing raised."""
+    """The last stage: the `StepPlan` of an analysis, its flash-attention kernels
+    counted over the blocks their masks keep (what the trace says: new in 0.7); its
+    flags: the inputs' first, then the step's, then the warnings tracing raised."""
+    analysis = analysis.masked(traced.masks)
     inputs = traced.arguments.plan
     flags: list[str] = [
         Located(argument_path(row.path), flag) for row in inputs.rows for flag in row.flags

@@ -6,6 +6,7 @@ record; 0.5 rendered it in text.py)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -21,6 +22,7 @@ from spmdtree._src.rules import AnyMesh
 from spmdtree._src.specs import RuleProblem
 from spmdtree._src.step.advise.diagnose import Closest, Traffic, nothing_fits, unexplained_traffic
 from spmdtree._src.step.compile.analysis import Memory
+from spmdtree._src.step.compile.backends import TOOLCHAINS
 from spmdtree._src.step.hlo.schedule import Collective, Schedule
 from spmdtree._src.step.hw.hardware import Hardware, preset_in
 from spmdtree._src.step.kinds import Backend
@@ -103,16 +105,20 @@ class StepPlan:
             `StepTime.predicted_seconds` (new in 0.5).
         compiler_peak_bytes: the compiler's own peak per device where it gives
             one (``memory_analysis().peak_memory_in_bytes``: libtpu and XLA
-            GPU), else 0 (on the CPU estimate its own is the CPU program's). `peak_bytes` (arguments + outputs - aliased
-            + temporaries) is what advise judges by: on a real H200 it equalled
-            the device's peak to 1.2 KB; the compilers' own figures lie below
-            it on some steps, and are shown beside it (new in 0.5).
-        compiler_seconds: the compiler's own time estimate where it gives one
-            (libtpu's ``cost_analysis()["optimal_seconds"]``), else 0.0; shown
-            beside the prediction as a cross-check (new in 0.5). A negative
-            figure is no figure either: libtpu gave -3.0 s for a step of jax's
-            Pallas flash-attention kernels, whose backward carries no cost
-            estimate.
+            GPU), else 0 (on the CPU estimate its own is the CPU program's). On
+            TPU it is what fitting is judged by (`judged_bytes`; 0.7: libtpu
+            checks memory as it compiles); elsewhere `peak_bytes` (arguments +
+            outputs - aliased + temporaries): on a real H200 it equalled the
+            device's peak to 1.2 KB; the compilers' own figures lie below it on
+            some steps, and are shown beside it (new in 0.5).
+        compiler_seconds: the compiler's own time estimate where it gives one,
+            else 0.0; shown beside the prediction as a cross-check (new in 0.5).
+            0.7: libtpu's kernels' estimated cycles (their backend configs'
+            ``estimated_cycles``), each times its calls, at the chip's clock
+            (`TpuChip.clock_ghz`), its unestimable kernels left out (flagged);
+            0.6 read ``cost_analysis()["optimal_seconds"]``, which counts a
+            loop's body once and -1 s per custom call it cannot cost, and so
+            read 0.0 or below on most steps.
         read_seconds: of `compile_seconds`, how long reading the compiled module
             took: its instructions, the one walk of its schedule and the
             reading folded from it (new in 0.6).
@@ -212,6 +218,26 @@ class StepPlan:
         return self.memory.peak_bytes
 
     @property
+    def judged_bytes(self) -> int:
+        """What `fits` and `advise` judge against a budget (new in 0.7): where the
+        compiler checks memory as it compiles (libtpu, deviceless too: a step it
+        compiles fits its device), its own peak (`compiler_peak_bytes`); elsewhere
+        `peak_bytes`, arguments + outputs - aliased + temporaries. Measured on a
+        TPU v5e (15.75 GiB): a step of summed peak 16.5 GiB compiled and ran, its
+        libtpu peak 13.5 GiB.
+
+        Example:
+            >>> import jax, jax.numpy as jnp, spmdtree as st
+            >>> mesh = jax.sharding.AbstractMesh((1,), ("data",))
+            >>> step = st.preflight(jnp.sin, jax.ShapeDtypeStruct((256,), jnp.float32), mesh=mesh)
+            >>> step.judged_bytes == step.peak_bytes  # the CPU estimate: the summed peak
+            True
+        """
+        if TOOLCHAINS[self.backend].checks_memory and self.compiler_peak_bytes:
+            return self.compiler_peak_bytes
+        return self.peak_bytes
+
+    @property
     def host_peak_bytes(self) -> int:
         """The same in the host's memory, per device: what the step offloads (new in 0.5).
 
@@ -281,13 +307,16 @@ class StepPlan:
             if batch is not None and (not isinstance(batch, int) or isinstance(batch, bool)):
                 raise Mistake(TypeError, f"batch is {batch!r}; expected an int (or None).")
             devices = math.prod(self.mesh.shape.values())
-            closest = Closest("", self.peak_bytes, self.temp_bytes, devices, batch, remat)
+            closest = Closest("", self.judged_bytes, self.temp_bytes, devices, batch, remat)
             return nothing_fits([closest], budget_bytes)
         return None
 
     @public
     def fits(self, budget_bytes: int) -> bool:
-        """Whether the step's peak on one device fits in `budget_bytes`.
+        """Whether the step's peak on one device fits in `budget_bytes`: on TPU
+        libtpu's own peak, which libtpu checks as it compiles (0.7: the summed
+        `peak_bytes`, which the chip does not use), elsewhere `peak_bytes`
+        (`judged_bytes`).
 
         Example:
             >>> import jax, jax.numpy as jnp, spmdtree as st
@@ -298,7 +327,7 @@ class StepPlan:
         """
         if not isinstance(budget_bytes, (int, np.integer)) or isinstance(budget_bytes, bool):
             raise Mistake(TypeError, f"budget_bytes is {budget_bytes!r}; expected an int of bytes.")
-        return self.peak_bytes <= budget_bytes
+        return self.judged_bytes <= budget_bytes
 
     @public
     def time(self, hardware: Hardware, *, devices_per_node: int | None = None) -> StepTime:
@@ -490,7 +519,7 @@ class StepPlan:
             pathlib.Path(path).write_text(json.dumps(trace))
         return trace
 
-    @public
+    @functools.partial(public, name="StepPlan.compare")
     def compare(
         self,
         profile: str | os.PathLike[str] | dict[str, Any],
@@ -628,9 +657,14 @@ def _table(step: StepPlan) -> str:
         text = f"-{text}" if amount < 0 else text
         lines.append(f"  {label:<12}{text:>11}" + (f"  {note}" if note else ""))
     if step.compiler_peak_bytes:
+        judged = (
+            "what fits and advise judge: it checks memory as it compiles"
+            if step.judged_bytes == step.compiler_peak_bytes
+            else "the peak above is what advise judges"
+        )
         lines.append(
             f"  {'its peak':<12}{size_text(step.compiler_peak_bytes):>11}  the compiler's own "
-            "figure (peak_memory_in_bytes); the peak above is what advise judges"
+            f"figure (peak_memory_in_bytes); {judged}"
         )
     if step.host_peak_bytes:  # offloaded arrays (new in 0.5)
         lines.append(
@@ -647,7 +681,7 @@ def _table(step: StepPlan) -> str:
     lines.append(f"compute  {flops_text(step.flops)} per device (dots and convolutions)")
     if step.compiler_seconds:
         lines.append(
-            f"time     {seconds_text(step.compiler_seconds)}: the compiler's own estimate (libtpu's optimal_seconds)"
+            f"time     {seconds_text(step.compiler_seconds)}: the compiler's own estimate (libtpu's kernels' estimated cycles at the chip's clock)"
         )
     lines.append("collectives per step" + ("" if step.collectives else ": none"))
     for row in step.collectives:

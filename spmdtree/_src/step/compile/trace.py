@@ -4,7 +4,8 @@ The first two of preflight's stages, each a frozen record: `Arguments` (the
 plan of the arguments and their abstract, placed leaves) and `Traced` (the
 step at one of two typed stages: `Lowered` for a mesh of this process's
 devices, or `Exported` by `jax.export` for a compile subprocess, with the
-warnings tracing raised).
+warnings tracing raised, and what its jaxpr says of its flash-attention
+kernels' masks, which the compiled module does not: `kernel_masks`).
 `advise` calls them itself: it plans every candidate once, and rejects one
 whose arrays alone exceed the budget before tracing it.
 """
@@ -16,13 +17,15 @@ import dataclasses
 import hashlib
 import math
 import pickle
+import re
 import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol, TypeVar, cast
 
 import jax
 import numpy as np
+from jax.extend import core as jex
 from jax.sharding import AbstractDevice, AbstractMesh, Mesh, NamedSharding, PartitionSpec
 from jax.typing import ArrayLike
 
@@ -39,6 +42,7 @@ from spmdtree._src.rules import (
     rules_or_context,
 )
 from spmdtree._src.specs import RuleProblem, rule_problems
+from spmdtree._src.step.hlo.opcodes import Flash, Kept, flash_of, innermost
 from spmdtree._src.text import short_value
 
 T = TypeVar("T")
@@ -128,6 +132,8 @@ class Traced:
         rule_problems: what `validate_rules` finds wrong with single rules of
             the rules traced under, on `mesh`, over the arguments, a name the
             step's constraints met while tracing counting as used.
+        masks: how many blocks the masks of the step's flash-attention kernels
+            keep, by kernel name (`kernel_masks`; new in 0.7).
     """
 
     arguments: Arguments
@@ -136,6 +142,7 @@ class Traced:
     warned: tuple[str, ...]
     seconds: float
     rule_problems: tuple[RuleProblem, ...] = ()
+    masks: Mapping[str, Kept] = dataclasses.field(default_factory=dict, compare=False)
 
     @property
     def devices(self) -> int:
@@ -185,7 +192,7 @@ def trace(
     rules), lowered for the `compiler`'s mesh here, or else exported for its platform."""
     start = time.perf_counter()
     try:
-        stage, warned, constrained = _stage(fn, planned, mesh, rules, out_shardings, compiler)
+        staged = _stage(fn, planned, mesh, rules, out_shardings, compiler)
     except Mistake as first:
         # A step whose primitives need devices to lower (cuDNN's attention) cannot be
         # exported from an abstract mesh: it is lowered on the target's devices here,
@@ -200,10 +207,8 @@ def trace(
                     f"{compiler} cannot compile. Pass a GPU target= (XLA GPU compiles it "
                     "without a device), or write it with implementation='xla'.",
                 ) from first
-            stage, warned, constrained = _stage(
-                fn, planned, resident, rules, out_shardings, compiler, resident
-            )
-            return _done(planned, mesh, rules, stage, warned, constrained, start)
+            staged = _stage(fn, planned, resident, rules, out_shardings, compiler, resident)
+            return _done(planned, mesh, rules, staged, start)
         # Traced first on the mesh as given, which a `shard_map` over it must match;
         # again for the target's device only where that fails (jax 0.12: a Pallas
         # kernel's lowering asks the context mesh which chip it is for). Where both
@@ -212,29 +217,33 @@ def trace(
             raise
         for_device = _for_device(mesh, compiler.device)
         try:
-            stage, warned, constrained = _stage(
-                fn, planned, for_device, rules, out_shardings, compiler
-            )
+            staged = _stage(fn, planned, for_device, rules, out_shardings, compiler)
         except Mistake:
             raise first from first.__cause__
-    return _done(planned, mesh, rules, stage, warned, constrained, start)
+    return _done(planned, mesh, rules, staged, start)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Staged:
+    """What `_stage` gives: the stage, the warnings tracing raised, the logical names
+    the step's constraints met, and its flash kernels' masks."""
+
+    stage: Lowered | Exported
+    warned: list[str]
+    constrained: set[str]
+    masks: dict[str, Kept]
 
 
 def _done(
-    planned: Arguments,
-    mesh: AnyMesh,
-    rules: Rules | None,
-    stage: Lowered | Exported,
-    warned: list[str],
-    constrained: set[str],
-    start: float,
+    planned: Arguments, mesh: AnyMesh, rules: Rules | None, staged: _Staged, start: float
 ) -> Traced:
     """The `Traced` of a stage, timed from `start`, with the rules' problems."""
     seconds = time.perf_counter() - start
     args, static = planned.args, planned.static
     dynamic = tuple(None if i in static else arg for i, arg in enumerate(args))
-    problems = rule_problems(rules_or_context(rules), mesh, dynamic, constrained)
-    return Traced(planned, mesh, stage, tuple(warned), seconds, problems)
+    problems = rule_problems(rules_or_context(rules), mesh, dynamic, staged.constrained)
+    warned = tuple(staged.warned)
+    return Traced(planned, mesh, staged.stage, warned, seconds, problems, staged.masks)
 
 
 def _stage(
@@ -245,13 +254,14 @@ def _stage(
     out_shardings: PyTree,
     compiler: Site,
     resident: Mesh | None = None,
-) -> tuple[Lowered | Exported, list[str], set[str]]:
+) -> _Staged:
     """`fn` lowered here (for the compiler's mesh, or the `resident` devices of a
-    target), or exported, traced on `traced_for`; with the warnings raised and the
-    logical names its constraints met."""
+    target), or exported, traced on `traced_for`; with the warnings raised, the
+    logical names its constraints met, and its flash kernels' masks (its jaxpr
+    read once, before it is lowered or exported: `jax.export` reuses the trace)."""
     here = resident or compiler.here
     flat, treedef, flat_donated = planned.leaves(here or traced_for)
-    call = _called(fn, planned, treedef)
+    call = called(fn, planned, treedef)
 
     def step(*leaves: Any) -> list[Any]:
         return jax.tree.leaves(call(*leaves))
@@ -263,14 +273,15 @@ def _stage(
             outputs = _traced(lambda: jax.eval_shape(call, *flat), signature)
             out = _out_shardings(out_shardings, outputs, here or traced_for)
         jitted = jax.jit(step, donate_argnums=flat_donated, out_shardings=out)
+        traced = _traced(lambda: jitted.trace(*flat), signature)
         stage: Lowered | Exported
         if here is not None:
-            stage = Lowered(_traced(lambda: jitted.lower(*flat), signature), resident)
+            stage = Lowered(_traced(traced.lower, signature), resident)
         else:
             export = jax.export.export(jitted, platforms=[compiler.platform], disabled_checks=ANY)
             exported = _traced(lambda: export(*flat), signature)
             stage = Exported(_payload(exported, traced_for, flat_donated))
-    return stage, warned, constrained
+    return _Staged(stage, warned, constrained, kernel_masks(traced.jaxpr))
 
 
 #: The export's safety checks turned off: custom calls with no compatibility
@@ -376,7 +387,7 @@ def _tracing(rules: Rules | None) -> Iterator[tuple[list[str], set[str]]]:
         warned += [f"{w.category.__name__} while tracing: {w.message}" for w in caught]
 
 
-def _called(fn: Callable[..., Any], planned: Arguments, treedef: Any) -> Callable[..., Any]:
+def called(fn: Callable[..., Any], planned: Arguments, treedef: Any) -> Callable[..., Any]:
     """`fn` as a function of the placed leaves: the static arguments passed as given."""
     args, static = planned.args, planned.static
 
@@ -396,7 +407,7 @@ def _needs_devices(
     from jax._src import dispatch  # jax's list of such primitives has no public name
 
     flat, treedef, _ = planned.leaves(mesh)
-    call = _called(fn, planned, treedef)
+    call = called(fn, planned, treedef)
     try:
         with _tracing(rules), _under(mesh, None):
             jaxpr = jax.jit(lambda *leaves: jax.tree.leaves(call(*leaves))).trace(*flat).jaxpr.jaxpr
@@ -500,3 +511,199 @@ _FIXES: tuple[tuple[Callable[[str], bool], str], ...] = (
         "a Pallas kernel runs per device: call it under jax.shard_map, as a job does",
     ),
 )
+
+
+# --- what the traced step says of its flash kernels' masks (new in 0.7) ------------------
+
+
+def kernel_masks(closed: jex.ClosedJaxpr) -> dict[str, Kept]:
+    """How many query-key blocks the masks of a traced step's flash-attention
+    kernels keep, by the name their compiled calls carry (`opcodes.kernel_name`):
+    what the compiled module does not say (new in 0.7).
+
+    Splash attention is built from a mask: its call's second operand is the block
+    mask (0 a skipped block, 1 a partial one, 2 a full one, per mask head), a
+    constant of the jaxpr however deep (under `shard_map`, `vmap`, `custom_vjp`,
+    `jit`, a loop's constants); its kept blocks are the block mask's nonzero ones,
+    of every block of its queries and keys (the mask is stored shrunk to the most
+    blocks a row keeps). Its backward kernels' calls carry the masks they were
+    built with (dK and dV's shrunk along the query blocks), each read the same way. jax's Pallas TPU
+    flash attention with ``causal=True`` runs its block pairs under a condition: the
+    pairs on or below the diagonal (``below_or_on_diag``: a block runs where its
+    bottom-left corner does). A kernel whose mask cannot be read (a mask computed
+    in the step; kernels of one name built with different masks, which the module
+    does not tell apart) is `Kept` with why.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> kernel_masks(jax.make_jaxpr(jnp.sin)(1.0))
+        {}
+    """
+    calls: list[tuple[str, Kept]] = []
+    _walk(closed.jaxpr, dict(zip(closed.jaxpr.constvars, closed.consts, strict=True)), "", calls)
+    found: dict[str, set[Kept]] = {}
+    for name, kept in calls:
+        found.setdefault(name, set()).add(kept)
+    return {name: _agreed(kept) for name, kept in found.items()}
+
+
+def _agreed(found: set[Kept]) -> Kept:
+    """What the calls of one name say, where they agree."""
+    if len(found) == 1:
+        return next(iter(found))
+    return Kept(
+        why=f"the traced step builds {len(found)} different masks for kernels of this name, "
+        "whose calls the compiled module does not tell apart"
+    )
+
+
+#: Calls whose jaxpr's outputs are the equation's, one for one: a constant one returns
+#: (the residuals a forward `shard_map` hands its backward) is the equation's.
+_THROUGH = frozenset(
+    {"jit", "pjit", "shard_map", "custom_vjp_call", "custom_jvp_call", "remat2", "closed_call"}
+)
+
+
+def _walk(
+    jaxpr: jex.Jaxpr, known: dict[Any, Any], scope: str, calls: list[tuple[str, Kept]]
+) -> list[Any]:
+    """Adds to `calls` each flash kernel's call in `jaxpr` and the jaxprs it calls,
+    with what its mask keeps; `known`, the constant values of its variables (those
+    its calls return added), `scope` its name scope. Returns its outputs' constant
+    values (None where not constant)."""
+    for eqn in jaxpr.eqns:
+        kernel = eqn.primitive.name == "pallas_call"
+        callees = [] if kernel else list(_callees(eqn))
+        if not kernel and not callees:  # most equations: their scope is not needed
+            continue
+        inner = "/".join(filter(None, (scope, str(eqn.source_info.name_stack))))
+        if kernel:
+            # the compiled call is named for its name=, else its innermost scope
+            named = eqn.params.get("name") or innermost(inner.split("/")[-1])
+            name = re.sub(r"[^\w.-]", "_", named)
+            flash = flash_of(name)
+            if flash is not None and flash.mask != "module":
+                calls.append((name, _kept(eqn, flash, known)))
+            continue
+        called = f"{inner}/{eqn.params['name']}" if eqn.primitive.name in ("jit", "pjit") else inner
+        for key, sub, consts in callees:
+            out = _walk(sub, _bound(eqn, key, sub, consts, known), called, calls)
+            if eqn.primitive.name in _THROUGH and len(out) == len(eqn.outvars):
+                pairs = zip(eqn.outvars, out, strict=True)
+                known.update((v, value) for v, value in pairs if value is not None)
+    return [_constant(atom, known) for atom in jaxpr.outvars]
+
+
+def _constant(atom: Any, known: dict[Any, Any]) -> Any:
+    """The constant value of a jaxpr's variable or literal, None where not known (a
+    `shard_map`'s output keeps the value of one device's block)."""
+    return atom.val if isinstance(atom, jex.Literal) else known.get(atom)
+
+
+def _callees(eqn: jex.JaxprEqn) -> Iterator[tuple[str, jex.Jaxpr, Sequence[Any]]]:
+    """The jaxprs an equation calls, each by its parameter's name, with its
+    constants' values."""
+    for key, value in eqn.params.items():
+        for each in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(each, jex.ClosedJaxpr):
+                yield key, each.jaxpr, each.consts
+            elif isinstance(each, jex.Jaxpr):
+                yield key, each, ()
+
+
+def _bound(
+    eqn: jex.JaxprEqn, key: str, sub: jex.Jaxpr, consts: Sequence[Any], known: dict[Any, Any]
+) -> dict[Any, Any]:
+    """The constant values of a called jaxpr's variables: its own constants, and its
+    inputs that take a constant of the caller's whole (a loop's carry, a scan's
+    slices and a sharded input take none)."""
+    bound = dict(zip(sub.constvars, consts, strict=False))
+    for var, atom in zip(sub.invars, _passed(eqn, key, len(sub.invars)), strict=True):
+        value = _constant(atom, known) if atom is not None else None
+        if value is not None and np.shape(value) == tuple(getattr(var.aval, "shape", ())):
+            bound[var] = value
+    return bound
+
+
+def _passed(eqn: jex.JaxprEqn, key: str, count: int) -> list[Any]:
+    """What a called jaxpr's inputs take of the equation's operands (None where not
+    one operand's value whole): a conditional's branches all but its index; a
+    loop's and a scan's their constants; any other call every operand in order."""
+    operands: list[Any] = list(eqn.invars)
+    if eqn.primitive.name == "cond":
+        operands = operands[1:]
+    elif eqn.primitive.name == "while":
+        cond, body = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
+        operands = operands[:cond] if key == "cond_jaxpr" else operands[cond : cond + body]
+    elif eqn.primitive.name == "scan":
+        operands = operands[: eqn.params["num_consts"]]
+    elif len(operands) != count:
+        operands = []
+    return (operands + [None] * count)[:count]
+
+
+def _kept(eqn: jex.JaxprEqn, flash: Flash, known: dict[Any, Any]) -> Kept:
+    """What one flash kernel's call keeps of its blocks; why not, where its
+    parameters are not as this jax's kernels write them."""
+    try:
+        if flash.mask == "blocks":
+            return _block_mask(eqn, flash, known)
+        return _causal(eqn, flash)
+    except (AttributeError, IndexError, KeyError, TypeError, ZeroDivisionError):
+        return Kept(why=f"its call's parameters are not as jax {jax.__version__} writes them")
+
+
+def _grid(eqn: jex.JaxprEqn, flash: Flash) -> tuple[tuple[int, int], tuple[int, int]]:
+    """A flash kernel's query and key blocks along the sequence: (how many, how
+    long) each, from the blocks its call gives its queries and keys (its first two
+    operands after the block mask's)."""
+    found = []
+    for mapping in eqn.params["grid_mapping"].block_mappings[:2]:
+        size = mapping.block_shape[flash.keys].block_size
+        found.append((mapping.array_aval.shape[flash.keys] // size, size))
+    return found[0], found[1]
+
+
+def _block_mask(eqn: jex.JaxprEqn, flash: Flash, known: dict[Any, Any]) -> Kept:
+    """Splash attention's kept blocks: its block mask's nonzero ones, of every block
+    of its queries and keys, per mask head."""
+    atom = eqn.invars[1]
+    value = _constant(atom, known)
+    if value is None or np.shape(value) != tuple(getattr(atom.aval, "shape", ())):
+        return Kept(why="its block mask is computed in the step, not a constant of it")
+    mask = np.asarray(value)
+    (queries, _), (keys, _) = _grid(eqn, flash)
+    if mask.ndim != 3 or not np.isin(mask, (0, 1, 2)).all():
+        return Kept(why="its call's second operand is not a block mask")
+    if mask.shape[1] > queries or mask.shape[2] > keys:
+        return Kept(why="its block mask has more blocks than its queries and keys")
+    return Kept(int(np.count_nonzero(mask)), mask.shape[0] * queries * keys)
+
+
+def _causal(eqn: jex.JaxprEqn, flash: Flash) -> Kept:
+    """jax's Pallas TPU flash attention's kept block pairs: those on or below the
+    diagonal where its kernel runs its dots under a condition (``causal=True``),
+    else all."""
+    (queries, q_size), (keys, k_size) = _grid(eqn, flash)
+    if not _conditional(eqn.params["jaxpr"]):
+        return Kept(queries * keys, queries * keys)
+    rows, cols = np.arange(queries)[:, None], np.arange(keys)[None, :]
+    kept = (rows + 1) * q_size - 1 > cols * k_size  # the kernel's below_or_on_diag
+    return Kept(int(kept.sum()), queries * keys)
+
+
+def _conditional(kernel: jex.Jaxpr) -> bool:
+    """Whether a kernel runs its dots only under a condition (`pl.when`)."""
+    return any(
+        eqn.primitive.name == "cond"
+        and any(_dots(branch.jaxpr) for branch in eqn.params["branches"])
+        for eqn in kernel.eqns
+    )
+
+
+def _dots(jaxpr: jex.Jaxpr) -> bool:
+    """Whether a jaxpr, or one it calls, runs a dot."""
+    return any(
+        eqn.primitive.name == "dot_general" or any(_dots(sub) for _, sub, _ in _callees(eqn))
+        for eqn in jaxpr.eqns
+    )

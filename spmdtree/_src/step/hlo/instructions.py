@@ -39,6 +39,10 @@ def parse_module(text: str) -> Any:
 # jax 0.10's instruction has no shape: the element types and dimensions of a result
 # type's arrays are read from the printed type ``(f32[8,2]{1,0}, s8[4]{0})``
 _ARRAY = re.compile(r"\b(pred|[a-z]+\d+[a-z0-9]*)\[([\d,]*)\]")
+# and the first array's layout, minor to major, before any tiling: ``{2,3,1,0:T(8,128)}``
+_LAYOUT = re.compile(r"\]\{([\d,]*)[:}]")
+# and each array's memory space, the layout's ``S(n)``: ``{3,2,1,0:T(8,128)(2,1)S(1)}``
+_SPACE = re.compile(r"\{[^}]*S\((\d+)\)[^}]*\}")
 # jaxlib's instruction has no attribute accessors: its printed attribute list is cut
 # at the commas outside brackets and strings, found by jumping between these marks
 _MARK = re.compile(r'[{}()\[\],"\\]')
@@ -56,10 +60,13 @@ def bits(dtype: str) -> int:
 
 
 class Array(NamedTuple):
-    """One array of a result: its element type (``bf16``) and dimensions."""
+    """One array of a result: its element type (``bf16``) and dimensions, and the
+    memory space its layout puts it in (``S(1)``: libtpu's alternate memory, the
+    chip's own VMEM; 0, the default, HBM; new in 0.7)."""
 
     dtype: str
     dims: tuple[int, ...]
+    space: int = 0
 
     @property
     def elements(self) -> int:
@@ -76,18 +83,47 @@ class Array(NamedTuple):
         """Its bytes (a sub-byte type's elements a byte each)."""
         return self.elements * max(bits(self.dtype) // 8, 1)
 
+    @property
+    def hbm_bytes(self) -> int:
+        """Its bytes where reading or writing it moves them through HBM: none in the
+        chip's own memory (`ON_CHIP`; new in 0.7)."""
+        return 0 if self.space == ON_CHIP else self.bytes
+
+
+#: The memory space libtpu's memory-space assignment prints as ``S(1)``: the
+#: alternate memory on the chip (a TPU's VMEM), whose reads and writes are no HBM
+#: traffic. Measured on a TPU v5e: a blocked attention's fusion of 117 MB, 96 MB of
+#: them in ``S(1)``, ran in 34 us, where 117 MB of HBM take 179 us (new in 0.7).
+ON_CHIP = 1
+
 
 def arrays(type_: str) -> tuple[Array, ...]:
-    """The arrays of a printed type (a tuple's elements in order).
+    """The arrays of a printed type (a tuple's elements in order), each with its
+    memory space where its layout names one (``S(1)``).
 
     Example:
-        >>> arrays("(f32[8,2]{1,0}, s8[4]{0})")
-        (Array(dtype='f32', dims=(8, 2)), Array(dtype='s8', dims=(4,)))
+        >>> arrays("(f32[8,2]{1,0}, s8[4]{0:T(128)S(1)})")
+        (Array(dtype='f32', dims=(8, 2), space=0), Array(dtype='s8', dims=(4,), space=1))
     """
-    return tuple(
-        Array(dtype, tuple(int(d) for d in dims.split(",") if d))
-        for dtype, dims in _ARRAY.findall(type_)
-    )
+    found = []
+    for match in _ARRAY.finditer(type_):
+        space = _SPACE.match(type_, match.end())
+        dims = tuple(int(d) for d in match.group(2).split(",") if d)
+        found.append(Array(match.group(1), dims, int(space.group(1)) if space else 0))
+    return tuple(found)
+
+
+def layout(type_: str) -> tuple[int, ...]:
+    """A printed type's first array's layout, its dimensions from minor to major
+    (``()`` where none is printed; new in 0.7).
+
+    Example:
+        >>> layout("f32[2,8,8192,8192]{2,3,1,0:T(8,128)}"), layout("(f32[8], s8[4]{0})")
+        ((2, 3, 1, 0), ())
+    """
+    first = _ARRAY.search(type_)
+    found = _LAYOUT.match(type_, first.end() - 1) if first else None
+    return tuple(int(d) for d in found.group(1).split(",") if d) if found else ()
 
 
 class DotDims(NamedTuple):
@@ -145,6 +181,9 @@ class Instr:
         precision: its operands' precisions (``highest``).
         op_name: the name its metadata gives (jax's name scope and primitive).
         frontend: its frontend attributes.
+        layout: its result's (a tuple's first array's) layout, its dimensions
+            from minor to major; ``()`` where none is printed (new in 0.7).
+        dimensions: the dimensions it names (a reduce's reduced ones; new in 0.7).
     """
 
     name: str
@@ -168,6 +207,8 @@ class Instr:
     precision: tuple[str, ...] = ()
     op_name: str = ""
     frontend: Mapping[str, str] = dataclasses.field(default_factory=dict, hash=False)
+    layout: tuple[int, ...] = ()
+    dimensions: tuple[int, ...] = ()
 
     @property
     def dims(self) -> tuple[int, ...]:
@@ -180,9 +221,39 @@ class Instr:
         return sum(a.bytes for a in self.arrays)
 
     @property
+    def hbm_bytes(self) -> int:
+        """Its result's bytes that live in HBM (`Array.hbm_bytes`; new in 0.7)."""
+        return sum(a.hbm_bytes for a in self.arrays)
+
+    @property
     def number(self) -> int:
         """A parameter's number."""
         return int(self.literal or 0)
+
+    @property
+    def minor(self) -> int | None:
+        """Its result's minor-most dimension: its layout's first, the last where no
+        layout is printed (the default); None for a scalar (new in 0.7)."""
+        if self.layout:
+            return self.layout[0]
+        return len(self.dims) - 1 if self.dims else None
+
+    @property
+    def printed(self) -> str:
+        """Its result's (first) array as HLO prints it, with its layout and without
+        its tiling: ``f32[2,8,8192,8192]{2,3,1,0}`` (new in 0.7).
+
+        Example:
+            >>> ins = Instr("x", Op.kParameter, (Array("f32", (8, 2)),), False, (), False, (),
+            ...     layout=(0, 1))
+            >>> ins.printed, dataclasses.replace(ins, layout=()).printed
+            ('f32[8,2]{0,1}', 'f32[8,2]')
+        """
+        if not self.arrays:
+            return ""
+        array = self.arrays[0]
+        shape = f"{array.dtype}[{','.join(map(str, array.dims))}]"
+        return shape + ("{" + ",".join(map(str, self.layout)) + "}" if self.layout else "")
 
 
 def config_field(config: Any, key: str) -> Any:
@@ -385,6 +456,8 @@ def _fields(attrs: Mapping[str, str]) -> dict[str, Any]:
         found["precision"] = tuple(
             p.strip() for p in _braced(attrs["operand_precision"]).split(",")
         )
+    if "dimensions" in attrs:
+        found["dimensions"] = _integers(attrs["dimensions"])
     if "metadata" in attrs:
         found["op_name"] = _string(attrs["metadata"], "op_name")
     if "frontend_attributes" in attrs:
@@ -408,6 +481,7 @@ def instruction(ins: Any, root: bool, extra: Sequence[tuple[str, str]] = ()) -> 
         root=root,
         callees=(*_callees(attrs), *extra),
         literal="" if operands else args.strip(),
+        layout=layout(type_),
         **_fields(attrs),
     )
 

@@ -13,7 +13,7 @@ import dataclasses
 import math
 import re
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
@@ -202,10 +202,14 @@ def is_kernel_call(ins: Instr) -> bool:
 
 
 def kernel_name(ins: Instr) -> str:
-    """A hand-written kernel's name: Mosaic's call is named for its kernel
-    (``splash_mha_fwd_residuals.1``); a Triton call is named ``pallas_call``, and
-    its op name says whose it is (``.../mha_forward/pallas_call``, or
-    ``transpose(jvp(mha_backward))/pallas_call``).
+    """A hand-written kernel's name: Mosaic's call is named for its kernel's innermost
+    name scope (``splash_mha_fwd_residuals.1``); a Triton call is named
+    ``pallas_call``. Where that names none of jax's own flash kernels (`FLASH`), the
+    scope its op name gives the ``pallas_call`` may: a Triton kernel's
+    (``.../mha_forward/pallas_call``, ``transpose(jvp(mha_backward))/pallas_call``),
+    or jax's Pallas TPU flash attention's forward, named for the scope it is called
+    in (``jvp_jit_flash_attention__``) but its op name
+    ``jvp(jit(flash_attention))/pallas_call`` (new in 0.7).
 
     Example:
         >>> call = Instr("pallas_call.3", Op.kCustomCall, (), False, (), False, (),
@@ -215,12 +219,31 @@ def kernel_name(ins: Instr) -> str:
     """
     name = ins.name.rsplit(".", 1)[0]
     scopes = ins.op_name.split("/")
-    if name == "pallas_call" and len(scopes) > 1 and scopes[-1] == "pallas_call":
+    if flash_of(name) is None and len(scopes) > 1 and scopes[-1] == "pallas_call":
         # the scope before is the kernel's own only where pallas_call was given a
-        # name= (jax's kernels are): else it is the caller's, which names nothing
-        scope = scopes[-2].split("(")[-1].rstrip(")")
+        # name= or a scope (jax's kernels are): else it is the caller's, which names
+        # nothing
+        scope = innermost(scopes[-2])
         return scope if scope in FLASH else name
     return name
+
+
+def innermost(scope: str) -> str:
+    """A name scope without the transformations around it (new in 0.7).
+
+    Example:
+        >>> innermost("transpose(jvp(jit(flash_attention)))"), innermost("splash_mha_dq")
+        ('flash_attention', 'splash_mha_dq')
+    """
+    return scope.split("(")[-1].rstrip(")")
+
+
+#: Where a flash kernel's mask is read (new in 0.7): ``"module"``, the compiled module
+#: says which blocks it skips (jax's GPU kernel's causal loop); ``"blocks"``, the block
+#: mask it was built with, a constant of the traced step (splash attention); ``"causal"``,
+#: the traced kernel runs only the blocks on or below the diagonal (jax's Pallas TPU
+#: flash attention, with ``causal=True``).
+MaskSource = Literal["module", "blocks", "causal"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,14 +252,13 @@ class Flash:
     0.6): the dots it runs per query-key block pair, each of the head width (the
     forward: the scores and their product with the values; a backward kernel the
     scores again and the gradients it computes), and whether it is a backward one.
-    `mask_read`: whether the module says which blocks its mask skips (jax's GPU
-    kernel's causal loop, below); splash attention's block mask is a constant the
-    printed module elides, so its FLOPs are counted as if its mask kept every block.
-    `keys`: the axis of its key operand that runs over the sequence."""
+    `mask`: where which blocks its mask skips is read (`MaskSource`; 0.6 had
+    `mask_read`, the module's alone, and counted splash attention as if its mask kept
+    every block). `keys`: the axis of its key operand that runs over the sequence."""
 
     dots: int
     backward: bool
-    mask_read: bool
+    mask: MaskSource
     keys: int
 
     def flops(self, query: Array, key: Array, causal: bool) -> int:
@@ -245,7 +267,7 @@ class Flash:
 
         Example:
             >>> q = Array("bf16", (2, 1024, 8, 128))  # batch, sequence, heads, head width
-            >>> Flash(2, False, True, 1).flops(q, q, causal=False) == 4 * 2 * 8 * 1024 * 1024 * 128
+            >>> Flash(2, False, "module", 1).flops(q, q, causal=False) == 4 * 2 * 8 * 1024 * 1024 * 128
             True
         """
         return 2 * self.dots * query.elements * key.dims[self.keys] // (2 if causal else 1)
@@ -254,19 +276,24 @@ class Flash:
 #: jax's own flash-attention kernels, by the name their calls carry (a prefix):
 #: jax.experimental.pallas.ops.gpu.attention (Triton: operands batch x sequence x
 #: heads x head width; its backward recomputes the scores twice, once for dK and dV
-#: and once for dQ: 7 dots) and ...ops.tpu.splash_attention (Mosaic: the block
-#: mask's arrays first, then heads x sequence x head width; dQ's kernel 3 dots,
-#: dK and dV's 4, 5 where it fuses dQ's; MQA's alike).
+#: and once for dQ: 7 dots), ...ops.tpu.splash_attention (Mosaic: the block mask's
+#: arrays first, then heads x sequence x head width; dQ's kernel 3 dots, dK and dV's
+#: 4, 5 where it fuses dQ's; MQA's alike) and ...ops.tpu.flash_attention (Mosaic:
+#: batch x heads x sequence x head width; new in 0.7: its forward keeps a cost
+#: estimate, its dK and dV kernel recomputes the scores for 4 dots, its dQ kernel 3).
 FLASH: Mapping[str, Flash] = {
-    "mha_forward": Flash(2, False, True, 1),
-    "mha_backward": Flash(7, True, True, 1),
-    "mha_preprocess_backward": Flash(0, True, True, 1),  # the rows of dO x O: no dots
-    "splash_mha_fwd": Flash(2, False, False, -2),
-    "splash_mha_dq": Flash(3, True, False, -2),
-    "splash_mha_dkv": Flash(4, True, False, -2),
-    "splash_mqa_fwd": Flash(2, False, False, -2),  # one key-value head: the same dots
-    "splash_mqa_dq": Flash(3, True, False, -2),
-    "splash_mqa_dkv": Flash(4, True, False, -2),
+    "mha_forward": Flash(2, False, "module", 1),
+    "mha_backward": Flash(7, True, "module", 1),
+    "mha_preprocess_backward": Flash(0, True, "module", 1),  # the rows of dO x O: no dots
+    "splash_mha_fwd": Flash(2, False, "blocks", -2),
+    "splash_mha_dq": Flash(3, True, "blocks", -2),
+    "splash_mha_dkv": Flash(4, True, "blocks", -2),
+    "splash_mqa_fwd": Flash(2, False, "blocks", -2),  # one key-value head: the same dots
+    "splash_mqa_dq": Flash(3, True, "blocks", -2),
+    "splash_mqa_dkv": Flash(4, True, "blocks", -2),
+    "flash_attention": Flash(2, False, "causal", -2),
+    "flash_mha_bwd_dkv": Flash(4, True, "causal", -2),
+    "flash_mha_bwd_dq": Flash(3, True, "causal", -2),
 }
 
 
@@ -294,14 +321,78 @@ def _flash_flops(mod: Module, comp: str, ins: Instr) -> int:
     arrays = [a for a in _operands(mod, comp, ins) if a is not None and a.dtype[:1] in "bf"]
     if flash is None or len(arrays) < 2 or len(arrays[1].dims) < 3:
         return 0
-    causal = flash.mask_read and _WHILE.search(ins.config.get("mlir", "")) is not None
+    causal = flash.mask == "module" and _WHILE.search(ins.config.get("mlir", "")) is not None
     dots = flash.dots
+    query, key = arrays[0], arrays[1]
     if kernel_name(ins).startswith(("splash_mha_dkv", "splash_mqa_dkv")):
         # with BlockSizes(use_fused_bwd_kernel=True) it computes dQ too (dQ, dK and dV
-        # among its results, not dK and dV alone): dQ's dot besides its own four
-        shaped = [a for a in ins.arrays if len(a.dims) >= 3 and a.dtype[:1] in "bf"]
+        # among its results, not dK and dV alone): dQ's dot besides its own four. Its
+        # other results are blocks of scratch (batched under vmap: 0.6 counted those)
+        ends = (query.dims[-2:], key.dims[-2:])
+        shaped = [a for a in ins.arrays if len(a.dims) >= len(key.dims) and a.dims[-2:] in ends]
         dots += 1 if len(shaped) >= 3 else 0
-    return dataclasses.replace(flash, dots=dots).flops(arrays[0], arrays[1], causal)
+    return dataclasses.replace(flash, dots=dots).flops(query, key, causal)
+
+
+class Kept(NamedTuple):
+    """How many of a flash kernel's query-key blocks its mask keeps, as the traced
+    step says (new in 0.7): `kept` of `blocks` (over the heads its mask covers);
+    where the traced step does not say, 0 of 0, and `why` says why.
+
+    Example:
+        >>> Kept(36, 64).scaled(6400), Kept(why="its mask is computed in the step").read
+        (3600, False)
+    """
+
+    kept: int = 0
+    blocks: int = 0
+    why: str = ""
+
+    @property
+    def read(self) -> bool:
+        """Whether the mask was read."""
+        return self.blocks > 0
+
+    def scaled(self, flops: int) -> int:
+        """`flops` counted over every block, counted over the kept ones."""
+        return flops * self.kept // self.blocks if self.read else flops
+
+
+#: What libtpu writes for the cycles of a kernel it cannot estimate: 2^63 - 1 (new in 0.7).
+UNESTIMABLE = 2**63 - 1
+
+
+def estimated_cycles(ins: Instr) -> int:
+    """libtpu's own estimate of an instruction's cycles (its backend config's
+    ``estimated_cycles``): 0 where the compiler gives none, `UNESTIMABLE` where
+    libtpu says it cannot estimate it (new in 0.7).
+
+    Example:
+        >>> call = Instr("fusion.4", Op.kFusion, (), False, (), False, (),
+        ...     config={"window_config": {"estimated_cycles": "23750"}})
+        >>> estimated_cycles(call), estimated_cycles(Instr("d", Op.kDot, (), False, (), False, ()))
+        (23750, 0)
+    """
+    found = config_field(ins.config, "estimated_cycles")
+    return int(found) if isinstance(found, (int, str)) and str(found).isdigit() else 0
+
+
+def reduced(ins: Instr) -> tuple[int, ...]:
+    """The dimensions a reduction reduces: a reduce's ``dimensions``; a
+    reduce-window's whose window is wider than 1 (libtpu writes a softmax's
+    reduction over a non-minor dimension so); none for any other op (new in 0.7).
+
+    Example:
+        >>> window = Instr("r", Op.kReduceWindow, (), False, (), False, (),
+        ...     window={"size": (1, 16383, 1)})
+        >>> reduced(window)
+        (1,)
+    """
+    if ins.op == Op.kReduce:
+        return ins.dimensions
+    if ins.op == Op.kReduceWindow:
+        return tuple(d for d, size in enumerate(ins.window.get("size", ())) if size > 1)
+    return ()
 
 
 def kernel_estimate(ins: Instr) -> tuple[int, int] | None:

@@ -18,16 +18,19 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, cast
 
 from spmdtree._src.step.hlo.forms import Written
-from spmdtree._src.step.hlo.opcodes import flash_of
+from spmdtree._src.step.hlo.opcodes import Kept, flash_of
 from spmdtree._src.step.hlo.schedule import (
     KINDS,
     Branches,
     Collective,
+    Doubt,
     Event,
     Kernel,
     Loop,
     Schedule,
     Start,
+    flag_from,
+    flag_json,
     read_schedule,
 )
 from spmdtree._src.step.kinds import CollectiveKind
@@ -40,7 +43,8 @@ class Reading:
     Attributes:
         collectives: one `Collective` per kind and set of mesh axes.
         flags: sentences on what the figures do not cover, or read differently
-            from the HLO as written.
+            from the HLO as written; the kernels whose time the model may miss by
+            far (`schedule.Doubt`s, new in 0.7).
         flops: 2 x result elements x contracted size of every dot,
             convolution and matmul library call, times how often it runs.
         held_bytes: whole sizes of the all-reduces read as reduce-scatters
@@ -56,7 +60,7 @@ class Reading:
         """The reading as plain JSON values (what crosses a process boundary)."""
         return {
             "collectives": [list(row) for row in self.collectives],
-            "flags": list(self.flags),
+            "flags": [flag_json(flag) for flag in self.flags],
             "flops": self.flops,
             "held_bytes": self.held_bytes,
         }
@@ -71,7 +75,7 @@ class Reading:
                 )
                 for kind, n, size, axes, group, written in data["collectives"]
             ),
-            flags=tuple(data["flags"]),
+            flags=tuple(flag_from(flag) for flag in data["flags"]),
             flops=int(data["flops"]),
             held_bytes=int(data["held_bytes"]),
         )
@@ -87,8 +91,9 @@ Key = tuple[CollectiveKind, tuple[str, ...], int, Written]
 class Tally:
     """What some events do, per run: flops, collective rows ``(kind, axes, group,
     written_as) -> (count, bytes)``, the kinds inside loops of unknown trip count,
-    rows over groups that are not whole axes, and the hand-written kernels with no
-    cost estimate (by name)."""
+    rows over groups that are not whole axes, the hand-written kernels with no
+    cost estimate, and the flash kernels whose masks the traced step says (by
+    name)."""
 
     flops: int = 0
     rows: Mapping[Key, tuple[int, int]] = dataclasses.field(default_factory=dict)
@@ -133,7 +138,7 @@ def tally(events: Sequence[Event]) -> Tally:
 def _tally(event: Event) -> Tally:
     if isinstance(event, Kernel):
         flash = flash_of(event.call) if event.flops else None
-        dense = [event.call] if flash is not None and not flash.mask_read else []
+        dense = [event.call] if flash is not None and flash.mask != "module" else []
         opaque = [event.opaque] if event.opaque else []
         return Tally(flops=event.flops, opaque=frozenset(opaque), dense=frozenset(dense))
     if isinstance(event, Start):
@@ -154,9 +159,12 @@ def _tally(event: Event) -> Tally:
     return Tally()
 
 
-def reading_of(schedule: Schedule) -> Reading:
+def reading_of(schedule: Schedule, masks: Mapping[str, Kept] | None = None) -> Reading:
     """The `Reading` of a compiled step: a fold of its `Schedule` (the one walk of its
     module), so that the reading and the prediction see the same step (new in 0.6).
+    `masks`: what the traced step says of its flash kernels' masks, by kernel name
+    (`Schedule.masked` counts their FLOPs so); a kernel whose mask it does not read
+    is flagged as counted over every block, with why (new in 0.7).
 
     Example:
         >>> from spmdtree._src.step.hlo.schedule import Done, Kernel, Loop
@@ -172,7 +180,8 @@ def reading_of(schedule: Schedule) -> Reading:
     flags = [
         *_flags(total.unknown, total.partial, schedule.scattered, schedule.widened),
         *_opaque(total.opaque),
-        *_dense(total.dense),
+        *_dense(total.dense, masks),
+        *(flag for flag in schedule.flags if isinstance(flag, Doubt)),
     ]
     return Reading(found, tuple(flags), total.flops, schedule.held_bytes)
 
@@ -251,15 +260,34 @@ def read_step(
     return reading_of(schedule)
 
 
-def _dense(names: frozenset[str]) -> Iterator[str]:
-    """The sentence for flash kernels counted as if their masks kept every block."""
-    if names:
+#: Why a flash kernel's mask was not read, where no traced step was given.
+_UNTRACED = (
+    "the compiled module does not print the constants its mask is built from (preflight "
+    "reads them from the traced step)"
+)
+
+
+def _dense(names: frozenset[str], masks: Mapping[str, Kept] | None) -> Iterator[str]:
+    """The sentences for flash kernels counted as if their masks kept every block:
+    those whose masks the traced step does not say (`masks`), one per reason.
+
+    Example:
+        >>> masks = {"splash_mha_fwd": Kept(36, 64), "splash_mha_dq": Kept(why="its block mask is computed in the step, not a constant")}
+        >>> print(*_dense(frozenset(masks), masks))
+        flash attention's FLOPs (splash_mha_dq) are counted from its shapes as if its mask kept every block: its block mask is computed in the step, not a constant; a causal mask keeps about half of them, so the step's FLOPs and its attention's predicted time may be up to twice the kernel's
+    """
+    why: dict[str, list[str]] = {}
+    for name in sorted(names):
+        kept = Kept(why=_UNTRACED) if masks is None else masks.get(name)
+        if kept is None:
+            kept = Kept(why="no call of that name was found in the traced step")
+        if not kept.read:
+            why.setdefault(kept.why, []).append(name)
+    for reason, listed in why.items():
         yield (
-            f"splash attention's FLOPs ({', '.join(sorted(names))}) are counted from its "
-            "shapes as if its mask kept every block: the block mask is a constant the "
-            "compiled module does not print, and a causal mask skips about half of them, "
-            "so the step's FLOPs and its attention's predicted time are up to twice the "
-            "kernel's"
+            f"flash attention's FLOPs ({', '.join(listed)}) are counted from its shapes as if "
+            f"its mask kept every block: {reason}; a causal mask keeps about half of them, so "
+            "the step's FLOPs and its attention's predicted time may be up to twice the kernel's"
         )
 
 

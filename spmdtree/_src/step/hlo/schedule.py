@@ -40,12 +40,17 @@ from spmdtree._src.step.hlo.opcodes import (
     DONES,
     STARTS,
     SYNC,
+    UNESTIMABLE,
+    Kept,
+    estimated_cycles,
     flash_of,
     is_kernel_call,
     kernel_estimate,
     kernel_name,
+    reduced,
 )
 from spmdtree._src.step.kinds import Backend, CollectiveKind, KernelClass
+from spmdtree._src.text import Flag, size_text
 
 #: The collectives counted, in the order rows are listed.
 KINDS = tuple(CollectiveKind)
@@ -139,7 +144,10 @@ class Kernel(NamedTuple):
     hand-written kernel's name where its call keeps no cost estimate (new in 0.6);
     `call`, a library kernel's custom-call target (``__cudnn$fmhaSoftmax``: cuDNN's
     fused attention) or a hand-written kernel's name (``mha_forward``; new in 0.6);
-    `name`, the instruction's name in the compiled module (``fusion.12``; new in 0.6)."""
+    `name`, the instruction's name in the compiled module (``fusion.12``; new in 0.6);
+    `estimated_cycles`, libtpu's own estimate of its cycles (its backend config's),
+    0 where the compiler gives none, `opcodes.UNESTIMABLE` (2^63 - 1, libtpu's own
+    mark) where libtpu says it cannot estimate it (new in 0.7)."""
 
     kind: KernelClass
     flops: int
@@ -152,6 +160,17 @@ class Kernel(NamedTuple):
     opaque: str = ""
     call: str = ""
     name: str = ""
+    estimated_cycles: int = 0
+
+    @property
+    def unestimable(self) -> bool:
+        """Whether libtpu marks it as a kernel it cannot estimate (new in 0.7).
+
+        Example:
+            >>> Kernel("memory", 0, 1 << 20, estimated_cycles=2**63 - 1).unestimable
+            True
+        """
+        return self.estimated_cycles == UNESTIMABLE
 
     @property
     def flash(self) -> str:
@@ -209,6 +228,118 @@ class Branches(NamedTuple):
 Event = Kernel | Start | Done | Loop | Branches
 
 
+#: A reduction over a dimension that is not its array's minor-most is flagged from
+#: this size of the array (1 GiB; new in 0.7).
+LARGE_REDUCTION = 2**30
+
+
+class Doubt(Flag):
+    """A kernel whose time the model may miss by far (new in 0.7): libtpu marks it
+    unestimable, or it reduces a dimension that is not the minor-most of an array
+    of 1 GiB or more. Measured on a TPU v5e, the softmax of
+    ``jax.nn.dot_product_attention(implementation="xla")`` at 8,192 tokens ran two
+    such reductions per layer over ``f32[2,8,8192,8192]{2,3,1,0}``, 438 ms each
+    against ~5 ms of bytes: the only two kernels libtpu marked unestimable.
+
+    Attributes:
+        name: the kernel's instruction in the compiled module (``fusion.4``).
+        shape: the array it reduces, or else its result, with its layout
+            (``f32[2,8,8192,8192]{2,3,1,0}``).
+        op_name: where the step wrote it (its metadata's ``op_name``).
+        cycles: libtpu's estimate (`Kernel.estimated_cycles`: 0 for none,
+            `opcodes.UNESTIMABLE` where it cannot estimate it).
+        reduced: the dimensions it reduces that are not the minor-most (none
+            where it reduces none so).
+        minor: the reduced array's minor-most dimension.
+        bytes: the reduced array's bytes.
+
+    Example:
+        >>> doubt = Doubt("fusion.4", "f32[2,8192,128]{2,1,0}", "jit(f)/sub", 2**63 - 1, (1,), 2, 8 << 20)
+        >>> print(doubt)
+        fusion.4 reduces f32[2,8192,128]{2,1,0} (8.0 MiB, jit(f)/sub) over dimension 1, not its minor dimension 2, and libtpu cannot estimate it (its estimated_cycles is 2^63 - 1): on a TPU v5e such a reduction (a softmax over f32[2,8,8192,8192]{2,3,1,0}) ran 438 ms against ~5 ms for its bytes, so its predicted time may be far too low. Where it is attention's softmax, use a flash-attention kernel (jax.nn.dot_product_attention(implementation="cudnn") on GPU; splash attention or jax's Pallas flash attention on TPU); else reduce along the minor dimension
+        >>> doubt.cycles == 2**63 - 1, doubt.reduced
+        (True, (1,))
+    """
+
+    fields = ("name", "shape", "op_name", "cycles", "reduced", "minor", "bytes")
+    name: str
+    shape: str
+    op_name: str
+    cycles: int
+    reduced: tuple[int, ...]
+    minor: int
+    bytes: int
+
+    def __new__(
+        cls,
+        name: str,
+        shape: str,
+        op_name: str,
+        cycles: int,
+        reduced: tuple[int, ...] = (),
+        minor: int = 0,
+        bytes: int = 0,
+    ) -> Doubt:
+        doubt = super().__new__(cls, _doubted(name, shape, op_name, cycles, reduced, minor, bytes))
+        doubt.name, doubt.shape, doubt.op_name, doubt.cycles = name, shape, op_name, cycles
+        doubt.reduced, doubt.minor, doubt.bytes = tuple(reduced), minor, bytes
+        return doubt
+
+
+def _doubted(
+    name: str, shape: str, op_name: str, cycles: int, dims: tuple[int, ...], minor: int, size: int
+) -> str:
+    """A `Doubt`'s sentence: the kernel, what it does that the model may miss, what
+    libtpu said of it, and the fix."""
+    origin = f", {op_name}" if op_name else ""
+    said = (
+        "libtpu cannot estimate it (its estimated_cycles is 2^63 - 1)"
+        if cycles == UNESTIMABLE
+        else f"libtpu estimates it at {cycles:,} cycles"
+        if cycles
+        else ""
+    )
+    if not dims:
+        return (
+            f"{name} ({shape}{origin}): {said}, so its predicted time, from its FLOPs and "
+            "bytes, may be far too low (on a TPU v5e, the kernels libtpu so marked ran 88 "
+            "times their bytes' time); measure the step on the chip (st.measure)"
+        )
+    plural = "s" if len(dims) > 1 else ""
+    return (
+        f"{name} reduces {shape} ({size_text(size)}{origin}) over dimension{plural} "
+        f"{', '.join(map(str, dims))}, not its minor dimension {minor}"
+        f"{', and ' + said if said else ''}: on a TPU v5e such a reduction (a softmax over "
+        "f32[2,8,8192,8192]{2,3,1,0}) ran 438 ms against ~5 ms for its bytes, so its "
+        "predicted time may be far too low. Where it is attention's softmax, use a "
+        'flash-attention kernel (jax.nn.dot_product_attention(implementation="cudnn") on '
+        "GPU; splash attention or jax's Pallas flash attention on TPU); else reduce along "
+        "the minor dimension"
+    )
+
+
+def flag_json(flag: str) -> Any:
+    """A flag as a JSON value: a sentence as itself, a `Doubt` as its fields (new in
+    0.7: read back typed, not parsed from its sentence)."""
+    if isinstance(flag, Doubt):
+        return {"doubt": [getattr(flag, name) for name in Doubt.fields]}
+    return str(flag)
+
+
+def flag_from(data: Any) -> str:
+    """The flag `flag_json` gave.
+
+    Example:
+        >>> doubt = Doubt("fusion.9", "f32[8]{0}", "", 2**63 - 1)
+        >>> type(flag_from(flag_json(doubt))).__name__, flag_from(flag_json(doubt)) == doubt
+        ('Doubt', True)
+    """
+    if isinstance(data, dict):
+        name, shape, op_name, cycles, dims, minor, size = data["doubt"]
+        return Doubt(name, shape, op_name, cycles, tuple(dims), minor, size)
+    return str(data)
+
+
 @dataclasses.dataclass(frozen=True)
 class Schedule:
     """A compiled step's events in the order its device runs them (`read_schedule`).
@@ -218,7 +349,8 @@ class Schedule:
             `Branches` records, in schedule order.
         platform: the compiler's platform (``"cuda"``, ``"tpu"``, ``"cpu"``).
         flags: what the schedule does not cover (a loop of unknown trip count,
-            timed once).
+            timed once), and the kernels whose time the model may miss by far
+            (`Doubt`s; new in 0.7).
         held_bytes: on the CPU, the whole sizes of the all-reduces read as
             reduce-scatters that are live at once (0 elsewhere).
         scattered: on the CPU, how many all-reduces are read as reduce-scatters.
@@ -238,12 +370,25 @@ class Schedule:
         written (not times its trips)."""
         return _kernels(self.events)
 
+    def compiler_cycles(self) -> int:
+        """libtpu's own estimate of the step, in cycles: each kernel's
+        `Kernel.estimated_cycles` times how often it runs (a loop's trips, a
+        conditional's costlier branch once), those it cannot estimate left out
+        (`Doubt` flags them); 0 where the compiler gives none (new in 0.7).
+
+        Example:
+            >>> events = (Kernel("matmul", 1, 1, estimated_cycles=100), Loop(4, (Kernel("memory", 0, 1, estimated_cycles=25),)))
+            >>> Schedule(events, "tpu").compiler_cycles()
+            200
+        """
+        return _cycles(self.events)
+
     def to_json(self) -> dict[str, Any]:
         """The schedule as plain JSON values (each event a tagged list)."""
         return {
             "events": [_event_json(e) for e in self.events],
             "platform": self.platform,
-            "flags": list(self.flags),
+            "flags": [flag_json(flag) for flag in self.flags],
             "cpu": [self.held_bytes, self.scattered, self.widened],
         }
 
@@ -251,7 +396,35 @@ class Schedule:
     def from_json(cls, data: Mapping[str, Any]) -> Schedule:
         """The schedule `to_json` gave."""
         events = tuple(_event_from(e) for e in data["events"])
-        return cls(events, data["platform"], tuple(data["flags"]), *data["cpu"])
+        flags = tuple(flag_from(flag) for flag in data["flags"])
+        return cls(events, data["platform"], flags, *data["cpu"])
+
+    def masked(self, masks: Mapping[str, Kept]) -> Schedule:
+        """This schedule with each flash kernel's FLOPs counted over the blocks its
+        mask keeps, as `masks` (by kernel name: what the traced step says) gives
+        them; a kernel without one as it was (new in 0.7).
+
+        Example:
+            >>> events = (Loop(4, (Kernel("attention", 6400, 64, call="splash_mha_fwd_residuals"),)),)
+            >>> masked = Schedule(events, "tpu").masked({"splash_mha_fwd_residuals": Kept(36, 64)})
+            >>> masked.events[0].body[0].flops
+            3600
+        """
+        return dataclasses.replace(self, events=_masked(self.events, masks))
+
+
+def _masked(events: tuple[Event, ...], masks: Mapping[str, Kept]) -> tuple[Event, ...]:
+    """`events` with each flash kernel's FLOPs over the blocks its mask keeps."""
+    found: list[Event] = []
+    for event in events:
+        if isinstance(event, Kernel) and event.call in masks and flash_of(event.call):
+            event = event._replace(flops=masks[event.call].scaled(event.flops))
+        elif isinstance(event, Loop):
+            event = event._replace(body=_masked(event.body, masks))
+        elif isinstance(event, Branches):
+            event = Branches(tuple(_masked(option, masks) for option in event.options))
+        found.append(event)
+    return tuple(found)
 
 
 def _kernels(events: Iterable[Event]) -> Iterator[Kernel]:
@@ -263,6 +436,19 @@ def _kernels(events: Iterable[Event]) -> Iterator[Kernel]:
         elif isinstance(event, Branches):
             for option in event.options:
                 yield from _kernels(option)
+
+
+def _cycles(events: Iterable[Event]) -> int:
+    """The estimated cycles of `events`, per run (`Schedule.compiler_cycles`)."""
+    total = 0
+    for event in events:
+        if isinstance(event, Kernel) and not event.unestimable:
+            total += event.estimated_cycles
+        elif isinstance(event, Loop):
+            total += event.trips * _cycles(event.body)
+        elif isinstance(event, Branches):
+            total += max((_cycles(option) for option in event.options), default=0)
+    return total
 
 
 def _event_json(event: Event) -> list[Any]:
@@ -349,6 +535,7 @@ class _Walker:
         self.scattered: dict[tuple[str, str], int] = {}
         self.widened: set[tuple[str, str]] = set()
         self.chains: dict[str, tuple[int, ...]] = {}  # libtpu's async fusions, started
+        self.doubts: list[Doubt] = []
 
     def events(self, comp: str) -> tuple[Event, ...]:
         if comp not in self.read:
@@ -545,7 +732,8 @@ class _Walker:
     def _kernel(self, comp: str, ins: Instr) -> Kernel:
         """A kernel: its class, FLOPs, bytes and largest matmul's shape."""
         flops, largest, shape, dtype, named = 0, 0, (0, 0, 0, 0), "", False
-        for where, dot in self._dots(comp, ins):
+        inside = self._inside_kernel(comp, ins)
+        for where, dot in _dots(ins, inside):
             f = opcodes.flops(self.mod, where, dot)
             if f > largest:
                 largest, shape = f, _gemm_shape(self.mod, where, dot, f)
@@ -562,6 +750,8 @@ class _Walker:
         if flash_of(name) is not None:  # its blocks run at the kernel's own rate
             shape, dtype = (0, 0, 0, 0), self._flash_dtype(comp, ins)
         call = ins.target if ins.target.startswith("__cudnn$") else name
+        cycles = estimated_cycles(ins)
+        self._doubt(ins, inside, cycles)
         return Kernel(
             kind,
             flops,
@@ -571,7 +761,47 @@ class _Walker:
             opaque,
             call,
             ins.name,
+            cycles,
         )
+
+    def _doubt(self, ins: Instr, inside: list[tuple[str, Instr]], cycles: int) -> None:
+        """Keeps a `Doubt` of kernel `ins` where libtpu cannot estimate it (`cycles`),
+        or where it reduces a non-minor dimension of an array of `LARGE_REDUCTION`
+        bytes or more (its largest such reduction said either way); `inside`, the
+        instructions it runs."""
+        found = self._reduction(inside)
+        large = found is not None and found[1].arrays[0].bytes >= LARGE_REDUCTION
+        if cycles != UNESTIMABLE and not large:
+            return
+        if found is None:
+            self.doubts.append(Doubt(ins.name, ins.printed, ins.op_name, cycles))
+            return
+        reduction, operand = found
+        self.doubts.append(
+            Doubt(
+                ins.name,
+                operand.printed,
+                reduction.op_name or ins.op_name,
+                cycles,
+                reduced(reduction),
+                operand.minor or 0,
+                operand.arrays[0].bytes,
+            )
+        )
+
+    def _reduction(self, inside: list[tuple[str, Instr]]) -> tuple[Instr, Instr] | None:
+        """The largest reduction among the instructions a kernel runs (`inside`) over
+        dimensions without its operand's minor-most, with that operand; None where
+        it runs none."""
+        found: list[tuple[Instr, Instr]] = []
+        for where, each in inside:
+            operand = self.mod.by_name[where].get(each.operands[0]) if each.operands else None
+            dims = reduced(each)
+            if operand is None or not operand.arrays or operand.minor is None or not dims:
+                continue
+            if operand.minor not in dims:
+                found.append((each, operand))
+        return max(found, key=lambda pair: pair[1].arrays[0].bytes, default=None)
 
     def _flash_dtype(self, comp: str, ins: Instr) -> str:
         """A flash kernel's queries' element type: its first floating-point operand's."""
@@ -588,17 +818,16 @@ class _Walker:
         inner = self.mod.comps.get(dict(ins.callees).get("calls", ""), [])
         return ins.op == Op.kFusion and any(_attention_named(i) for i in inner)
 
-    def _dots(self, comp: str, ins: Instr) -> list[tuple[str, Instr]]:
-        """The instructions with FLOPs an instruction runs: itself, or inside the
-        fusion it calls."""
+    def _inside_kernel(self, comp: str, ins: Instr) -> list[tuple[str, Instr]]:
+        """The instructions a kernel runs, each with its computation: itself, or
+        those of the fusion it calls (nested fusions' too)."""
         if ins.op != Op.kFusion:
             return [(comp, ins)]
         found, todo = [], [dict(ins.callees).get("calls", "")]
         while todo:
             inner = todo.pop()
             for each in self.mod.comps.get(inner, []):
-                if each.op in (Op.kDot, Op.kConvolution, Op.kCustomCall):
-                    found.append((inner, each))
+                found.append((inner, each))
                 todo += [c for r, c in each.callees if r == "calls"]
         return found
 
@@ -615,9 +844,16 @@ class _Walker:
         given = [self.mod.by_name[comp][o] for o in ins.operands if o in self.mod.by_name[comp]]
         if ins.op in _SLICING:
             return 2 * ins.bytes
-        if ins.op == Op.kDynamicUpdateSlice and len(given) > 1:
-            return 2 * given[1].bytes
-        return sum(g.bytes for g in given) + _result_bytes(ins)
+        if ins.op == Op.kDynamicUpdateSlice and len(given) > 1:  # the update read, then
+            return given[1].hbm_bytes + _update_written(ins, given[1])  # written in place
+        return sum(g.hbm_bytes for g in given) + _result_bytes(ins)
+
+
+def _dots(ins: Instr, inside: list[tuple[str, Instr]]) -> list[tuple[str, Instr]]:
+    """Of the instructions kernel `ins` runs (`inside`), those with FLOPs: itself, or
+    the dots, convolutions and library calls of the fusion it calls."""
+    computes = (Op.kDot, Op.kConvolution, Op.kCustomCall)
+    return [(where, each) for where, each in inside if ins.op != Op.kFusion or each.op in computes]
 
 
 def _result_bytes(ins: Instr) -> int:
@@ -627,7 +863,7 @@ def _result_bytes(ins: Instr) -> int:
     result = ins.arrays
     if ins.op == Op.kCustomCall and ins.is_tuple and result and not is_kernel_call(ins):
         result = result[:1]
-    return sum(array.bytes for array in result)
+    return sum(array.hbm_bytes for array in result)
 
 
 def _operand_dtype(mod: Module, comp: str, ins: Instr) -> str:
@@ -710,7 +946,7 @@ def _fusion_bytes(mod: Module, comp: str, ins: Instr) -> int:
     read = 0
     for j, operand in enumerate(ins.operands):
         given = mod.by_name[comp].get(operand)
-        whole = given.bytes if given is not None else 0
+        whole = given.hbm_bytes if given is not None else 0  # the chip's own memory: no HBM
         param = mod.param(callee, j)
         read += whole if param is None else _read(mod, callee, param, whole)
     root = mod.root(callee)
@@ -785,8 +1021,15 @@ def _written(mod: Module, comp: str, root: Instr) -> int:
         return _written(mod, comp, mod.by_name[comp][root.operands[0]])
     if root.op == Op.kDynamicUpdateSlice and len(root.operands) > 1:
         update = mod.by_name[comp].get(root.operands[1])
-        return update.bytes if update is not None else 0
-    return _result_bytes(root)  # a fused library call (jax 0.12's dynamic-slice fusion)
+        return _update_written(root, update) if update is not None else 0
+    return _result_bytes(root)
+
+
+def _update_written(update_slice: Instr, update: Instr) -> int:
+    """The bytes an in-place update writes: its update's, where the buffer it writes
+    into is in HBM (its result's memory space), wherever the update was read from."""
+    in_hbm = bool(update_slice.arrays) and update_slice.arrays[0].hbm_bytes > 0
+    return update.bytes if in_hbm else 0  # a fused library call (jax 0.12's dynamic-slice fusion)
 
 
 def read_schedule(
@@ -835,7 +1078,7 @@ def read_schedule(
         >>> schedule.events[0].row
         Collective(kind='all-gather', count=1, bytes=2097152, axes=('data',), group=8, written_as='')
         >>> schedule.events[1]
-        Kernel(kind='matmul', flops=2147483648, bytes=6291456, batch=1, m=1024, n=1024, k=1024, dtype='bf16', opaque='', call='', name='d')
+        Kernel(kind='matmul', flops=2147483648, bytes=6291456, batch=1, m=1024, n=1024, k=1024, dtype='bf16', opaque='', call='', name='d', estimated_cycles=0)
         >>> Schedule.from_json(schedule.to_json()) == schedule
         True
     """
@@ -845,9 +1088,12 @@ def read_schedule(
     walker = _Walker(mod, shape, Backend.of(platform).estimates, slice_size)
     events = walker.events(mod.entry)
     flags = (
-        ("a loop whose trip count the compiler does not know: timed once",)
-        if walker.unknown
-        else ()
+        *(
+            ("a loop whose trip count the compiler does not know: timed once",)
+            if walker.unknown
+            else ()
+        ),
+        *walker.doubts,
     )
     most = held(mod, walker.scattered, mod.entry) if walker.scattered else 0
     return Schedule(events, platform, flags, most, len(walker.scattered), len(walker.widened))

@@ -75,6 +75,8 @@ class TpuChip:
         cubes: whether the wraparounds come from optical switches that join whole
             cubes only (v5p: every axis a multiple of 4, or no axis wraps).
         slice_limit: the most chips one slice holds (None: no limit checked).
+        clock_ghz: its clock, at which libtpu's estimates of a kernel's cycles
+            are seconds (0.0: not known; new in 0.7).
 
     Example:
         >>> import spmdtree as st
@@ -89,6 +91,7 @@ class TpuChip:
     wraparound: int = 0
     cubes: bool = False
     slice_limit: int | None = None
+    clock_ghz: float = 0.0
 
 
 def _gpu(**facts: Any) -> dict[str, Any]:
@@ -142,7 +145,17 @@ def _tpu(**facts: Any) -> dict[str, Any]:
 #: GB/s, v5p 2,765 GB/s, v6e 1,640 GB/s) and ICI/DCN from Google Cloud's
 #: system-architecture pages; the pods: v5e and v6e 256 chips in a 2D torus, v5p a 3D
 #: torus; libtpu's device kinds and TensorCores measured with libtpu 0.0.50.1 (v5p's two
-#: are one megacore); wraparound links from the scaling book's "How to Think About
+#: are one megacore); the clocks, the bf16 peak over the MXUs' FLOPs per cycle (a
+#: 128 x 128 MXU's 128 x 128 multiply-adds, 2 FLOPs each; the scaling book: "about 5e13
+#: bf16 FLOPs/s per MXU at 1.5GHz on TPU v5e", 4 MXUs a TensorCore, Trillium's 256 x
+#: 256): v5e 197e12 / (4 x 128 x 128 x 2) = 1.5 GHz, v5p 459e12 / (2 TensorCores x 4 x
+#: 128 x 128 x 2) = 1.75 GHz, v6e 918e12 / (4 x 256 x 256 x 2) = 1.75 GHz (libtpu
+#: 0.0.42.1's estimated cycles of a bf16 4096^3 matmul say 126,898, 252,216 and 455,675
+#: FLOPs a cycle: at most 4, 8 and 4 such MXUs' 131,072, 262,144 and 524,288; Google's
+#: v6e page, which says 2 MXUs, would make it 3.5 GHz); v5e's memory is what libtpu
+#: allows on the chip (``bytes_limit`` 16,909,336,064 B, about 15.75 GiB, measured on a v5e with
+#: jax 0.10.2 and libtpu 0.0.42.1: the data sheet's 16 GB read as 16 GiB is more than it
+#: allows); wraparound links from the scaling book's "How to Think About
 #: TPUs": an axis of 16 on v5e and v6e, whole 4x4x4 cubes on v5p ("a 2x2x4 won't have
 #: any wraparounds"). Flash attention's shares of the peak (head width 128, bf16), the
 #: kernel a GPU job runs: cuDNN's on H100 from the FlashAttention-3 paper (Shah et al.
@@ -209,12 +222,12 @@ CHIPS: dict[str, Mapping[str, Any]] = {
         chip=GpuChip("NVIDIA B200", (10, 0), 1.965, 126 * MIB),
     ),
     "tpu-v5e": _tpu(
-        memory_bytes=16 * GIB,
+        memory_bytes=16_909_336_064,
         flops_per_second=1.97e14,
         hbm_bytes_per_second=819 * GB,
         links={"ici": (9e10, 1e-6), "dcn": (3.125e9, 1e-5)},
         tile=128,
-        chip=TpuChip("v5e", "TPU v5 lite", 1, 2, wraparound=16, slice_limit=256),
+        chip=TpuChip("v5e", "TPU v5 lite", 1, 2, wraparound=16, slice_limit=256, clock_ghz=1.5),
     ),
     "tpu-v5p": _tpu(
         memory_bytes=95 * GIB,
@@ -222,7 +235,7 @@ CHIPS: dict[str, Mapping[str, Any]] = {
         hbm_bytes_per_second=2_765 * GB,
         links={"ici": (1.8e11, 1e-6), "dcn": (6.25e9, 1e-5)},
         tile=128,
-        chip=TpuChip("v5p", "TPU v5", 2, 3, wraparound=4, cubes=True),
+        chip=TpuChip("v5p", "TPU v5", 2, 3, wraparound=4, cubes=True, clock_ghz=1.75),
     ),
     "tpu-v6e": _tpu(
         memory_bytes=32 * GIB,
@@ -230,9 +243,22 @@ CHIPS: dict[str, Mapping[str, Any]] = {
         hbm_bytes_per_second=1_640 * GB,
         links={"ici": (1.8e11, 1e-6), "dcn": (12.5e9, 1e-5)},
         tile=256,
-        chip=TpuChip("v6e", "TPU v6 lite", 1, 2, wraparound=16, slice_limit=256),
+        chip=TpuChip("v6e", "TPU v6 lite", 1, 2, wraparound=16, slice_limit=256, clock_ghz=1.75),
     ),
 }
+
+
+def tpu_clock_ghz(device_kind: str) -> float:
+    """The clock of the TPU whose devices report this kind (libtpu's ``device_kind``),
+    as its chip in `CHIPS` gives it; 0.0 for a kind none is (new in 0.7: what a
+    compile knows of its chip is its devices).
+
+    Example:
+        >>> tpu_clock_ghz("TPU v5 lite"), tpu_clock_ghz("NVIDIA H100 80GB HBM3")
+        (1.5, 0.0)
+    """
+    chips = [row["chip"] for row in CHIPS.values() if isinstance(row["chip"], TpuChip)]
+    return next((chip.clock_ghz for chip in chips if chip.device_kind == device_kind), 0.0)
 
 
 def slice_dims(chips: int, count: int) -> list[int]:

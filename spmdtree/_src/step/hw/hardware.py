@@ -520,7 +520,8 @@ def _chip_of(data: object) -> GpuChip | TpuChip | None:
 #: The presets, built from `chips.CHIPS` alone (every figure's source is listed there
 #: and in docs/planning.md, "Hardware and time"). A GPU's memory is what the device
 #: reports, the bytes its compiler target is given too; a TPU's is its data sheet's GB
-#: read as GiB. Latencies are rough.
+#: read as GiB, but the v5e's, what libtpu allows on the chip (its `bytes_limit`, 15.75
+#: GiB, measured; new in 0.7). Latencies are rough.
 PRESETS = {
     name: Hardware(
         name,

@@ -29,9 +29,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from spmdtree._src.errors import Mistake, public
+from spmdtree._src.step.compile.backends import TOOLCHAINS
 from spmdtree._src.step.hlo.schedule import Kernel
 from spmdtree._src.step.hw.hardware import PRESETS, Hardware, hardware, preset_in
-from spmdtree._src.step.kinds import KernelClass
+from spmdtree._src.step.kinds import Backend, KernelClass
 from spmdtree._src.step.measure.measure import measure
 
 #: bf16 matmul shapes (m, k, n) timed for the largest share: square ones of an
@@ -93,7 +94,8 @@ def calibrate(
     base = _preset(preset, device)
     if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not seconds > 0:
         raise Mistake(ValueError, f"seconds is {seconds!r}; expected a number > 0.")
-    kind = "cpu" if device.platform == "cpu" else "accelerator"
+    toolchain = TOOLCHAINS[Backend.of(device.platform)]
+    kind = "cpu" if toolchain.backend.estimates else "accelerator"
     bench = _Bench(device, base, max(2, min(10, int(seconds / 8))))
     figures: dict[str, float] = {}
     bf16 = max(bench.matmul(shape, jnp.bfloat16) for shape in MATMULS[kind])
@@ -103,9 +105,9 @@ def calibrate(
     figures["f32_highest_speed"] = bench.matmul(shape, jnp.float32, "highest") / bf16
     bandwidth = base.hbm_bytes_per_second or base.costs().hbm_bytes_per_second
     figures["memory_efficiency"] = bench.memory(ELEMENTS[kind]) / bandwidth
-    flash = _flash_shares(bench, device)
+    flash = _flash_shares(bench, toolchain.flash)
     figures.update(flash or {})
-    said = _provenance(device)
+    said = _provenance(device, toolchain.package)
     measured: dict[str, Any] = {name: min(value, 1.0) for name, value in figures.items()}
     provenance = dict(base.provenance)
     for name, value in figures.items():
@@ -113,7 +115,9 @@ def calibrate(
         provenance[name] = said + over
     if flash is None:
         for name in ("flash_forward_efficiency", "flash_backward_efficiency"):
-            provenance[name] = f"not measured: no flash-attention kernel timed on {device.platform}"
+            provenance[name] = (
+                f"not measured: no flash-attention kernel timed on {device.device_kind}"
+            )
     return dataclasses.replace(
         base, name=f"{base.name}, calibrated", provenance=provenance, **measured
     )
@@ -149,10 +153,10 @@ def _preset(preset: object, device: jax.Device) -> Hardware:
     return found
 
 
-def _provenance(device: jax.Device) -> str:
-    """``measured 2026-12-06 on TPU v5 lite, jax 0.10.2, libtpu 0.0.42.1``."""
+def _provenance(device: jax.Device, package: str | None) -> str:
+    """``measured 2026-12-06 on TPU v5 lite, jax 0.10.2, libtpu 0.0.42.1``: the
+    device's compiler's `package` and its version beside jax's."""
     versions = [f"jax {jax.__version__}"]
-    package = {"tpu": "libtpu", "gpu": "jax-cuda12-plugin"}.get(device.platform)
     with contextlib.suppress(metadata.PackageNotFoundError):
         versions += [f"{package} {metadata.version(package)}"] if package else []
     today = datetime.date.today().isoformat()
@@ -194,11 +198,11 @@ class _Bench:
         )
 
 
-def _flash_shares(bench: _Bench, device: jax.Device) -> dict[str, float] | None:
+def _flash_shares(bench: _Bench, flash: str) -> dict[str, float] | None:
     """The flash kernel's shares of the peak, forward and backward, causal: each
     direction's FLOPs as the model counts them over their time in the device's
     profile; None where the device has no flash kernel, or the profile timed none."""
-    attention = _attention(device)
+    attention = _attention(flash)
     if attention is None:
         return None
     spec = jax.ShapeDtypeStruct(ATTENTION, jnp.bfloat16)
@@ -223,9 +227,9 @@ def _direction(call: str) -> str:
     return Kernel(KernelClass.ATTENTION, 0, 0, call=call).flash if call else ""
 
 
-def _attention(device: jax.Device) -> Callable[..., jax.Array] | None:
-    """The device's causal flash attention over (batch, heads, length, width)."""
-    if device.platform == "tpu":
+def _attention(flash: str) -> Callable[..., jax.Array] | None:
+    """The `flash` kernel's causal attention over (batch, heads, length, width)."""
+    if flash == "splash":
         from jax.experimental.pallas.ops.tpu.splash_attention import (
             splash_attention_kernel as kernel,
         )
@@ -238,7 +242,7 @@ def _attention(device: jax.Device) -> Callable[..., jax.Array] | None:
         blocks = kernel.BlockSizes(*(SPLASH_BLOCK,) * 8)  # MaxText's: 512 each way
         splash = kernel.make_splash_mha(mask, block_sizes=blocks, head_shards=1, q_seq_shards=1)
         return jax.vmap(splash)
-    if device.platform == "gpu":
+    if flash == "cudnn":
 
         def cudnn(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
             swap = lambda a: jnp.swapaxes(a, 1, 2)  # noqa: E731  (batch, length, heads, width)

@@ -26,10 +26,10 @@ import numpy as np
 from jax.sharding import AbstractMesh, Mesh
 
 from spmdtree._src.errors import Mistake, public
-from spmdtree._src.rules import AnyMesh, PyTree, Rules
+from spmdtree._src.rules import AnyMesh, PyTree, Rules, logical_axis_rules
 from spmdtree._src.step.compile.compilers import Here, check_options
 from spmdtree._src.step.compile.preflight import Keywords, plan_arguments, step_plan, trace_for
-from spmdtree._src.step.compile.trace import Arguments
+from spmdtree._src.step.compile.trace import Arguments, called
 from spmdtree._src.step.hw.hardware import Hardware, preset_in
 from spmdtree._src.step.kinds import Backend
 from spmdtree._src.step.time.measured import Measurement, compare
@@ -135,7 +135,7 @@ def measure(
             f"no preset matches the devices ({plan.target}); pass hardware= "
             "(st.calibrate() measures the chip present, or build a st.Hardware).",
         )
-    runs = _Runs(compiled, planned, here, fill)
+    runs = _Runs(compiled, planned, here, fill, _jitted(fn, planned, here, rules))
     times = _fitting(lambda: runs.timed(warmup, steps), compiler)
     with contextlib.ExitStack() as stack:
         folder = profile_dir or stack.enter_context(tempfile.TemporaryDirectory())
@@ -207,16 +207,42 @@ def _module_name(compiled: Any) -> str:
 
 
 class _Runs:
-    """The compiled step and its arguments, placed and filled, to run."""
+    """The compiled step and its arguments, placed and filled, to run; `jitted`, the
+    same step through `jax.jit` itself, where calling the compiled one fails."""
 
-    def __init__(self, compiled: Any, planned: Arguments, mesh: Mesh, fill: Fill | None) -> None:
+    def __init__(
+        self,
+        compiled: Any,
+        planned: Arguments,
+        mesh: Mesh,
+        fill: Fill | None,
+        jitted: Callable[..., Any],
+    ) -> None:
         leaves, _, donated = planned.leaves(mesh)
         self.compiled, self.leaves, self.donated = compiled, leaves, donated
+        self.jitted: Callable[..., Any] | None = jitted
         self.given = _given(planned, len(leaves))
         self.fill = fill
         self.values = self._filled(range(len(leaves)), jax.random.key(0))
         self.runs: list[float] = []
         self.spent = False
+        self.feeds = self.feed()
+
+    def call(self) -> Any:
+        """One step on the current arguments (dispatched, not waited for).
+
+        jax 0.10.2's call of a step compiled ahead of time can ask for constants of
+        its jaxpr as arguments it was not given (splash attention's masks under
+        some remat policies on a TPU v5e: "Computation compiled for 43 inputs but
+        called with 38"), where `jax.jit` runs the same step: then `jitted` runs
+        it, from there on (the same program, compiled again by jit's own path)."""
+        try:
+            return self.compiled(*self.values)
+        except TypeError as e:
+            if self.jitted is None or "compiled for" not in str(e):
+                raise
+            self.compiled, self.jitted = self.jitted, None
+            return self.compiled(*self.values)
 
     def _filled(self, which: Sequence[int], key: jax.Array) -> list[Any]:
         """The arguments at `which`: the user's arrays placed, the rest filled."""
@@ -240,13 +266,13 @@ class _Runs:
         (shape, dtype and sharding, in order), each step's time from the one
         before's end to its own. Else one at a time, each donated argument
         filled anew before its step, outside its time."""
-        feed = self.feed()
+        feed = self.feeds
         if feed is None:
             return self._one_at_a_time(warmup, steps)
         jax.block_until_ready(self.values)
         ends, pending = [time.perf_counter()], []
         for _ in range(warmup + steps):
-            out = self.compiled(*self.values)
+            out = self.call()
             for j, k in feed.items():
                 self.values[j] = out[k]
             pending.append([x for k, x in enumerate(out) if k not in feed.values()])
@@ -291,7 +317,7 @@ class _Runs:
                     self.values[j] = value
             jax.block_until_ready(self.values)
             start = time.perf_counter()
-            out = self.compiled(*self.values)
+            out = self.call()
             jax.block_until_ready(out)
             self.runs.append(time.perf_counter() - start)
             self.spent = bool(self.donated)
@@ -299,6 +325,29 @@ class _Runs:
                 times.append(self.runs[-1])
             del out
         return tuple(times)
+
+
+def _jitted(
+    fn: Callable[..., Any], planned: Arguments, mesh: Mesh, rules: Rules | None
+) -> Callable[..., Any]:
+    """The step as `jax.jit` runs it, over the placed leaves, under the mesh and the
+    rules it was traced under: the same module (``jit_step``) as preflight's."""
+    _, treedef, donated = planned.leaves(mesh)
+    call = called(fn, planned, treedef)
+
+    def step(*leaves: Any) -> list[Any]:
+        return jax.tree.leaves(call(*leaves))
+
+    jitted = jax.jit(step, donate_argnums=donated)
+
+    def run(*leaves: Any) -> Any:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(jax.set_mesh(mesh))
+            if rules is not None:
+                stack.enter_context(logical_axis_rules(rules))
+            return jitted(*leaves)
+
+    return run
 
 
 def _given(planned: Arguments, count: int) -> list[Any]:

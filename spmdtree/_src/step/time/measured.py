@@ -16,9 +16,10 @@ import json
 import math
 import os
 import pathlib
-import statistics
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
+
+import numpy as np
 
 from spmdtree._src.errors import Mistake
 from spmdtree._src.rules import AnyMesh
@@ -73,6 +74,15 @@ class OpTime:
         flops: its FLOPs per call (0 for a collective).
         bytes: the bytes it reads and writes per call (a collective: its result's).
         call: a library or hand-written kernel's name, where it runs one.
+        estimated_seconds: the compiler's own estimate of it per step, all its
+            calls: libtpu's estimated cycles at the chip's clock; 0.0 where the
+            compiler gives none; ``inf`` where libtpu marks it unestimable.
+
+    Example:
+        >>> import spmdtree as st
+        >>> op = st.OpTime("fusion.3", "memory", 2, 1e-3, 3e-3, bytes=2**20)
+        >>> op.miss_seconds  # measured less predicted: the model is fast here
+        0.002
     """
 
     name: str
@@ -83,6 +93,7 @@ class OpTime:
     flops: int = 0
     bytes: int = 0
     call: str = ""
+    estimated_seconds: float = 0.0
 
     @property
     def miss_seconds(self) -> float:
@@ -110,6 +121,17 @@ class Measurement:
         device: the device the profile was read on (``/device:TPU:0``).
         flags: the step's (its `StepPlan`'s and its prediction's), then what
             the join could not cover.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, spmdtree as st
+        >>> mesh = jax.make_mesh((8,), ("data",))
+        >>> x = st.Partitioned(jax.ShapeDtypeStruct((8 * 64, 256), jnp.float32), ("data", None))
+        >>> cpu = st.Hardware("cpu", 2**34, 1e11, {"ici": (1e10, 0.0)})
+        >>> m = st.measure(lambda x: jnp.sum(x.value**2), x, mesh=mesh, hardware=cpu, steps=3)
+        >>> m.ratio == m.predicted_seconds / m.seconds, str(m).splitlines()[0][:22]
+        (True, 'measured on cpu:0 (8 d')
+        >>> m.to_dict()["schema"], sorted(m.trace()["otherData"])[:2]
+        ('spmdtree.Measurement/1', ['hardware', 'joined_share'])
     """
 
     plan: Planned
@@ -126,7 +148,7 @@ class Measurement:
     @property
     def seconds(self) -> float:
         """The median measured step."""
-        return statistics.median(self.times)
+        return float(np.median(self.times))
 
     @property
     def min_seconds(self) -> float:
@@ -143,8 +165,9 @@ class Measurement:
         step, largest first.
 
         Example:
-            >>> ops = (OpTime("a", "memory", 1, 1e-3, 1e-3), OpTime("b", "matmul", 2, 1e-3, 5e-3))
-            >>> m = Measurement(None, None, (6e-3,), 2e-3, ops, 1.0, 6e-3, "cpu:0")  # type: ignore[arg-type]
+            >>> import spmdtree as st
+            >>> ops = (st.OpTime("a", "memory", 1, 1e-3, 1e-3), st.OpTime("b", "matmul", 2, 1e-3, 5e-3))
+            >>> m = st.Measurement(None, None, (6e-3,), 2e-3, ops, 1.0, 6e-3, "cpu:0")
             >>> [op.name for op in m.misses(1)], m.ratio
             (['b'], 0.3333333333333333)
         """
@@ -167,7 +190,7 @@ class Measurement:
             "ratio": self.ratio,
             "profiled_seconds": self.profiled_seconds,
             "joined_share": self.joined_share,
-            "ops": [dataclasses.asdict(op) for op in self.ops],
+            "ops": [_op_json(op) for op in self.ops],
             "flags": list(self.flags),
         }
 
@@ -238,7 +261,7 @@ def compare(
         predicted_seconds=float(timed.predicted_seconds or 0.0),
         ops=ops,
         joined_share=share,
-        profiled_seconds=statistics.median(profile.steps),
+        profiled_seconds=float(np.median(profile.steps)),
         device=profile.device,
         flags=tuple(dict.fromkeys([*plan.flags, *timed.flags, *_unjoined(ops, profile, share)])),
         first=(*spans, *measured),
@@ -252,6 +275,7 @@ def instruction_seconds(
     calls: its loops' trip counts multiplied; a conditional's branches each as if
     it ran), its measured time not yet read."""
     costs, peak = hardware.costs(), hardware.flops_per_second
+    clock = getattr(hardware.chip, "clock_ghz", 0.0) * 1e9
     totals: dict[str, OpTime] = {}
 
     def walk(events: Sequence[Event], times: int) -> None:
@@ -276,6 +300,7 @@ def instruction_seconds(
         was = totals.get(name)
         calls = times + (was.calls if was else 0)
         spent = times * seconds + (was.predicted_seconds if was else 0.0)
+        own = times * _estimated(k, clock) + (was.estimated_seconds if was else 0.0)
         totals[name] = OpTime(
             name,
             str(kind),
@@ -285,10 +310,27 @@ def instruction_seconds(
             flops=k.flops if k else 0,
             bytes=k.bytes if k else size,
             call=k.call if k else "",
+            estimated_seconds=own,
         )
 
     walk(schedule.events, 1)
     return iter(totals.values())
+
+
+def _op_json(op: OpTime) -> dict[str, Any]:
+    """An `OpTime` as strict JSON values (an unestimable kernel's estimate as its word)."""
+    data = dataclasses.asdict(op)
+    if math.isinf(op.estimated_seconds):
+        data["estimated_seconds"] = "unestimable"
+    return data
+
+
+def _estimated(kernel: Kernel | None, clock: float) -> float:
+    """One call's time as the compiler estimates it: libtpu's cycles at the chip's
+    clock; ``inf`` where it cannot estimate; 0.0 where it gives nothing."""
+    if kernel is None or not kernel.estimated_cycles or not clock:
+        return 0.0
+    return math.inf if kernel.unestimable else kernel.estimated_cycles / clock
 
 
 def _joined(op: OpTime, profile: Profile) -> OpTime:
@@ -318,8 +360,10 @@ def _unjoined(ops: Sequence[OpTime], profile: Profile, share: float) -> Iterator
 
 
 def _table(m: Measurement, most: int = 10) -> str:
-    """A measurement's table: the step, then the largest misses per instruction."""
+    """A measurement's table: the step, then the largest misses per instruction, with
+    the compiler's own estimate of each where it gives one."""
     devices = math.prod(m.plan.mesh.shape.values())
+    own = any(op.estimated_seconds for op in m.ops)
     lines = [
         f"measured on {m.device} ({devices} device{'' if devices == 1 else 's'}): "
         f"{len(m.times)} steps, median {seconds_text(m.seconds)} (fastest "
@@ -329,14 +373,22 @@ def _table(m: Measurement, most: int = 10) -> str:
         f"joined {m.joined_share:.1%} of the device time to {len(m.ops)} instructions",
         "the largest misses, per step:",
         f"  {'instruction':<28}{'class':<13}{'calls':>7}{'predicted':>12}{'measured':>12}"
-        f"{'ratio':>7}",
+        f"{'ratio':>7}" + (f"{'compiler':>12}" if own else ""),
     ]
     for op in m.misses(most):
         ratio = f"{op.predicted_seconds / op.measured_seconds:.2f}" if op.measured_seconds else "-"
+        estimate = "cannot" if math.isinf(op.estimated_seconds) else op.estimated_seconds or None
         lines.append(
             f"  {op.name[:27]:<28}{op.kind:<13}{op.calls:>7}"
             f"{seconds_text(op.predicted_seconds):>12}{seconds_text(op.measured_seconds):>12}"
             f"{ratio:>7}"
+            + (
+                f"{estimate if isinstance(estimate, str) else seconds_text(estimate):>12}"
+                if own
+                else ""
+            )
         )
+    if own:
+        lines.append("  compiler: its own estimate (libtpu's cycles at the chip's clock)")
     lines += [f"! {flag}" for flag in m.flags]
     return "\n".join(lines)
