@@ -38,6 +38,13 @@ MODULE = textwrap.dedent(
     '''
 )
 
+
+def cuda_installed():
+    import importlib.util
+
+    return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+
+
 #: jax's own start-up lines on stderr where an accelerator's plugin is installed (absl).
 JAX_LOG = re.compile(r"^(WARNING: All log messages before absl|[IWE]\d{4} )")
 
@@ -219,3 +226,75 @@ def test_a_py_file_named_twice_is_imported_once_and_never_over_a_loaded_module(t
     assert first is again and first.LOADS == [1]  # its code ran once
     assert sys.modules["copy"] is standard  # the standard library's copy untouched
     assert first.__name__ == "_spmdtree_user_copy"
+
+
+def test_measure_runs_the_step_here_and_writes_its_json_and_trace(tmp_path):
+    import spmdtree as st
+
+    cpu = st.Hardware("cpu", 2**34, 1e11, {"ici": (1e10, 0.0)})
+    (tmp_path / "cpu.json").write_text(cpu.to_json())
+    done, said = run(
+        tmp_path,
+        "measure", "mystep:make_step", "--mesh", "data=2,fsdp=2,tensor=2", "--batch", "64",
+        "--hardware", "cpu.json", "--steps", "2", "--warmup", "1", "--json", "m.json",
+        "--trace", "m.trace.json",
+    )  # fmt: skip
+    assert done.returncode == 0, said
+    assert done.stdout.startswith("measured on cpu:0 (8 devices): 2 steps, median")
+    data = json.loads((tmp_path / "m.json").read_text())
+    assert data["schema"] == "spmdtree.Measurement/1" and data["hardware"] == "cpu"
+    assert len(data["times"]) == 2 and data["ops"]
+    trace = json.loads((tmp_path / "m.trace.json").read_text())
+    assert {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"} == {
+        "compute",
+        "collectives",
+        "measured",
+    }
+
+
+def test_calibrate_writes_the_chips_json_that_hardware_takes(tmp_path):
+    done, said = run(tmp_path, "calibrate", "--seconds", "2", "--preset", "tpu-v5e", "--json", "chip.json")  # fmt: skip
+    assert done.returncode == 0, said
+    assert "matmul_efficiency" in done.stdout and "measured 20" in done.stdout
+    done, said = run(
+        tmp_path, "preflight", "mystep:make_step", "--mesh", "data=2,fsdp=2,tensor=2",
+        "--batch", "8", "--hardware", "chip.json",
+    )  # fmt: skip
+    assert done.returncode == 0, said
+    assert "time on tpu-v5e, calibrated: predicted" in done.stdout
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["calibrate", "--seconds", "2"], "calibrate: no preset matches the device 'cpu'"),
+        ([*ADVISE, "--batch", "8", "--hardware", "nowhere.json"], "cannot read 'nowhere.json'"),
+        (["measure", "mystep:make_step", "--mesh", "data=2,fsdp=2,tensor=2", "--batch", "8"],
+         "no preset matches the devices"),
+    ],
+    ids=["calibrate-without-preset", "hardware-file-missing", "measure-without-hardware"],
+)  # fmt: skip
+def test_the_chips_mistakes_are_one_line_too(tmp_path, args, says):
+    done, said = run(tmp_path, *args)
+    assert done.returncode == 2
+    assert len(said) == 1 and says in said[0], said
+
+
+@pytest.mark.skipif(not cuda_installed(), reason="needs the CUDA plugin (spmdtree[cuda])")
+def test_the_command_keeps_the_plugins_start_up_log_out(tmp_path):
+    """With the CUDA plugin installed and no GPU, importing jax logs six lines; the
+    spmdtree command's advise and preflight start jax's CPU backend alone and keep
+    them out: a mistake is one line, unfiltered."""
+    script = pathlib.Path(sys.executable).parent / "spmdtree"
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "TF_CPP_MIN_LOG_LEVEL")
+    }
+    done = subprocess.run(
+        [script, "preflight", "nosuch:make_step", "--mesh", "data=2", "--batch", "8"],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [
+        f"spmdtree preflight: no module 'nosuch' importable from {tmp_path} (give a dotted "
+        "module on the path, or a path to a .py file). (--traceback for the whole trace)"
+    ]

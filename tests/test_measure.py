@@ -318,3 +318,15 @@ def test_a_compiled_step_jax_cannot_call_runs_through_jax_jit(monkeypatch):
     m = st.measure(step, *args, mesh=mesh(), hardware=CPU, donate_argnums=0, steps=3)
     assert refused == [2] and len(m.times) == 3 and m.joined_share > 0.5
     assert {k.name for k in m.plan.schedule.kernels()} <= {op.name for op in m.ops}
+
+
+def test_a_plan_on_one_device_says_nothing_of_replication():
+    """A one-chip VM's step holds every array whole: that is no flag (0.6 listed every
+    param as replicated on every device)."""
+    w = st.Partitioned(jax.ShapeDtypeStruct((1024, 1024), jnp.float32), (None, None))
+    one = jax.sharding.AbstractMesh((1,), ("data",))
+    assert st.plan(w, one).rows[0].flags == ()
+    step = st.preflight(lambda w: jnp.sin(w.value), w, mesh=one)
+    assert not [f for f in step.flags if "replicated" in f]
+    two = jax.sharding.AbstractMesh((2,), ("data",))
+    assert st.plan(w, two).rows[0].flags == ("4.0 MiB replicated on every device",)
