@@ -1008,7 +1008,9 @@ def advise(
             their devices (`st.measure`; new in 0.7): each candidate's mesh must
             be a `Mesh` of this process's devices. The rows run rank first, by
             their measured time per sequence, measured beside predicted (their
-            `AdviceRow.measured`); a row that fails to run says why in its flags.
+            `AdviceRow.measured`; their step and time become those of the
+            devices' own compile, which the run measured); a row that fails to
+            run says why in its flags.
 
     Returns:
         The `Advice`, ranked.
@@ -1157,7 +1159,9 @@ def _ran(
     except Exception as e:  # the row's, as a compile's failure is
         return _flagged(row, f"not measured: {_message(e)}")
     tokens = c.batch * c.length / m.seconds if c.length else None
-    return row._replace(measured=m, tokens_per_second=tokens)
+    # the step as the devices' own compiler compiled it, which the run measured
+    step, timed = cast(StepPlan, m.plan), m.plan.time(hardware)
+    return row._replace(measured=m, tokens_per_second=tokens, step=step, time=timed)
 
 
 def _said_repeats(state: _State) -> _State:
