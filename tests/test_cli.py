@@ -270,7 +270,7 @@ def test_calibrate_writes_the_chips_json_that_hardware_takes(tmp_path):
         (["calibrate", "--seconds", "2"], "calibrate: no preset matches the device 'cpu'"),
         ([*ADVISE, "--batch", "8", "--hardware", "nowhere.json"], "cannot read 'nowhere.json'"),
         (["measure", "mystep:make_step", "--mesh", "data=2,fsdp=2,tensor=2", "--batch", "8"],
-         "no preset matches the devices"),
+         "no preset matches what the step was compiled for"),
     ],
     ids=["calibrate-without-preset", "hardware-file-missing", "measure-without-hardware"],
 )  # fmt: skip

@@ -24,7 +24,7 @@ from spmdtree._src.step.advise.diagnose import Closest, Traffic, nothing_fits, u
 from spmdtree._src.step.compile.analysis import Memory
 from spmdtree._src.step.compile.backends import TOOLCHAINS
 from spmdtree._src.step.hlo.schedule import Collective, Schedule
-from spmdtree._src.step.hw.hardware import Hardware, preset_in
+from spmdtree._src.step.hw.hardware import Hardware, timed_on
 from spmdtree._src.step.kinds import Backend
 from spmdtree._src.step.time.bound import StepTime, step_spans, step_time, time_json
 from spmdtree._src.step.time.measured import Measurement, compare
@@ -569,18 +569,7 @@ class StepPlan:
             >>> m.joined_share, m.seconds, [op.measured_seconds for op in m.ops]
             (1.0, 4e-06, [4e-06])
         """
-        if hardware is not None and not isinstance(hardware, Hardware):
-            raise Mistake(
-                TypeError,
-                f"hardware is {hardware!r}; expected a st.Hardware (st.hardware('tpu-v5e')).",
-            )
-        chosen = hardware or preset_in(self.target)
-        if chosen is None:
-            raise Mistake(
-                ValueError,
-                f"no preset matches what the step was compiled for ({self.target}); pass "
-                "hardware= (a preset, st.calibrate()'s, or your own st.Hardware).",
-            )
+        chosen = timed_on(hardware, self.target)  # said before the profile is read
         return compare(self, read_profile(profile, module), chosen)
 
     @public

@@ -553,6 +553,27 @@ def preset_in(text: str) -> Hardware | None:
     return PRESETS[names[found[-1]]] if found else None
 
 
+def timed_on(hardware: object, compiled_for: str) -> Hardware:
+    """The hardware a step's prediction is timed on (new in 0.7): `hardware` where
+    given, else the preset that `compiled_for` (a step's description) names;
+    refused where it is no `Hardware`, or none can be told."""
+    if hardware is not None and not isinstance(hardware, Hardware):
+        raise Mistake(
+            TypeError,
+            f"hardware is {hardware!r}; expected a st.Hardware (st.hardware('tpu-v5e'), or "
+            "st.calibrate()'s).",
+        )
+    chosen = hardware or preset_in(compiled_for)
+    if chosen is None:
+        raise Mistake(
+            ValueError,
+            f"no preset matches what the step was compiled for ({compiled_for}); pass "
+            "hardware= (a preset, st.calibrate()'s for the chip present, or your own "
+            "st.Hardware).",
+        )
+    return chosen
+
+
 @public
 def hardware(name: str) -> Hardware:
     """A preset `Hardware`: ``"a100"``, ``"h100"``, ``"h200"``, ``"b200"``,

@@ -30,7 +30,7 @@ from spmdtree._src.rules import AnyMesh, PyTree, Rules, logical_axis_rules
 from spmdtree._src.step.compile.compilers import Here, check_options
 from spmdtree._src.step.compile.preflight import Keywords, plan_arguments, step_plan, trace_for
 from spmdtree._src.step.compile.trace import Arguments, called
-from spmdtree._src.step.hw.hardware import Hardware, preset_in
+from spmdtree._src.step.hw.hardware import Hardware, timed_on
 from spmdtree._src.step.kinds import Backend
 from spmdtree._src.step.time.measured import Measurement, compare
 from spmdtree._src.step.time.profile import read_profile
@@ -117,10 +117,8 @@ def measure(
     """
     here = check_here(mesh)
     _check_counts(steps, warmup)
-    if hardware is not None and not isinstance(hardware, Hardware):
-        raise Mistake(
-            TypeError, f"hardware is {hardware!r}; expected a st.Hardware (st.calibrate())."
-        )
+    if hardware is not None:  # a hardware of the wrong kind, said before anything compiles
+        timed_on(hardware, "")
     keywords = Keywords(params, donate_argnums, static_argnums, out_shardings)
     planned = plan_arguments(args, mesh, rules, keywords)
     compiler = Here(here, check_options(compiler_options))
@@ -128,13 +126,7 @@ def measure(
     extra = _CPU_EVENTS if compiler.toolchain.backend is Backend.CPU else {}
     analysis, compiled = _fitting(lambda: compiler.executable(traced, extra), compiler)
     plan = step_plan(traced, analysis, compiler)
-    chosen = hardware or preset_in(plan.target)
-    if chosen is None:
-        raise Mistake(
-            ValueError,
-            f"no preset matches the devices ({plan.target}); pass hardware= "
-            "(st.calibrate() measures the chip present, or build a st.Hardware).",
-        )
+    chosen = timed_on(hardware, plan.target)
     runs = _Runs(compiled, planned, here, fill, _jitted(fn, planned, here, rules))
     times = _fitting(lambda: runs.timed(warmup, steps), compiler)
     with contextlib.ExitStack() as stack:
