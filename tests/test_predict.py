@@ -476,3 +476,35 @@ def test_a_gpu_cost_model_has_its_chips_bandwidth_and_sms(preset):
 def test_the_examples_in_the_module_run():
     failures, tried = doctest.testmod(predict, optionflags=doctest.ELLIPSIS)
     assert tried > 0 and failures == 0
+
+
+def test_a_tpus_on_chip_memory_is_no_hbm_traffic():
+    """libtpu places values in its alternate memory (``S(1)``, the chip's VMEM): a
+    fusion reads and writes them without HBM. Measured on a TPU v5e (0.7): a blocked
+    attention fusion of 117 MB, 96 MB of them in S(1), ran in 34 us, where 117 MB of
+    HBM take 179 us. An in-place update into an HBM buffer still writes its update."""
+
+    def module(space):
+        layout = "{1,0:T(8,128)S(1)}" if space else "{1,0}"
+        return f"""HloModule m, is_scheduled=true
+%add (x: f32[1024,1024], y: f32[1024,1024]) -> f32[1024,1024] {{
+  %x = f32[1024,1024]{layout} parameter(0)
+  %y = f32[1024,1024]{{1,0}} parameter(1)
+  ROOT %s = f32[1024,1024]{layout} add(%x, %y)
+}}
+ENTRY %main (a: f32[1024,1024], b: f32[1024,1024], u: f32[8,1024], i: s32[]) -> (f32[1024,1024], f32[1024,1024]) {{
+  %a = f32[1024,1024]{layout} parameter(0)
+  %b = f32[1024,1024]{{1,0}} parameter(1)
+  %u = f32[8,1024]{layout} parameter(2)
+  %i = s32[] parameter(3)
+  %f = f32[1024,1024]{layout} fusion(%a, %b), kind=kLoop, calls=%add
+  %d = f32[1024,1024]{{1,0}} dynamic-update-slice(%b, %u, %i, %i)
+  ROOT %t = (f32[1024,1024]{layout}, f32[1024,1024]{{1,0}}) tuple(%f, %d)
+}}"""
+
+    whole, update = 2**22, 8 * 1024 * 4
+    kernels = [e for e in schedule_.read_schedule(module(0), (), platform="tpu").events]
+    assert [k.bytes for k in kernels] == [3 * whole, 2 * update]
+    on_chip = [e for e in schedule_.read_schedule(module(1), (), platform="tpu").events]
+    # only the HBM operand is read; the update, read from S(1), still written to HBM
+    assert [k.bytes for k in on_chip] == [whole, update]
