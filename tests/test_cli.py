@@ -40,9 +40,9 @@ MODULE = textwrap.dedent(
 
 
 def cuda_installed():
-    import importlib.util
+    from test_targets import has_compiler
 
-    return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+    return has_compiler("cuda")
 
 
 #: jax's own start-up lines on stderr where an accelerator's plugin is installed (absl).

@@ -635,8 +635,8 @@ def _passed(eqn: jex.JaxprEqn, key: str, count: int) -> list[Any]:
     elif eqn.primitive.name == "while":
         cond, body = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
         operands = operands[:cond] if key == "cond_jaxpr" else operands[cond : cond + body]
-    elif eqn.primitive.name == "scan":
-        operands = operands[: eqn.params["num_consts"]]
+    elif eqn.primitive.name == "scan":  # jax 0.12 names no num_consts: none are passed
+        operands = operands[: eqn.params.get("num_consts", 0)]
     elif len(operands) != count:
         operands = []
     return (operands + [None] * count)[:count]

@@ -503,7 +503,8 @@ _FREE = frozenset(
         Op.kOptimizationBarrier,
         Op.kPartitionId,
         Op.kReplicaId,
-        Op.kDomain,
+        # kDomain, where jaxlib still has it (0.12.1's HloOpcode dropped it)
+        *[getattr(Op, name) for name in ("kDomain",) if hasattr(Op, name)],
         Op.kGetDimensionSize,
         Op.kAsyncUpdate,
         Op.kCopyStart,
