@@ -3,21 +3,35 @@
 
 Importing jax where an accelerator's plugin is installed writes its start-up log
 to stderr (the CUDA plugin's "Could not find cuda drivers", six lines) before any
-of spmdtree's code runs. ``spmdtree advise`` and ``spmdtree preflight`` need no
-accelerator in their own process (they compile on CPU devices, or in a child
-process for the target), so for them jax is told to start its CPU backend alone,
-and the import's log is kept out: a mistake is one line on stderr.
+of spmdtree's code runs. For ``spmdtree advise`` and ``spmdtree preflight`` that
+log is kept out of the import, so that a mistake is one line on stderr; and where
+they name no GPU (their own process then needs no accelerator: they compile on CPU
+devices, or libtpu in a child), jax is told to start its CPU backend alone, which
+keeps the plugin's log out of the rest of the run too. A GPU target keeps its
+backend: a step with cuDNN's attention is lowered on its topology in this process.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import sys
 from collections.abc import Iterator
 
-#: The subcommands whose own process needs no accelerator.
-CPU_ONLY = ("advise", "preflight")
+#: The subcommands that compile for a target, needing an accelerator here only for a GPU.
+COMPILING = ("advise", "preflight")
+#: The chips named on the command line that need their backend here: the GPU presets.
+GPUS = ("a100", "h100", "h200", "b200")
+
+
+def _cpu_only(argv: list[str]) -> bool:
+    """Whether the command needs no accelerator in its own process: it compiles, and
+    names no GPU (a chip's JSON file may be one)."""
+    named = [
+        value for flag, value in itertools.pairwise(argv) if flag in ("--target", "--hardware")
+    ]
+    return argv[0] in COMPILING and not any(n in GPUS or n.endswith(".json") for n in named)
 
 
 @contextlib.contextmanager
@@ -37,8 +51,8 @@ def _quiet_stderr() -> Iterator[None]:
 def main() -> int:
     """Runs ``spmdtree`` with `sys.argv`."""
     argv = sys.argv[1:]
-    quiet = bool(argv) and argv[0] in CPU_ONLY
-    if quiet:
+    quiet = bool(argv) and argv[0] in COMPILING
+    if quiet and _cpu_only(argv):
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
     with _quiet_stderr() if quiet else contextlib.nullcontext():
         from spmdtree._src import cli

@@ -55,19 +55,27 @@ def test_measure_runs_the_step_and_sets_the_prediction_beside_it(types):
     assert m.misses(2) == tuple(sorted(m.ops, key=lambda op: -abs(op.miss_seconds))[:2])
 
 
-def test_measure_fills_shape_dtype_structs_and_places_the_arrays_given():
+def test_measure_fills_shape_dtype_structs_and_runs_with_the_values_given():
     seen = []
 
-    def step(x, y):
-        seen.append(1)
-        return jnp.sum(x.value) + jnp.sum(y)
+    def step(x, lr, y):
+        jax.debug.callback(
+            lambda *v: seen.append(tuple(map(float, v))), jnp.sum(x.value), lr, jnp.sum(y)
+        )
+        return jnp.sum(x.value) * lr + jnp.sum(y)
 
     x = st.Partitioned(jax.ShapeDtypeStruct((8, 4), jnp.float32), ("data", None))
-    y = jnp.arange(8.0)
-    zeros = st.measure(
-        step, x, y, mesh=mesh(), hardware=CPU, steps=1, fill=lambda k, leaf: jnp.zeros(leaf.shape)
+    ones = lambda key, leaf: jnp.ones(leaf.shape, leaf.dtype)  # noqa: E731
+    st.measure(
+        step, x, 0.5, jnp.arange(8.0), mesh=mesh(), hardware=CPU, steps=1, warmup=0, fill=ones
     )
-    assert zeros.plan.inputs.rows[0].shape == (8, 4) and seen
+    # the filled leaf, the scalar and the array as given: every run (the profiled ones too)
+    assert seen and set(seen) == {(32.0, 0.5, 28.0)}
+    wrong = lambda key, leaf: jnp.ones((3,), jnp.int32)  # noqa: E731
+    with pytest.raises(
+        ValueError, match=r"measure: fill returned int32\[3\] for leaf 0 .* a float32\[8, 4\]"
+    ):
+        st.measure(step, x, 0.5, jnp.arange(8.0), mesh=mesh(), hardware=CPU, steps=1, fill=wrong)
 
 
 def test_a_measurement_reads_as_a_table_a_trace_and_json(tmp_path):

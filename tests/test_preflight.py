@@ -268,7 +268,10 @@ def test_the_known_answer_of_a_0_87b_step_on_one_device():
     tokens = jax.ShapeDtypeStruct((8, 1024), jnp.int32)
     mesh = abstract_mesh((1,), ("data",))
     params, step = _preflight_train_step(init, tx, train.make_train_step(tx), tokens, mesh, rules)
-    assert -0.03 <= step.peak_bytes / H200_PEAK - 1 <= 0.20, step.peak_bytes
+    # the band measured for each jax: jax 0.12.1's CPU compiler holds 7.4% less than
+    # the H200 did (docs/planning.md, "How far to trust it")
+    low = -0.08 if jax.__version_info__ >= (0, 12, 1) else -0.03
+    assert low <= step.peak_bytes / H200_PEAK - 1 <= 0.20, step.peak_bytes
     params_grads_state = 4 * sum(row.bytes for row in st.plan(params, mesh, rules).rows)
     assert step.peak_bytes > 4 * params_grads_state  # the plan alone is far too optimistic
 

@@ -1090,7 +1090,7 @@ def advise(
         state = _ask(search, state, _over_on_the_estimate(search, state), pool)
         state, confirmed = _confirm(search, state, confirm, pool, workers)
     state = _said_repeats(state)
-    rows = _measured(state.ranked(), measure, make_step, hardware, compiler_options)
+    rows = _measured(state.ranked(), measure, make_step, search, compiler_options)
     said = [_screen_note(asks, first, why, screen), confirmed]
     said += [_rules_said(state), _nothing_fits(state, budget)]
     note = "; ".join(part for part in said if part)
@@ -1101,7 +1101,7 @@ def _check_measure(measure: object, candidates: Sequence[Candidate]) -> None:
     """Refuses a `measure` that is no count, or candidates whose devices are not here."""
     if not isinstance(measure, int) or isinstance(measure, bool) or measure < 0:
         raise Mistake(
-            ValueError,
+            ValueError if isinstance(measure, int) and not isinstance(measure, bool) else TypeError,
             f"measure is {measure!r}; expected an int >= 0: how many of the best rows that "
             "fit to run on their devices (0: none).",
         )
@@ -1119,7 +1119,7 @@ def _measured(
     rows: tuple[AdviceRow, ...],
     k: int,
     make_step: Callable[[Candidate], Any],
-    hardware: Hardware,
+    search: _Search,
     options: Mapping[str, Any] | None,
 ) -> tuple[AdviceRow, ...]:
     """The ranked rows with the `k` best that fit run on their devices: those first,
@@ -1127,19 +1127,19 @@ def _measured(
     chosen = [
         i for i, r in enumerate(rows) if r.verdict in (Verdict.FITS, Verdict.TIGHT) and r.step
     ][:k]
-    ran = {i: _ran(rows[i], make_step, hardware, options) for i in chosen}
-    first = sorted(
-        (row for row in ran.values() if row.measured is not None),
-        key=lambda row: row.measured.seconds / row.candidate.batch,  # type: ignore[union-attr]
-    )
-    rest = [ran.get(i, row) for i, row in enumerate(rows) if ran.get(i, row) not in first]
-    return (*first, *rest)
+    ran = {i: _ran(rows[i], make_step, search, options) for i in chosen}
+    timed = {
+        i: row.measured.seconds / row.candidate.batch for i, row in ran.items() if row.measured
+    }
+    first = sorted(timed, key=lambda i: timed[i])
+    rest = [ran.get(i, row) for i, row in enumerate(rows) if i not in timed]
+    return (*(ran[i] for i in first), *rest)
 
 
 def _ran(
     row: AdviceRow,
     make_step: Callable[[Candidate], Any],
-    hardware: Hardware,
+    search: _Search,
     options: Mapping[str, Any] | None,
 ) -> AdviceRow:
     """`row` with its step run on its devices, or a flag saying why it could not be."""
@@ -1154,14 +1154,23 @@ def _ran(
             rules=c.rules,
             **keywords,
             compiler_options=options,
-            hardware=hardware,
+            hardware=search.hardware,
         )
     except Exception as e:  # the row's, as a compile's failure is
         return _flagged(row, f"not measured: {_message(e)}")
     tokens = c.batch * c.length / m.seconds if c.length else None
-    # the step as the devices' own compiler compiled it, which the run measured
-    step, timed = cast(StepPlan, m.plan), m.plan.time(hardware)
-    return row._replace(measured=m, tokens_per_second=tokens, step=step, time=timed)
+    # the step as the devices' own compiler compiled it, which the run measured: its
+    # figures, its verdict
+    step = cast(StepPlan, m.plan)
+    verdict, reason = _verdict(step, search.budget, None)
+    return row._replace(
+        measured=m,
+        tokens_per_second=tokens,
+        step=step,
+        time=step.time(search.hardware),
+        verdict=verdict,
+        reason=f"{reason}; measured on its devices",
+    )
 
 
 def _said_repeats(state: _State) -> _State:

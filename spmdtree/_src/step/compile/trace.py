@@ -505,9 +505,12 @@ _FIXES: tuple[tuple[Callable[[str], bool], str], ...] = (
         "the mesh with axis_types=jax.sharding.AxisType.Explicit (st.layouts(devices, "
         "names, axis_types=AxisType.Explicit) for advise)",
     ),
-    # a Pallas call on an array sharded over Explicit axes
+    # a Pallas call on an array sharded over Explicit axes (jax's kernels; any kernel)
     (
-        lambda said: "sharded ref" in said and "can only be sliced along unsharded axes" in said,
+        lambda said: (
+            ("sharded ref" in said and "can only be sliced along unsharded axes" in said)
+            or "pallas_call requires all mesh axes to be Manual" in said
+        ),
         "a Pallas kernel runs per device: call it under jax.shard_map, as a job does",
     ),
 )

@@ -147,7 +147,10 @@ class Kernel(NamedTuple):
     `name`, the instruction's name in the compiled module (``fusion.12``; new in 0.6);
     `estimated_cycles`, libtpu's own estimate of its cycles (its backend config's),
     0 where the compiler gives none, `opcodes.UNESTIMABLE` (2^63 - 1, libtpu's own
-    mark) where libtpu says it cannot estimate it (new in 0.7)."""
+    mark) where libtpu says it cannot estimate it (new in 0.7); `opcode`, `shape` and
+    `op_name`, its instruction's opcode as HLO prints it (``fusion``), its result
+    with its layout (``f32[8,1024]{1,0}``) and the op_name of its metadata, where jax's
+    trace named it (new in 0.7: what a measurement names a miss by)."""
 
     kind: KernelClass
     flops: int
@@ -161,6 +164,9 @@ class Kernel(NamedTuple):
     call: str = ""
     name: str = ""
     estimated_cycles: int = 0
+    opcode: str = ""
+    shape: str = ""
+    op_name: str = ""
 
     @property
     def unestimable(self) -> bool:
@@ -763,6 +769,9 @@ class _Walker:
             call,
             ins.name,
             cycles,
+            _printed_opcode(ins.op),
+            ins.printed,
+            ins.op_name,
         )
 
     def _doubt(self, ins: Instr, inside: list[tuple[str, Instr]], cycles: int) -> None:
@@ -848,6 +857,17 @@ class _Walker:
         if ins.op == Op.kDynamicUpdateSlice and len(given) > 1:  # the update read, then
             return given[1].hbm_bytes + _update_written(ins, given[1])  # written in place
         return sum(g.hbm_bytes for g in given) + _result_bytes(ins)
+
+
+def _printed_opcode(op: Op) -> str:
+    """An opcode as HLO prints it: ``kDynamicUpdateSlice`` as ``dynamic-update-slice``.
+
+    Example:
+        >>> _printed_opcode(Op.kDynamicUpdateSlice), _printed_opcode(Op.kFusion)
+        ('dynamic-update-slice', 'fusion')
+    """
+    camel = op.name.removeprefix("k")
+    return "".join(f"-{c.lower()}" if c.isupper() else c for c in camel).lstrip("-")
 
 
 def _dots(ins: Instr, inside: list[tuple[str, Instr]]) -> list[tuple[str, Instr]]:

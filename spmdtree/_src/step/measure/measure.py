@@ -3,7 +3,9 @@
 
 The step is compiled once for the mesh of this process's devices (its
 `StepPlan` is the measurement's), its `jax.ShapeDtypeStruct` leaves filled,
-then run: warm-up steps, then timed ones, each to completion (its donated
+then run as a training loop runs it: warm-up steps, then timed ones, each
+dispatched while the one before runs and its donated arguments fed from the
+outputs that match them (where one has none, each step alone, its donated
 arguments filled anew before it, outside its time), then a few more under
 `jax.profiler`, whose trace is joined by name to the compiled schedule
 (`measured.compare`).
@@ -22,7 +24,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import AbstractMesh, Mesh
 
 from spmdtree._src.errors import Mistake, public
@@ -67,12 +68,15 @@ def measure(
 
     The step is planned, traced and compiled as `preflight` does it for a
     `Mesh` (the same arguments, the same refusals), once; the compiled step is
-    then run: `warmup` steps, then `steps` timed ones (wall clock, each run to
-    completion), then up to three more under `jax.profiler`, whose trace is
-    joined by instruction name to the compiled schedule (`StepPlan.compare`).
-    `jax.ShapeDtypeStruct` leaves are filled (`fill`), arrays are placed as
-    their boxes say; a donated argument is filled anew before each step,
-    outside its time.
+    then run: `warmup` steps, then `steps` timed ones, then up to three more
+    under `jax.profiler`, whose trace is joined by instruction name to the
+    compiled schedule (`StepPlan.compare`). The steps run as a training loop
+    runs them: each dispatched while the one before runs, its donated
+    arguments the outputs that match them (shape, dtype, sharding), each
+    step's time from the end of the one before to its own (wall clock); where
+    a donated argument has no such output, each step runs alone, the argument
+    filled anew before it, outside its time. `jax.ShapeDtypeStruct` leaves are
+    filled (`fill`); arrays and scalars given are used as given.
 
     Args:
         fn: the step, e.g. ``train_step(params, state, batch)``.
@@ -243,9 +247,11 @@ class _Runs:
         for i in which:
             leaf, given = self.leaves[i], self.given[i]
             if given is not None:
-                out.append(jax.device_put(jnp.array(given, copy=True), leaf.sharding))
+                out.append(jax.device_put(jnp.array(given, leaf.dtype, copy=True), leaf.sharding))
             elif self.fill is not None:
-                out.append(jax.device_put(self.fill(keys[i], leaf), leaf.sharding))
+                out.append(
+                    jax.device_put(_checked_fill(self.fill(keys[i], leaf), leaf, i), leaf.sharding)
+                )
             else:
                 out.append(_drawn(keys[i], leaf))
         return out
@@ -319,6 +325,21 @@ class _Runs:
         return tuple(times)
 
 
+def _checked_fill(value: Any, leaf: jax.ShapeDtypeStruct, i: int) -> Any:
+    """`fill`'s value for leaf `i`, refused unless it has the leaf's shape and dtype."""
+    shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
+    if shape != leaf.shape or dtype != leaf.dtype:
+        got = f"{dtype}{list(shape)}" if shape is not None else type(value).__name__
+        raise Mistake(
+            ValueError,
+            f"fill returned {got} for leaf {i} of the arguments, a "
+            f"{jnp.dtype(leaf.dtype).name}{list(leaf.shape)}; return an array of the "
+            "leaf's shape and dtype (fill(key, leaf) gets the leaf: use leaf.shape and "
+            "leaf.dtype).",
+        )
+    return value
+
+
 def _jitted(
     fn: Callable[..., Any], planned: Arguments, mesh: Mesh, rules: Rules | None
 ) -> Callable[..., Any]:
@@ -343,13 +364,19 @@ def _jitted(
 
 
 def _given(planned: Arguments, count: int) -> list[Any]:
-    """Each leaf's array where the caller gave one (None where a
-    `jax.ShapeDtypeStruct` is to be filled), in the placed leaves' order."""
+    """Each leaf's value where the caller gave one (an array, a Python or numpy
+    scalar), None where a `jax.ShapeDtypeStruct` is to be filled, in the placed
+    leaves' order."""
     dynamic = tuple(None if i in planned.static else arg for i, arg in enumerate(planned.args))
     leaves = jax.tree.leaves(dynamic)
     if len(leaves) != count:
-        return [None] * count
-    return [x if isinstance(x, (jax.Array, np.ndarray)) else None for x in leaves]
+        raise Mistake(
+            ValueError,
+            f"the arguments hold {len(leaves)} leaves where the step was planned with "
+            f"{count}; pass each argument as a tree of arrays or jax.ShapeDtypeStructs "
+            "(boxes over them), as preflight takes them.",
+        )
+    return [None if isinstance(x, jax.ShapeDtypeStruct) else x for x in leaves]
 
 
 def _drawn(key: jax.Array, leaf: jax.ShapeDtypeStruct) -> jax.Array:

@@ -74,6 +74,9 @@ class OpTime:
         flops: its FLOPs per call (0 for a collective).
         bytes: the bytes it reads and writes per call (a collective: its result's).
         call: a library or hand-written kernel's name, where it runs one.
+        opcode: its opcode as HLO prints it (``fusion``; a collective's kind).
+        shape: its result with its layout (``f32[8,8,2048,2048]{2,3,1,0}``).
+        op_name: where in the step it came from, as jax's trace named it.
         estimated_seconds: the compiler's own estimate of it per step, all its
             calls: libtpu's estimated cycles at the chip's clock; 0.0 where the
             compiler gives none; ``inf`` where libtpu marks it unestimable.
@@ -94,6 +97,9 @@ class OpTime:
     bytes: int = 0
     call: str = ""
     estimated_seconds: float = 0.0
+    opcode: str = ""
+    shape: str = ""
+    op_name: str = ""
 
     @property
     def miss_seconds(self) -> float:
@@ -109,8 +115,8 @@ class Measurement:
     Attributes:
         plan: the step's `StepPlan`, compiled once for the devices it ran on.
         hardware: the `Hardware` the prediction is timed on.
-        times: each measured step's seconds, in the order run (wall clock,
-            each step run to completion; read from the profile's steps for
+        times: each measured step's seconds, in the order run (wall clock, as
+            `st.measure` runs them; the profile's own steps for
             `StepPlan.compare`).
         predicted_seconds: the prediction on `hardware` (`StepTime.predicted_seconds`).
         ops: one `OpTime` per instruction of the compiled schedule, in
@@ -285,7 +291,15 @@ def instruction_seconds(
                 add(event.name or event.call, event.kind, times, seconds, event)
             elif isinstance(event, Start):
                 seconds = comm(event.row) + costs.collective_latency_seconds
-                add(event.name, "collectives", times, seconds, None, event.row.bytes)
+                add(
+                    event.name,
+                    "collectives",
+                    times,
+                    seconds,
+                    None,
+                    event.row.bytes,
+                    str(event.row.kind),
+                )
             elif isinstance(event, Loop):
                 walk(event.body, times * event.trips)
             elif not hasattr(event, "ident"):  # branches: each as if it ran
@@ -293,7 +307,13 @@ def instruction_seconds(
                     walk(option, times)
 
     def add(
-        name: str, kind: str, times: int, seconds: float, k: Kernel | None, size: int = 0
+        name: str,
+        kind: str,
+        times: int,
+        seconds: float,
+        k: Kernel | None,
+        size: int = 0,
+        collective: str = "",
     ) -> None:
         if not name:
             return
@@ -311,10 +331,18 @@ def instruction_seconds(
             bytes=k.bytes if k else size,
             call=k.call if k else "",
             estimated_seconds=own,
+            opcode=k.opcode if k else collective,
+            shape=k.shape if k else "",
+            op_name=k.op_name if k else "",
         )
 
     walk(schedule.events, 1)
     return iter(totals.values())
+
+
+def _ratio(ratio: float) -> str:
+    """A ratio for a table's column: two decimals, the far-off ones bounded."""
+    return f"{ratio:.2f}" if 0.01 <= ratio < 100 else "<0.01" if ratio < 0.01 else ">100"
 
 
 def _op_json(op: OpTime) -> dict[str, Any]:
@@ -376,7 +404,9 @@ def _table(m: Measurement, most: int = 10) -> str:
         f"{'ratio':>7}" + (f"{'compiler':>12}" if own else ""),
     ]
     for op in m.misses(most):
-        ratio = f"{op.predicted_seconds / op.measured_seconds:.2f}" if op.measured_seconds else "-"
+        ratio = (
+            "-" if not op.measured_seconds else _ratio(op.predicted_seconds / op.measured_seconds)
+        )
         estimate = "cannot" if math.isinf(op.estimated_seconds) else op.estimated_seconds or None
         lines.append(
             f"  {op.name[:27]:<28}{op.kind:<13}{op.calls:>7}"
@@ -388,6 +418,9 @@ def _table(m: Measurement, most: int = 10) -> str:
                 else ""
             )
         )
+        where = "  ".join(part for part in (op.opcode, op.shape, op.op_name) if part)
+        if where:  # its HLO, and where in the step it came from
+            lines.append(f"    {where[:110]}")
     if own:
         lines.append("  compiler: its own estimate (libtpu's cycles at the chip's clock)")
     lines += [f"! {flag}" for flag in m.flags]

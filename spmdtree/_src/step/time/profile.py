@@ -111,10 +111,17 @@ def _events(source: object) -> list[dict[str, Any]]:
     """The trace's events, from a dict, a list, a file or a profiler's folder."""
     data: object = source
     if isinstance(source, (str, os.PathLike)):
-        data = json.loads(_text(pathlib.Path(source)))
+        try:
+            data = json.loads(_text(pathlib.Path(source)))
+        except json.JSONDecodeError as e:
+            raise Mistake(
+                ValueError,
+                f"{_said(source)} is no trace: it is not JSON ({e}); pass the .json or .json.gz "
+                "jax.profiler.trace(dir, create_perfetto_trace=True) wrote.",
+            ) from None
     if isinstance(data, Mapping):
         data = data.get("traceEvents")
-    if not isinstance(data, list) or not all(isinstance(e, Mapping) for e in data):
+    if not isinstance(data, list) or not all(_event(e) for e in data):
         raise Mistake(
             ValueError,
             f"{_said(source)} is no trace: expected Chrome trace-event JSON (an object with "
@@ -122,6 +129,16 @@ def _events(source: object) -> list[dict[str, Any]]:
             "create_perfetto_trace=True) writes.",
         )
     return data
+
+
+def _event(e: object) -> bool:
+    """Whether `e` is a trace event as read here: a mapping whose complete events
+    (``"ph": "X"``) have a number ``ts`` and a mapping of ``args`` where any."""
+    if not isinstance(e, Mapping):
+        return False
+    if e.get("ph") != "X":
+        return True
+    return isinstance(e.get("ts"), (int, float)) and isinstance(e.get("args", {}), Mapping)
 
 
 def _said(source: object) -> str:
@@ -259,13 +276,15 @@ def _self_times(spans: Iterable[_Span]) -> list[float]:
     """Each span's length less the spans nested inside it on its own thread."""
     spans = list(spans)
     selfs = [end - start for _, start, end, _ in spans]
-    order = sorted(range(len(spans)), key=lambda i: (spans[i][3] or 0, spans[i][1], -spans[i][2]))
+    order = sorted(range(len(spans)), key=lambda i: (str(spans[i][3]), spans[i][1], -spans[i][2]))
     stack: list[int] = []
     for i in order:
         _, start, end, tid = spans[i]
         while stack and (spans[stack[-1]][3] != tid or spans[stack[-1]][2] <= start):
             stack.pop()
-        if stack and end <= spans[stack[-1]][2]:
+        _, outer_start, outer_end, _ = spans[stack[-1]] if stack else (None, 0.0, 0.0, None)
+        # nested: inside the span before it on its thread, not the same span twice
+        if stack and end <= outer_end and (start, end) != (outer_start, outer_end):
             selfs[stack[-1]] -= end - start
         stack.append(i)
     return selfs
