@@ -126,10 +126,16 @@ def test_a_loops_own_time_is_its_bodys_less():
             {"ph": "X", "pid": 3, "tid": 2, "name": "fusion.2", "ts": start + 2, "dur": 30},
         ]
     ops += [{"ph": "X", "pid": 3, "tid": 1, "name": "jit_fill(9)", "ts": 60, "dur": 5}]
+    # an op twice over the same span is two ops, each its own time, not one inside the other
+    ops += [{"ph": "X", "pid": 3, "tid": 2, "name": "copy.4", "ts": 140, "dur": 4}] * 2
     step = st.preflight(jnp.sin, jax.ShapeDtypeStruct((256,), jnp.float32), mesh=mesh())
     m = step.compare({"traceEvents": ops}, hardware=CPU, module="jit_step")
     assert m.times == (50e-6, 50e-6) and m.device == "/device:TPU:0"
     assert m.joined_share == 0.0  # neither is the sin step's instruction
+    from spmdtree._src.step.time.profile import read_profile  # the ops' own times: private
+
+    profile = read_profile({"traceEvents": ops}, "jit_step")
+    assert profile.ops == {"while.1": 10e-6, "fusion.2": 30e-6, "copy.4": 4e-6}  # per step
 
 
 @pytest.mark.skipif(not has_compiler("tpu"), reason="needs libtpu (spmdtree[tpu])")
@@ -185,6 +191,12 @@ def test_compare_refuses_a_profile_that_is_no_trace(tmp_path):
     bad.write_bytes(gzip.compress(b'{"traceEvents": [{"ph": "X", "name": "a", "ts": 0}]}'))
     with pytest.raises(ValueError, match=r"holds no device's instructions"):
         plan.compare(bad, hardware=CPU)
+    (tmp_path / "notes.json").write_text("not json")
+    with pytest.raises(ValueError, match=r"'.*notes.json' is no trace: it is not JSON"):
+        plan.compare(tmp_path / "notes.json", hardware=CPU)
+    no_time = {"traceEvents": [{"ph": "X", "name": "a", "args": {"hlo_op": "a"}}]}
+    with pytest.raises(ValueError, match=r"the profile is no trace"):
+        plan.compare(no_time, hardware=CPU)
     with pytest.raises(ValueError, match=r"holds no perfetto_trace.json.gz"):
         plan.compare(tmp_path, hardware=CPU)
     with pytest.raises(ValueError, match=r"no preset matches what the step was compiled for"):
