@@ -50,6 +50,19 @@ step_trace: dict[str, object] = step.trace(st.hardware("h100"))
 waited = step.time(st.hardware("h100")).exposed_by_axes
 advice_json: dict[str, object] = st.Advice((), 0, st.hardware("h100"), 2**30).to_json()
 
+# Held against the chip (new in 0.7): a measurement, a chip as JSON.
+chip: st.Hardware = st.Hardware.from_json(st.hardware("tpu-v5e").to_json())
+chip_text: str = chip.to_json()
+if TYPE_CHECKING:  # they run a step: typed here, run in tests/test_measure.py
+    measured: st.Measurement = st.measure(jnp.sin, jnp.zeros(4), mesh=jax.make_mesh((1,), ("d",)))
+    worst: tuple[st.OpTime, ...] = measured.misses(3)
+    seconds: float = measured.seconds + measured.ratio
+    compared: st.Measurement = step.compare("profile.json.gz", hardware=chip)
+    calibrated: st.Hardware = st.calibrate(seconds=30.0, preset="tpu-v5e")
+    text_of: str = measured.to_json()
+    st.measure(jnp.sin, jnp.zeros(4), mesh=abstract, steps="10")  # type: ignore[arg-type]
+    st.calibrate(seconds="60")  # type: ignore[arg-type]
+
 if TYPE_CHECKING:
     step.trace("h100")  # type: ignore[arg-type]
     step.to_json(hardware="h100")  # type: ignore[arg-type]
