@@ -588,9 +588,9 @@ def _walk(
             if flash is not None and flash.mask != "module":
                 calls.append((name, _kept(eqn, flash, known)))
             continue
-        called = f"{inner}/{eqn.params['name']}" if eqn.primitive.name in ("jit", "pjit") else inner
+        scope = f"{inner}/{eqn.params['name']}" if eqn.primitive.name in ("jit", "pjit") else inner
         for key, sub, consts in callees:
-            out = _walk(sub, _bound(eqn, key, sub, consts, known), called, calls)
+            out = _walk(sub, _bound(eqn, key, sub, consts, known), scope, calls)
             if eqn.primitive.name in _THROUGH and len(out) == len(eqn.outvars):
                 pairs = zip(eqn.outvars, out, strict=True)
                 known.update((v, value) for v, value in pairs if value is not None)

@@ -374,8 +374,7 @@ class Hardware:
                 value = {"kind": kind, **dataclasses.asdict(value)}
             elif field.name == "provenance":
                 value = dict(value)
-            if field.name != "_":
-                data[field.name] = value
+            data[field.name] = value
         return json.dumps(data, indent=1)
 
     @classmethod
@@ -427,7 +426,7 @@ def _checked_provenance(provenance: object) -> dict[str, str]:
             raise Mistake(
                 ValueError,
                 f"provenance has {field!r}: {said!r}; expected a field of Hardware "
-                f"({', '.join(sorted(names - {'_', 'provenance'}))}) and a sentence.",
+                f"({', '.join(sorted(names - {'provenance'}))}) and a sentence.",
             )
     return dict(provenance)
 
@@ -443,7 +442,7 @@ def _from_json(source: object) -> Hardware:
             f"the JSON's schema is {schema!r}; expected {HARDWARE_SCHEMA!r}, what "
             "Hardware.to_json() writes.",
         )
-    fields = [f.name for f in dataclasses.fields(Hardware) if f.name != "_"]
+    fields = [f.name for f in dataclasses.fields(Hardware)]
     unknown = sorted(set(data) - {"schema", *fields})
     if unknown:
         raise Mistake(

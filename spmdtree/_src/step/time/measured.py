@@ -23,7 +23,15 @@ import numpy as np
 
 from spmdtree._src.errors import Mistake
 from spmdtree._src.rules import AnyMesh
-from spmdtree._src.step.hlo.schedule import Collective, Event, Kernel, Loop, Schedule, Start
+from spmdtree._src.step.hlo.schedule import (
+    Branches,
+    Collective,
+    Event,
+    Kernel,
+    Loop,
+    Schedule,
+    Start,
+)
 from spmdtree._src.step.hw.hardware import Hardware
 from spmdtree._src.step.time.bound import StepTime, collective_seconds, step_spans
 from spmdtree._src.step.time.predict import Span, kernel_seconds
@@ -302,7 +310,7 @@ def instruction_seconds(
                 )
             elif isinstance(event, Loop):
                 walk(event.body, times * event.trips)
-            elif not hasattr(event, "ident"):  # branches: each as if it ran
+            elif isinstance(event, Branches):  # each as if it ran
                 for option in event.options:
                     walk(option, times)
 
