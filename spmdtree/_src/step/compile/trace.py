@@ -262,10 +262,7 @@ def _stage(
     here = resident or compiler.here
     flat, treedef, flat_donated = planned.leaves(here or traced_for)
     call = called(fn, planned, treedef)
-
-    def step(*leaves: Any) -> list[Any]:
-        return jax.tree.leaves(call(*leaves))
-
+    step = flat_step(call)
     signature = planned.signature
     with _tracing(rules) as (warned, constrained), _under(traced_for, here):
         out = None
@@ -398,6 +395,16 @@ def called(fn: Callable[..., Any], planned: Arguments, treedef: Any) -> Callable
     return call
 
 
+def flat_step(call: Callable[..., Any]) -> Callable[..., list[Any]]:
+    """`call` (`called`'s) with its results flat too: the step as it is jitted, leaves
+    in, leaves out."""
+
+    def step(*leaves: Any) -> list[Any]:
+        return jax.tree.leaves(call(*leaves))
+
+    return step
+
+
 def _needs_devices(
     fn: Callable[..., Any], planned: Arguments, mesh: AnyMesh, rules: Rules | None
 ) -> bool:
@@ -410,7 +417,7 @@ def _needs_devices(
     call = called(fn, planned, treedef)
     try:
         with _tracing(rules), _under(mesh, None):
-            jaxpr = jax.jit(lambda *leaves: jax.tree.leaves(call(*leaves))).trace(*flat).jaxpr.jaxpr
+            jaxpr = jax.jit(flat_step(call)).trace(*flat).jaxpr.jaxpr
         return bool(dispatch.jaxpr_has_prim_requiring_devices(jaxpr))
     except Exception:  # a step that does not trace: its first error is said
         return False

@@ -103,7 +103,7 @@ def calibrate(
     shape = MATMULS[kind][0]
     figures["f32_speed"] = bench.matmul(shape, jnp.float32) / bf16
     figures["f32_highest_speed"] = bench.matmul(shape, jnp.float32, "highest") / bf16
-    bandwidth = base.hbm_bytes_per_second or base.costs().hbm_bytes_per_second
+    bandwidth = base.costs().hbm_bytes_per_second  # the preset's, or its default's
     figures["memory_efficiency"] = bench.memory(ELEMENTS[kind]) / bandwidth
     flash = _flash_shares(bench, toolchain.flash)
     figures.update(flash or {})

@@ -30,7 +30,7 @@ from spmdtree._src.errors import Mistake, public
 from spmdtree._src.rules import AnyMesh, PyTree, Rules, logical_axis_rules
 from spmdtree._src.step.compile.compilers import Here, check_options
 from spmdtree._src.step.compile.preflight import Keywords, plan_arguments, step_plan, trace_for
-from spmdtree._src.step.compile.trace import Arguments, called
+from spmdtree._src.step.compile.trace import Arguments, called, flat_step
 from spmdtree._src.step.hw.hardware import Hardware, timed_on
 from spmdtree._src.step.kinds import Backend
 from spmdtree._src.step.time.measured import Measurement, compare
@@ -197,7 +197,12 @@ def _fitting(thunk: Callable[[], Any], compiler: Here) -> Any:
 
 
 def _module_name(compiled: Any) -> str:
-    """The compiled module's name, as a profile names its steps (``jit_step``)."""
+    """The compiled module's name, as a profile names its steps (``jit_step``): the
+    module's own where jaxlib gives it (as `analysis.analyse` reads it), else its
+    text's first line (printed at some cost)."""
+    executable = compiled.runtime_executable()
+    if executable is not None:
+        return str(executable.hlo_modules()[0].name)
     first = compiled.as_text().split("\n", 1)[0]
     return first.removeprefix("HloModule ").split(",", 1)[0].strip()
 
@@ -220,7 +225,7 @@ class _Runs:
         self.given = _given(planned, len(leaves))
         self.fill = fill
         self.values = self._filled(range(len(leaves)), jax.random.key(0))
-        self.runs: list[float] = []
+        self.ran = 0  # steps run so far: each refill's own key
         self.spent = False
         self.feeds = self.feed()
 
@@ -280,7 +285,7 @@ class _Runs:
         jax.block_until_ready(pending.pop())
         ends.append(time.perf_counter())
         times = [b - a for a, b in itertools.pairwise(ends)]
-        self.runs += times
+        self.ran += len(times)
         return tuple(times[warmup:])
 
     def feed(self) -> dict[int, int] | None:
@@ -310,17 +315,18 @@ class _Runs:
         times = []
         for i in range(warmup + steps):
             if self.spent:  # the step before consumed its donated arguments
-                fresh = self._filled(self.donated, jax.random.key(len(self.runs)))
+                fresh = self._filled(self.donated, jax.random.key(self.ran))
                 for j, value in zip(self.donated, fresh, strict=True):
                     self.values[j] = value
             jax.block_until_ready(self.values)
             start = time.perf_counter()
             out = self.call()
             jax.block_until_ready(out)
-            self.runs.append(time.perf_counter() - start)
+            took = time.perf_counter() - start
+            self.ran += 1
             self.spent = bool(self.donated)
             if i >= warmup:
-                times.append(self.runs[-1])
+                times.append(took)
             del out
         return tuple(times)
 
@@ -346,12 +352,7 @@ def _jitted(
     """The step as `jax.jit` runs it, over the placed leaves, under the mesh and the
     rules it was traced under: the same module (``jit_step``) as preflight's."""
     _, treedef, donated = planned.leaves(mesh)
-    call = called(fn, planned, treedef)
-
-    def step(*leaves: Any) -> list[Any]:
-        return jax.tree.leaves(call(*leaves))
-
-    jitted = jax.jit(step, donate_argnums=donated)
+    jitted = jax.jit(flat_step(called(fn, planned, treedef)), donate_argnums=donated)
 
     def run(*leaves: Any) -> Any:
         with contextlib.ExitStack() as stack:

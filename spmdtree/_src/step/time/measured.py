@@ -369,11 +369,17 @@ def _estimated(kernel: Kernel | None, clock: float) -> float:
     return math.inf if kernel.unestimable else kernel.estimated_cycles / clock
 
 
-def _joined(op: OpTime, profile: Profile) -> OpTime:
-    """`op` with its measured time: its own name's, and a collective start's done's."""
-    seconds = profile.ops.get(op.name, 0.0)
+def _profiled(op: OpTime) -> tuple[str, ...]:
+    """The names a profile gives `op`'s time under: its own, and an async
+    collective's done beside its start."""
     if op.kind == "collectives" and "-start" in op.name:
-        seconds += profile.ops.get(op.name.replace("-start", "-done"), 0.0)
+        return op.name, op.name.replace("-start", "-done")
+    return (op.name,)
+
+
+def _joined(op: OpTime, profile: Profile) -> OpTime:
+    """`op` with its measured time, under every name the profile gives it."""
+    seconds = sum(profile.ops.get(name, 0.0) for name in _profiled(op))
     return dataclasses.replace(op, measured_seconds=seconds)
 
 
@@ -381,8 +387,7 @@ def _unjoined(ops: Sequence[OpTime], profile: Profile, share: float) -> Iterator
     """The sentence for the device time the join could not place, where it matters."""
     if 1 - share <= UNJOINED:
         return
-    names = {op.name for op in ops}
-    names |= {op.name.replace("-start", "-done") for op in ops if "-start" in op.name}
+    names = {name for op in ops for name in _profiled(op)}
     left = sorted(
         ((seconds, name) for name, seconds in profile.ops.items() if name not in names),
         reverse=True,

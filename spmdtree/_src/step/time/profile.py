@@ -184,11 +184,11 @@ def _device_tracks(
         for e in events
         if e.get("ph") == "M" and e.get("name") == "thread_name" and "args" in e
     }
+    with_ops = {p for (p, _), name in threads.items() if name == OPS_THREAD}
     devices = sorted(
         (int(m.group(1)), pid)
         for pid, name in processes.items()
-        if (m := _DEVICE.match(str(name)))
-        and (pid, OPS_THREAD) in {(p, n) for (p, _), n in threads.items()}
+        if (m := _DEVICE.match(str(name))) and pid in with_ops
     )
     if not devices:
         return None
