@@ -99,14 +99,18 @@ def one_chip() -> jax.sharding.Mesh:
     return jax.make_mesh((1,), ("fsdp",), axis_types=(AxisType.Auto,))
 
 
-def measured(row: Row, chips: list[st.Hardware]) -> dict[str, Any]:
-    """`row` run on the chip: its times, the prediction on each of `chips`, the join."""
+def measured(row: Row, chips: list[st.Hardware], out: pathlib.Path | None = None) -> dict[str, Any]:
+    """`row` run on the chip: its times, the prediction on each of `chips`, the join;
+    the whole Measurement (every instruction) as `out`/`row name`.json."""
     a = row.arguments(one_chip())
     start = time.perf_counter()
     m = st.measure(a.pop("fn"), *a.pop("args"), **a, hardware=chips[-1], steps=5, warmup=2)
     predicted = {}
     for chip in chips:
         predicted[chip.name] = m.plan.time(chip).predicted_seconds
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{row.name.split(' (')[0].replace(' ', '-')}.json").write_text(m.to_json())
     return {
         "row": row.name,
         "times": list(m.times),
@@ -179,7 +183,7 @@ def main() -> int:
     results = []
     for row in rows:
         try:
-            results.append(measured(row, [preset, chip]))
+            results.append(measured(row, [preset, chip], args.out))
         except Exception as e:  # a row that fails is said, and the others still run
             print(f"{row.name}: {type(e).__name__}: {str(e)[:2000]}", flush=True)
             continue

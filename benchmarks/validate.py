@@ -242,9 +242,11 @@ def constrain(x: jax.Array, *names: str) -> jax.Array:
     return st.with_logical_constraint(x, names)
 
 
-@functools.cache
 def _splash(heads: int, length: int) -> Callable[..., jax.Array]:
-    """Splash attention's causal kernel for `heads` heads of `length` (0.7)."""
+    """Splash attention's causal kernel for `heads` heads of `length` (0.7), built anew
+    for each step traced: on the chip, a kernel kept from an earlier step's trace
+    made the next step's compile ask for more inputs than it was given ("compiled
+    for 43 inputs but called with 38")."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
