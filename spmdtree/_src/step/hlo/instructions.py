@@ -41,8 +41,11 @@ def parse_module(text: str) -> Any:
 _ARRAY = re.compile(r"\b(pred|[a-z]+\d+[a-z0-9]*)\[([\d,]*)\]")
 # and the first array's layout, minor to major, before any tiling: ``{2,3,1,0:T(8,128)}``
 _LAYOUT = re.compile(r"\]\{([\d,]*)[:}]")
-# and each array's memory space, the layout's ``S(n)``: ``{3,2,1,0:T(8,128)(2,1)S(1)}``
-_SPACE = re.compile(r"\{[^}]*S\((\d+)\)[^}]*\}")
+# and each array's layout whole, in braces after it: its memory space ``S(n)`` and its
+# first tile ``T(8,128)``: ``{3,2,1,0:T(8,128)(2,1)S(1)}``
+_BRACES = re.compile(r"\{([^}]*)\}")
+_SPACE = re.compile(r"S\((\d+)\)")
+_TILE = re.compile(r":T\(([\d,]+)\)")
 # jaxlib's instruction has no attribute accessors: its printed attribute list is cut
 # at the commas outside brackets and strings, found by jumping between these marks
 _MARK = re.compile(r'[{}()\[\],"\\]')
@@ -60,13 +63,16 @@ def bits(dtype: str) -> int:
 
 
 class Array(NamedTuple):
-    """One array of a result: its element type (``bf16``) and dimensions, and the
+    """One array of a result: its element type (``bf16``) and dimensions, the
     memory space its layout puts it in (``S(1)``: libtpu's alternate memory, the
-    chip's own VMEM; 0, the default, HBM; new in 0.7)."""
+    chip's own VMEM; 0, the default, HBM; new in 0.7), and the elements its
+    layout's tiles hold (0: as many as it has; new in 0.7: a TPU lays an array out
+    in tiles of ``(8, 128)``, so a minor dimension of 64 takes 128)."""
 
     dtype: str
     dims: tuple[int, ...]
     space: int = 0
+    tiled: int = 0
 
     @property
     def elements(self) -> int:
@@ -84,10 +90,23 @@ class Array(NamedTuple):
         return self.elements * max(bits(self.dtype) // 8, 1)
 
     @property
+    def tiled_bytes(self) -> int:
+        """Its bytes as its layout's tiles hold them, padding included: what moves
+        where it is read or written whole (new in 0.7).
+
+        Example:
+            >>> arrays("bf16[4,2048,64]{2,1,0:T(8,128)(2,1)}")[0].tiled_bytes  # 64 of 128
+            2097152
+            >>> Array("bf16", (4, 2048, 64)).tiled_bytes  # no tiling printed
+            1048576
+        """
+        return max(self.tiled, self.elements) * max(bits(self.dtype) // 8, 1)
+
+    @property
     def hbm_bytes(self) -> int:
-        """Its bytes where reading or writing it moves them through HBM: none in the
-        chip's own memory (`ON_CHIP`; new in 0.7)."""
-        return 0 if self.space == ON_CHIP else self.bytes
+        """Its bytes where reading or writing it moves them through HBM, as its tiles
+        hold them: none in the chip's own memory (`ON_CHIP`; new in 0.7)."""
+        return 0 if self.space == ON_CHIP else self.tiled_bytes
 
 
 #: The memory space libtpu's memory-space assignment prints as ``S(1)``: the
@@ -99,18 +118,45 @@ ON_CHIP = 1
 
 def arrays(type_: str) -> tuple[Array, ...]:
     """The arrays of a printed type (a tuple's elements in order), each with its
-    memory space where its layout names one (``S(1)``).
+    memory space where its layout names one (``S(1)``) and the elements its tiles
+    hold where it names a tiling (``T(8,128)``).
 
     Example:
         >>> arrays("(f32[8,2]{1,0}, s8[4]{0:T(128)S(1)})")
-        (Array(dtype='f32', dims=(8, 2), space=0), Array(dtype='s8', dims=(4,), space=1))
+        (Array(dtype='f32', dims=(8, 2), space=0, tiled=0), Array(dtype='s8', dims=(4,), space=1, tiled=128))
     """
     found = []
     for match in _ARRAY.finditer(type_):
-        space = _SPACE.match(type_, match.end())
         dims = tuple(int(d) for d in match.group(2).split(",") if d)
-        found.append(Array(match.group(1), dims, int(space.group(1)) if space else 0))
+        braces = _BRACES.match(type_, match.end())
+        layout = braces.group(1) if braces else ""
+        space = _SPACE.search(layout)
+        found.append(
+            Array(match.group(1), dims, int(space.group(1)) if space else 0, _tiled(dims, layout))
+        )
     return tuple(found)
+
+
+def _tiled(dims: tuple[int, ...], layout: str) -> int:
+    """The elements an array of `dims` takes in the tiles of its printed `layout`
+    (``3,2,1,0:T(8,128)(2,1)``: the first tile's sides round its minor dimensions
+    up, the last side the minor-most); 0 where it names no tiling.
+
+    Example:
+        >>> _tiled((4, 10, 64), "2,1,0:T(8,128)")  # 4 x 16 x 128
+        8192
+        >>> _tiled((1280,), "0:T(1024)(128)(2,1)"), _tiled((4, 64), "1,0")
+        (2048, 0)
+    """
+    tile = _TILE.search(layout)
+    if tile is None or not dims:
+        return 0
+    sides = [int(side) for side in tile.group(1).split(",")][::-1]  # minor-most first
+    order = [int(d) for d in layout.split(":")[0].split(",") if d] or range(len(dims))[::-1]
+    padded = list(dims)
+    for side, dim in zip(sides, order, strict=False):
+        padded[dim] = -(-dims[dim] // side) * side
+    return math.prod(padded)
 
 
 def layout(type_: str) -> tuple[int, ...]:

@@ -97,12 +97,14 @@ class TpuChip:
 def _gpu(**facts: Any) -> dict[str, Any]:
     """An NVIDIA GPU's figures in nodes of 8 (NVLink within, InfiniBand across, unless
     given): cuBLAS's 128 x 128 tile over its SMs, XLA GPU's launch overheads, memory
-    kernels at 0.9 of the bandwidth, f32 matmuls as TF32 at half the bf16 rate."""
+    kernels at 0.9 of the bandwidth (an in-place update too: no GPU layout is tiled,
+    so none is an unfused TPU update), f32 matmuls as TF32 at half the bf16 rate."""
     return {
         "links": _GPU_LINKS,
         "devices_per_node": 8,
         "tile": 128,
         "memory_efficiency": 0.9,
+        "update_efficiency": 0.9,
         "launch_seconds": 1e-6,
         "collective_latency_seconds": 5e-6,
         "f32_speed": 0.5,
@@ -164,7 +166,10 @@ def _tpu(**facts: Any) -> dict[str, Any]:
 #: compute-bound); cuDNN 9.19's on B200 at 16k from the FlashAttention-4 paper (Zadouri
 #: et al. 2026, Figs. 4 and 6, causal: forward 1,509, backward 1,293 of 2,250); on A100,
 #: FlashAttention-2's own (Dao 2023, section 1: "up to 73% ... forward ... up to 63% ...
-#: backward"); none published for a TPU (the default, 0.5, is said).
+#: backward"); none published for a TPU (the default, 0.5, is said). A TPU's unfused
+#: in-place update at a run-time offset into a tiled dimension (`Kernel.unfused_update`):
+#: v5e's share measured by st.calibrate's update benchmark on a v5e (2026-12-06, jax
+#: 0.10.2, libtpu 0.0.42.1); v5p's and v6e's are not measured (the default is said).
 #: docs/planning.md lists each figure with its source.
 CHIPS: dict[str, Mapping[str, Any]] = {
     "a100": _gpu(
@@ -227,6 +232,7 @@ CHIPS: dict[str, Mapping[str, Any]] = {
         hbm_bytes_per_second=819 * GB,
         links={"ici": (9e10, 1e-6), "dcn": (3.125e9, 1e-5)},
         tile=128,
+        update_efficiency=0.23,
         chip=TpuChip("v5e", "TPU v5 lite", 1, 2, wraparound=16, slice_limit=256, clock_ghz=1.5),
     ),
     "tpu-v5p": _tpu(

@@ -113,6 +113,9 @@ class Costs:
         flash_forward_efficiency: the share of the peak a flash-attention
             kernel's forward reaches (cuDNN's, jax's Pallas kernels; new in 0.6).
         flash_backward_efficiency: the same for its backward kernels.
+        update_efficiency: the share of the bandwidth an unfused in-place update
+            at a run-time offset into a tiled dimension sustains
+            (`Kernel.unfused_update`; new in 0.7).
     """
 
     hbm_bytes_per_second: float
@@ -126,6 +129,7 @@ class Costs:
     f32_highest_speed: float = 1 / 6
     flash_forward_efficiency: float = 0.5
     flash_backward_efficiency: float = 0.5
+    update_efficiency: float = 0.23
 
     def speed(self, dtype: str) -> float:
         """A matmul's peak over the bf16 one for operands of `dtype`."""
@@ -145,7 +149,10 @@ class Costs:
 #: quantization) in tiles of 128, f32 matmuls at the bf16 rate (1/6 at the highest
 #: precision: six bf16 passes), flash-attention kernels at half the peak each way (the
 #: published shares cited in chips.py run from 0.52 to 0.73; none is published for a
-#: TPU), no launch overhead and no latency per collective beyond the links' own.
+#: TPU), unfused updates at a run-time offset into a tiled dimension at 0.23 of the
+#: bandwidth (st.calibrate's update benchmark on a TPU v5e, 2026-12-06: the only chip
+#: measured; new in 0.7), no launch overhead and no latency per collective beyond the
+#: links' own.
 DEFAULTS: Mapping[str, float] = {
     "flops_per_byte": 300.0,
     "memory_efficiency": 0.9,
@@ -156,6 +163,7 @@ DEFAULTS: Mapping[str, float] = {
     "f32_highest_speed": 1 / 6,
     "flash_forward_efficiency": 0.5,
     "flash_backward_efficiency": 0.5,
+    "update_efficiency": 0.23,
     "launch_seconds": 0.0,
     "collective_latency_seconds": 0.0,
 }
@@ -171,6 +179,7 @@ MODEL_FIELDS = (
     "f32_highest_speed",
     "flash_forward_efficiency",
     "flash_backward_efficiency",
+    "update_efficiency",
     "launch_seconds",
     "collective_latency_seconds",
 )
@@ -186,7 +195,8 @@ class Hardware:
     and what the accelerator's compiler is told. A field of the model left out
     (None) takes its documented default (`DEFAULTS`), and a prediction built on
     one says so in `StepTime.flags`. The presets (`hardware`) give every figure
-    but a TPU's flash-attention shares, which no source publishes.
+    but a TPU's flash-attention shares, which no source publishes, and the
+    unfused-update share of a TPU other than the v5e.
 
     Attributes:
         name: what tables call it.
@@ -213,6 +223,10 @@ class Hardware:
             kernel's forward reaches (cuDNN's fused attention, jax's Pallas
             attention kernels: their FLOPs over it; new in 0.6; default 0.5).
         flash_backward_efficiency: the same for its backward kernels (0.5).
+        update_efficiency: the share of the bandwidth a TPU's unfused in-place
+            update sustains where its offset, known only when it runs, falls in
+            a dimension the layout tiles (a blocked attention writing each
+            block's output; `st.calibrate` measures it; new in 0.7; 0.23).
         launch_seconds: the overhead each kernel adds (XLA GPU's 1 us; 0).
         collective_latency_seconds: what each collective adds beyond the links'
             per-hop latency (XLA GPU's 5 us; 0).
@@ -261,6 +275,7 @@ class Hardware:
     f32_highest_speed: float | None = None
     flash_forward_efficiency: float | None = None
     flash_backward_efficiency: float | None = None
+    update_efficiency: float | None = None
     launch_seconds: float | None = None
     collective_latency_seconds: float | None = None
     chip: GpuChip | TpuChip | None = None
@@ -582,7 +597,9 @@ def hardware(name: str) -> Hardware:
     (docs/planning.md lists each with its source); latencies are rough. A preset
     gives every figure of the model (`Hardware.left_out` is empty) but a TPU's
     flash-attention shares (none is published; a step that runs a flash kernel is
-    told its default), and its `chip` is what its compiler is told.
+    told its default) and, but on the v5e, a TPU's unfused update's share (new in
+    0.7: measured on a v5e only; told likewise), and its `chip` is what its
+    compiler is told.
 
     Args:
         name: the preset's name.

@@ -6,7 +6,10 @@ the device's own profile (so no dispatch is counted): bf16 matmuls of a few shap
 largest share of the peak they reach), a large elementwise pass
 (`memory_efficiency`, its bytes over the data sheet's bandwidth), f32 matmuls
 at the default and the highest precision (`f32_speed`, `f32_highest_speed`,
-their rate over the bf16 one), and the chip's flash-attention kernel
+their rate over the bf16 one), an in-place update at a run-time offset into a
+tiled dimension that the compiler leaves unfused (`update_efficiency`: its
+update's bytes read and written over the data sheet's bandwidth; a TPU's
+only), and the chip's flash-attention kernel
 (splash attention on a TPU, cuDNN's on a GPU), forward and backward, causal,
 run by `measure` (`flash_forward_efficiency`, `flash_backward_efficiency`:
 their FLOPs as the model counts them over their time). Never a step's: the
@@ -43,6 +46,9 @@ MATMULS: dict[str, tuple[tuple[int, int, int], ...]] = {
 }
 #: The elementwise pass's elements (f32): 1 GiB on an accelerator.
 ELEMENTS = {"accelerator": 2**28, "cpu": 2**22}
+#: The unfused update's buffer and update (f32): a blocked attention's output of
+#: (batch, heads, length, head width) written a block of 512 positions at a time.
+UPDATE = ((8, 8, 2048, 128), (8, 8, 512, 128))
 #: Attention's (batch, heads, length, head width) for the flash kernel.
 ATTENTION = (2, 8, 4096, 128)
 #: Splash attention's blocks, every one of its eight: MaxText's default (its base.yml's
@@ -105,6 +111,9 @@ def calibrate(
     figures["f32_highest_speed"] = bench.matmul(shape, jnp.float32, "highest") / bf16
     bandwidth = base.costs().hbm_bytes_per_second  # the preset's, or its default's
     figures["memory_efficiency"] = bench.memory(ELEMENTS[kind]) / bandwidth
+    update = bench.update(*UPDATE)
+    if update is not None:
+        figures["update_efficiency"] = update / bandwidth
     flash = _flash_shares(bench, toolchain.flash)
     figures.update(flash or {})
     said = _provenance(device, toolchain.package)
@@ -118,6 +127,10 @@ def calibrate(
             provenance[name] = (
                 f"not measured: no flash-attention kernel timed on {device.device_kind}"
             )
+    if update is None:
+        provenance["update_efficiency"] = (
+            f"not measured: {device.device_kind}'s compiler fused the update (no tiled layout)"
+        )
     return dataclasses.replace(
         base, name=f"{base.name}, calibrated", provenance=provenance, **measured
     )
@@ -189,6 +202,30 @@ class _Bench:
         fn = functools.partial(jnp.matmul, precision=precision)
         x, w = jax.ShapeDtypeStruct((m, k), dtype), jax.ShapeDtypeStruct((k, n), dtype)
         return self.rate(fn, "matmul", x, w)
+
+    def update(self, buffer: tuple[int, ...], block: tuple[int, ...]) -> float | None:
+        """Bytes per second an unfused in-place update moves (`Kernel.unfused_update`:
+        its update read and written), `block` into f32 `buffer` at an offset along
+        the second-minor dimension given when it runs; None where the compiler
+        runs no such kernel (a CPU's, a GPU's: no tiled layout)."""
+        f32 = jnp.float32
+        m = measure(
+            lambda x, u, at: jax.lax.dynamic_update_slice_in_dim(x, u, at, axis=len(buffer) - 2),
+            jax.ShapeDtypeStruct(buffer, f32),
+            jax.ShapeDtypeStruct(block, f32),
+            jnp.asarray(buffer[-2] // 4, jnp.int32),
+            mesh=self.mesh,
+            hardware=self.base,
+            steps=self.steps,
+            warmup=2,
+            donate_argnums=0,
+        )
+        schedule = m.plan.schedule
+        unfused = {k.name for k in schedule.kernels() if k.unfused_update} if schedule else set()
+        ops = [op for op in m.ops if op.name in unfused and op.measured_seconds]
+        if not ops:
+            return None
+        return sum(op.bytes * op.calls for op in ops) / sum(op.measured_seconds for op in ops)
 
     def memory(self, elements: int) -> float:
         """Bytes per second of an elementwise pass over an f32 array (read and

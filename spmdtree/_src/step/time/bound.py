@@ -13,13 +13,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
 
 from spmdtree._src.errors import Mistake, public
-from spmdtree._src.step.hlo.schedule import Schedule
+from spmdtree._src.step.hlo.schedule import Kernel, Schedule
 from spmdtree._src.step.hw.chips import TpuChip, slice_dims, torus_links, wrapped
 from spmdtree._src.step.hw.hardware import (
     LINKS,
@@ -364,15 +364,24 @@ def step_spans(
     return predicted, said.spans
 
 
-#: The model's fields only a flash-attention kernel's time reads.
-_FLASH_FIELDS = ("flash_forward_efficiency", "flash_backward_efficiency")
+#: The model's fields only some kernels' times read, each with what tells such a kernel.
+_KERNEL_FIELDS: Mapping[str, Callable[[Kernel], bool]] = {
+    "flash_forward_efficiency": lambda kernel: bool(kernel.flash),
+    "flash_backward_efficiency": lambda kernel: bool(kernel.flash),
+    "update_efficiency": lambda kernel: kernel.unfused_update,
+}
 
 
 def _defaults_said(hw: Hardware, schedule: Schedule) -> Iterator[str]:
     """The sentence for a prediction built on the model's defaults: those it used
-    (a flash kernel's shares only where the step runs one)."""
-    flash = any(kernel.flash for kernel in schedule.kernels())
-    used = [what for what in hw.left_out if flash or what not in _FLASH_FIELDS]
+    (a flash kernel's shares only where the step runs one, an unfused update's
+    share likewise)."""
+    kernels = list(schedule.kernels())
+    used = [
+        what
+        for what in hw.left_out
+        if what not in _KERNEL_FIELDS or any(map(_KERNEL_FIELDS[what], kernels))
+    ]
     if used:
         yield (
             f"hardware {hw.name!r} leaves out {', '.join(used)}: the prediction "

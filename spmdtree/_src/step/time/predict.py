@@ -92,15 +92,20 @@ def kernel_seconds(kernel: Kernel, costs: Costs, peak: float) -> float:
     """One kernel's time, its launch left out: the larger of its compute (FLOPs over
     the peak x the matmul share x its wave efficiency; a flash-attention kernel's
     over the peak x its published share for its direction, new in 0.6) and its
-    memory (bytes over the sustained bandwidth), plus 5% of the smaller.
+    memory (bytes over the sustained bandwidth; an unfused update's over the
+    bandwidth x `Costs.update_efficiency`, new in 0.7), plus 5% of the smaller.
 
     Example:
         >>> h100 = Costs(3.35e12, 0.9, 794.5 / 989, 132, (128, 128), 1e-6, 5e-6)
         >>> copy = Kernel("memory", 0, 2 * 2**30)
         >>> kernel_seconds(copy, h100, 989e12) == 2 * 2**30 / (3.35e12 * 0.9)
         True
+        >>> update = copy._replace(unfused_update=True)
+        >>> kernel_seconds(update, h100, 989e12) == 2 * 2**30 / (3.35e12 * h100.update_efficiency)
+        True
     """
-    memory = kernel.bytes / (costs.hbm_bytes_per_second * costs.memory_efficiency)
+    share = costs.update_efficiency if kernel.unfused_update else costs.memory_efficiency
+    memory = kernel.bytes / (costs.hbm_bytes_per_second * share)
     compute = 0.0
     if kernel.flops:
         share = costs.matmul_efficiency * costs.speed(kernel.dtype)
