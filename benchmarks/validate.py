@@ -255,6 +255,47 @@ def _splash(heads: int, length: int) -> Callable[..., jax.Array]:
     return sk.make_splash_mha(mask, block_sizes=blocks, head_shards=1, q_seq_shards=1)
 
 
+#: jax's Pallas TPU flash attention as MaxText ran it (attentions.py's
+#: `wrap_flash_attention`, under shard_map over batch and heads), by the commit its
+#: published figure was measured at: 9bc243c9 (2023-10, the v5e figures): causal=False
+#: (the kernel took no mask then), blocks of 512, one sequence a block; 76bd53b
+#: (2023-12, the v5p figures): causal=True, dQ in blocks of 1,024 queries x 256 keys,
+#: two sequences a block.
+FLASH_RECIPES: dict[str, dict[str, Any]] = {
+    "maxtext-2023-10": dict(causal=False, q=512, k=512, b=1, dq_q=512, dq_k=512),
+    "maxtext-2023-12": dict(causal=True, q=512, k=512, b=2, dq_q=1024, dq_k=256),
+}
+
+
+def pallas_flash(q: jax.Array, k: jax.Array, v: jax.Array, recipe: str) -> jax.Array:
+    """jax's Pallas TPU flash attention over (batch, heads, length, head dim) as
+    `recipe` (`FLASH_RECIPES`) ran it, each device on its own sequences and heads."""
+    from jax.experimental.pallas.ops.tpu import flash_attention as fa
+
+    r = FLASH_RECIPES[recipe]
+    spec = st.logical_to_mesh_axes(("batch", "q_heads", "length", "kv"))
+
+    def local(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        length = q.shape[2]  # the blocks as MaxText sized them, by this device's share
+        blocks = fa.BlockSizes(
+            block_q=min(r["q"], length),
+            block_k_major=min(r["k"], length),
+            block_k=min(r["k"], length),
+            block_b=min(r["b"], q.shape[0]),
+            block_q_major_dkv=min(r["q"], length),
+            block_k_major_dkv=min(r["k"], length),
+            block_q_dkv=min(r["q"], length),
+            block_k_dkv=min(r["k"], length),
+            block_q_dq=min(r["dq_q"], length),
+            block_k_dq=min(r["dq_k"], length),
+            block_k_major_dq=min(r["k"], length),
+        )
+        return fa.flash_attention(q, k, v, causal=r["causal"], block_sizes=blocks)
+
+    mapped = jax.shard_map(local, in_specs=(spec,) * 3, out_specs=spec, check_vma=False)
+    return mapped(q, k, v)
+
+
 def _op_policy(prim: Any, *_: Any, **params: Any) -> bool:
     """torchtitan's "op" checkpointing: the values named "saved", and cuDNN's attention
     forward whole (its output and softmax statistics: torchtitan's list saves the flash
@@ -282,8 +323,10 @@ class Model:
     #: "cudnn": jax.nn.dot_product_attention(implementation="cudnn"), what a GPU job
     #: runs; "blocked": `blocked_attention`, XLA's kernels (0.5's step); "xla":
     #: jax.nn.dot_product_attention(implementation="xla"), the whole scores; "splash":
-    #: splash attention with a causal mask in blocks of 512, as MaxText runs it on TPU (0.7)
+    #: splash attention with a causal mask in blocks of 512, as MaxText runs it on TPU (0.7);
+    #: "pallas": jax's Pallas TPU flash attention as `flash` (a `FLASH_RECIPES` key) ran it
     kernel: str = "blocked"
+    flash: str = "maxtext-2023-12"
 
     def params(self) -> dict[str, Any]:
         e, h, kv, d, m, n = (
@@ -329,7 +372,7 @@ class Model:
                     q, k, v, is_causal=True, implementation="cudnn"
                 )
             return jnp.einsum("blhd,hde->ble", save(attended, "saved"), p["out"])
-        if self.kernel in ("xla", "splash"):
+        if self.kernel in ("xla", "splash", "pallas"):
             with jax.named_scope("attention"):
                 attended = save(self.whole_attention(q, k, v), "saved")
             return jnp.einsum("blhd,hde->ble", attended, p["out"])
@@ -342,14 +385,18 @@ class Model:
 
     def whole_attention(self, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
         """Causal attention over (batch, length, heads, head dim) by XLA's kernels over
-        the whole scores, or by splash attention (each kv head repeated over its
-        queries' group; the kernel takes heads x length x head dim per sequence)."""
+        the whole scores, by splash attention (each kv head repeated over its
+        queries' group; the kernel takes heads x length x head dim per sequence), or
+        by jax's Pallas TPU flash attention as MaxText ran it (`pallas_flash`: not
+        causal in its 2023-10 recipe)."""
         if self.kernel == "xla":
             return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
         groups = self.heads // self.kv_heads
         k, v = (jnp.repeat(a, groups, axis=2) for a in (k, v))
         heads_first = lambda a: jnp.swapaxes(a, 1, 2)  # noqa: E731
         q, k, v = map(heads_first, (q / math.sqrt(self.head_dim), k, v))
+        if self.kernel == "pallas":
+            return heads_first(pallas_flash(q, k, v, self.flash))
         return heads_first(jax.vmap(_splash(self.heads, self.length))(q, k, v))
 
     def layer(self, x: jax.Array, p: dict[str, Any]) -> tuple[jax.Array, None]:
@@ -510,12 +557,17 @@ MAXTEXT_LIBTPU_ARGS = (
 #: global_parameter_scale 16 (base emb 2560 x 2, heads 8 x 4 of dim 256, MLP
 #: 8192 x 4, layers 16 x 2, vocab 32,768, ReLU, tied embedding).
 LLAMA_8B = Model(128256, 4096, 32, 32, 8, 128, 14336, 8192, 1024, "llama", "op")
-MAXTEXT_16B = Model(32768, 5120, 32, 32, 32, 256, 32768, 2048, 512, "maxtext-2023", "full")
+MAXTEXT_16B = dataclasses.replace(
+    Model(32768, 5120, 32, 32, 32, 256, 32768, 2048, 512, "maxtext-2023", "full", "pallas"),
+    flash="maxtext-2023-10",
+)
 #: global_parameter_scale 128 over the same base.yml: width 2,560 x 4, heads 8 x 8 of
 #: 256, MLP 8,192 x 8, layers 16 x 4 (MaxText's get_individual_scales of that time).
-MAXTEXT_128B = Model(32768, 10240, 64, 64, 64, 256, 65536, 2048, 512, "maxtext-2023", "minimal")
+MAXTEXT_128B = Model(
+    32768, 10240, 64, 64, 64, 256, 65536, 2048, 512, "maxtext-2023", "minimal", "pallas"
+)
 TINY_LLAMA = Model(512, 256, 2, 8, 8, 32, 512, 256, 64, "llama", "op")
-TINY_MAXTEXT = Model(512, 256, 2, 4, 4, 64, 1024, 256, 64, "maxtext-2023", "full")
+TINY_MAXTEXT = Model(512, 256, 2, 4, 4, 128, 1024, 256, 64, "maxtext-2023", "full", "pallas")
 
 
 def runs(quick: bool) -> list[Run]:

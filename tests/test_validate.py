@@ -1,6 +1,8 @@
-"""benchmarks/validate.py's blocked attention computes causal grouped-query attention:
-the validation's figures are a prediction of that step, so the step must be right."""
+"""benchmarks/validate.py's blocked attention computes causal grouped-query attention,
+and its MaxText runs' flash kernels run as their recipes ran them: the validation's
+figures are a prediction of those steps, so the steps must be right."""
 
+import dataclasses
 import importlib.util
 import math
 import pathlib
@@ -10,6 +12,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import AxisType
+from test_targets import has_compiler
+
+import spmdtree as st
 
 _PATH = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "validate.py"
 _SPEC = importlib.util.spec_from_file_location("validate_benchmark", _PATH)
@@ -59,3 +65,34 @@ def test_a_masked_out_key_changes_nothing_before_it():
     after = validate.blocked_attention(q, k.at[:, 20].add(5.0), v.at[:, 20].add(5.0), 8)
     np.testing.assert_array_equal(before[:, :20], after[:, :20])
     assert not np.allclose(before[:, 20:], after[:, 20:])
+
+
+@pytest.mark.skipif(not has_compiler("tpu"), reason="needs libtpu (spmdtree[tpu])")
+def test_maxtexts_flash_kernels_run_as_their_recipes_ran_them():
+    """The MaxText runs' attention is jax's Pallas TPU flash attention as each recipe
+    ran it: 2023-10's not causal (every block pair), 2023-12's causal (at 1,024
+    tokens in blocks of 512, three of the four pairs), its dQ in blocks of 1,024
+    queries, which no causal block skips."""
+    import optax
+
+    flops = {}
+    for recipe in validate.FLASH_RECIPES:
+        model = dataclasses.replace(validate.TINY_MAXTEXT, length=1024, flash=recipe)
+        params = model.params()
+        state = jax.eval_shape(optax.adamw(1e-4).init, params)
+        tokens = st.LogicallyPartitioned(
+            jax.ShapeDtypeStruct((8, model.length + 1), jnp.int32), ("batch", "length")
+        )
+        mesh = jax.sharding.AbstractMesh((8,), ("fsdp",), axis_types=(AxisType.Auto,))
+        plan = st.preflight(
+            model.train_step, params, state, tokens, mesh=mesh, rules=validate.RULES,
+            target="tpu-v5e", donate_argnums=(0, 1),
+        )  # fmt: skip
+        kernels = [k for k in plan.schedule.kernels() if k.flash]
+        assert {k.flash for k in kernels} == {"forward", "backward"}
+        flops[recipe] = {k.call.split("_block")[0]: k.flops for k in kernels}
+    whole, causal = flops["maxtext-2023-10"], flops["maxtext-2023-12"]
+    assert set(whole) == set(causal) == {"flash_attention", "flash_mha_bwd_dq", "flash_mha_bwd_dkv"}
+    for kernel in ("flash_attention", "flash_mha_bwd_dkv"):  # the matmuls' 3 of 4, and
+        assert causal[kernel] == pytest.approx(0.75 * whole[kernel], rel=0.01)  # the rest
+    assert causal["flash_mha_bwd_dq"] == whole["flash_mha_bwd_dq"]
