@@ -9,8 +9,13 @@
 - ``advise``: `st.advise(..., measure=2)` over three remat policies (full, minimal,
   torchtitan's named one) of benchmarks/measured.py's small decoder step on the
   chip: the two best predicted that fit, run and ranked by measured time.
+- ``update``: an in-place update of a block of 512 positions into a buffer's
+  second-minor dimension, f32 and bf16, at an offset given when it runs, at a
+  constant one, in a loop, and along the leading dimension, each by `st.measure`
+  (``update.json``): which of them libtpu leaves unfused, and how fast each runs
+  (`Hardware.update_efficiency`).
 
-Run on the chip: python benchmarks/chip.py --out DIR [fixture calibrate advise]
+Run on the chip: python benchmarks/chip.py --out DIR [fixture calibrate advise update]
 Without a chip it says so and exits 0.
 """
 
@@ -103,7 +108,88 @@ def advise(out: pathlib.Path) -> None:
     advice = st.advise(make_step, candidates, hardware=chip, measure=2)
     print(f"advise(measure=2) in {time.perf_counter() - start:.1f} s")
     print(advice)
-    (out / "advice.json").write_text(json.dumps(advice.to_json()))
+    (out / "advice.json").write_text(json.dumps(advice.to_json()))  # 0.7: a dict
+
+
+def update(out: pathlib.Path) -> None:
+    """The unfused update's probe: each form's slowest instructions, measured."""
+    import jax.numpy as jnp
+    import numpy as np
+    from jax import lax
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+    found: dict[str, Any] = {}
+
+    def run(name: str, fn: Any, *args: Any) -> None:
+        m = st.measure(
+            fn,
+            *args,
+            mesh=mesh,
+            hardware=st.hardware("tpu-v5e"),
+            steps=5,
+            warmup=2,
+            donate_argnums=(0,),
+        )
+        ops = sorted(m.ops, key=lambda o: -(o.measured_seconds or 0))[:6]
+        found[name] = {
+            "seconds": m.seconds,
+            "predicted": m.predicted_seconds,
+            "ops": [
+                dict(
+                    name=o.name,
+                    opcode=o.opcode,
+                    calls=o.calls,
+                    measured=o.measured_seconds,
+                    predicted=o.predicted_seconds,
+                    bytes=o.bytes,
+                    shape=o.shape,
+                )
+                for o in ops
+            ],
+        }
+        print(name, json.dumps(found[name])[:900], flush=True)
+
+    def loop(b: Any, u: Any) -> Any:
+        def body(j: Any, b: Any) -> Any:
+            return lax.dynamic_update_slice_in_dim(b, u * j.astype(u.dtype), j * 512, axis=2)
+
+        return lax.fori_loop(0, 4, body, b)
+
+    for dtype in (jnp.float32, jnp.bfloat16):
+        buf = jax.ShapeDtypeStruct((8, 8, 2048, 128), dtype)
+        upd = jax.ShapeDtypeStruct((8, 8, 512, 128), dtype)
+        i, n = jnp.asarray(512, jnp.int32), jnp.dtype(dtype).name
+        run(
+            f"{n} runtime offset",
+            lambda b, u, i: lax.dynamic_update_slice_in_dim(b, u, i, axis=2),
+            buf,
+            upd,
+            i,
+        )
+        run(
+            f"{n} offset*8",
+            lambda b, u, i: lax.dynamic_update_slice_in_dim(b, u, (i // 8) * 8, axis=2),
+            buf,
+            upd,
+            i,
+        )
+        run(
+            f"{n} offset 512 const",
+            lambda b, u: lax.dynamic_update_slice_in_dim(b, u, 512, axis=2),
+            buf,
+            upd,
+        )
+        run(f"{n} loop j*512", loop, buf, upd)
+        run(
+            f"{n} leading dim",
+            lambda b, u, i: lax.dynamic_update_slice_in_dim(
+                b, u.reshape(2, 8, 2048, 128)[:2], i, axis=0
+            ),
+            buf,
+            upd,
+            i,
+        )
+    (out / "update.json").write_text(json.dumps({"versions": versions(), **found}, indent=1))
 
 
 def one_chip_hardware(out: pathlib.Path) -> st.Hardware:
@@ -130,7 +216,7 @@ def main() -> int:
         print("no TPU here: benchmarks/chip.py records a chip's run")
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
-    jobs = {"fixture": fixture, "calibrate": calibrate, "advise": advise}
+    jobs = {"fixture": fixture, "calibrate": calibrate, "advise": advise, "update": update}
     for what in args.what:
         jobs[what](args.out)
     return 0

@@ -245,6 +245,9 @@ def test_a_calibrated_chip_predicts_what_its_figures_give():
     )
     assert chip.flash_forward_efficiency is None  # no flash kernel on a CPU: left out, said
     assert chip.provenance["flash_forward_efficiency"].startswith("not measured")
+    # no update left unfused where no layout is tiled: the preset's share, said as such
+    assert chip.update_efficiency == st.hardware("tpu-v5e").update_efficiency
+    assert chip.provenance["update_efficiency"].startswith("not measured: cpu's compiler")
     assert st.Hardware.from_json(chip.to_json()) == chip
     # a matmul's time is what the measured figures give it: its FLOPs at the measured
     # share (at f32's rate: the CPU compile widens bf16) beside its bytes at the

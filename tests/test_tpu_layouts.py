@@ -112,3 +112,74 @@ def test_a_tpu_array_moves_as_its_tiles_hold_it(layout, row):
     (kernel,) = read_schedule(MODULE.format(layout=layout), platform="tpu").events
     assert kernel.bytes == 2 * 4096 * row * 2  # read and written
     assert "T(" not in kernel.shape
+
+
+#: An update at an offset given when it runs, its buffer in HBM or in the chip's own
+#: memory (`S(1)`, where libtpu keeps some): measured on a v5e, a blocked
+#: attention's unfused update with its buffer in S(1) ran as slowly as the others.
+UPDATE = """HloModule m, is_scheduled=true
+
+ENTRY %main (b: f32[64,2048,128], u: f32[64,512,128], i: s32[]) -> f32[64,2048,128] {{
+  %b = f32[64,2048,128]{{2,1,0:T(8,128){space}}} parameter(0)
+  %u = f32[64,512,128]{{2,1,0:T(8,128)}} parameter(1)
+  %i = s32[] parameter(2)
+  %z = s32[] constant(0)
+  ROOT %d = f32[64,2048,128]{{2,1,0:T(8,128){space}}} dynamic-update-slice(%b, %u, %z, %i, %z)
+}}
+"""
+
+
+@pytest.mark.parametrize("space", ["", "S(1)"], ids=["in-hbm", "on-chip"])
+def test_an_unfused_update_moves_its_update_wherever_its_buffer_is(space):
+    (kernel,) = read_schedule(UPDATE.format(space=space), platform="tpu").events
+    assert kernel.unfused_update
+    assert kernel.bytes == 2 * 64 * 512 * 128 * 4
+
+
+#: A fusion whose result is a pair, one element in HBM and one in S(1), over a
+#: minor dimension of 64 (each row 128 lanes).
+PAIR = """HloModule m, is_scheduled=true
+
+%both (x: bf16[4096,64]) -> (bf16[4096,64], bf16[4096,64]) {
+  %x = bf16[4096,64]{1,0:T(8,128)(2,1)} parameter(0)
+  %y = bf16[4096,64]{1,0:T(8,128)(2,1)} add(%x, %x)
+  %z = bf16[4096,64]{1,0:T(8,128)(2,1)S(1)} multiply(%x, %x)
+  ROOT %t = (bf16[4096,64]{1,0:T(8,128)(2,1)}, bf16[4096,64]{1,0:T(8,128)(2,1)S(1)}) tuple(%y, %z)
+}
+
+ENTRY %main (a: bf16[4096,64]) -> (bf16[4096,64], bf16[4096,64]) {
+  %a = bf16[4096,64]{1,0:T(8,128)(2,1)} parameter(0)
+  ROOT %f = (bf16[4096,64]{1,0:T(8,128)(2,1)}, bf16[4096,64]{1,0:T(8,128)(2,1)S(1)}) fusion(%a), kind=kLoop, calls=%both
+}
+"""
+
+
+def test_a_tuples_elements_move_as_their_tiles_and_memory_say():
+    # read whole (128 lanes a row), one element written to HBM, the other kept on chip
+    (kernel,) = read_schedule(PAIR, platform="tpu").events
+    assert kernel.bytes == 2 * (4096 * 128 * 2)
+
+
+#: An all-gather over 8 devices of an array whose minor dimension is 64, tiled or not.
+GATHER = """HloModule m, is_scheduled=true
+
+ENTRY %main (a: bf16[512,64]) -> bf16[4096,64] {{
+  %a = bf16[512,64]{{{layout}}} parameter(0)
+  ROOT %g = bf16[4096,64]{{{layout}}} all-gather(%a), replica_groups={{{{0,1,2,3,4,5,6,7}}}}, dimensions={{0}}
+}}
+"""
+
+
+def test_a_collective_sends_its_own_bytes_not_its_tiles():
+    # the links move the array's elements: a layout's padding is no traffic on them
+    rows = [
+        [
+            e.row
+            for e in read_schedule(
+                GATHER.format(layout=layout), (("data", 8),), platform="tpu"
+            ).events
+            if hasattr(e, "row")
+        ]
+        for layout in ("1,0:T(8,128)(2,1)", "1,0")
+    ]
+    assert rows[0] == rows[1] and rows[0][0].bytes in (512 * 64 * 2, 4096 * 64 * 2)

@@ -139,8 +139,9 @@ def arrays(type_: str) -> tuple[Array, ...]:
 
 def _tiled(dims: tuple[int, ...], layout: str) -> int:
     """The elements an array of `dims` takes in the tiles of its printed `layout`
-    (``3,2,1,0:T(8,128)(2,1)``: the first tile's sides round its minor dimensions
-    up, the last side the minor-most); 0 where it names no tiling.
+    (``3,2,1,0:T(8,128)(2,1)``: its minor dimensions padded to whole multiples of
+    the first tile's sides, the last side the minor-most); 0 where it names no
+    tiling.
 
     Example:
         >>> _tiled((4, 10, 64), "2,1,0:T(8,128)")  # 4 x 16 x 128
@@ -267,8 +268,15 @@ class Instr:
         return sum(a.bytes for a in self.arrays)
 
     @property
+    def tiled_bytes(self) -> int:
+        """Its result's bytes as their layouts' tiles hold them (`Array.tiled_bytes`:
+        what moves where it is read or written; new in 0.7)."""
+        return sum(a.tiled_bytes for a in self.arrays)
+
+    @property
     def hbm_bytes(self) -> int:
-        """Its result's bytes that live in HBM (`Array.hbm_bytes`; new in 0.7)."""
+        """Its result's bytes that live in HBM, as their tiles hold them
+        (`Array.hbm_bytes`; new in 0.7)."""
         return sum(a.hbm_bytes for a in self.arrays)
 
     @property

@@ -827,7 +827,10 @@ class _Walker:
 
         On a TPU v5e, such an update of f32[8,8,512,128] into f32[8,8,2048,128] ran
         at about a quarter of the bandwidth (179 us for its 33.5 MB read and written)
-        where a fused one, or one at a constant offset, ran at the memory's rate."""
+        where a fused one, or one at a constant offset, ran at the memory's rate
+        (benchmarks/chip-2026-12-06/update.json); one whose buffer libtpu kept in
+        the chip's own memory (``S(1)``) ran as slowly as the others in a blocked
+        attention's step, so it is one whichever memory holds it."""
         if ins.op != Op.kDynamicUpdateSlice or len(ins.operands) < 3 or not ins.arrays:
             return None
         scope = self.mod.by_name[comp]
@@ -882,7 +885,7 @@ class _Walker:
             return estimate[1]
         given = [self.mod.by_name[comp][o] for o in ins.operands if o in self.mod.by_name[comp]]
         if ins.op in _SLICING:
-            return 2 * ins.bytes
+            return 2 * ins.tiled_bytes
         unfused = self._unfused_update(comp, ins)
         if unfused is not None:  # its update read and written, on the chip or not
             return 2 * unfused.tiled_bytes
@@ -1003,7 +1006,7 @@ def _fusion_bytes(mod: Module, comp: str, ins: Instr) -> int:
         param = mod.param(callee, j)
         read += whole if param is None else _read(mod, callee, param, whole)
     root = mod.root(callee)
-    return read + (_written(mod, callee, root) if root is not None else ins.bytes)
+    return read + (_written(mod, callee, root) if root is not None else ins.tiled_bytes)
 
 
 def _read(mod: Module, comp: str, name: str, whole: int) -> int:
@@ -1019,7 +1022,7 @@ def _read(mod: Module, comp: str, name: str, whole: int) -> int:
         if user.op == Op.kBitcast:
             total += _read(mod, comp, user.name, whole)
         elif user.op in _SLICING and j == 0:
-            total += user.bytes
+            total += user.tiled_bytes
         elif _untouched(user, j):
             continue
         elif user.op == Op.kFusion:
@@ -1049,10 +1052,10 @@ def _nested_read(mod: Module, comp: str, user: Instr, j: int, whole: int) -> int
     param = mod.param(callee, j)
     inner = whole if param is None else _read(mod, callee, param, whole)
     operand = mod.by_name[comp].get(user.operands[j])
-    if operand is None or not user.bytes or _elements(user) != _elements(operand):
+    if operand is None or not user.tiled_bytes or _elements(user) != _elements(operand):
         return inner
-    demanded = _read(mod, comp, user.name, user.bytes)
-    return min(inner, whole * demanded // user.bytes)
+    demanded = _read(mod, comp, user.name, user.tiled_bytes)
+    return min(inner, whole * demanded // user.tiled_bytes)
 
 
 def _elements(ins: Instr) -> int:
@@ -1082,7 +1085,7 @@ def _update_written(update_slice: Instr, update: Instr) -> int:
     """The bytes an in-place update writes: its update's, where the buffer it writes
     into is in HBM (its result's memory space), wherever the update was read from."""
     in_hbm = bool(update_slice.arrays) and update_slice.arrays[0].hbm_bytes > 0
-    return update.bytes if in_hbm else 0  # a fused library call (jax 0.12's dynamic-slice fusion)
+    return update.tiled_bytes if in_hbm else 0  # a fused library call (jax 0.12's dynamic-slice fusion)
 
 
 def read_schedule(
@@ -1131,7 +1134,7 @@ def read_schedule(
         >>> schedule.events[0].row
         Collective(kind='all-gather', count=1, bytes=2097152, axes=('data',), group=8, written_as='')
         >>> schedule.events[1]
-        Kernel(kind='matmul', flops=2147483648, bytes=6291456, batch=1, m=1024, n=1024, k=1024, dtype='bf16', opaque='', call='', name='d', estimated_cycles=0, opcode='dot', shape='bf16[1024,1024]{1,0}', op_name='')
+        Kernel(kind='matmul', flops=2147483648, bytes=6291456, batch=1, m=1024, n=1024, k=1024, dtype='bf16', opaque='', call='', name='d', estimated_cycles=0, opcode='dot', shape='bf16[1024,1024]{1,0}', op_name='', unfused_update=False)
         >>> Schedule.from_json(schedule.to_json()) == schedule
         True
     """

@@ -418,7 +418,7 @@ class Hardware:
             >>> st.Hardware.from_json('{"schema": "spmdtree.Hardware/1", "name": "x"}')
             Traceback (most recent call last):
             ...
-            ValueError: Hardware.from_json: the JSON has no field 'memory_bytes' (nor 'flops_per_second', 'links' and 14 more); write it with Hardware.to_json(), which gives every field.
+            ValueError: Hardware.from_json: the JSON has no field 'memory_bytes' (nor 'flops_per_second', 'links' and 15 more); write it with Hardware.to_json(), which gives every field.
         """
         return _from_json(source)
 

@@ -47,8 +47,12 @@ MATMULS: dict[str, tuple[tuple[int, int, int], ...]] = {
 #: The elementwise pass's elements (f32): 1 GiB on an accelerator.
 ELEMENTS = {"accelerator": 2**28, "cpu": 2**22}
 #: The unfused update's buffer and update (f32): a blocked attention's output of
-#: (batch, heads, length, head width) written a block of 512 positions at a time.
-UPDATE = ((8, 8, 2048, 128), (8, 8, 512, 128))
+#: (batch, heads, length, head width) written a block of 512 positions at a time; a
+#: CPU's small (its layouts are not tiled: no such kernel, and nothing to measure).
+UPDATE = {
+    "accelerator": ((8, 8, 2048, 128), (8, 8, 512, 128)),
+    "cpu": ((1, 1, 256, 128), (1, 1, 64, 128)),
+}
 #: Attention's (batch, heads, length, head width) for the flash kernel.
 ATTENTION = (2, 8, 4096, 128)
 #: Splash attention's blocks, every one of its eight: MaxText's default (its base.yml's
@@ -69,7 +73,10 @@ def calibrate(
     Microbenchmarks on `device`, never a step's time: the largest share of the
     bf16 peak a matmul reaches over a few shapes, the share of the memory
     bandwidth a large elementwise pass sustains, f32 matmuls' rates at the
-    default and the highest precision, and the flash-attention kernel's shares
+    default and the highest precision, the share of the bandwidth an in-place
+    update moves at where the compiler leaves it unfused at an offset known only
+    when it runs (a TPU's, `Kernel.unfused_update`; new in 0.7; elsewhere the
+    preset's, said as not measured), and the flash-attention kernel's shares
     forward and backward with causal FLOPs as the model counts them (splash on a
     TPU, cuDNN's on a GPU; none on a CPU, whose figures stay left out). Memory,
     links and the chip are the preset's. Save it with `Hardware.to_json` and time
@@ -111,7 +118,7 @@ def calibrate(
     figures["f32_highest_speed"] = bench.matmul(shape, jnp.float32, "highest") / bf16
     bandwidth = base.costs().hbm_bytes_per_second  # the preset's, or its default's
     figures["memory_efficiency"] = bench.memory(ELEMENTS[kind]) / bandwidth
-    update = bench.update(*UPDATE)
+    update = bench.update(*UPDATE[kind])
     if update is not None:
         figures["update_efficiency"] = update / bandwidth
     flash = _flash_shares(bench, toolchain.flash)
@@ -129,7 +136,8 @@ def calibrate(
             )
     if update is None:
         provenance["update_efficiency"] = (
-            f"not measured: {device.device_kind}'s compiler fused the update (no tiled layout)"
+            f"not measured: {device.device_kind}'s compiler left no update unfused (its "
+            "layouts are not tiled), so no kernel reads it; the preset's figure kept"
         )
     return dataclasses.replace(
         base, name=f"{base.name}, calibrated", provenance=provenance, **measured
