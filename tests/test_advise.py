@@ -780,6 +780,7 @@ def test_a_layout_whose_axis_does_not_divide_what_it_splits_repeats_that_work_an
 def test_the_traffic_flag_of_a_layout_that_repeats_work_says_the_repeat_is_its_cause():
     # The traffic flag's usual advice (constrain the activations) misdirects where the
     # traffic comes from an axis that splits nothing: the repeat's flag says so instead.
+    # Private: the search's own ranking helpers, which have no public name
     from spmdtree._src.step.advise import advise as search
 
     meshes = [m for m in st.layouts(8, ("data", "fsdp")) if dict(m.shape)["data"] <= 2]
@@ -975,6 +976,7 @@ def test_an_executor_that_is_none_is_refused():
 def test_a_layout_is_said_to_repeat_work_from_half_again_the_least(times, said):
     # a little more than the least (XLA splitting some work itself, a reduction's adds)
     # is no repeat; a 2-way copy is 2x. The oracle: the threshold the docs state.
+    # Private: the repeated-work diagnosis, a helper with no public name
     from spmdtree._src.step.advise.diagnose import repeated
 
     mesh = jax.sharding.AbstractMesh((2, 4), ("data", "fsdp"))
@@ -993,6 +995,7 @@ def test_a_repeating_layout_is_told_the_rule_or_the_specs_as_its_batch_is_named(
     # that writes its own specs and out_sharding=, as flax's Gemma does), by its specs,
     # whatever its params are named (logical params beside a mesh-axis batch: flax linen
     # through from_flax); a logical name spelt as a mesh axis is still a rule's
+    # Private: the repeated-work diagnosis, a helper with no public name
     from spmdtree._src.step.advise.diagnose import repeated
 
     mesh = jax.sharding.AbstractMesh((2, 4), ("data", "fsdp"))
@@ -1021,6 +1024,7 @@ def test_a_repeating_layout_is_told_the_rule_or_the_specs_as_its_batch_is_named(
 def test_a_mistake_crosses_an_executors_process_boundary_as_itself():
     # a compile's refusal (the target's compiler: too big for a chip) raised on a worker
     # comes back as the same mistake, so its row says "over budget", not a broken pickle
+    # Private: the mistake a worker raises, whose class has no public name
     from spmdtree._src.errors import Mistake
     from spmdtree._src.step.compile.compilers import DoesNotFit
 
@@ -1033,6 +1037,7 @@ def test_a_mistake_crosses_an_executors_process_boundary_as_itself():
 def test_repeats_compare_the_same_work_only():
     # two lengths (or two options) at one batch are two works: each row's FLOPs are held
     # against the least of its own work, never the other's
+    # Private: the search's own ranking helpers, which have no public name
     from spmdtree._src.step.advise import advise as search
 
     mesh = st.layouts(8, ("data", "tensor"))[0]

@@ -10,6 +10,8 @@ import jax.numpy as jnp
 import pytest
 
 import spmdtree as st
+
+# Private: the toolchains and the compiler's choice have no public names
 from spmdtree._src.step.compile.backends import (
     BY_CHIP,
     LIBTPU,

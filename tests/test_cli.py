@@ -11,6 +11,7 @@ import textwrap
 
 import pytest
 
+# Private: the command line's parser, run in process (its console script is public)
 from spmdtree._src import cli
 
 #: A user's module, as a user writes one: make_step(candidate) and RULES.
@@ -216,6 +217,7 @@ def test_json_to_stdout(tmp_path):
 
 
 def test_a_py_file_named_twice_is_imported_once_and_never_over_a_loaded_module(tmp_path):
+    # Private: the command line's parser, run in process (its console script is public)
     from spmdtree._src import cli
 
     (tmp_path / "copy.py").write_text("RULES = []\nLOADS = []\nLOADS.append(1)\n")

@@ -15,6 +15,8 @@ from jax.sharding import PartitionSpec as P
 from test_targets import has_compiler, has_module, peak_of
 
 import spmdtree as st
+
+# Private: the GPU toolchain and its target have no public names
 from spmdtree._src.step.compile.backends import XLA_GPU, target_for
 
 B, T, H, D = 16, 1024, 8, 128  # 16 sequences of 1,024 over 8 GPUs, 8 heads of 128

@@ -20,7 +20,8 @@ from test_targets import has_compiler
 
 import spmdtree as st
 
-# The records and the reader have no public names: a flag is read as its record.
+# Private: the records and the reader have no public names; a flag is read as its
+# record.
 from spmdtree._src.step.hlo.opcodes import UNESTIMABLE
 from spmdtree._src.step.hlo.reading import Reading, reading_of
 from spmdtree._src.step.hlo.schedule import Doubt, Schedule, read_schedule

@@ -17,6 +17,8 @@ from jax.sharding import PartitionSpec as P
 from test_targets import has_compiler
 
 import spmdtree as st
+
+# Private: the schedule's records, the reader and the model have no public names
 from spmdtree._src.step.hlo.opcodes import Kept
 from spmdtree._src.step.hlo.reading import reading_of
 from spmdtree._src.step.hlo.schedule import Kernel, Schedule
@@ -208,6 +210,7 @@ def test_kernels_of_one_name_built_with_different_masks_are_said_counted_over_ev
 
 def test_a_mask_the_step_is_given_is_not_read_and_the_reason_is_kept():
     # the kernel passed in whole: its block mask an input of the jaxpr, no constant
+    # Private: the masks read from a traced step, a helper with no public name
     from spmdtree._src.step.compile.trace import kernel_masks
 
     kernel, _ = splash(MASKS["causal"])
@@ -323,6 +326,7 @@ def test_a_pallas_kernel_on_a_sharded_array_is_told_to_run_per_device():
     ],
 )
 def test_a_triton_kernel_is_named_by_its_own_scope_only_where_jax_gave_it_one(op_name, name):
+    # Private: an instruction record and the kernel-name helper have no public names
     from spmdtree._src.step.hlo.instructions import Instr, Op
     from spmdtree._src.step.hlo.opcodes import kernel_name
 
@@ -352,6 +356,7 @@ def test_a_triton_kernel_is_named_by_its_own_scope_only_where_jax_gave_it_one(op
 def test_a_mosaic_kernel_is_named_by_its_call_or_else_by_a_flash_kernels_scope(
     called, op_name, name
 ):
+    # Private: an instruction record and the kernel-name helper have no public names
     from spmdtree._src.step.hlo.instructions import Instr, Op
     from spmdtree._src.step.hlo.opcodes import kernel_name
 

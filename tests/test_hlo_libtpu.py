@@ -11,6 +11,8 @@ call the reader itself.
 import pytest
 
 import spmdtree as st
+
+# Private: the reader and its records have no public names
 from spmdtree._src.step.hlo.reading import read_step
 from spmdtree._src.step.hlo.schedule import Done, Kernel, Start, read_schedule
 

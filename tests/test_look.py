@@ -12,6 +12,8 @@ from jax.sharding import AbstractMesh, AxisType
 from test_targets import needs, targeted
 
 import spmdtree as st
+
+# Private: the pictures' own functions, drawn from plain figures
 from spmdtree._src import pictures
 
 H100 = st.hardware("h100")

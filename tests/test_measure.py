@@ -132,7 +132,8 @@ def test_a_loops_own_time_is_its_bodys_less():
     m = step.compare({"traceEvents": ops}, hardware=CPU, module="jit_step")
     assert m.times == (50e-6, 50e-6) and m.device == "/device:TPU:0"
     assert m.joined_share == 0.0  # neither is the sin step's instruction
-    from spmdtree._src.step.time.profile import read_profile  # the ops' own times: private
+    # Private: the profile's reader, the ops' own times, has no public name
+    from spmdtree._src.step.time.profile import read_profile
 
     profile = read_profile({"traceEvents": ops}, "jit_step")
     assert profile.ops == {"while.1": 10e-6, "fusion.2": 30e-6, "copy.4": 4e-6}  # per step

@@ -21,6 +21,7 @@ from hypothesis import given
 from hypothesis import strategies as hs
 from test_step_properties import examples
 
+# Private: the schedule's records and the model each net test holds to an oracle
 from spmdtree._src.step.hlo.schedule import Kernel, Loop, read_schedule
 
 # --- 1. a loop's trip count, from a condition written either way -----------------------
@@ -150,6 +151,8 @@ def placed_tiles(gemms, m, n, cores, tile):
 @given(hs.integers(1, 12), hs.integers(1, 500), hs.integers(1, 500))
 def test_a_batched_matmuls_waves_are_its_gemms_tiles_placed(gemms, m, n):
     import spmdtree as st
+
+    # Private: the wave model, a helper with no public name
     from spmdtree._src.step.time.predict import wave_efficiency
 
     costs = st.hardware("h100").costs()
@@ -222,6 +225,7 @@ ENTRY %main (a: f32[64,64], b: f32[256,64]) -> (f32[64,64], {result}) {{
     hs.sampled_from([1e-7, 3e-6, 1e-5, 1e-3]),
 )
 def test_a_collective_marked_is_sync_is_waited_for_where_it_starts(kind, config, dots, seconds):
+    # Private: the schedule's records and the walk have no public names
     from spmdtree._src.step.hlo.schedule import Start
     from spmdtree._src.step.hw.hardware import Costs
     from spmdtree._src.step.time.predict import predict
@@ -276,6 +280,7 @@ SLICES = [(a, b) for a in SIDES for b in SIDES if a != b and a * b >= 4] + [
 @examples(400)
 @given(hs.sampled_from(SLICES), hs.integers(1, 15), hs.sampled_from([4, 16]))
 def test_a_group_spans_the_fewest_longest_torus_axes_of_an_unequal_slice(dims, power, side):
+    # Private: the torus's links, a helper with no public name
     from spmdtree._src.step.hw.chips import torus_links
 
     dims = list(dims)
@@ -297,6 +302,7 @@ def test_a_group_spans_the_fewest_longest_torus_axes_of_an_unequal_slice(dims, p
     ],
 )
 def test_a_groups_links_on_a_preset_slice_are_the_axes_it_spans(preset, chips, group, links):
+    # Private: the torus helpers have no public names
     from spmdtree._src.step.hw.chips import slice_dims, torus_links, wrapped
 
     chip = __import__("spmdtree").hardware(preset).chip
@@ -402,6 +408,7 @@ def fewest_confirmations(screened, confirmed, most):
 
 def keyed(advice, target_only=False):
     """The rows by (label, batch); only those the target compiled, where asked."""
+    # Private: a row's label helper has no public name
     from spmdtree._src.step.advise.records import label_of
 
     return {

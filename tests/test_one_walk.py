@@ -15,6 +15,7 @@ import functools
 import pytest
 from test_hlo_libtpu import LIBTPU, MODULE, SHAPE
 
+# Private: the one walk, its readers and the model have no public names
 from spmdtree._src.step.hlo.reading import read_step, reading_of
 from spmdtree._src.step.hlo.schedule import read_schedule
 from spmdtree._src.step.hw.hardware import Costs

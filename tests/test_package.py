@@ -147,3 +147,34 @@ def test_every_module_imports_only_those_before_it_in_the_flow():
                 )
                 late += [(name, t) for t in targets if FLOW.index(t) >= FLOW.index(name)]
     assert late == []
+
+
+def test_a_test_reaches_into_src_only_for_what_has_no_public_name_and_says_so():
+    """CONTRIBUTING's rule: tests use the public API; a test of something with no
+    public name (a record, a private helper, the schedule's reader) may import it
+    from ``spmdtree._src``, under a comment that starts ``# Private:`` and says why
+    (above it, or above the block of imports it is in)."""
+    import ast
+
+    unsaid = []
+    for path in sorted(pathlib.Path(__file__).parent.glob("*.py")):
+        lines = path.read_text().splitlines()
+        tree = ast.parse("\n".join(lines))
+        imports = [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
+        in_import = {i for n in imports for i in range(n.lineno, (n.end_lineno or n.lineno) + 1)}
+        for node in imports:
+            if not isinstance(node, ast.ImportFrom) or not (node.module or "").startswith(
+                "spmdtree._src"
+            ):
+                continue
+            line = node.lineno - 1  # walk up its block of imports and comments
+            while line >= 1 and (line in in_import or lines[line - 1].lstrip().startswith("#")):
+                if lines[line - 1].lstrip().startswith("# Private:"):
+                    break
+                line -= 1
+            else:
+                unsaid.append(f"{path.name}:{node.lineno}")
+                continue
+            if not lines[line - 1].lstrip().startswith("# Private:"):
+                unsaid.append(f"{path.name}:{node.lineno}")
+    assert unsaid == []

@@ -23,6 +23,8 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import spmdtree as st
+
+# Private: the toolchain, the reader and the model's parts have no public names
 from spmdtree._src.step.compile.backends import XLA_GPU, target_for
 from spmdtree._src.step.hlo import reading as hlo
 from spmdtree._src.step.hlo import schedule as schedule_

@@ -26,6 +26,8 @@ from hypothesis import strategies as hs
 from test_step_properties import COMPARE, K, M, examples, loop_plan, loops, simulated_trips
 
 import spmdtree as st
+
+# Private: the schedule's records and the model, held to an unrolled simulation
 from spmdtree._src.step.hlo.schedule import Branches, Done, Kernel, Loop, Schedule, Start
 from spmdtree._src.step.hw.hardware import Costs
 from spmdtree._src.step.time import predict

@@ -18,8 +18,8 @@ from test_targets import has_compiler
 
 import spmdtree as st
 
-# The chips' descriptions (what XLA's GPU compiler and libtpu are given) have no
-# public name: read where preflight builds them from a Hardware; a TPU's clock by
+# Private: the chips' descriptions (what XLA's GPU compiler and libtpu are given)
+# have no public name: read where preflight builds them from a Hardware; a TPU's clock by
 # its devices' kind, where a compile reads it.
 from spmdtree._src.step.compile.backends import target_for
 from spmdtree._src.step.hw.chips import tpu_clock_ghz
@@ -372,6 +372,7 @@ def test_every_cost_model_figure_is_the_docs_table_and_its_source(name):
 
 # --- one source: every table is built from the chips' one table -------------------------
 
+# Private: the chips' one table, which the presets are built from
 from spmdtree._src.step.hw.chips import CHIPS  # noqa: E402
 
 

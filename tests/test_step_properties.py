@@ -402,6 +402,7 @@ def test_the_cpu_overstatement_is_the_held_reduction_and_64_bytes_at_most_the_te
     # the CPU holds the whole reduction its devices slice: an accelerator's
     # reduce-scatter would not, by that and the partition-id scalars, never more
     # than the temporaries that hold it
+    # Private: the CPU overstatement's cap, a helper with no public name
     from spmdtree._src.step.hlo.forms import overstated_bytes
 
     shape, names, chosen = case

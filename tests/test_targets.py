@@ -24,6 +24,8 @@ from jax.sharding import AbstractMesh, AxisType
 from jaxprs import jaxpr_flops
 
 import spmdtree as st
+
+# Private: the chips' toolchains have no public name
 from spmdtree._src.step.compile.backends import BY_CHIP
 
 VOCAB, EMBED, HEADS, HEAD_DIM, MLP, LAYERS, LENGTH = 512, 128, 4, 32, 512, 2, 64

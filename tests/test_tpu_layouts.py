@@ -16,7 +16,8 @@ from test_targets import has_compiler
 
 import spmdtree as st
 
-# The schedule's reader has no public name: a hand-written module is read by it.
+# Private: the schedule's reader has no public name; a hand-written module is read
+# by it.
 from spmdtree._src.step.hlo.schedule import read_schedule
 
 ONE = AbstractMesh((1,), ("data",))
@@ -122,7 +123,7 @@ UPDATE = """HloModule m, is_scheduled=true
 ENTRY %main (b: f32[64,2048,128], u: f32[64,512,128], i: s32[]) -> f32[64,2048,128] {{
   %b = f32[64,2048,128]{{2,1,0:T(8,128){space}}} parameter(0)
   %u = f32[64,512,128]{{2,1,0:T(8,128)}} parameter(1)
-  %i = s32[] parameter(2)
+  %i = s32[] {index}
   %z = s32[] constant(0)
   ROOT %d = f32[64,2048,128]{{2,1,0:T(8,128){space}}} dynamic-update-slice(%b, %u, %z, %i, %z)
 }}
@@ -131,9 +132,19 @@ ENTRY %main (b: f32[64,2048,128], u: f32[64,512,128], i: s32[]) -> f32[64,2048,1
 
 @pytest.mark.parametrize("space", ["", "S(1)"], ids=["in-hbm", "on-chip"])
 def test_an_unfused_update_moves_its_update_wherever_its_buffer_is(space):
-    (kernel,) = read_schedule(UPDATE.format(space=space), platform="tpu").events
+    text = UPDATE.format(space=space, index="parameter(2)")
+    (kernel,) = read_schedule(text, platform="tpu").events
     assert kernel.unfused_update
     assert kernel.bytes == 2 * 64 * 512 * 128 * 4
+
+
+def test_an_update_at_a_constant_offset_is_no_unfused_one_even_left_alone():
+    # libtpu fuses these (the test above compiles one); written as a kernel of its
+    # own, it still writes its update at the memory's rate, in place
+    text = UPDATE.format(space="", index="constant(512)")
+    (kernel,) = read_schedule(text, platform="tpu").events
+    assert not kernel.unfused_update
+    assert kernel.bytes == 2 * 64 * 512 * 128 * 4  # the update read, then written
 
 
 #: A fusion whose result is a pair, one element in HBM and one in S(1), over a

@@ -1478,6 +1478,63 @@ MUTANTS.update(
     }
 )
 
+MUTANTS.update(
+    {
+        # 0.7's net (tests/test_net_07.py): the job's compiler_options under spmdtree's own
+        "compiler-options-lose-to-ours": [
+            (
+                "_src/step/compile/compilers.py",
+                "    return own if toolchain.backend.estimates else {**own, **dict(options)}",
+                "    return own if toolchain.backend.estimates else {**dict(options), **own}",
+            )
+        ],
+        # an undivided axis blamed where the work repeats along another
+        "undivided-blamed-off-the-repeating-axes": [
+            (
+                "_src/step/advise/diagnose.py",
+                "    if undivided & set(axes):",
+                "    if undivided:",
+            )
+        ],
+        # 0.7: a TPU's layouts as they run (tests/test_tpu_layouts.py)
+        "tiles-ignored": [
+            (
+                "_src/step/hlo/instructions.py",
+                "        return max(self.tiled, self.elements) * max(bits(self.dtype) // 8, 1)",
+                "        return self.elements * max(bits(self.dtype) // 8, 1)",
+            )
+        ],
+        "tile-sides-swapped": [
+            (
+                "_src/step/hlo/instructions.py",
+                '    sides = [int(side) for side in tile.group(1).split(",")][::-1]',
+                '    sides = [int(side) for side in tile.group(1).split(",")]',
+            )
+        ],
+        "unfused-update-at-the-memory-rate": [
+            (
+                "_src/step/time/predict.py",
+                "    share = costs.update_efficiency if kernel.unfused_update else costs.memory_efficiency",
+                "    share = costs.memory_efficiency",
+            )
+        ],
+        "update-at-a-constant-offset-unfused-too": [
+            (
+                "_src/step/hlo/schedule.py",
+                "            if smaller and index is not None and index.op != Op.kConstant:",
+                "            if smaller and index is not None:",
+            )
+        ],
+        "update-efficiency-default-always-said": [
+            (
+                "_src/step/time/bound.py",
+                '    "update_efficiency": lambda kernel: kernel.unfused_update,',
+                '    "update_efficiency": lambda kernel: True,',
+            )
+        ],
+    }
+)
+
 #: The step wing's tests: what `--step` runs the step wing's mutants against.
 STEP_TESTS = [
     "tests/test_presets.py",
@@ -1499,6 +1556,8 @@ STEP_TESTS = [
     "tests/test_flash.py",
     "tests/test_look.py",
     "tests/test_net.py",
+    "tests/test_net_07.py",
+    "tests/test_tpu_layouts.py",
 ]
 
 
@@ -1537,6 +1596,8 @@ def run(name: str, edits: list[tuple[str, str, str]], tests: list[str]) -> tuple
         failed = re.findall(r"^FAILED (\S+)", done.stdout, flags=re.MULTILINE)
         if done.returncode == 0:
             return "SURVIVED", "", seconds
+        if done.returncode in (4, 5):  # pytest's usage error or no tests: no verdict
+            return "NO TESTS", done.stdout.strip().splitlines()[-1], seconds
         return "killed", failed[0] if failed else done.stdout.strip().splitlines()[-1], seconds
 
 

@@ -1085,7 +1085,8 @@ def _update_written(update_slice: Instr, update: Instr) -> int:
     """The bytes an in-place update writes: its update's, where the buffer it writes
     into is in HBM (its result's memory space), wherever the update was read from."""
     in_hbm = bool(update_slice.arrays) and update_slice.arrays[0].hbm_bytes > 0
-    return update.tiled_bytes if in_hbm else 0  # a fused library call (jax 0.12's dynamic-slice fusion)
+    # nothing into a buffer outside HBM: a fused library call (jax 0.12's dynamic-slice fusion)
+    return update.tiled_bytes if in_hbm else 0
 
 
 def read_schedule(
