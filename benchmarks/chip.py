@@ -108,7 +108,7 @@ def advise(out: pathlib.Path) -> None:
     advice = st.advise(make_step, candidates, hardware=chip, measure=2)
     print(f"advise(measure=2) in {time.perf_counter() - start:.1f} s")
     print(advice)
-    (out / "advice.json").write_text(json.dumps(advice.to_json()))  # 0.7: a dict
+    (out / "advice.json").write_text(advice.to_json())
 
 
 def update(out: pathlib.Path) -> None:

@@ -29,7 +29,6 @@ The same search from the command line, on the small decoder:
 """
 
 import argparse
-import json
 import pathlib
 import sys
 import time
@@ -225,7 +224,7 @@ def save(advice, hardware, args):
     if args.plot:
         advice.plot(args.plot)
     if args.json:
-        pathlib.Path(args.json).write_text(json.dumps(advice.to_json()))
+        pathlib.Path(args.json).write_text(advice.to_json())
     best = advice.best
     if best is not None and args.step_plot:
         best.step.plot(hardware, args.step_plot)

@@ -781,7 +781,7 @@ def test_the_traffic_flag_of_a_layout_that_repeats_work_says_the_repeat_is_its_c
     # The traffic flag's usual advice (constrain the activations) misdirects where the
     # traffic comes from an axis that splits nothing: the repeat's flag says so instead.
     # Private: the search's own ranking helpers, which have no public name
-    from spmdtree._src.step.advise import advise as search
+    from spmdtree._src.step.advise import state
 
     meshes = [m for m in st.layouts(8, ("data", "fsdp")) if dict(m.shape)["data"] <= 2]
     candidates = [st.Candidate(m, FSDP_ONLY, batch=64, length=16) for m in meshes]
@@ -793,8 +793,8 @@ def test_the_traffic_flag_of_a_layout_that_repeats_work_says_the_repeat_is_its_c
     assert traffic is not None and "st.with_logical_constraint" in traffic.sentence
     plain = tuple(f for f in repeats.flags if "repeat each other's work" not in f)
     flagged = repeats._replace(step=step, flags=(*plain, traffic.sentence))
-    records = {0: search._Confirmed(splits), 1: search._Confirmed(flagged)}
-    said = search._said_repeats(search._State(types.MappingProxyType(records), 2))
+    records = {0: state._Confirmed(splits), 1: state._Confirmed(flagged)}
+    said = state._said_repeats(state._State(types.MappingProxyType(records), 2))
     flags = said.records[1].row.flags
     assert traffic.sentence not in flags
     assert flags[0].startswith("devices repeat each other's work along data (2):")
@@ -977,7 +977,7 @@ def test_a_layout_is_said_to_repeat_work_from_half_again_the_least(times, said):
     # a little more than the least (XLA splitting some work itself, a reduction's adds)
     # is no repeat; a 2-way copy is 2x. The oracle: the threshold the docs state.
     # Private: the repeated-work diagnosis, a helper with no public name
-    from spmdtree._src.step.advise.diagnose import repeated
+    from spmdtree._src.step.preflight.diagnose import repeated
 
     mesh = jax.sharding.AbstractMesh((2, 4), ("data", "fsdp"))
     inputs = st.plan(
@@ -996,7 +996,7 @@ def test_a_repeating_layout_is_told_the_rule_or_the_specs_as_its_batch_is_named(
     # whatever its params are named (logical params beside a mesh-axis batch: flax linen
     # through from_flax); a logical name spelt as a mesh axis is still a rule's
     # Private: the repeated-work diagnosis, a helper with no public name
-    from spmdtree._src.step.advise.diagnose import repeated
+    from spmdtree._src.step.preflight.diagnose import repeated
 
     mesh = jax.sharding.AbstractMesh((2, 4), ("data", "fsdp"))
     x = jax.ShapeDtypeStruct((64, 8), jnp.float32)
@@ -1038,7 +1038,7 @@ def test_repeats_compare_the_same_work_only():
     # two lengths (or two options) at one batch are two works: each row's FLOPs are held
     # against the least of its own work, never the other's
     # Private: the search's own ranking helpers, which have no public name
-    from spmdtree._src.step.advise import advise as search
+    from spmdtree._src.step.advise import judging
 
     mesh = st.layouts(8, ("data", "tensor"))[0]
     found = [
@@ -1047,6 +1047,6 @@ def test_repeats_compare_the_same_work_only():
         st.Candidate(mesh, RULES, 64, length=32, options={"remat": "full"}),
     ]
     advice = st.advise(mlp_step, found, hardware=HW, progress=False)
-    split = search._split(advice.rows)
+    split = judging._split(advice.rows)
     assert len(split) == 3
-    assert all(split[search._work(r.candidate)] == r.step.flops for r in advice.rows)
+    assert all(split[judging._work(r.candidate)] == r.step.flops for r in advice.rows)

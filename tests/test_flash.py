@@ -211,7 +211,7 @@ def test_kernels_of_one_name_built_with_different_masks_are_said_counted_over_ev
 def test_a_mask_the_step_is_given_is_not_read_and_the_reason_is_kept():
     # the kernel passed in whole: its block mask an input of the jaxpr, no constant
     # Private: the masks read from a traced step, a helper with no public name
-    from spmdtree._src.step.compile.trace import kernel_masks
+    from spmdtree._src.step.compile.tracing import kernel_masks
 
     kernel, _ = splash(MASKS["causal"])
     x = jax.ShapeDtypeStruct((H, T, D), jnp.bfloat16)

@@ -305,7 +305,7 @@ def test_advise_measures_the_best_rows_and_ranks_them_by_what_they_took():
         assert row.measured.predicted_seconds == row.time.predicted_seconds
     (header,) = [line for line in str(advice).splitlines() if line.startswith("#  layout")]
     assert header.split()[7:10] == ["predicted", "measured", "tokens/s"]
-    data = advice.to_json()["rows"]
+    data = advice.to_dict()["rows"]
     assert data[0]["measured"]["seconds"] == measured[0].measured.seconds
     assert data[2]["measured"] is None
 

@@ -21,9 +21,9 @@ import spmdtree as st
 
 # Private: how a compile's options are put together, and the diagnosis's sentence,
 # have no public names: each is held to its oracle here.
-from spmdtree._src.step.advise.diagnose import repeated
 from spmdtree._src.step.compile.backends import LIBTPU, XLA_CPU, XLA_GPU
 from spmdtree._src.step.compile.compilers import _options, check_options
+from spmdtree._src.step.preflight.diagnose import repeated
 
 TOOLCHAINS = (XLA_CPU, XLA_GPU, LIBTPU)
 

@@ -79,7 +79,6 @@ def test_the_changelog_opens_with_this_version():
 FLOW = [
     "errors",
     "text",
-    "pictures",
     "registry",
     "rules",
     "resolve",
@@ -93,6 +92,7 @@ FLOW = [
     "optim",
     "plan",
     "step.kinds",
+    "pictures",
     "step.hlo.groups",
     "step.hlo.instructions",
     "step.hlo.opcodes",
@@ -102,7 +102,7 @@ FLOW = [
     "step.hlo.reading",
     "step.hw.chips",
     "step.hw.hardware",
-    "step.compile.trace",
+    "step.compile.tracing",
     "step.compile.backends",
     "step.compile.analysis",
     "step.compile.compilers",
@@ -111,16 +111,72 @@ FLOW = [
     "step.time.bound",
     "step.time.profile",
     "step.time.measured",
-    "step.advise.diagnose",
-    "step.compile.step_plan",
-    "step.compile.preflight",
+    "step.preflight.diagnose",
+    "step.preflight.step_plan",
+    "step.preflight.preflight",
     "step.measure.measure",
     "step.measure.calibrate",
     "step.advise.records",
+    "step.advise.space",
+    "step.advise.progress",
+    "step.advise.judging",
+    "step.advise.state",
     "step.advise.advise",
     "report",
     "cli",
 ]
+
+
+#: The step wing's floors (0.7): a folder imports only the faces (`__init__`) of the
+#: floors below it, so the folders' import graph has no arrow up and no cycle.
+FLOORS = {
+    "kinds": 0,
+    "hlo": 1,
+    "hw": 1,
+    "compile": 2,
+    "time": 2,
+    "preflight": 3,
+    "measure": 4,
+    "advise": 5,
+}
+
+
+def test_each_floor_imports_only_the_faces_of_the_floors_below_it():
+    import ast
+
+    source = pathlib.Path(spmdtree.__file__).parent / "_src"
+    step = source / "step"
+    assert sorted(p.stem if p.is_file() else p.name for p in step.iterdir()
+                  if p.name != "__init__.py" and p.name != "__pycache__") == sorted(FLOORS)  # fmt: skip
+    wrong, used = [], {floor: set() for floor in FLOORS}
+    for path in sorted(source.rglob("*.py")):
+        parts = path.relative_to(source).parts
+        mine = parts[1].removesuffix(".py") if parts[0] == "step" else None
+        if path.name == "__init__.py" and mine is not None:
+            continue  # a face: checked below
+        for node in ast.walk(ast.parse(path.read_text())):  # inside functions too
+            module = node.module or "" if isinstance(node, ast.ImportFrom) else ""
+            if not module.startswith("spmdtree._src.step."):
+                continue
+            target = module.split(".")[3]
+            if target == mine:
+                continue  # a room of its own floor
+            face = "spmdtree._src.step." + target
+            if module != face or (mine is not None and FLOORS[target] >= FLOORS[mine]):
+                wrong.append(f"{'/'.join(parts)} imports {module}")
+            used[target].update(alias.name for alias in node.names)
+    assert wrong == []
+    # and each face gives what the floors above use, from its own floor's rooms only
+    for floor in FLOORS:
+        if floor == "kinds":
+            continue
+        face = ast.parse((step / floor / "__init__.py").read_text())
+        given = set()
+        for node in face.body:
+            if isinstance(node, ast.ImportFrom):
+                assert (node.module or "").startswith(f"spmdtree._src.step.{floor}."), node.module
+                given.update(alias.asname or alias.name for alias in node.names)
+        assert given == used[floor], floor
 
 
 def test_every_module_imports_only_those_before_it_in_the_flow():
@@ -133,6 +189,13 @@ def test_every_module_imports_only_those_before_it_in_the_flow():
         if p.name != "__init__.py"
     }
     assert sorted(modules) == sorted(FLOW)  # every room has its place in the flow
+    # a name taken from a floor's face (0.7) is taken from the room the face has it from
+    faces = {}
+    for init in source.rglob("__init__.py"):
+        for node in ast.parse(init.read_text()).body:
+            if isinstance(node, ast.ImportFrom):
+                room = node.module.removeprefix("spmdtree._src.")
+                faces.update({f"{room.rsplit('.', 1)[0]}.{a.name}": room for a in node.names})
     late = []
     for name, path in modules.items():
         for node in ast.walk(ast.parse(path.read_text())):  # inside functions too
@@ -143,7 +206,10 @@ def test_every_module_imports_only_those_before_it_in_the_flow():
                 targets = (
                     [imported]
                     if imported in modules
-                    else [f"{imported}.{alias.name}" for alias in node.names]
+                    else [
+                        faces.get(f"{imported}.{alias.name}", f"{imported}.{alias.name}")
+                        for alias in node.names
+                    ]
                 )
                 late += [(name, t) for t in targets if FLOW.index(t) >= FLOW.index(name)]
     assert late == []
@@ -178,3 +244,40 @@ def test_a_test_reaches_into_src_only_for_what_has_no_public_name_and_says_so():
             if not lines[line - 1].lstrip().startswith("# Private:"):
                 unsaid.append(f"{path.name}:{node.lineno}")
     assert unsaid == []
+
+
+def code_lines(lines, node):
+    """A function's lines of code: its own and its nested functions', without its
+    docstring, comments or blank lines."""
+    import ast
+
+    first = node.body[0]
+    docstring = (
+        range(first.lineno, first.end_lineno + 1)
+        if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
+        and isinstance(first.value.value, str)
+        else range(0)
+    )  # fmt: skip
+    return sum(
+        1
+        for i in range(node.lineno, node.end_lineno + 1)
+        if i not in docstring and lines[i - 1].strip() and not lines[i - 1].strip().startswith("#")
+    )
+
+
+def test_the_house_keeps_its_rooms_small():
+    """STYLE's small functions (0.7): no function over 60 lines of code, and the search
+    itself (advise.py, cut into its jobs) at most 700 lines."""
+    import ast
+
+    source = pathlib.Path(spmdtree.__file__).parent
+    long = []
+    for path in sorted(source.rglob("*.py")):
+        lines = path.read_text().splitlines()
+        for node in ast.walk(ast.parse(path.read_text())):
+            function = isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            if function and code_lines(lines, node) > 60:
+                long.append(f"{path.relative_to(source)}:{node.lineno} {node.name}")
+    assert long == []
+    search = source / "_src" / "step" / "advise" / "advise.py"
+    assert len(search.read_text().splitlines()) <= 700

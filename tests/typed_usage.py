@@ -45,10 +45,12 @@ with st.logical_axis_rules(rules):
 
 # What users look at (new in 0.6): a step's JSON, trace and time by mesh axes.
 step = st.preflight(lambda x: jnp.sum(x * 2), jnp.zeros((8, 4)), mesh=abstract)
-step_json: dict[str, object] = step.to_json(st.hardware("h100"))
+step_json: dict[str, object] = step.to_dict(st.hardware("h100"))
+step_text: str = step.to_json(st.hardware("h100"))
 step_trace: dict[str, object] = step.trace(st.hardware("h100"))
 waited = step.time(st.hardware("h100")).exposed_by_axes
-advice_json: dict[str, object] = st.Advice((), 0, st.hardware("h100"), 2**30).to_json()
+advice_json: dict[str, object] = st.Advice((), 0, st.hardware("h100"), 2**30).to_dict()
+advice_text: str = st.Advice((), 0, st.hardware("h100"), 2**30).to_json()
 
 # Held against the chip (new in 0.7): a measurement, a chip as JSON.
 chip: st.Hardware = st.Hardware.from_json(st.hardware("tpu-v5e").to_json())
@@ -65,7 +67,7 @@ if TYPE_CHECKING:  # they run a step: typed here, run in tests/test_measure.py
 
 if TYPE_CHECKING:
     step.trace("h100")  # type: ignore[arg-type]
-    step.to_json(hardware="h100")  # type: ignore[arg-type]
+    step.to_dict(hardware="h100")  # type: ignore[arg-type]
     st.to_spec(params, 5)  # type: ignore[arg-type]
     st.to_spec(params, rules, mesh="mesh")  # type: ignore[arg-type]
     st.Partitioned(jnp.zeros(4), 5)  # type: ignore[arg-type]

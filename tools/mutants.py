@@ -316,7 +316,7 @@ MUTANTS: dict[str, list[tuple[str, str, str]]] = {
     ],
     "step-drops-the-inputs-flags": [
         (
-            "_src/step/compile/preflight.py",
+            "_src/step/preflight/preflight.py",
             "Located(argument_path(row.path), flag) for row in inputs.rows for flag in row.flags",
             "Located(argument_path(row.path), flag) for row in () for flag in row.flags",
         ),
@@ -600,7 +600,7 @@ MUTANTS.update(
         ],
         "preflight-drops-donation": [
             (
-                "_src/step/compile/trace.py",
+                "_src/step/compile/tracing.py",
                 "jax.jit(step, donate_argnums=flat_donated,",
                 "jax.jit(step,",
             )
@@ -613,7 +613,7 @@ MUTANTS.update(
             )
         ],
         "argnums-negative-taken-as-positive": [
-            ("_src/step/compile/trace.py", "out.append(n % count)", "out.append(abs(n))")
+            ("_src/step/compile/tracing.py", "out.append(n % count)", "out.append(abs(n))")
         ],
         "reduce-scatter-not-recognised": [
             (
@@ -645,14 +645,14 @@ MUTANTS.update(
         ],
         "step-drops-what-tracing-warned": [
             (
-                "_src/step/compile/preflight.py",
+                "_src/step/preflight/preflight.py",
                 "flags += [*analysis.reading.flags, *traced.warned]",
                 "flags += [*analysis.reading.flags]",
             )
         ],
         "out-shardings-rank-unchecked": [
             (
-                "_src/step/compile/trace.py",
+                "_src/step/compile/tracing.py",
                 "if layout is not None and len(layout.spec) > len(leaf.shape):",
                 "if False:",
             )
@@ -798,28 +798,28 @@ MUTANTS.update(
         ],
         "repeats-along-an-axis-that-splits": [
             (
-                "_src/step/advise/diagnose.py",
+                "_src/step/preflight/diagnose.py",
                 "    if not axes:  # every axis splits something: FLOPs counted apart, not work repeated",
                 "    if False:",
             )
         ],
         "repeats-not-along-an-undivided-axis": [
             (
-                "_src/step/advise/diagnose.py",
+                "_src/step/preflight/diagnose.py",
                 "    axes = repeating_axes(sizes, used - undivided, flops / least)",
                 "    axes = repeating_axes(sizes, used, flops / least)",
             )
         ],
         "batch-rule-from-any-argument": [
             (
-                "_src/step/advise/diagnose.py",
+                "_src/step/preflight/diagnose.py",
                 "        if row.logical and row.shape[:1] == (batch,) and row.names:",
                 "        if row.logical and row.names:",
             )
         ],
         "repeats-at-any-excess": [
             (
-                "_src/step/advise/diagnose.py",
+                "_src/step/preflight/diagnose.py",
                 "    if least <= 0 or flops < REPEATS * least:",
                 "    if least <= 0 or flops <= least:",
             )
@@ -940,14 +940,14 @@ MUTANTS.update(
         ],
         "traffic-said-at-any-ratio": [
             (
-                "_src/step/advise/diagnose.py",
+                "_src/step/preflight/diagnose.py",
                 "measured <= ratio * explained or",
                 "measured <= explained or",
             )
         ],
         "what-would-fit-batch-ignores-the-arrays": [
             (
-                "_src/step/advise/diagnose.py",
+                "_src/step/preflight/diagnose.py",
                 "fraction = (budget_bytes - fixed) / closest.temp_bytes",
                 "fraction = budget_bytes / closest.peak_bytes",
             )
@@ -986,7 +986,7 @@ MUTANTS.update(
         ],
         "offloaded-arguments-left-on-the-device": [
             (
-                "_src/step/compile/preflight.py",
+                "_src/step/preflight/preflight.py",
                 "memory = memory.with_host_arguments(inputs.host_bytes)",
                 "memory = memory",
             )
@@ -1321,35 +1321,35 @@ MUTANTS.update(
         ],
         "explained-gathered-once": [
             (
-                "_src/step/advise/diagnose.py",
+                "_src/step/preflight/diagnose.py",
                 "total += 2 * row.bytes + row.device_bytes",
                 "total += row.bytes + row.device_bytes",
             )
         ],
         "explained-replicated-gradients-free": [
             (
-                "_src/step/advise/diagnose.py",
+                "_src/step/preflight/diagnose.py",
                 "if any(size > 1 for axis, size in sizes.items() if axis not in used):",
                 "if False:",
             )
         ],
         "devices-rounded-down": [
             (
-                "_src/step/advise/diagnose.py",
+                "_src/step/preflight/diagnose.py",
                 "factor = 2 ** math.ceil(math.log2(closest.peak_bytes / budget_bytes))",
                 "factor = 2 ** math.floor(math.log2(closest.peak_bytes / budget_bytes))",
             )
         ],
         "remat-said-at-any-share": [
             (
-                "_src/step/advise/diagnose.py",
+                "_src/step/preflight/diagnose.py",
                 "if closest.remat or share < 0.5:",
                 "if closest.remat:",
             )
         ],
         "activations-any-axes": [
             (
-                "_src/step/advise/diagnose.py",
+                "_src/step/preflight/diagnose.py",
                 "and set(largest.axes) <= sharding",
                 "and bool(largest.axes)",
             )
@@ -1491,7 +1491,7 @@ MUTANTS.update(
         # an undivided axis blamed where the work repeats along another
         "undivided-blamed-off-the-repeating-axes": [
             (
-                "_src/step/advise/diagnose.py",
+                "_src/step/preflight/diagnose.py",
                 "    if undivided & set(axes):",
                 "    if undivided:",
             )

@@ -31,12 +31,10 @@ from jax.sharding import AxisType
 
 from spmdtree._src.errors import Mistake
 from spmdtree._src.rules import normalize_rules
-from spmdtree._src.step.advise.advise import advise, candidates, layouts, step_call
-from spmdtree._src.step.advise.records import Candidate
-from spmdtree._src.step.compile.preflight import Keywords, preflight
-from spmdtree._src.step.hw.hardware import Hardware, hardware
-from spmdtree._src.step.measure.calibrate import calibrate
-from spmdtree._src.step.measure.measure import measure
+from spmdtree._src.step.advise import Candidate, advise, candidates, layouts, step_call
+from spmdtree._src.step.hw import Hardware, hardware
+from spmdtree._src.step.measure import calibrate, measure
+from spmdtree._src.step.preflight import Keywords, preflight
 from spmdtree._src.text import seconds_text
 
 PROGRAM = "spmdtree"
@@ -351,7 +349,7 @@ def _advise(args: argparse.Namespace) -> int:
         screen=args.screen,
     )
     print(advice, file=sys.stderr if args.json == "-" else sys.stdout)
-    _write_json(args.json, advice.to_json())
+    _write_json(args.json, advice.to_dict())
     if args.plot:
         advice.plot(args.plot)
     if advice.best is None:
@@ -388,7 +386,7 @@ def _preflight(args: argparse.Namespace) -> int:
             f"collectives {seconds_text(t.comm_seconds)})",
             file=said,
         )
-    _write_json(args.json, step.to_json(timed))
+    _write_json(args.json, step.to_dict(timed))
     for path, what in ((args.trace, "trace"), (args.plot, "plot")):
         if path and timed is not None:
             getattr(step, what)(timed, path)

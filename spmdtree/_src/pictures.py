@@ -12,21 +12,23 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 from spmdtree._src.errors import Mistake
+from spmdtree._src.step.kinds import KernelClass, Verdict
 from spmdtree._src.text import seconds_text, size_text
 
-#: A colour per kernel class and per verdict (matplotlib's tab10, colour-blind safe).
+#: A colour per kernel class and per verdict (matplotlib's tab10, colour-blind safe);
+#: keyed by the enums (0.7), which equal their strings.
 CLASS_COLOURS = {
-    "matmul": "tab:blue",
-    "attention": "tab:purple",
-    "memory": "tab:green",
-    "collectives": "tab:red",
-    "launch": "tab:gray",
+    KernelClass.MATMUL: "tab:blue",
+    KernelClass.ATTENTION: "tab:purple",
+    KernelClass.MEMORY: "tab:green",
+    KernelClass.COLLECTIVES: "tab:red",
+    KernelClass.LAUNCH: "tab:gray",
 }
-VERDICT_STYLE = {  # colour, marker
-    "fits": ("tab:green", "o"),
-    "tight": ("tab:olive", "D"),
-    "may fit": ("tab:orange", "s"),
-    "over budget": ("tab:red", "x"),
+VERDICT_STYLE = {  # colour, marker: the verdicts a compiled row can have
+    Verdict.FITS: ("tab:green", "o"),
+    Verdict.TIGHT: ("tab:olive", "D"),
+    Verdict.MAY_FIT: ("tab:orange", "s"),
+    Verdict.OVER_BUDGET: ("tab:red", "x"),
 }
 
 
@@ -35,7 +37,7 @@ class Point(NamedTuple):
 
     seconds: float
     peak_bytes: int
-    verdict: str
+    verdict: Verdict
     label: str
 
 
@@ -98,38 +100,9 @@ def advice_picture(
                 label=f"{verdict} ({len(mine)})",
                 alpha=0.8,
             )
-    budget = f"budget {size_text(budget_bytes)}"
-    if near or not points:
-        ax.axhline(budget_bytes / size_scale, color="black", linestyle="--", linewidth=1)
-        ax.annotate(
-            budget,
-            (0, budget_bytes / size_scale),
-            xycoords=("axes fraction", "data"),
-            xytext=(4, 4),
-            textcoords="offset points",
-            fontsize=8,
-        )
-    else:
-        ax.annotate(
-            f"{budget}: above every point",
-            (0.01, 0.97),
-            xycoords="axes fraction",
-            va="top",
-            fontsize=8,
-        )
+    _budget_drawn(ax, budget_bytes, size_scale, near or not points)
     if best is not None:
-        x, y = best.seconds / time_scale, best.peak_bytes / size_scale
-        ax.scatter([x], [y], s=260, facecolors="none", edgecolors="black", linewidths=1.5)
-        ax.annotate(
-            f"best: {best.label}\n{seconds_text(best.seconds)} per sequence, "
-            f"{size_text(best.peak_bytes)}",
-            (x, y),
-            xytext=(12, 12),
-            textcoords="offset points",
-            fontsize=8,
-            bbox={"boxstyle": "round", "facecolor": "white", "alpha": 0.8},
-            arrowprops={"arrowstyle": "-", "linewidth": 0.8},
-        )
+        _best_ringed(ax, best, time_scale, size_scale)
     if not points:
         ax.text(
             0.5,
@@ -156,6 +129,41 @@ def advice_picture(
     return fig
 
 
+def _budget_drawn(ax: Any, budget_bytes: int, scale: float, near: bool) -> None:
+    """The budget: a dashed line where it lies near the points, else said in words."""
+    budget = f"budget {size_text(budget_bytes)}"
+    if near:
+        ax.axhline(budget_bytes / scale, color="black", linestyle="--", linewidth=1)
+        ax.annotate(
+            budget,
+            (0, budget_bytes / scale),
+            xycoords=("axes fraction", "data"),
+            xytext=(4, 4),
+            textcoords="offset points",
+            fontsize=8,
+        )
+        return
+    ax.annotate(
+        f"{budget}: above every point", (0.01, 0.97), xycoords="axes fraction", va="top", fontsize=8
+    )
+
+
+def _best_ringed(ax: Any, best: Point, time_scale: float, size_scale: float) -> None:
+    """The best row ringed and labelled with its time and peak."""
+    x, y = best.seconds / time_scale, best.peak_bytes / size_scale
+    ax.scatter([x], [y], s=260, facecolors="none", edgecolors="black", linewidths=1.5)
+    ax.annotate(
+        f"best: {best.label}\n{seconds_text(best.seconds)} per sequence, "
+        f"{size_text(best.peak_bytes)}",
+        (x, y),
+        xytext=(12, 12),
+        textcoords="offset points",
+        fontsize=8,
+        bbox={"boxstyle": "round", "facecolor": "white", "alpha": 0.8},
+        arrowprops={"arrowstyle": "-", "linewidth": 0.8},
+    )
+
+
 def time_picture(
     by_class: Mapping[str, float],
     bound: Mapping[str, float],
@@ -180,7 +188,7 @@ def time_picture(
             ["predicted"],
             [seconds / scale],
             left=left / scale,
-            color=CLASS_COLOURS.get(kind),
+            color=CLASS_COLOURS.get(KernelClass(kind)),
             label=label,
         )
         left += seconds
@@ -201,29 +209,35 @@ def time_picture(
     top.set_xlabel(f"time per step ({name})")
     top.set_title(title, fontsize=10, pad=28)
     top.legend(fontsize=7, ncol=4, loc="lower center", bbox_to_anchor=(0.5, 1.0), frameon=False)
+    _collectives_by_axes(bottom, by_axes)
+    return fig
+
+
+def _collectives_by_axes(ax: Any, by_axes: Mapping[str, tuple[float, float]]) -> None:
+    """Per set of mesh axes, its collectives at the links' bandwidth beside how long
+    the compute waits for them."""
     names = list(by_axes)
     rows = range(len(names))
     height = 0.4
     axis_name, axis_scale = unit(max((max(v) for v in by_axes.values()), default=1e-3), TIMES)
     sent = [by_axes[n][0] / axis_scale for n in names]
     waited = [by_axes[n][1] / axis_scale for n in names]
-    bottom.barh(
+    ax.barh(
         [r - height / 2 for r in rows],
         sent,
         height,
         color="tab:orange",
         label="at the links' bandwidth (bound)",
     )
-    bottom.barh(
+    ax.barh(
         [r + height / 2 for r in rows],
         waited,
         height,
         color="tab:red",
         label="the compute waits (predicted, with latencies)",
     )
-    bottom.set_yticks(list(rows), names)
-    bottom.invert_yaxis()
-    bottom.set_xlabel(f"collectives per step, by mesh axes ({axis_name})")
-    bottom.set_xlim(0, 1.35 * max([*sent, *waited, 1e-9]))
-    bottom.legend(fontsize=7, loc="lower right")
-    return fig
+    ax.set_yticks(list(rows), names)
+    ax.invert_yaxis()
+    ax.set_xlabel(f"collectives per step, by mesh axes ({axis_name})")
+    ax.set_xlim(0, 1.35 * max([*sent, *waited, 1e-9]))
+    ax.legend(fontsize=7, loc="lower right")

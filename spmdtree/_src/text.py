@@ -3,7 +3,7 @@
 Plans are data (computed in `plan`); the tables that `str(plan)`, `str(diff)`
 and `describe` print are rendered here, from their fields, so no module that
 computes ever imports one that prints. The step's and the advice's tables live
-beside their records (0.6: `step.compile.step_plan`, `step.advise.records`).
+beside their records (0.6: `step.preflight.step_plan`, `step.advise.records`).
 """
 
 from __future__ import annotations

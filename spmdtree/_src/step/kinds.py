@@ -10,6 +10,8 @@ table keyed by ``"ici"`` work as before, and the kinds' reprs are their strings'
 from __future__ import annotations
 
 import enum
+import itertools
+import string
 
 
 class Backend(enum.StrEnum):
@@ -127,3 +129,33 @@ class LinkKind(_Named):
 
     ICI = "ici"
     DCN = "dcn"
+
+
+class Verdict(enum.StrEnum):
+    """An `AdviceRow`'s verdict, best first: rows rank in this order (new in 0.5;
+    each compares equal to its string, as 0.4's verdicts were).
+
+    Example:
+        >>> import spmdtree as st
+        >>> st.Verdict.FITS == "fits", list(st.Verdict).index(st.Verdict.TIGHT)
+        (True, 1)
+    """
+
+    FITS = "fits"
+    TIGHT = "tight"
+    MAY_FIT = "may fit"
+    OVER_BUDGET = "over budget"
+    BATCH_UNSHARDED = "batch unsharded"
+    DOES_NOT_COMPILE = "does not compile"
+
+
+def bits(dtype: str) -> int:
+    """The bits of an HLO element type: ``bf16`` 16, ``f8e4m3fn`` 8, ``pred`` 8 (0.7:
+    here, below the HLO reader and the hardware, which both read it).
+
+    Example:
+        >>> bits("bf16"), bits("f8e4m3fn"), bits("pred")
+        (16, 8, 8)
+    """
+    digits = "".join(itertools.takewhile(str.isdigit, dtype.lstrip(string.ascii_lowercase)))
+    return int(digits) if digits and dtype != "pred" else 8

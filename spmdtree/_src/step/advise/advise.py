@@ -1,4 +1,5 @@
-"""Choosing a layout: `advise` preflights candidate layouts and ranks them by a roofline.
+"""Choosing a layout: `advise` preflights candidate layouts and ranks them by their
+predicted step time.
 
 Each candidate (a mesh, rules, a batch) is first planned: one whose arrays
 alone exceed the budget, or whose batch its batch axes do not divide, is
@@ -12,162 +13,69 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import dataclasses
-import itertools
-import math
-import numbers
 import os
 import sys
-import time
-import types
 import warnings
-from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal, cast
 
-import numpy as np
-from jax.sharding import AbstractMesh, AxisType, Mesh
+from jax.sharding import Mesh
 
 from spmdtree._src.errors import Mistake, public
-from spmdtree._src.plan import Plan
-from spmdtree._src.rules import AnyMesh, Rules
-from spmdtree._src.step.advise.diagnose import (
-    Closest,
-    nothing_fits,
-    repeated,
-    split_work,
-)
+from spmdtree._src.rules import AnyMesh
+from spmdtree._src.step.advise.judging import _budget, _verdict
+from spmdtree._src.step.advise.progress import _message, _printer, _start_line
 from spmdtree._src.step.advise.records import (
-    CPU_OVER,
     HOPEFUL,
-    TIGHT_MARGIN,
     Advice,
     AdviceRow,
     Candidate,
-    Verdict,
-    label_of,
 )
-from spmdtree._src.step.compile.analysis import Analysis
-from spmdtree._src.step.compile.compilers import (
-    CpuChild,
+from spmdtree._src.step.advise.space import _checked, _count_or_none
+from spmdtree._src.step.advise.state import (
+    _Child,
+    _Compiled,
+    _Confirmed,
+    _failed,
+    _flagged,
+    _judged,
+    _nothing_fits,
+    _Pending,
+    _Record,
+    _recorded,
+    _Rejected,
+    _rejection,
+    _row,
+    _rules_said,
+    _said_repeats,
+    _Search,
+    _State,
+    _Step,
+    _Unconfirmed,
+)
+from spmdtree._src.step.compile import (
     DoesNotFit,
+    Exported,
     TargetChild,
     check_options,
     compile_child,
     compiler_for,
 )
-from spmdtree._src.step.compile.preflight import Keywords, plan_arguments, step_plan, trace_for
-from spmdtree._src.step.compile.step_plan import StepPlan
-from spmdtree._src.step.compile.trace import Arguments, Exported, Traced
-from spmdtree._src.step.hw.hardware import PRESETS, Hardware, check_devices_per_node
-from spmdtree._src.step.measure.measure import check_here
-from spmdtree._src.step.measure.measure import measure as run_step
-from spmdtree._src.step.time.bound import StepTime, ranked_seconds
-from spmdtree._src.text import (
-    LeftUnsharded,
-    Located,
-    argument_path,
-    entries_text,
-    seconds_text,
-    size_text,
+from spmdtree._src.step.hw import PRESETS, Hardware, check_devices_per_node
+from spmdtree._src.step.kinds import Verdict
+from spmdtree._src.step.measure import check_here
+from spmdtree._src.step.measure import measure as run_step
+from spmdtree._src.step.preflight import (
+    Keywords,
+    StepPlan,
+    plan_arguments,
+    step_plan,
+    trace_for,
 )
-
-#: A compile subprocess's analysis, to come.
-_Child = concurrent.futures.Future[Analysis]
-
 
 #: The memory one compile subprocess takes (measured: ~0.7 GB at 2,048 devices,
 #: about flat in the device count), to bound how many run at once.
 CHILD_BYTES = 700 * 2**20
-
-
-def _sizes_allowed(
-    axes: Sequence[str], sizes: Mapping[str, int | tuple[int, int]] | None
-) -> dict[str, tuple[int, int]]:
-    """Each axis's inclusive bounds, checked."""
-    allowed = {axis: (1, sys.maxsize) for axis in axes}
-    for axis, size in (sizes or {}).items():
-        if axis not in allowed:
-            raise Mistake(
-                ValueError,
-                f"sizes names {axis!r}, which is not one of the axes {tuple(axes)}.",
-            )
-        bounds = (size, size) if isinstance(size, int) else tuple(size)
-        ok = len(bounds) == 2 and all(isinstance(b, int) and b >= 1 for b in bounds)
-        if not ok or bounds[0] > bounds[1]:
-            raise Mistake(
-                ValueError,
-                f"sizes[{axis!r}] is {size!r}; expected an int >= 1 or (lo, hi) with "
-                "1 <= lo <= hi (inclusive).",
-            )
-        allowed[axis] = (bounds[0], bounds[1])
-    return allowed
-
-
-def _factorizations(devices: int, count: int) -> Iterable[tuple[int, ...]]:
-    """Every way to write `devices` as a product of `count` ints, in lexicographic order."""
-    if count == 1:
-        yield (devices,)
-        return
-    for first in range(1, devices + 1):
-        if devices % first == 0:
-            for rest in _factorizations(devices // first, count - 1):
-                yield (first, *rest)
-
-
-@public
-def layouts(
-    devices: int,
-    axes: Sequence[str] = ("data", "fsdp", "tensor"),
-    *,
-    sizes: Mapping[str, int | tuple[int, int]] | None = None,
-    axis_types: AxisType | Sequence[AxisType] | None = None,
-) -> list[AbstractMesh]:
-    """Every way to lay `devices` out as a product over `axes`, as abstract meshes.
-
-    In lexicographic order of the axis sizes (the first axis smallest first).
-
-    Args:
-        devices: how many devices.
-        axes: the mesh axis names, in mesh order.
-        sizes: per axis an int (fixed) or ``(lo, hi)`` (inclusive bounds), e.g.
-            ``{"tensor": (1, 8)}``.
-        axis_types: one `AxisType` for every axis, or one per axis; None: Auto on
-            every axis, whatever the jax version's default.
-
-    Returns:
-        The meshes.
-
-    Raises:
-        ValueError: for devices < 1, repeated axes, a size naming no axis,
-            bad bounds, or bounds that no factorization meets.
-
-    Example:
-        >>> import spmdtree as st
-        >>> [tuple(m.shape.values()) for m in st.layouts(8, ("data", "tensor"), sizes={"tensor": (2, 4)})]
-        [(2, 4), (4, 2)]
-    """
-    if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
-        raise Mistake(ValueError, f"devices is {devices!r}; expected an int >= 1.")
-    axes = tuple(axes)
-    if not axes or len(set(axes)) != len(axes) or not all(isinstance(a, str) for a in axes):
-        raise Mistake(ValueError, f"axes is {axes!r}; expected distinct axis names.")
-    allowed = _sizes_allowed(axes, sizes)
-    types = (AxisType.Auto,) * len(axes) if axis_types is None else axis_types
-    types = (types,) * len(axes) if isinstance(types, AxisType) else tuple(types)
-    if len(types) != len(axes):
-        raise Mistake(ValueError, f"axis_types is {axis_types!r}; expected one per axis {axes}.")
-    shapes = [
-        shape
-        for shape in _factorizations(devices, len(axes))
-        if all(lo <= n <= hi for n, (lo, hi) in zip(shape, allowed.values(), strict=True))
-    ]
-    if not shapes:
-        raise Mistake(
-            ValueError,
-            f"no way to write {devices} devices as a product over {axes} meets the sizes "
-            f"{dict(sizes or {})}. Widen the bounds.",
-        )
-    return [AbstractMesh(shape, axes, axis_types=types) for shape in shapes]
 
 
 def default_jobs() -> int:
@@ -181,424 +89,6 @@ def default_jobs() -> int:
     except (OSError, StopIteration):
         free = sys.maxsize
     return max(1, min(cpus or 1, free // CHILD_BYTES))
-
-
-@dataclasses.dataclass(frozen=True)
-class _Step:
-    """A candidate's step, planned: what tracing it (again, for a target) takes."""
-
-    fn: Callable[..., Any]
-    planned: Arguments
-    keywords: Keywords
-
-
-@dataclasses.dataclass(frozen=True)
-class _Search:
-    """What every row is judged by, fixed for the call: the hardware, the budget,
-    the candidates, where the target's compiler can be asked (`asks`; None: it
-    cannot: no compiler installed, or the hardware has none spmdtree knows), and
-    `report`, called with each row as it is decided and how many are (the
-    progress lines; None: silent)."""
-
-    hardware: Hardware
-    devices_per_node: int | None
-    budget: int
-    candidates: tuple[Candidate, ...]
-    asks: TargetChild | None = None
-    report: Callable[[AdviceRow, int, bool], None] | None = None
-    executor: concurrent.futures.Executor | None = None
-
-
-# --- a candidate's records: each stage's outcome, immutable -----------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class _Pending:
-    """A candidate traced and exported, waiting for its compile subprocess
-    (`confirming`: again, for the target, after a screened compile)."""
-
-    index: int
-    traced: Traced
-    compiler: CpuChild | TargetChild
-    step: _Step
-    confirming: bool = False
-
-
-@dataclasses.dataclass(frozen=True)
-class _Rejected:
-    """A candidate decided without figures: its plan rules it out, or its
-    make_step, trace or compile failed (or the target's compiler found it too
-    big for a chip); `arrays_bytes`, where its arrays alone were over the budget,
-    their bytes per device."""
-
-    row: AdviceRow
-    arrays_bytes: int | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class _Compiled:
-    """A candidate compiled where it was screened, judged on those figures; its
-    `step`, to trace it again for the target."""
-
-    row: AdviceRow
-    step: _Step
-
-
-@dataclasses.dataclass(frozen=True)
-class _Confirmed:
-    """A screened candidate compiled again for the target, judged on its figures."""
-
-    row: AdviceRow
-
-
-@dataclasses.dataclass(frozen=True)
-class _Unconfirmed:
-    """A screened candidate whose trace or compile for the target failed: its
-    screened row kept, flagged with why."""
-
-    row: AdviceRow
-    step: _Step
-
-
-_Record = _Rejected | _Compiled | _Confirmed | _Unconfirmed
-
-
-@dataclasses.dataclass(frozen=True)
-class _State:
-    """The search so far: each decided candidate's record by its index, and the
-    compiles run. Never changed: each step of the search returns a new one."""
-
-    records: Mapping[int, _Record] = dataclasses.field(
-        default_factory=lambda: types.MappingProxyType({})
-    )
-    compiles: int = 0
-
-    def add(self, index: int, record: _Record, compiles: int = 0) -> _State:
-        """This state with `index` decided as `record`, and `compiles` more run."""
-        records = types.MappingProxyType({**self.records, index: record})
-        return _State(records, self.compiles + compiles)
-
-    def counted(self, compiles: int) -> _State:
-        """This state with `compiles` more run."""
-        return _State(self.records, self.compiles + compiles)
-
-    @property
-    def rows(self) -> dict[int, AdviceRow]:
-        return {i: record.row for i, record in self.records.items()}
-
-    def order(self) -> list[int]:
-        """The candidates' indices, best row first (`rank`), a layout whose devices
-        repeat each other's work after those that split it (`split_work`)."""
-        split = _split(self.rows.values())
-        return sorted(self.records, key=lambda i: rank(self.records[i].row, i, split))
-
-    def ranked(self) -> tuple[AdviceRow, ...]:
-        return tuple(self.records[i].row for i in self.order())
-
-    def screened(self, index: int) -> bool:
-        """Whether a row's figures are the CPU estimate's."""
-        step = self.records[index].row.step
-        return step is not None and step.backend.estimates
-
-
-def _recorded(
-    search: _Search, state: _State, index: int, record: _Record, compiles: int = 0
-) -> _State:
-    """`state` with `record`; a decided row (not a flag added to one) reported."""
-    after = state.add(index, record, compiles)
-    if search.report is not None and not isinstance(record, _Unconfirmed):
-        search.report(record.row, len(after.records), index in state.records)
-    return after
-
-
-def _row(
-    search: _Search,
-    index: int,
-    verdict: Verdict,
-    reason: str,
-    step: StepPlan | None = None,
-    flags: tuple[str, ...] = (),
-) -> AdviceRow:
-    """A candidate's row: its verdict and reason, its step timed on the hardware."""
-    candidate = search.candidates[index]
-    timed = None
-    if step is not None:
-        try:
-            timed = step.time(search.hardware, devices_per_node=search.devices_per_node)
-        except ValueError as e:  # the hardware lacks a link kind: said, not lost
-            reason = f"{reason}; not timed: {e}"
-    if timed is not None and verdict in (Verdict.FITS, Verdict.TIGHT):
-        reason += "; " + _bound_by(timed)
-    tokens = None
-    if timed is not None and candidate.length is not None and ranked_seconds(timed) > 0:
-        tokens = candidate.batch * candidate.length / ranked_seconds(timed)
-    flags = _batch_first(candidate, flags)
-    return AdviceRow(candidate, verdict, reason, step, timed, tokens, flags)
-
-
-def _flagged(row: AdviceRow, flag: str) -> AdviceRow:
-    """A row as it stands, with one flag more."""
-    return row._replace(flags=(*row.flags, flag))
-
-
-def _rejection(search: _Search, index: int, planned: Plan) -> _Rejected | None:
-    """A candidate its plan rules out before any compile: its batch axes do not
-    divide its batch, or its arrays alone exceed the budget; else None."""
-    rejected = _rejected(search.candidates[index], planned, search.budget)
-    if rejected is None:
-        return None
-    flags = tuple(
-        Located(argument_path(row.path), flag) for row in planned.rows for flag in row.flags
-    )
-    over = planned.device_bytes if rejected[0] == Verdict.OVER_BUDGET else None
-    return _Rejected(_row(search, index, *rejected, flags=flags), over)
-
-
-def _judged(search: _Search, index: int, step: StepPlan) -> AdviceRow:
-    """The row of a compiled step: its verdict from its peak against the budget; its
-    flags, and the collectives its layout does not explain where they are far
-    above it."""
-    traffic = step.unexplained_traffic
-    flags = step.flags if traffic is None else (*step.flags, traffic.sentence)
-    return _row(search, index, *_verdict(step, search.budget, search.asks), step, flags)
-
-
-def _failed(search: _Search, index: int, reason: str) -> _Rejected:
-    return _Rejected(_row(search, index, Verdict.DOES_NOT_COMPILE, reason))
-
-
-def _batch_first(candidate: Candidate, flags: tuple[str, ...]) -> tuple[str, ...]:
-    """The flags with the batch's own (a dimension of the batch's size left
-    unsharded) first: the one that makes a layout no layout."""
-
-    def is_batch(flag: str) -> bool:
-        return _batch_flag(candidate, flag.flag if isinstance(flag, Located) else flag)
-
-    return tuple(sorted(flags, key=lambda flag: not is_batch(flag)))
-
-
-def _batch_flag(candidate: Candidate, flag: str) -> bool:
-    """Whether a plan flag is the batch's own: a dimension of the candidate's batch
-    size left unsharded."""
-    return isinstance(flag, LeftUnsharded) and flag.size == candidate.batch
-
-
-def _rejected(candidate: Candidate, planned: Plan, budget: int) -> tuple[Verdict, str] | None:
-    """The verdict and reason of a candidate its plan rules out, or None."""
-    unsharded = _unsharded_batch(candidate, planned)
-    if unsharded is not None:
-        return Verdict.BATCH_UNSHARDED, f"{unsharded}; not compiled"
-    if planned.device_bytes > budget:
-        arrays, said = size_text(planned.device_bytes), size_text(budget)
-        return Verdict.OVER_BUDGET, f"arrays alone {arrays} > {said}, not compiled"
-    return None
-
-
-def _verdict(step: StepPlan, budget: int, asks: TargetChild | None) -> tuple[Verdict, str]:
-    """A compiled step's verdict and its reason: its peak against the budget. Over
-    it on the CPU estimate, where the target cannot be asked, the row says the
-    estimate runs high."""
-    peak, said = size_text(step.judged_bytes), size_text(budget)
-    if step.judged_bytes != step.peak_bytes:  # the compiler's own, which it checks
-        peak = f"{peak} (the compiler's own; {size_text(step.peak_bytes)} summed)"
-    if step.judged_bytes <= budget * (1 - TIGHT_MARGIN):
-        return Verdict.FITS, f"peak {peak} of {said} budget"
-    if step.judged_bytes <= budget:
-        return Verdict.TIGHT, f"peak {peak} of {said} budget, within {TIGHT_MARGIN:.0%} of it"
-    if not step.backend.estimates:
-        return Verdict.OVER_BUDGET, f"peak {peak} > {said} budget"
-    high = (
-        f"the CPU estimate, which ran {CPU_OVER} an accelerator's on models that unroll their "
-        "layers (docs/planning.md)"
-    )
-    ask = "asked of the target's compiler next" if asks is not None else "install its compiler"
-    if step.peak_bytes - step.overstated_bytes <= budget:
-        over = size_text(step.overstated_bytes)
-        return Verdict.MAY_FIT, (
-            f"peak {peak} > {said} budget on {high}, {over} of it whole reductions an "
-            f"accelerator holds as shards: {ask}"
-        )
-    return Verdict.OVER_BUDGET, f"peak {peak} > {said} budget on {high}: {ask}"
-
-
-def _work(candidate: Candidate) -> Hashable:
-    """What fixes a candidate's work: its batch, length and options (its layout only
-    splits it)."""
-    return (candidate.batch, candidate.length, tuple(sorted((candidate.options or {}).items())))
-
-
-def _split(rows: Iterable[AdviceRow]) -> dict[Hashable, int]:
-    """Per work (`_work`), the fewest FLOPs per device of the compiled rows
-    (`split_work`)."""
-    return split_work([(_work(r.candidate), r.step.flops) for r in rows if r.step is not None])
-
-
-def _repeated(row: AdviceRow, split: Mapping[Hashable, int]) -> str | None:
-    """What a compiled row whose devices repeat each other's work is told, or None
-    (`diagnose.repeated`)."""
-    if row.step is None:
-        return None
-    least = split.get(_work(row.candidate), 0)
-    sizes = dict(row.candidate.mesh.shape)
-    return repeated(sizes, row.step.inputs, row.step.flops, least, row.candidate.batch)
-
-
-def rank(
-    row: AdviceRow, index: int, split: Mapping[Hashable, int] | None = None
-) -> tuple[int, int, float, int, float, str, int, int]:
-    """A row's place, the one key for every row, whichever compiler's figures it
-    has: its verdict (`Verdict`'s order; compiled over budget before rejected),
-    then, for those that fit, may fit or are tight, the predicted time per
-    sequence (`StepTime.predicted_seconds`; the bound where there is none) (6
-    significant figures: equal throughput is equal), the smaller peak, the serial
-    time; a compiled row over budget by its peak (the least over first; new in
-    0.6: 0.5 went by the label's text); and last its position in the input. A
-    row whose devices repeat each other's work (its FLOPs per device against the
-    fewest of its batch's rows, `split`) ranks after every row of its verdict
-    that splits the work (new in 0.6) (new in 0.5: 0.4 put the target's
-    figures first, so a confirmed row that was slowest stayed first). Exact ties
-    go by the layout's label and batch, so no order of the candidates changes
-    which rows win; only rows equal in all of it keep the input's order."""
-    verdict = list(Verdict).index(Verdict(row.verdict))
-    order = 2 * verdict + (row.verdict == Verdict.OVER_BUDGET and row.step is None)
-    if row.verdict == Verdict.OVER_BUDGET and row.step is not None:  # the least over first
-        return (order, 0, 0.0, row.step.peak_bytes, 0.0, *_tie(row, index))
-    if row.verdict not in HOPEFUL or row.step is None:
-        return (order, 0, 0.0, 0, 0.0, *_tie(row, index))
-    repeats = int(_repeated(row, split or {}) is not None)
-    if row.time is None:  # compiled but not timed: after the timed ones
-        return (order, repeats, math.inf, row.step.peak_bytes, math.inf, *_tie(row, index))
-    # per sequence: at one batch, the bound's order; across batches, the step
-    # time alone would always favour the smaller batch
-    per = row.candidate.batch
-    bound = float(f"{ranked_seconds(row.time) / per:.6g}")
-    serial = row.time.serial_seconds / per
-    return (order, repeats, bound, row.step.peak_bytes, serial, *_tie(row, index))
-
-
-def _tie(row: AdviceRow, index: int) -> tuple[str, int, int]:
-    return (label_of(row.candidate), row.candidate.batch, index)
-
-
-def _unsharded_batch(candidate: Candidate, planned: Plan) -> str | None:
-    """Why the candidate's batch is no layout: a dimension of its arguments of the
-    candidate's batch size that its mesh axes do not divide, left unsharded (the
-    plan's own record, `LeftUnsharded`, so it holds whatever the batch's names
-    are, logical or mesh axes); None where there is none."""
-    sizes = dict(candidate.mesh.shape)
-    for row in planned.rows:
-        for flag in row.flags:
-            if isinstance(flag, LeftUnsharded) and _batch_flag(candidate, flag):
-                tried = " or ".join(
-                    f"{entries_text((axes,), 1)} "
-                    f"({math.prod(sizes.get(a, 1) for a in ((axes,) if isinstance(axes, str) else axes))})"
-                    for axes in flag.axes
-                )
-                return (
-                    f"batch {candidate.batch} is not divided by its batch axes {tried}: every "
-                    f"device would compute the whole batch (the array at {argument_path(row.path)}, dimension "
-                    f"{flag.dimension})"
-                )
-    return None
-
-
-def _printer(total: int) -> Callable[[AdviceRow, int, bool], None]:
-    """What reports each row decided: its progress line on stderr, timed from now;
-    a row decided again (compiled for the target after the estimate) said so."""
-    started = time.perf_counter()
-    compiled = [0]
-
-    def report(row: AdviceRow, done: int, again: bool) -> None:
-        compiled[0] += row.step is not None
-        elapsed = time.perf_counter() - started
-        line = _progress_line(row, done, total, elapsed, compiled[0])
-        if again:  # 0.5 printed another "[n/n] ... done" for each
-            line = f"advise [for the target] {line.split('] ', 1)[1].rsplit('; ', 1)[0]}"
-        print(line, file=sys.stderr, flush=True)
-
-    return report
-
-
-def _progress_line(row: AdviceRow, done: int, total: int, elapsed: float, compiled: int) -> str:
-    """``advise [3/12] data 2 x tensor 4, batch 8: fits, predicted 1.2 ms (peak ...); about 40 s left``.
-
-    The time left is the rows left at the pace of the compiles so far, as if each
-    compiled (new in 0.6: 0.5 took the pace of every row, and a few quick
-    failures promised a long search would end in seconds).
-
-    Example:
-        >>> import jax, spmdtree as st
-        >>> mesh = jax.sharding.AbstractMesh((1,), ("data",))
-        >>> row = st.AdviceRow(st.Candidate(mesh, None, 8), "does not compile", "a typo", None, None, None)
-        >>> _progress_line(row, 4, 28, 2.0, 0).split("; ")[-1]  # four quick failures
-        'time left not known until a step compiles'
-        >>> _progress_line(row, 5, 28, 62.0, 1).split("; ")[-1]  # then a compile of a minute
-        'about 23 min 46 s left'
-    """
-    if done == total:
-        left = f"done in {_duration(elapsed)}"
-    elif compiled == 0:
-        left = "time left not known until a step compiles"
-    else:
-        left = _duration(elapsed / compiled * (total - done))
-        left = f"{'' if left.startswith('under') else 'about '}{left} left"
-    bound = "" if row.time is None else f", predicted {seconds_text(ranked_seconds(row.time))}"
-    return (
-        f"advise [{done}/{total}] {label_of(row.candidate)}, batch {row.candidate.batch}: "
-        f"{row.verdict}{bound} ({row.reason}); {left}"
-    )
-
-
-def _duration(seconds: float) -> str:
-    """``under 1 s``, ``12 s``, ``3 min 20 s``, ``1 h 5 min``."""
-    whole = round(seconds)
-    if whole < 1:
-        return "under 1 s"
-    if whole < 60:
-        return f"{whole} s"
-    if whole < 3600:
-        return f"{whole // 60} min {whole % 60} s"
-    return f"{whole // 3600} h {whole % 3600 // 60} min"
-
-
-def _start_line(
-    candidates: list[Candidate], jobs: int, confirm: int, first: TargetChild | None, asks: bool
-) -> str:
-    """The first progress line: what the search will do."""
-    n = len(candidates)
-    devices = math.prod(candidates[0].mesh.shape.values())
-    # screened on the target itself, there is nothing to confirm
-    again = f", then up to {confirm} for the target" if confirm and first is None else ""
-    most = n + (confirm if again else 0)
-    on = "the CPU estimate" if first is None else str(first)
-    over = (
-        f"; then up to {n} more for the target's compiler, for the rows over the budget on it"
-        if first is None and asks
-        else ""
-    )
-    return (
-        f"advise: {n} candidate{'' if n == 1 else 's'} on {devices} devices, at most {most} "
-        f"compile{'' if most == 1 else 's'} (each distinct step once{again}), {jobs} "
-        f"job{'' if jobs == 1 else 's'} at once; screened on {on}{over}"
-    )
-
-
-def _bound_by(timed: StepTime) -> str:
-    """``bound by compute`` or ``bound by collectives, most over fsdp``."""
-    if timed.compute_seconds >= timed.comm_seconds:
-        return "bound by compute"
-    axes = max(timed.comm_by_axes, key=lambda a: timed.comm_by_axes[a])
-    return f"bound by collectives, most over {'+'.join(axes) or 'no axis'}"
-
-
-def _message(error: BaseException) -> str:
-    """What a row says of an error: spmdtree's message as preflight would raise it,
-    else the error's own."""
-    if isinstance(error, Mistake):
-        return str(error.error("preflight"))
-    if isinstance(error, (ValueError, TypeError)):
-        return str(error)
-    return f"{type(error).__name__}: {error}"
 
 
 def _first_pass(
@@ -933,7 +423,7 @@ def advise(
     executor: concurrent.futures.Executor | None = None,
     measure: int = 0,
 ) -> Advice:
-    """Preflights every candidate layout and ranks them by a roofline of each step.
+    """Preflights every candidate layout and ranks them by each step's predicted time.
 
     It answers: which layout of my step fits, and which is fastest, on hardware
     I don't have. Each candidate is planned first: one whose batch its batch
@@ -968,9 +458,10 @@ def advise(
     ``XLA_PYTHON_CLIENT_MEM_FRACTION`` says otherwise, and an allocator loses
     some to fragmentation: pass ``budget_bytes`` for what the job will have.
 
-    The times are roofline bounds (peak FLOPs, perfect overlap), not
-    predictions: they rank layouts; published runs reach 40-70% of such
-    bounds (docs/planning.md).
+    Rows rank by the predicted time (the compiled schedule walked with each
+    kernel timed by the model, `StepTime.predicted_seconds`); the bound beside
+    it is a roofline (peak FLOPs, perfect overlap), which published runs
+    reach 40-70% of (docs/planning.md).
 
     Args:
         make_step: ``make_step(candidate) -> (fn, args, kwargs)``, what
@@ -1039,6 +530,41 @@ def advise(
         (3, 3, True)
     """
     candidates = _checked(candidates)
+    _check_arguments(hardware, jobs, devices_per_node, confirm, screen)
+    _check_measure(measure, candidates)
+    budget = _budget(budget_bytes, hardware)
+    workers = jobs or default_jobs()
+    needed = confirm > 0 or screen == "target"
+    asks, why = _where_asked(
+        hardware, candidates, devices_per_node, needed, check_options(compiler_options)
+    )
+    first = _screen(asks, screen)
+    report = _printer(len(candidates)) if progress else None
+    _check_executor(executor)
+    search = _Search(hardware, devices_per_node, budget, tuple(candidates), asks, report, executor)
+    if progress:
+        print(
+            _start_line(candidates, workers, confirm, first, asks is not None),
+            file=sys.stderr,
+            flush=True,
+        )
+    with _warned_once(), concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        firsts = ((i, _first_pass(search, i, make_step, first)) for i in range(len(candidates)))
+        state = _run(search, _State(), firsts, pool)
+        state = _ask(search, state, _over_on_the_estimate(search, state), pool)
+        state, confirmed = _confirm(search, state, confirm, pool, workers)
+    state = _said_repeats(state)
+    rows = _measured(state.ranked(), measure, make_step, search, compiler_options)
+    said = [_screen_note(asks, first, why, screen), confirmed]
+    said += [_rules_said(state), _nothing_fits(state, budget)]
+    note = "; ".join(part for part in said if part)
+    return Advice(rows, state.compiles, hardware, budget, note=note)
+
+
+def _check_arguments(
+    hardware: object, jobs: object, devices_per_node: object, confirm: object, screen: object
+) -> None:
+    """Refuses advise's arguments of the wrong kind or value, before any step runs."""
     if not isinstance(hardware, Hardware):
         fix = (
             f"Pass st.hardware({hardware!r}), the preset of that name"
@@ -1062,39 +588,16 @@ def advise(
             f"screen is {screen!r}; expected 'auto' (the target's compiler where it is about "
             "as cheap as the CPU's: XLA GPU), 'cpu' (the CPU estimate) or 'target'.",
         )
-    _check_measure(measure, candidates)
-    budget = _budget(budget_bytes, hardware)
-    workers = jobs or default_jobs()
-    needed = confirm > 0 or screen == "target"
-    asks, why = _where_asked(
-        hardware, candidates, devices_per_node, needed, check_options(compiler_options)
-    )
-    first = _screen(asks, screen)
-    report = _printer(len(candidates)) if progress else None
+
+
+def _check_executor(executor: object) -> None:
+    """Refuses an executor that is no `concurrent.futures.Executor`."""
     if executor is not None and not isinstance(executor, concurrent.futures.Executor):
         raise Mistake(
             TypeError,
             f"executor is {executor!r}; expected a concurrent.futures.Executor (Dask's: "
             "distributed.Client(address).get_executor()), or None for local processes.",
         )
-    search = _Search(hardware, devices_per_node, budget, tuple(candidates), asks, report, executor)
-    if progress:
-        print(
-            _start_line(candidates, workers, confirm, first, asks is not None),
-            file=sys.stderr,
-            flush=True,
-        )
-    with _warned_once(), concurrent.futures.ThreadPoolExecutor(workers) as pool:
-        firsts = ((i, _first_pass(search, i, make_step, first)) for i in range(len(candidates)))
-        state = _run(search, _State(), firsts, pool)
-        state = _ask(search, state, _over_on_the_estimate(search, state), pool)
-        state, confirmed = _confirm(search, state, confirm, pool, workers)
-    state = _said_repeats(state)
-    rows = _measured(state.ranked(), measure, make_step, search, compiler_options)
-    said = [_screen_note(asks, first, why, screen), confirmed]
-    said += [_rules_said(state), _nothing_fits(state, budget)]
-    note = "; ".join(part for part in said if part)
-    return Advice(rows, state.compiles, hardware, budget, note=note)
 
 
 def _check_measure(measure: object, candidates: Sequence[Candidate]) -> None:
@@ -1171,219 +674,3 @@ def _ran(
         verdict=verdict,
         reason=f"{reason}; measured on its devices",
     )
-
-
-def _said_repeats(state: _State) -> _State:
-    """Each compiled row whose devices repeat each other's work, flagged so (the
-    axis named), its traffic flag, where it has one, saying that is its cause."""
-    split = _split(state.rows.values())
-    records = dict(state.records)
-    for index, record in state.records.items():
-        row = record.row
-        said = _repeated(row, split)
-        if said is None or row.step is None:
-            continue
-        traffic = row.step.unexplained_traffic
-        flags = tuple(f for f in row.flags if traffic is None or f != traffic.sentence)
-        if traffic is not None and len(flags) < len(row.flags):
-            said += (
-                "; the collectives beyond what the layout explains come from it too, not "
-                "from unconstrained activations"
-            )
-        records[index] = dataclasses.replace(record, row=row._replace(flags=(said, *flags)))
-    return _State(types.MappingProxyType(records), state.compiles)
-
-
-def _rules_said(state: _State) -> str:
-    """The rules' problems (as `validate_rules` says them) of the compiled steps,
-    each once."""
-    problems = dict.fromkeys(
-        problem.sentence
-        for row in state.rows.values()
-        if row.step is not None
-        for problem in row.step.rule_problems
-    )
-    return " ".join(problems)
-
-
-def _nothing_fits(state: _State, budget: int) -> str:
-    """Where no compiled row fits, what would: the smallest peak, and whether
-    remat, more devices or a smaller batch could bring it under; where none
-    compiled, every one's arrays alone over the budget, the smallest arrays (new
-    in 0.6: 0.5 said nothing)."""
-    compiled = [row for row in state.rows.values() if row.step is not None]
-    if any(row.verdict in (Verdict.FITS, Verdict.TIGHT) for row in compiled):
-        return ""
-    closest = [
-        Closest(
-            f"{label_of(row.candidate)}, batch {row.candidate.batch}",
-            row.step.judged_bytes,
-            row.step.temp_bytes,
-            math.prod(row.candidate.mesh.shape.values()),
-            row.candidate.batch,
-        )
-        for row in compiled
-        if row.step is not None and row.step.judged_bytes > budget
-    ]
-    if not compiled:
-        closest = [
-            Closest(
-                f"{label_of(r.row.candidate)}, batch {r.row.candidate.batch}: its arrays "
-                "alone, not compiled",
-                r.arrays_bytes,
-                0,
-                math.prod(r.row.candidate.mesh.shape.values()),
-                r.row.candidate.batch,
-            )
-            for r in state.records.values()
-            if isinstance(r, _Rejected) and r.arrays_bytes is not None
-        ]
-    return nothing_fits(closest, budget, searched=True) if closest else ""
-
-
-def _count_or_none(value: object) -> bool:
-    return value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1)
-
-
-def _checked(candidates: Iterable[Candidate]) -> list[Candidate]:
-    """The candidates, each a `Candidate` with a mesh and a batch >= 1, all over one
-    device count (a ranking compares layouts of one job)."""
-    candidates = list(candidates)
-    if not candidates:
-        raise Mistake(ValueError, "candidates is empty; give at least one st.Candidate.")
-    for c in candidates:
-        if (
-            not isinstance(c, Candidate)
-            or not isinstance(c.mesh, (AbstractMesh, Mesh))
-            or not isinstance(c.batch, int)
-            or c.batch < 1
-        ):
-            raise Mistake(
-                TypeError if not isinstance(c, Candidate) else ValueError,
-                f"candidates holds {c!r}; expected st.Candidate(mesh, rules, batch) with a "
-                "jax.sharding.AbstractMesh (or Mesh) and a batch >= 1.",
-            )
-        _check_options(c)
-    counts: dict[int, list[Candidate]] = {}
-    for c in candidates:
-        counts.setdefault(math.prod(c.mesh.shape.values()), []).append(c)
-    if len(counts) > 1:
-        said = ", ".join(
-            f"{n} ({len(cs)} candidate{'' if len(cs) == 1 else 's'}, such as {label_of(cs[0])!r})"
-            for n, cs in counts.items()
-        )
-        raise Mistake(
-            ValueError,
-            f"candidates lay out different device counts: {said}. A ranking compares the "
-            "layouts of one job: pass candidates of one device count (st.layouts(n) gives "
-            "them), and call advise once per count.",
-        )
-    return candidates
-
-
-def _check_options(candidate: Candidate) -> None:
-    """A candidate's options: a mapping of names to hashable values, or None."""
-    options = candidate.options
-    if options is None:
-        return
-    if not isinstance(options, Mapping) or not all(isinstance(k, str) for k in options):
-        raise Mistake(
-            TypeError,
-            f"the options of candidate {label_of(candidate._replace(options=None))!r} are "
-            f"{options!r}; expected a mapping of names to values ({{'remat': 'full'}}).",
-        )
-    for name, value in options.items():
-        if not _hashable(value):
-            raise Mistake(
-                TypeError,
-                f"option {name!r} of candidate {label_of(candidate._replace(options=None))!r} "
-                f"is {value!r}, which is not hashable; give a value that is (a string, a "
-                "number, a tuple).",
-            )
-
-
-def _hashable(value: object) -> bool:
-    try:
-        hash(value)
-    except TypeError:
-        return False
-    return True
-
-
-@public
-def candidates(
-    meshes: Sequence[AnyMesh],
-    rules: Rules | None,
-    batches: int | Sequence[int],
-    *,
-    length: int | None = None,
-    **options: Sequence[Hashable],
-) -> list[Candidate]:
-    """Every combination of `meshes`, `batches` and each option's values, as
-    `Candidate`s, in a fixed order (meshes, then batches, then the options in the
-    order given; new in 0.6).
-
-    Args:
-        meshes: the layouts (`layouts` gives them).
-        rules: the rules for every candidate.
-        batches: a global batch, or several.
-        length: the sequence length (for tokens per second).
-        **options: each option's values, e.g. ``remat=("full", "minimal"),
-            microbatches=(1, 4)``; ``make_step(candidate)`` reads
-            ``candidate.options``.
-
-    Returns:
-        The candidates, ``len(meshes) x len(batches) x`` each option's count.
-
-    Raises:
-        TypeError: for an option given one value rather than a sequence of them.
-
-    Example:
-        >>> import spmdtree as st
-        >>> found = st.candidates(st.layouts(8, ("data", "fsdp"))[:2], None, 64, remat=("full", "none"))
-        >>> [(dict(c.mesh.shape)["data"], c.batch, c.options) for c in found]
-        [(1, 64, {'remat': 'full'}), (1, 64, {'remat': 'none'}), (2, 64, {'remat': 'full'}), (2, 64, {'remat': 'none'})]
-    """
-    for name, values in options.items():
-        if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) or not values:
-            raise Mistake(
-                TypeError if not isinstance(values, Sequence) or values else ValueError,
-                f"option {name} is {values!r}; expected a sequence of one or more of its "
-                f"values, e.g. {name}=({values!r},)."
-                if values
-                else f"option {name} has no values; give one or more, or leave it out.",
-            )
-    sizes = (
-        (int(batches),)
-        if isinstance(batches, numbers.Integral)
-        else tuple(cast(Sequence[int], batches))
-    )
-    names = tuple(options)
-    return [
-        Candidate(mesh, rules, batch, length, options=dict(zip(names, chosen, strict=True)) or None)
-        for mesh in meshes
-        for batch in sizes
-        for chosen in itertools.product(*options.values())
-    ]
-
-
-def _budget(budget_bytes: object, hardware: Hardware) -> int:
-    """The budget per device: `budget_bytes` checked, or the hardware's whole memory."""
-    if budget_bytes is None:
-        return hardware.memory_bytes
-    if not isinstance(budget_bytes, (int, np.integer)) or isinstance(budget_bytes, bool):
-        fix = (
-            f" Pass int({budget_bytes!r})."
-            if isinstance(budget_bytes, float) and budget_bytes.is_integer()
-            else ""
-        )
-        raise Mistake(
-            TypeError,
-            f"budget_bytes is {budget_bytes!r} (a {type(budget_bytes).__name__}); expected an "
-            f"int of bytes per device, or None for the hardware's memory.{fix}",
-        )
-    if budget_bytes <= 0:
-        raise Mistake(
-            ValueError, f"budget_bytes is {budget_bytes}; expected bytes per device, > 0."
-        )
-    return int(budget_bytes)

@@ -6,7 +6,7 @@ were screened, then a row per candidate with its reason and flags."""
 from __future__ import annotations
 
 import dataclasses
-import enum
+import json
 import math
 import os
 import textwrap
@@ -20,32 +20,12 @@ from jax.sharding import Mesh
 from spmdtree._src.errors import Mistake, public
 from spmdtree._src.pictures import Point, advice_picture, saved
 from spmdtree._src.rules import AnyMesh, Rules
-from spmdtree._src.step.compile.backends import TOOLCHAINS, Toolchain, target_for
-from spmdtree._src.step.compile.step_plan import StepPlan
-from spmdtree._src.step.hw.hardware import Hardware
-from spmdtree._src.step.kinds import Backend
-from spmdtree._src.step.time.bound import StepTime, ranked_seconds, time_json
-from spmdtree._src.step.time.measured import Measurement
+from spmdtree._src.step.compile import TOOLCHAINS, Toolchain, target_for
+from spmdtree._src.step.hw import Hardware
+from spmdtree._src.step.kinds import Backend, Verdict
+from spmdtree._src.step.preflight import StepPlan
+from spmdtree._src.step.time import Measurement, StepTime, ranked_seconds, time_json
 from spmdtree._src.text import JSON_VERSION, flags_summary, mesh_json, seconds_text, size_text
-
-
-class Verdict(enum.StrEnum):
-    """An `AdviceRow`'s verdict, best first: rows rank in this order (new in 0.5;
-    each compares equal to its string, as 0.4's verdicts were).
-
-    Example:
-        >>> import spmdtree as st
-        >>> st.Verdict.FITS == "fits", list(st.Verdict).index(st.Verdict.TIGHT)
-        (True, 1)
-    """
-
-    FITS = "fits"
-    TIGHT = "tight"
-    MAY_FIT = "may fit"
-    OVER_BUDGET = "over budget"
-    BATCH_UNSHARDED = "batch unsharded"
-    DOES_NOT_COMPILE = "does not compile"
-
 
 #: The verdicts' strings, best first (0.4's name for `Verdict`'s order).
 VERDICTS = tuple(v.value for v in Verdict)
@@ -264,13 +244,28 @@ class Advice:
         return "" if target is None else target.toolchain.backend
 
     @public
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> str:
+        """The advice as JSON text: `to_dict`'s values, ``json.dumps``'d (0.7: 0.6's
+        ``to_json`` returned the dict, which is `to_dict` now).
+
+        Example:
+            >>> import json, jax, spmdtree as st
+            >>> row = st.AdviceRow(st.Candidate(jax.sharding.AbstractMesh((1,), ("data",)), None, 8),
+            ...                    "does not compile", "a typo", None, None, None)
+            >>> json.loads(st.Advice((row,), 0, st.hardware("h100"), 2**30).to_json())["schema"]
+            'spmdtree.Advice/1'
+        """
+        return json.dumps(self.to_dict(), allow_nan=False)
+
+    @public
+    def to_dict(self) -> dict[str, Any]:
         """The advice as JSON values (``json.dumps`` takes them), in the versioned
-        schema ``"spmdtree.Advice/1"`` (new in 0.6; docs/api.md, "JSON", lists
+        schema ``"spmdtree.Advice/1"`` (new in 0.6 as ``to_json``; 0.7: named
+        ``to_dict``, and `to_json` gives its text; docs/api.md, "JSON", lists
         every field): the hardware, budget and note, ``best`` (the best row's
         index, or None), and one entry per row in rank order: its label, mesh,
         batch, length, options, verdict, reason, flags, tokens per second, its
-        time (`StepPlan.to_json`'s ``time``) and its step (`StepPlan.to_json`,
+        time (`StepPlan.to_dict`'s ``time``) and its step (`StepPlan.to_dict`,
         or None where it was not compiled).
 
         Returns:
@@ -280,7 +275,7 @@ class Advice:
             >>> import jax, spmdtree as st
             >>> mesh = jax.sharding.AbstractMesh((1,), ("data",))
             >>> row = st.AdviceRow(st.Candidate(mesh, None, 8), "does not compile", "a typo", None, None, None)
-            >>> data = st.Advice((row,), 0, st.hardware("h100"), 2**30).to_json()
+            >>> data = st.Advice((row,), 0, st.hardware("h100"), 2**30).to_dict()
             >>> data["schema"], data["best"], data["rows"][0]["verdict"], data["rows"][0]["step"]
             ('spmdtree.Advice/1', None, 'does not compile', None)
         """
@@ -367,7 +362,7 @@ def _row_json(row: AdviceRow) -> dict[str, Any]:
         "flags": list(row.flags),
         "tokens_per_second": row.tokens_per_second,
         "time": None if row.time is None else time_json(row.time),
-        "step": None if row.step is None else row.step.to_json(),
+        "step": None if row.step is None else row.step.to_dict(),
         "measured": None if row.measured is None else _measured_json(row.measured),
     }
 
@@ -391,7 +386,7 @@ def _plain(value: Hashable) -> Any:
 def _point(row: AdviceRow, step: StepPlan, timed: StepTime) -> Point:
     """A compiled, timed row (its `step` and `timed`) as a point of the advice's picture."""
     seconds = ranked_seconds(timed) / row.candidate.batch
-    return Point(seconds, step.peak_bytes, str(row.verdict), label_of(row.candidate))
+    return Point(seconds, step.peak_bytes, row.verdict, label_of(row.candidate))
 
 
 def _devices(advice: Advice) -> int:
@@ -438,26 +433,7 @@ def _table(advice: Advice, *, width: int = 100) -> str:
     header = ["#", "layout", "batch", "peak", "compute", "comm", "bound", "predicted"]
     header += ["measured"] * measured + ["tokens/s", "from"]
     header.append("verdict")
-    cells = []
-    for rank, row in enumerate(rows, 1):
-        c, t, step = row.candidate, row.time, row.step
-        layout = label_of(c)
-        cells.append(
-            [
-                str(rank),
-                layout,
-                str(c.batch),
-                "-" if step is None else size_text(step.peak_bytes),
-                seconds_text(None if t is None else t.compute_seconds),
-                seconds_text(None if t is None else t.comm_seconds),
-                seconds_text(None if t is None else t.bound_seconds),
-                seconds_text(None if t is None else t.predicted_seconds),
-                *[seconds_text(row.measured.seconds if row.measured else None)] * measured,
-                "-" if row.tokens_per_second is None else f"{row.tokens_per_second:,.0f}",
-                "-" if step is None else TOOLCHAINS[step.backend].label,
-                row.verdict,
-            ]
-        )
+    cells = [_cells(rank, row, measured) for rank, row in enumerate(rows, 1)]
     widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(header)]
     right = set(range(9 + measured)) - {1}
 
@@ -485,7 +461,33 @@ def _table(advice: Advice, *, width: int = 100) -> str:
                 flag, width, initial_indent="     ! ", subsequent_indent="       "
             )
     estimated = any(row.step is not None and row.step.backend.estimates for row in rows)
-    lines.append(
+    lines.append(_times_text(estimated, measured))
+    return "\n".join(lines)
+
+
+def _cells(rank: int, row: AdviceRow, measured: bool) -> list[str]:
+    """One row's cells: its rank, layout, batch, peak, the roofline's parts, the
+    predicted (and measured) time, tokens/s, whose figures, the verdict."""
+    c, t, step = row.candidate, row.time, row.step
+    return [
+        str(rank),
+        label_of(c),
+        str(c.batch),
+        "-" if step is None else size_text(step.peak_bytes),
+        seconds_text(None if t is None else t.compute_seconds),
+        seconds_text(None if t is None else t.comm_seconds),
+        seconds_text(None if t is None else t.bound_seconds),
+        seconds_text(None if t is None else t.predicted_seconds),
+        *[seconds_text(row.measured.seconds if row.measured else None)] * measured,
+        "-" if row.tokens_per_second is None else f"{row.tokens_per_second:,.0f}",
+        "-" if step is None else TOOLCHAINS[step.backend].label,
+        row.verdict,
+    ]
+
+
+def _times_text(estimated: bool, measured: bool) -> str:
+    """The table's last line: what each time is, and which the rows rank by."""
+    return (
         "times: bound, a roofline (peak FLOPs, collectives at full link bandwidth, perfect "
         "overlap); predicted, the compiled schedule walked with each kernel timed by a model"
         + (" (from the CPU program on cpu est. rows)" if estimated else "")
@@ -498,4 +500,3 @@ def _table(advice: Advice, *, width: int = 100) -> str:
             else ""
         )
     )
-    return "\n".join(lines)

@@ -18,11 +18,15 @@ from jax.sharding import Mesh
 from spmdtree._src.errors import Mistake
 from spmdtree._src.resolve import HOST_KINDS
 from spmdtree._src.step.compile.backends import Toolchain
-from spmdtree._src.step.hlo.forms import overstated_bytes
-from spmdtree._src.step.hlo.opcodes import Kept
-from spmdtree._src.step.hlo.reading import Reading, reading_of
-from spmdtree._src.step.hlo.schedule import Schedule, read_schedule
-from spmdtree._src.step.hw.chips import tpu_clock_ghz
+from spmdtree._src.step.hlo import (
+    Kept,
+    Reading,
+    Schedule,
+    overstated_bytes,
+    read_schedule,
+    reading_of,
+)
+from spmdtree._src.step.hw import tpu_clock_ghz
 from spmdtree._src.step.kinds import Backend
 
 

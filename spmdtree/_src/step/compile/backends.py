@@ -33,9 +33,8 @@ from jax.sharding import AbstractDevice, Mesh
 
 from spmdtree._src.errors import Mistake
 from spmdtree._src.plan import Plan
-from spmdtree._src.step.hlo.schedule import Schedule
-from spmdtree._src.step.hw.chips import GpuChip, TpuChip, slice_dims
-from spmdtree._src.step.hw.hardware import Hardware
+from spmdtree._src.step.hlo import Schedule
+from spmdtree._src.step.hw import GpuChip, Hardware, TpuChip, slice_dims
 from spmdtree._src.step.kinds import Backend
 from spmdtree._src.text import argument_path
 
@@ -228,10 +227,10 @@ class _XlaGpu(Toolchain):
     def mesh(
         self, placement: Placement, sizes: Sequence[int], names: Sequence[str], types: Sequence[Any]
     ) -> Mesh:
-        """`jax.make_mesh` over a GPU cluster described to XLA (`Chip.target_config`)."""
+        """`jax.make_mesh` over a GPU cluster described to XLA (`GpuTarget.target_config`)."""
         from jax.experimental import topologies
 
-        chip = cast(Chip, placement.target.chip)
+        chip = cast(GpuTarget, placement.target.chip)
         describe = functools.partial(
             topologies.get_topology_desc,
             platform=self.platform,
@@ -421,9 +420,10 @@ BY_CHIP: dict[type, Toolchain] = {GpuChip: XLA_GPU, TpuChip: LIBTPU}
 
 
 @dataclasses.dataclass(frozen=True)
-class Chip:
-    """An NVIDIA GPU's facts, as XLA's GPU target description reads them: a
-    `Hardware`'s SMs (`cores`), memory and bandwidth with its `GpuChip`.
+class GpuTarget:
+    """An NVIDIA GPU as XLA's GPU target description reads it: a `Hardware`'s SMs
+    (`cores`), memory and bandwidth with its `GpuChip` (0.7: 0.6 called it `Chip`,
+    a second meaning of the word; CONTRIBUTING's words).
 
     Sources: NVIDIA's data sheets (SMs, memory, bandwidth, clock, L2) and the
     CUDA programming guide's per-compute-capability limits (shared memory,
@@ -473,13 +473,13 @@ class Target:
 
     Attributes:
         name: the hardware it belongs to (``"h100"``, ``"tpu-v5p"``).
-        toolchain: `XLA_GPU` for a `Chip`, `LIBTPU` for a `TpuChip`.
-        chip: the GPU's `Chip`, or the TPU's `TpuChip`.
+        toolchain: `XLA_GPU` for a `GpuTarget`, `LIBTPU` for a `TpuChip`.
+        chip: the chip as its compiler is told: a GPU's `GpuTarget`, a TPU's `TpuChip`.
     """
 
     name: str
     toolchain: Toolchain
-    chip: Chip | TpuChip
+    chip: GpuTarget | TpuChip
 
     @property
     def platform(self) -> str:
@@ -522,7 +522,7 @@ def target_for(hardware: Hardware, toolchain: Toolchain | None = None) -> Target
             "GPU's target description needs its SMs (cores=) and its memory bandwidth "
             "(hbm_bytes_per_second=).",
         )
-    described = Chip(
+    described = GpuTarget(
         chip.description,
         chip.capability,
         int(cast(int, hardware.cores)),

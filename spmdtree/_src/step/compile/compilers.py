@@ -41,8 +41,8 @@ from spmdtree._src.step.compile.backends import (
     place,
     target_for,
 )
-from spmdtree._src.step.compile.trace import Lowered, Site, Traced
-from spmdtree._src.step.hw.hardware import PRESETS, Hardware, check_devices_per_node
+from spmdtree._src.step.compile.tracing import Lowered, Site, Traced
+from spmdtree._src.step.hw import PRESETS, Hardware, check_devices_per_node
 from spmdtree._src.step.kinds import Backend
 
 #: How long a compile subprocess may take before it is stopped.

@@ -15,9 +15,9 @@ import dataclasses
 import math
 from typing import Any, Literal, cast
 
-from spmdtree._src.step.hlo.instructions import Array, Instr, Module, Op, bits, config_field
+from spmdtree._src.step.hlo.instructions import Array, Instr, Module, Op, config_field
 from spmdtree._src.step.hlo.opcodes import DONES, ELEMENTWISE, MOVES, PASS, SYNC
-from spmdtree._src.step.kinds import CollectiveKind
+from spmdtree._src.step.kinds import CollectiveKind, bits
 
 #: The forms a compiler writes a collective in, other than the op its kind names
 #: (``""``): see `Collective.written_as`.

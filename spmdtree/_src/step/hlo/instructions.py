@@ -13,17 +13,16 @@ expressions remain, each saying which field jaxlib's API cannot give.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import json
 import math
 import re
-import string
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple, TypeAlias
 
 import jaxlib._hlo as _api  # type: ignore[import-not-found,unused-ignore]
 
 from spmdtree._src.step.hlo.groups import Groups, parse_groups, parse_pairs
+from spmdtree._src.step.kinds import bits
 
 #: jaxlib's opcode enum (``Op.kDot``, ``Op.kAllReduce``): how every instruction's
 #: opcode is held and compared.
@@ -49,17 +48,6 @@ _TILE = re.compile(r":T\(([\d,]+)\)")
 # jaxlib's instruction has no attribute accessors: its printed attribute list is cut
 # at the commas outside brackets and strings, found by jumping between these marks
 _MARK = re.compile(r'[{}()\[\],"\\]')
-
-
-def bits(dtype: str) -> int:
-    """The bits of an HLO element type: ``bf16`` 16, ``f8e4m3fn`` 8, ``pred`` 8.
-
-    Example:
-        >>> bits("bf16"), bits("f8e4m3fn"), bits("pred")
-        (16, 8, 8)
-    """
-    digits = "".join(itertools.takewhile(str.isdigit, dtype.lstrip(string.ascii_lowercase)))
-    return int(digits) if digits and dtype != "pred" else 8
 
 
 class Array(NamedTuple):

@@ -22,9 +22,8 @@ from typing import Any, TypeVar
 import numpy as np
 
 from spmdtree._src.errors import Mistake, public
-from spmdtree._src.step.hlo.instructions import bits
 from spmdtree._src.step.hw.chips import CHIPS, GpuChip, TpuChip
-from spmdtree._src.step.kinds import LinkKind
+from spmdtree._src.step.kinds import LinkKind, bits
 
 #: The link kinds, fastest first: within a node or slice, then across.
 LINKS = tuple(LinkKind)

@@ -32,9 +32,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from spmdtree._src.errors import Mistake, public
-from spmdtree._src.step.compile.backends import TOOLCHAINS
-from spmdtree._src.step.hlo.schedule import Kernel
-from spmdtree._src.step.hw.hardware import PRESETS, Hardware, hardware, preset_in
+from spmdtree._src.step.compile import TOOLCHAINS
+from spmdtree._src.step.hlo import Kernel
+from spmdtree._src.step.hw import PRESETS, Hardware, hardware, preset_in
 from spmdtree._src.step.kinds import Backend, KernelClass
 from spmdtree._src.step.measure.measure import measure
 

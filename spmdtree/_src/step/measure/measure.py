@@ -28,13 +28,11 @@ from jax.sharding import AbstractMesh, Mesh
 
 from spmdtree._src.errors import Mistake, public
 from spmdtree._src.rules import AnyMesh, PyTree, Rules, logical_axis_rules
-from spmdtree._src.step.compile.compilers import Here, check_options
-from spmdtree._src.step.compile.preflight import Keywords, plan_arguments, step_plan, trace_for
-from spmdtree._src.step.compile.trace import Arguments, called, flat_step
-from spmdtree._src.step.hw.hardware import Hardware, timed_on
+from spmdtree._src.step.compile import Arguments, Here, called, check_options, flat_step
+from spmdtree._src.step.hw import Hardware, timed_on
 from spmdtree._src.step.kinds import Backend
-from spmdtree._src.step.time.measured import Measurement, compare
-from spmdtree._src.step.time.profile import read_profile
+from spmdtree._src.step.preflight import Keywords, plan_arguments, step_plan, trace_for
+from spmdtree._src.step.time import Measurement, compare, read_profile
 
 #: Steps run under the profiler, after the timed ones (at most `steps` of them).
 PROFILED = 3

@@ -19,14 +19,17 @@ from typing import Any, Protocol
 import numpy as np
 
 from spmdtree._src.errors import Mistake, public
-from spmdtree._src.step.hlo.schedule import Kernel, Schedule
-from spmdtree._src.step.hw.chips import TpuChip, slice_dims, torus_links, wrapped
-from spmdtree._src.step.hw.hardware import (
+from spmdtree._src.step.hlo import Kernel, Schedule
+from spmdtree._src.step.hw import (
     LINKS,
     Frozen,
     Hardware,
+    TpuChip,
     check_devices_per_node,
     positive,
+    slice_dims,
+    torus_links,
+    wrapped,
 )
 from spmdtree._src.step.kinds import CollectiveKind, LinkKind
 from spmdtree._src.step.time.predict import Span, predict

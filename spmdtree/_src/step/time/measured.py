@@ -23,7 +23,7 @@ import numpy as np
 
 from spmdtree._src.errors import Mistake
 from spmdtree._src.rules import AnyMesh
-from spmdtree._src.step.hlo.schedule import (
+from spmdtree._src.step.hlo import (
     Branches,
     Collective,
     Event,
@@ -32,7 +32,7 @@ from spmdtree._src.step.hlo.schedule import (
     Schedule,
     Start,
 )
-from spmdtree._src.step.hw.hardware import Hardware
+from spmdtree._src.step.hw import Hardware
 from spmdtree._src.step.time.bound import StepTime, collective_seconds, step_spans
 from spmdtree._src.step.time.predict import Span, kernel_seconds
 from spmdtree._src.step.time.profile import Profile

@@ -42,7 +42,7 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
-from spmdtree._src.step.hlo.schedule import (
+from spmdtree._src.step.hlo import (
     Collective,
     Done,
     Event,
@@ -51,7 +51,7 @@ from spmdtree._src.step.hlo.schedule import (
     Schedule,
     Start,
 )
-from spmdtree._src.step.hw.hardware import Costs
+from spmdtree._src.step.hw import Costs
 from spmdtree._src.step.kinds import KernelClass
 
 #: A collective's mesh axes.

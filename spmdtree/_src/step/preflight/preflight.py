@@ -21,11 +21,18 @@ from typing import Any
 from spmdtree._src.errors import public
 from spmdtree._src.resolve import check_mesh
 from spmdtree._src.rules import AnyMesh, PyTree, Rules
-from spmdtree._src.step.compile.analysis import Analysis
-from spmdtree._src.step.compile.compilers import Compiler, check_options, compiler_for
-from spmdtree._src.step.compile.step_plan import StepPlan
-from spmdtree._src.step.compile.trace import Arguments, Traced, arguments, trace
-from spmdtree._src.step.hw.hardware import Hardware
+from spmdtree._src.step.compile import (
+    Analysis,
+    Arguments,
+    Compiler,
+    Traced,
+    arguments,
+    check_options,
+    compiler_for,
+    trace,
+)
+from spmdtree._src.step.hw import Hardware
+from spmdtree._src.step.preflight.step_plan import StepPlan
 from spmdtree._src.text import Located, argument_path
 
 

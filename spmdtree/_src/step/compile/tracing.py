@@ -42,7 +42,7 @@ from spmdtree._src.rules import (
     rules_or_context,
 )
 from spmdtree._src.specs import RuleProblem, rule_problems
-from spmdtree._src.step.hlo.opcodes import Flash, Kept, flash_of, innermost
+from spmdtree._src.step.hlo import Flash, Kept, flash_of, innermost
 from spmdtree._src.text import short_value
 
 T = TypeVar("T")

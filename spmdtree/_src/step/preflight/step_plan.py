@@ -20,16 +20,26 @@ from spmdtree._src.pictures import saved, time_picture
 from spmdtree._src.plan import Plan
 from spmdtree._src.rules import AnyMesh
 from spmdtree._src.specs import RuleProblem
-from spmdtree._src.step.advise.diagnose import Closest, Traffic, nothing_fits, unexplained_traffic
-from spmdtree._src.step.compile.analysis import Memory
-from spmdtree._src.step.compile.backends import TOOLCHAINS
-from spmdtree._src.step.hlo.schedule import Collective, Schedule
-from spmdtree._src.step.hw.hardware import Hardware, timed_on
+from spmdtree._src.step.compile import TOOLCHAINS, Memory
+from spmdtree._src.step.hlo import Collective, Schedule
+from spmdtree._src.step.hw import Hardware, timed_on
 from spmdtree._src.step.kinds import Backend
-from spmdtree._src.step.time.bound import StepTime, step_spans, step_time, time_json
-from spmdtree._src.step.time.measured import Measurement, compare
-from spmdtree._src.step.time.profile import read_profile
-from spmdtree._src.step.time.timeline import trace_events
+from spmdtree._src.step.preflight.diagnose import (
+    Closest,
+    Traffic,
+    nothing_fits,
+    unexplained_traffic,
+)
+from spmdtree._src.step.time import (
+    Measurement,
+    StepTime,
+    compare,
+    read_profile,
+    step_spans,
+    step_time,
+    time_json,
+    trace_events,
+)
 from spmdtree._src.text import (
     JSON_VERSION,
     axis_types_text,
@@ -331,13 +341,15 @@ class StepPlan:
 
     @public
     def time(self, hardware: Hardware, *, devices_per_node: int | None = None) -> StepTime:
-        """A roofline bound on this step on `hardware`: its FLOPs at the peak, its
-        collectives at the links' bandwidth (new in 0.3).
+        """This step's time on `hardware`: a roofline bound (its FLOPs at the peak,
+        its collectives at the links' bandwidth, perfect overlap; new in 0.3) and,
+        from the compiled schedule, the predicted time (each kernel timed by the
+        model, the two streams walked; new in 0.5), which advise ranks by.
 
         Devices sit on nodes by their position in the mesh's row-major device
         order (position // devices_per_node); a group that spans nodes is
         timed as hierarchical algorithms run it (docs/planning.md, "Hardware
-        and time"). Not a prediction: perfect overlap, peak FLOPs.
+        and time").
 
         Args:
             hardware: a `Hardware` (e.g. ``st.hardware("h100")``).
@@ -370,9 +382,24 @@ class StepPlan:
         )
 
     @public
-    def to_json(self, hardware: Hardware | None = None) -> dict[str, Any]:
+    def to_json(self, hardware: Hardware | None = None) -> str:
+        """The step as JSON text: `to_dict`'s values, ``json.dumps``'d (0.7: 0.6's
+        ``to_json`` returned the dict, which is `to_dict` now).
+
+        Example:
+            >>> import json, jax, jax.numpy as jnp, spmdtree as st
+            >>> mesh = jax.sharding.AbstractMesh((2,), ("data",))
+            >>> x = st.Partitioned(jax.ShapeDtypeStruct((8, 4), jnp.float32), ("data", None))
+            >>> json.loads(st.preflight(lambda x: jnp.sum(x.value * 2), x, mesh=mesh).to_json())["schema"]
+            'spmdtree.StepPlan/1'
+        """
+        return json.dumps(self.to_dict(hardware), allow_nan=False)
+
+    @public
+    def to_dict(self, hardware: Hardware | None = None) -> dict[str, Any]:
         """The step as JSON values (``json.dumps`` takes them), in the versioned
-        schema ``"spmdtree.StepPlan/1"`` (new in 0.6; docs/api.md, "JSON", lists
+        schema ``"spmdtree.StepPlan/1"`` (new in 0.6 as ``to_json``; 0.7: named
+        ``to_dict``, and `to_json` gives its text; docs/api.md, "JSON", lists
         every field): its mesh, target, memory per device, FLOPs, collectives,
         inputs, flags and rule problems; with `hardware`, its ``time`` there too
         (`time_json`'s fields: the bound, the prediction, by class and axes).
@@ -390,7 +417,7 @@ class StepPlan:
             >>> import json, jax, jax.numpy as jnp, spmdtree as st
             >>> mesh = jax.sharding.AbstractMesh((2,), ("data",))
             >>> x = st.Partitioned(jax.ShapeDtypeStruct((8, 4), jnp.float32), ("data", None))
-            >>> data = st.preflight(lambda x: jnp.sum(x.value * 2), x, mesh=mesh).to_json()
+            >>> data = st.preflight(lambda x: jnp.sum(x.value * 2), x, mesh=mesh).to_dict()
             >>> data["schema"], data["mesh"]["axes"], data["memory"]["argument_bytes"]
             ('spmdtree.StepPlan/1', {'data': 2}, 64)
             >>> [c["kind"] for c in json.loads(json.dumps(data))["collectives"]]
@@ -628,23 +655,13 @@ def _table(step: StepPlan) -> str:
     axes = ", ".join(f"{name} {size}" for name, size in step.mesh.shape.items())
     devices = math.prod(step.mesh.shape.values())
     compiled = step.target or step.backend
-    memory = [
-        ("arguments", step.argument_bytes, ""),
-        ("outputs", step.output_bytes, ""),
-        ("aliased", -step.alias_bytes, "outputs in donated buffers"),
-        ("temporaries", step.temp_bytes, "activations and scratch"),
-        ("peak", step.peak_bytes, "arguments + outputs - aliased + temporaries"),
-    ]
     lines = [
         f"step on {devices} device{'' if devices == 1 else 's'} ({axes}; axis types "
         f"{axis_types_text(step.mesh)}), compiled for {compiled} "
         f"in {step.compile_seconds:.1f} s",
         "memory per device",
+        *_memory_lines(step),
     ]
-    for label, amount, note in memory:
-        text = size_text(abs(amount))
-        text = f"-{text}" if amount < 0 else text
-        lines.append(f"  {label:<12}{text:>11}" + (f"  {note}" if note else ""))
     if step.compiler_peak_bytes:
         judged = (
             "what fits and advise judge: it checks memory as it compiles"
@@ -689,3 +706,20 @@ def _table(step: StepPlan) -> str:
     lines += [f"! {flag}" for flag in step.flags]
     lines += [f"! {problem}" for problem in dict.fromkeys(p.sentence for p in step.rule_problems)]
     return "\n".join(lines)
+
+
+def _memory_lines(step: StepPlan) -> list[str]:
+    """The table's memory per device: arguments, outputs, aliased, temporaries, peak."""
+    memory = [
+        ("arguments", step.argument_bytes, ""),
+        ("outputs", step.output_bytes, ""),
+        ("aliased", -step.alias_bytes, "outputs in donated buffers"),
+        ("temporaries", step.temp_bytes, "activations and scratch"),
+        ("peak", step.peak_bytes, "arguments + outputs - aliased + temporaries"),
+    ]
+    lines = []
+    for label, amount, note in memory:
+        text = size_text(abs(amount))
+        text = f"-{text}" if amount < 0 else text
+        lines.append(f"  {label:<12}{text:>11}" + (f"  {note}" if note else ""))
+    return lines

@@ -19,7 +19,7 @@ from collections.abc import Hashable, Sequence
 
 from spmdtree._src.plan import Plan, PlanRow
 from spmdtree._src.resolve import axes_of
-from spmdtree._src.step.hlo.schedule import Collective
+from spmdtree._src.step.hlo import Collective
 from spmdtree._src.text import LeftUnsharded, flops_text, size_text
 
 #: How many times what the layout explains the collectives may move before it is said.

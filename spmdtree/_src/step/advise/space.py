@@ -1,0 +1,238 @@
+"""The space of candidates (0.7: cut from advise.py): the layouts a device count allows
+(`layouts`), and the candidates over meshes, rules, batches and options (`candidates`),
+checked as advise takes them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import numbers
+import sys
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+from typing import cast
+
+from jax.sharding import AbstractMesh, AxisType, Mesh
+
+from spmdtree._src.errors import Mistake, public
+from spmdtree._src.rules import AnyMesh, Rules
+from spmdtree._src.step.advise.records import (
+    Candidate,
+    label_of,
+)
+
+
+def _sizes_allowed(
+    axes: Sequence[str], sizes: Mapping[str, int | tuple[int, int]] | None
+) -> dict[str, tuple[int, int]]:
+    """Each axis's inclusive bounds, checked."""
+    allowed = {axis: (1, sys.maxsize) for axis in axes}
+    for axis, size in (sizes or {}).items():
+        if axis not in allowed:
+            raise Mistake(
+                ValueError,
+                f"sizes names {axis!r}, which is not one of the axes {tuple(axes)}.",
+            )
+        bounds = (size, size) if isinstance(size, int) else tuple(size)
+        ok = len(bounds) == 2 and all(isinstance(b, int) and b >= 1 for b in bounds)
+        if not ok or bounds[0] > bounds[1]:
+            raise Mistake(
+                ValueError,
+                f"sizes[{axis!r}] is {size!r}; expected an int >= 1 or (lo, hi) with "
+                "1 <= lo <= hi (inclusive).",
+            )
+        allowed[axis] = (bounds[0], bounds[1])
+    return allowed
+
+
+def _factorizations(devices: int, count: int) -> Iterable[tuple[int, ...]]:
+    """Every way to write `devices` as a product of `count` ints, in lexicographic order."""
+    if count == 1:
+        yield (devices,)
+        return
+    for first in range(1, devices + 1):
+        if devices % first == 0:
+            for rest in _factorizations(devices // first, count - 1):
+                yield (first, *rest)
+
+
+@public
+def layouts(
+    devices: int,
+    axes: Sequence[str] = ("data", "fsdp", "tensor"),
+    *,
+    sizes: Mapping[str, int | tuple[int, int]] | None = None,
+    axis_types: AxisType | Sequence[AxisType] | None = None,
+) -> list[AbstractMesh]:
+    """Every way to lay `devices` out as a product over `axes`, as abstract meshes.
+
+    In lexicographic order of the axis sizes (the first axis smallest first).
+
+    Args:
+        devices: how many devices.
+        axes: the mesh axis names, in mesh order.
+        sizes: per axis an int (fixed) or ``(lo, hi)`` (inclusive bounds), e.g.
+            ``{"tensor": (1, 8)}``.
+        axis_types: one `AxisType` for every axis, or one per axis; None: Auto on
+            every axis, whatever the jax version's default.
+
+    Returns:
+        The meshes.
+
+    Raises:
+        ValueError: for devices < 1, repeated axes, a size naming no axis,
+            bad bounds, or bounds that no factorization meets.
+
+    Example:
+        >>> import spmdtree as st
+        >>> [tuple(m.shape.values()) for m in st.layouts(8, ("data", "tensor"), sizes={"tensor": (2, 4)})]
+        [(2, 4), (4, 2)]
+    """
+    if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
+        raise Mistake(ValueError, f"devices is {devices!r}; expected an int >= 1.")
+    axes = tuple(axes)
+    if not axes or len(set(axes)) != len(axes) or not all(isinstance(a, str) for a in axes):
+        raise Mistake(ValueError, f"axes is {axes!r}; expected distinct axis names.")
+    allowed = _sizes_allowed(axes, sizes)
+    types = (AxisType.Auto,) * len(axes) if axis_types is None else axis_types
+    types = (types,) * len(axes) if isinstance(types, AxisType) else tuple(types)
+    if len(types) != len(axes):
+        raise Mistake(ValueError, f"axis_types is {axis_types!r}; expected one per axis {axes}.")
+    shapes = [
+        shape
+        for shape in _factorizations(devices, len(axes))
+        if all(lo <= n <= hi for n, (lo, hi) in zip(shape, allowed.values(), strict=True))
+    ]
+    if not shapes:
+        raise Mistake(
+            ValueError,
+            f"no way to write {devices} devices as a product over {axes} meets the sizes "
+            f"{dict(sizes or {})}. Widen the bounds.",
+        )
+    return [AbstractMesh(shape, axes, axis_types=types) for shape in shapes]
+
+
+def _count_or_none(value: object) -> bool:
+    return value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1)
+
+
+def _checked(candidates: Iterable[Candidate]) -> list[Candidate]:
+    """The candidates, each a `Candidate` with a mesh and a batch >= 1, all over one
+    device count (a ranking compares layouts of one job)."""
+    candidates = list(candidates)
+    if not candidates:
+        raise Mistake(ValueError, "candidates is empty; give at least one st.Candidate.")
+    for c in candidates:
+        if (
+            not isinstance(c, Candidate)
+            or not isinstance(c.mesh, (AbstractMesh, Mesh))
+            or not isinstance(c.batch, int)
+            or c.batch < 1
+        ):
+            raise Mistake(
+                TypeError if not isinstance(c, Candidate) else ValueError,
+                f"candidates holds {c!r}; expected st.Candidate(mesh, rules, batch) with a "
+                "jax.sharding.AbstractMesh (or Mesh) and a batch >= 1.",
+            )
+        _check_options(c)
+    counts: dict[int, list[Candidate]] = {}
+    for c in candidates:
+        counts.setdefault(math.prod(c.mesh.shape.values()), []).append(c)
+    if len(counts) > 1:
+        said = ", ".join(
+            f"{n} ({len(cs)} candidate{'' if len(cs) == 1 else 's'}, such as {label_of(cs[0])!r})"
+            for n, cs in counts.items()
+        )
+        raise Mistake(
+            ValueError,
+            f"candidates lay out different device counts: {said}. A ranking compares the "
+            "layouts of one job: pass candidates of one device count (st.layouts(n) gives "
+            "them), and call advise once per count.",
+        )
+    return candidates
+
+
+def _check_options(candidate: Candidate) -> None:
+    """A candidate's options: a mapping of names to hashable values, or None."""
+    options = candidate.options
+    if options is None:
+        return
+    if not isinstance(options, Mapping) or not all(isinstance(k, str) for k in options):
+        raise Mistake(
+            TypeError,
+            f"the options of candidate {label_of(candidate._replace(options=None))!r} are "
+            f"{options!r}; expected a mapping of names to values ({{'remat': 'full'}}).",
+        )
+    for name, value in options.items():
+        if not _hashable(value):
+            raise Mistake(
+                TypeError,
+                f"option {name!r} of candidate {label_of(candidate._replace(options=None))!r} "
+                f"is {value!r}, which is not hashable; give a value that is (a string, a "
+                "number, a tuple).",
+            )
+
+
+def _hashable(value: object) -> bool:
+    try:
+        hash(value)
+    except TypeError:
+        return False
+    return True
+
+
+@public
+def candidates(
+    meshes: Sequence[AnyMesh],
+    rules: Rules | None,
+    batches: int | Sequence[int],
+    *,
+    length: int | None = None,
+    **options: Sequence[Hashable],
+) -> list[Candidate]:
+    """Every combination of `meshes`, `batches` and each option's values, as
+    `Candidate`s, in a fixed order (meshes, then batches, then the options in the
+    order given; new in 0.6).
+
+    Args:
+        meshes: the layouts (`layouts` gives them).
+        rules: the rules for every candidate.
+        batches: a global batch, or several.
+        length: the sequence length (for tokens per second).
+        **options: each option's values, e.g. ``remat=("full", "minimal"),
+            microbatches=(1, 4)``; ``make_step(candidate)`` reads
+            ``candidate.options``.
+
+    Returns:
+        The candidates, ``len(meshes) x len(batches) x`` each option's count.
+
+    Raises:
+        TypeError: for an option given one value rather than a sequence of them.
+
+    Example:
+        >>> import spmdtree as st
+        >>> found = st.candidates(st.layouts(8, ("data", "fsdp"))[:2], None, 64, remat=("full", "none"))
+        >>> [(dict(c.mesh.shape)["data"], c.batch, c.options) for c in found]
+        [(1, 64, {'remat': 'full'}), (1, 64, {'remat': 'none'}), (2, 64, {'remat': 'full'}), (2, 64, {'remat': 'none'})]
+    """
+    for name, values in options.items():
+        if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) or not values:
+            raise Mistake(
+                TypeError if not isinstance(values, Sequence) or values else ValueError,
+                f"option {name} is {values!r}; expected a sequence of one or more of its "
+                f"values, e.g. {name}=({values!r},)."
+                if values
+                else f"option {name} has no values; give one or more, or leave it out.",
+            )
+    sizes = (
+        (int(batches),)
+        if isinstance(batches, numbers.Integral)
+        else tuple(cast(Sequence[int], batches))
+    )
+    names = tuple(options)
+    return [
+        Candidate(mesh, rules, batch, length, options=dict(zip(names, chosen, strict=True)) or None)
+        for mesh in meshes
+        for batch in sizes
+        for chosen in itertools.product(*options.values())
+    ]

@@ -1,0 +1,301 @@
+"""The search's state (0.7: cut from advise.py): what each candidate has come to, as
+immutable records (`_Rejected`, `_Compiled`, `_Confirmed`, `_Unconfirmed`) in an
+immutable `_State`, the row each record makes, and what the state as a whole says.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import math
+import types
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from spmdtree._src.plan import Plan
+from spmdtree._src.step.advise.judging import (
+    _batch_first,
+    _rejected,
+    _repeated,
+    _split,
+    _verdict,
+    rank,
+)
+from spmdtree._src.step.advise.progress import _bound_by
+from spmdtree._src.step.advise.records import (
+    AdviceRow,
+    Candidate,
+    label_of,
+)
+from spmdtree._src.step.compile import (
+    Analysis,
+    Arguments,
+    CpuChild,
+    TargetChild,
+    Traced,
+)
+from spmdtree._src.step.hw import Hardware
+from spmdtree._src.step.kinds import Verdict
+from spmdtree._src.step.preflight import (
+    Closest,
+    Keywords,
+    StepPlan,
+    nothing_fits,
+)
+from spmdtree._src.step.time import ranked_seconds
+from spmdtree._src.text import (
+    Located,
+    argument_path,
+)
+
+#: A compile subprocess's analysis, to come.
+_Child = concurrent.futures.Future[Analysis]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Step:
+    """A candidate's step, planned: what tracing it (again, for a target) takes."""
+
+    fn: Callable[..., Any]
+    planned: Arguments
+    keywords: Keywords
+
+
+@dataclasses.dataclass(frozen=True)
+class _Search:
+    """What every row is judged by, fixed for the call: the hardware, the budget,
+    the candidates, where the target's compiler can be asked (`asks`; None: it
+    cannot: no compiler installed, or the hardware has none spmdtree knows), and
+    `report`, called with each row as it is decided and how many are (the
+    progress lines; None: silent)."""
+
+    hardware: Hardware
+    devices_per_node: int | None
+    budget: int
+    candidates: tuple[Candidate, ...]
+    asks: TargetChild | None = None
+    report: Callable[[AdviceRow, int, bool], None] | None = None
+    executor: concurrent.futures.Executor | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Pending:
+    """A candidate traced and exported, waiting for its compile subprocess
+    (`confirming`: again, for the target, after a screened compile)."""
+
+    index: int
+    traced: Traced
+    compiler: CpuChild | TargetChild
+    step: _Step
+    confirming: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rejected:
+    """A candidate decided without figures: its plan rules it out, or its
+    make_step, trace or compile failed (or the target's compiler found it too
+    big for a chip); `arrays_bytes`, where its arrays alone were over the budget,
+    their bytes per device."""
+
+    row: AdviceRow
+    arrays_bytes: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Compiled:
+    """A candidate compiled where it was screened, judged on those figures; its
+    `step`, to trace it again for the target."""
+
+    row: AdviceRow
+    step: _Step
+
+
+@dataclasses.dataclass(frozen=True)
+class _Confirmed:
+    """A screened candidate compiled again for the target, judged on its figures."""
+
+    row: AdviceRow
+
+
+@dataclasses.dataclass(frozen=True)
+class _Unconfirmed:
+    """A screened candidate whose trace or compile for the target failed: its
+    screened row kept, flagged with why."""
+
+    row: AdviceRow
+    step: _Step
+
+
+_Record = _Rejected | _Compiled | _Confirmed | _Unconfirmed
+
+
+@dataclasses.dataclass(frozen=True)
+class _State:
+    """The search so far: each decided candidate's record by its index, and the
+    compiles run. Never changed: each step of the search returns a new one."""
+
+    records: Mapping[int, _Record] = dataclasses.field(
+        default_factory=lambda: types.MappingProxyType({})
+    )
+    compiles: int = 0
+
+    def add(self, index: int, record: _Record, compiles: int = 0) -> _State:
+        """This state with `index` decided as `record`, and `compiles` more run."""
+        records = types.MappingProxyType({**self.records, index: record})
+        return _State(records, self.compiles + compiles)
+
+    def counted(self, compiles: int) -> _State:
+        """This state with `compiles` more run."""
+        return _State(self.records, self.compiles + compiles)
+
+    @property
+    def rows(self) -> dict[int, AdviceRow]:
+        return {i: record.row for i, record in self.records.items()}
+
+    def order(self) -> list[int]:
+        """The candidates' indices, best row first (`rank`), a layout whose devices
+        repeat each other's work after those that split it (`split_work`)."""
+        split = _split(self.rows.values())
+        return sorted(self.records, key=lambda i: rank(self.records[i].row, i, split))
+
+    def ranked(self) -> tuple[AdviceRow, ...]:
+        return tuple(self.records[i].row for i in self.order())
+
+    def screened(self, index: int) -> bool:
+        """Whether a row's figures are the CPU estimate's."""
+        step = self.records[index].row.step
+        return step is not None and step.backend.estimates
+
+
+def _recorded(
+    search: _Search, state: _State, index: int, record: _Record, compiles: int = 0
+) -> _State:
+    """`state` with `record`; a decided row (not a flag added to one) reported."""
+    after = state.add(index, record, compiles)
+    if search.report is not None and not isinstance(record, _Unconfirmed):
+        search.report(record.row, len(after.records), index in state.records)
+    return after
+
+
+def _row(
+    search: _Search,
+    index: int,
+    verdict: Verdict,
+    reason: str,
+    step: StepPlan | None = None,
+    flags: tuple[str, ...] = (),
+) -> AdviceRow:
+    """A candidate's row: its verdict and reason, its step timed on the hardware."""
+    candidate = search.candidates[index]
+    timed = None
+    if step is not None:
+        try:
+            timed = step.time(search.hardware, devices_per_node=search.devices_per_node)
+        except ValueError as e:  # the hardware lacks a link kind: said, not lost
+            reason = f"{reason}; not timed: {e}"
+    if timed is not None and verdict in (Verdict.FITS, Verdict.TIGHT):
+        reason += "; " + _bound_by(timed)
+    tokens = None
+    if timed is not None and candidate.length is not None and ranked_seconds(timed) > 0:
+        tokens = candidate.batch * candidate.length / ranked_seconds(timed)
+    flags = _batch_first(candidate, flags)
+    return AdviceRow(candidate, verdict, reason, step, timed, tokens, flags)
+
+
+def _flagged(row: AdviceRow, flag: str) -> AdviceRow:
+    """A row as it stands, with one flag more."""
+    return row._replace(flags=(*row.flags, flag))
+
+
+def _rejection(search: _Search, index: int, planned: Plan) -> _Rejected | None:
+    """A candidate its plan rules out before any compile: its batch axes do not
+    divide its batch, or its arrays alone exceed the budget; else None."""
+    rejected = _rejected(search.candidates[index], planned, search.budget)
+    if rejected is None:
+        return None
+    flags = tuple(
+        Located(argument_path(row.path), flag) for row in planned.rows for flag in row.flags
+    )
+    over = planned.device_bytes if rejected[0] == Verdict.OVER_BUDGET else None
+    return _Rejected(_row(search, index, *rejected, flags=flags), over)
+
+
+def _judged(search: _Search, index: int, step: StepPlan) -> AdviceRow:
+    """The row of a compiled step: its verdict from its peak against the budget; its
+    flags, and the collectives its layout does not explain where they are far
+    above it."""
+    traffic = step.unexplained_traffic
+    flags = step.flags if traffic is None else (*step.flags, traffic.sentence)
+    return _row(search, index, *_verdict(step, search.budget, search.asks), step, flags)
+
+
+def _failed(search: _Search, index: int, reason: str) -> _Rejected:
+    return _Rejected(_row(search, index, Verdict.DOES_NOT_COMPILE, reason))
+
+
+def _said_repeats(state: _State) -> _State:
+    """Each compiled row whose devices repeat each other's work, flagged so (the
+    axis named), its traffic flag, where it has one, saying that is its cause."""
+    split = _split(state.rows.values())
+    records = dict(state.records)
+    for index, record in state.records.items():
+        row = record.row
+        said = _repeated(row, split)
+        if said is None or row.step is None:
+            continue
+        traffic = row.step.unexplained_traffic
+        flags = tuple(f for f in row.flags if traffic is None or f != traffic.sentence)
+        if traffic is not None and len(flags) < len(row.flags):
+            said += (
+                "; the collectives beyond what the layout explains come from it too, not "
+                "from unconstrained activations"
+            )
+        records[index] = dataclasses.replace(record, row=row._replace(flags=(said, *flags)))
+    return _State(types.MappingProxyType(records), state.compiles)
+
+
+def _rules_said(state: _State) -> str:
+    """The rules' problems (as `validate_rules` says them) of the compiled steps,
+    each once."""
+    problems = dict.fromkeys(
+        problem.sentence
+        for row in state.rows.values()
+        if row.step is not None
+        for problem in row.step.rule_problems
+    )
+    return " ".join(problems)
+
+
+def _nothing_fits(state: _State, budget: int) -> str:
+    """Where no compiled row fits, what would: the smallest peak, and whether
+    remat, more devices or a smaller batch could bring it under; where none
+    compiled, every one's arrays alone over the budget, the smallest arrays (new
+    in 0.6: 0.5 said nothing)."""
+    compiled = [row for row in state.rows.values() if row.step is not None]
+    if any(row.verdict in (Verdict.FITS, Verdict.TIGHT) for row in compiled):
+        return ""
+    closest = [
+        Closest(
+            f"{label_of(row.candidate)}, batch {row.candidate.batch}",
+            row.step.judged_bytes,
+            row.step.temp_bytes,
+            math.prod(row.candidate.mesh.shape.values()),
+            row.candidate.batch,
+        )
+        for row in compiled
+        if row.step is not None and row.step.judged_bytes > budget
+    ]
+    if not compiled:
+        closest = [
+            Closest(
+                f"{label_of(r.row.candidate)}, batch {r.row.candidate.batch}: its arrays "
+                "alone, not compiled",
+                r.arrays_bytes,
+                0,
+                math.prod(r.row.candidate.mesh.shape.values()),
+                r.row.candidate.batch,
+            )
+            for r in state.records.values()
+            if isinstance(r, _Rejected) and r.arrays_bytes is not None
+        ]
+    return nothing_fits(closest, budget, searched=True) if closest else ""
