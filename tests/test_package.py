@@ -281,3 +281,34 @@ def test_the_house_keeps_its_rooms_small():
     assert long == []
     search = source / "_src" / "step" / "advise" / "advise.py"
     assert len(search.read_text().splitlines()) <= 700
+
+
+def test_contributings_map_lists_every_room_and_only_rooms_that_exist():
+    """CONTRIBUTING's layout map is true (0.7): every module of the package is on it,
+    and every path on it is a module (or folder) that exists."""
+    root = pathlib.Path(spmdtree.__file__).parent.parent
+    text = (root / "CONTRIBUTING.md").read_text()
+    block = text[text.index("## Layout") :]
+    block = block[block.index("```\n") + 4 :]
+    block = block[: block.index("```")]
+    listed, folder = set(), ""
+    for line in block.splitlines():
+        if not line.strip() or line.startswith(" " * 6):
+            continue  # a blank or a description's continuation
+        path = line.split()[0]
+        if not line.startswith(" "):
+            folder = path if path.endswith("/") else folder
+            listed.add(path)
+        else:
+            listed.add(folder + path)
+    for path in listed:
+        if "*" in path or "<" in path:  # a pattern: its files are each room's tests, docs, ...
+            assert list(root.glob(path.replace("<module>", "*"))), path
+            continue
+        assert (root / path).exists(), path
+    modules = {
+        str(p.relative_to(root))
+        for p in (root / "spmdtree" / "_src").rglob("*.py")
+        if p.name != "__init__.py"
+    }
+    assert modules - listed == set()

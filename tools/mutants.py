@@ -465,7 +465,7 @@ MUTANTS: dict[str, list[tuple[str, str, str]]] = {
         ),
     ],
     "ranking-per-step-across-batches": [
-        ("_src/step/advise/advise.py", "per = row.candidate.batch", "per = 1"),
+        ("_src/step/advise/judging.py", "per = row.candidate.batch", "per = 1"),
     ],
     "microbatch-index-sharded": [
         (
@@ -482,7 +482,7 @@ MUTANTS: dict[str, list[tuple[str, str, str]]] = {
         ),
     ],
     "ties-in-candidate-order": [
-        ("_src/step/advise/advise.py", "serial = row.time.serial_seconds / per", "serial = 0.0"),
+        ("_src/step/advise/judging.py", "serial = row.time.serial_seconds / per", "serial = 0.0"),
     ],
     "repeated-steps-compiled-again": [
         ("_src/step/advise/advise.py", "if key not in children:", "if True:")
@@ -646,8 +646,8 @@ MUTANTS.update(
         "step-drops-what-tracing-warned": [
             (
                 "_src/step/preflight/preflight.py",
-                "flags += [*analysis.reading.flags, *traced.warned]",
-                "flags += [*analysis.reading.flags]",
+                "flags += [*analysis.reading.flags, *compiler.left_out(analysis), *traced.warned]",
+                "flags += [*analysis.reading.flags, *compiler.left_out(analysis)]",
             )
         ],
         "out-shardings-rank-unchecked": [
@@ -666,27 +666,31 @@ MUTANTS.update(
         ],
         "ranking-ignores-the-bound": [
             (
-                "_src/step/advise/advise.py",
-                "return (order, bound, row.step.peak_bytes, serial, *_tie(row, index))",
-                "return (order, 0.0, 0, 0.0, *_tie(row, index))",
+                "_src/step/advise/judging.py",
+                "    return (order, repeats, bound, row.step.peak_bytes, serial, *_tie(row, index))",
+                "    return (order, repeats, 0.0, 0, 0.0, *_tie(row, index))",
             )
         ],
         "over-budget-not-split-by-compiled": [
             (
-                "_src/step/advise/advise.py",
+                "_src/step/advise/judging.py",
                 "order = 2 * verdict + (row.verdict == Verdict.OVER_BUDGET and row.step is None)",
                 "order = 2 * verdict",
             )
         ],
         "may-fit-ignores-the-overstatement": [
             (
-                "_src/step/advise/advise.py",
+                "_src/step/advise/judging.py",
                 "    if step.peak_bytes - step.overstated_bytes <= budget:",
                 "    if step.peak_bytes <= budget:",
             )
         ],
         "arrays-over-budget-compiled": [
-            ("_src/step/advise/advise.py", "    if planned.device_bytes > budget:", "    if False:")
+            (
+                "_src/step/advise/judging.py",
+                "    if planned.device_bytes > budget:",
+                "    if False:",
+            )
         ],
         "slice-times-group-unchecked": [
             (
@@ -736,14 +740,14 @@ MUTANTS.update(
         "pallas-causal-unread": [
             (
                 "_src/step/hlo/opcodes.py",
-                '    causal = flash.mask_read and _WHILE.search(ins.config.get("mlir", "")) is not None',
+                '    causal = flash.mask == "module" and _WHILE.search(ins.config.get("mlir", "")) is not None',
                 "    causal = False",
             )
         ],
         "triton-kernel-named-pallas-call": [
             (
                 "_src/step/hlo/opcodes.py",
-                '    if name == "pallas_call" and len(scopes) > 1 and scopes[-1] == "pallas_call":',
+                '    if flash_of(name) is None and len(scopes) > 1 and scopes[-1] == "pallas_call":',
                 "    if False:",
             )
         ],
@@ -757,22 +761,22 @@ MUTANTS.update(
         "flash-backward-dots-as-forward": [
             (
                 "_src/step/hlo/opcodes.py",
-                '    "mha_backward": Flash(7, True, True, 1),',
-                '    "mha_backward": Flash(2, True, True, 1),',
+                '    "mha_backward": Flash(7, True, "module", 1),',
+                '    "mha_backward": Flash(2, True, "module", 1),',
             )
         ],
         "splash-dense-unsaid": [
             (
                 "_src/step/hlo/reading.py",
-                "        dense = [event.call] if flash is not None and not flash.mask_read else []",
+                '        dense = [event.call] if flash is not None and flash.mask != "module" else []',
                 "        dense = []",
             )
         ],
         "flash-defaults-always-said": [
             (
                 "_src/step/time/bound.py",
-                "    used = [what for what in hw.left_out if flash or what not in _FLASH_FIELDS]",
-                "    used = list(hw.left_out)",
+                "        if what not in _KERNEL_FIELDS or any(map(_KERNEL_FIELDS[what], kernels))",
+                "        if True",
             )
         ],
         "async-fusion-start-sync": [
@@ -791,7 +795,7 @@ MUTANTS.update(
         ],
         "repeats-ranked-with-the-rest": [
             (
-                "_src/step/advise/advise.py",
+                "_src/step/advise/judging.py",
                 "    repeats = int(_repeated(row, split or {}) is not None)",
                 "    repeats = 0",
             )
@@ -826,35 +830,35 @@ MUTANTS.update(
         ],
         "tokens-at-the-bound": [
             (
-                "_src/step/advise/advise.py",
-                "        tokens = candidate.batch * candidate.length / _seconds(timed)",
+                "_src/step/advise/state.py",
+                "        tokens = candidate.batch * candidate.length / ranked_seconds(timed)",
                 "        tokens = candidate.batch * candidate.length / timed.bound_seconds",
             )
         ],
         "over-budget-by-label": [
             (
-                "_src/step/advise/advise.py",
+                "_src/step/advise/judging.py",
                 "        return (order, 0, 0.0, row.step.peak_bytes, 0.0, *_tie(row, index))",
                 "        return (order, 0, 0.0, 0, 0.0, *_tie(row, index))",
             )
         ],
         "traffic-flag-kept-beside-the-repeat": [
             (
-                "_src/step/advise/advise.py",
+                "_src/step/advise/state.py",
                 "        flags = tuple(f for f in row.flags if traffic is None or f != traffic.sentence)",
                 "        flags = row.flags",
             )
         ],
         "progress-at-every-rows-pace": [
             (
-                "_src/step/advise/advise.py",
+                "_src/step/advise/progress.py",
                 "        left = _duration(elapsed / compiled * (total - done))",
                 "        left = _duration(elapsed / done * (total - done))",
             )
         ],
         "nothing-fits-silent-uncompiled": [
             (
-                "_src/step/advise/advise.py",
+                "_src/step/advise/state.py",
                 "    if not compiled:\n        closest = [",
                 "    if False:\n        closest = [",
             )
@@ -1012,29 +1016,29 @@ MUTANTS.update(
         "trip-count-le-one-short": [
             (
                 "_src/step/hlo/loops.py",
-                'end = limit + (1 if direction == "LE" else 0)',
-                "end = limit",
+                '    inclusive = direction in ("LE", "GE")',
+                '    inclusive = direction in ("GE",)',
             )
         ],
         "trip-count-ge-one-short": [
             (
                 "_src/step/hlo/loops.py",
-                'end = limit - (1 if direction == "GE" else 0)',
-                "end = limit",
+                '    inclusive = direction in ("LE", "GE")',
+                '    inclusive = direction in ("LE",)',
             )
         ],
         "trip-count-floor-division": [
             (
                 "_src/step/hlo/loops.py",
-                "count = -(-(end - start) // step)",
-                "count = (end - start) // step",
+                "    return distance // by + 1 if inclusive else -(-distance // by)",
+                "    return distance // by + 1 if inclusive else distance // by",
             )
         ],
         "trip-count-of-a-loop-that-never-ends": [
             (
                 "_src/step/hlo/loops.py",
-                'if direction == "NE" and (limit - start) % step:',
-                "if False:",
+                "        return steps if not left and steps > 0 else None",
+                "        return steps if steps > 0 else None",
             )
         ],
         "group-axes-reversed": [
@@ -1169,8 +1173,8 @@ MUTANTS.update(
         "nested-copy-read-whole": [
             (
                 "_src/step/hlo/schedule.py",
-                "return min(inner, whole * demanded // user.bytes)",
-                "return inner",
+                "    return min(inner, whole * demanded // user.tiled_bytes)",
+                "    return inner",
             )
         ],
         "torus-wraps-everywhere": [
@@ -1204,8 +1208,8 @@ MUTANTS.update(
         "kernel-estimate-ignored": [
             (
                 "_src/step/hlo/opcodes.py",
-                "return estimate[0] if estimate is not None else 0",
-                "return 0",
+                "        return estimate[0] if estimate is not None else _flash_flops(mod, comp, ins)",
+                "        return _flash_flops(mod, comp, ins)",
             )
         ],
         "kernel-bytes-not-the-estimates": [
@@ -1218,8 +1222,8 @@ MUTANTS.update(
         "opaque-kernel-unsaid": [
             (
                 "_src/step/hlo/schedule.py",
-                'opaque = ins.name.rsplit(".", 1)[0] if is_kernel_call(ins) and not flops else ""',
-                'opaque = ""',
+                '        opaque = name if name and not flops and flash_of(name) is None else ""',
+                '        opaque = ""',
             )
         ],
         "tpu-slice-grows-the-first-of-ties": [
@@ -1231,37 +1235,37 @@ MUTANTS.update(
         ],
         "confirmed-in-candidate-order": [
             (
-                "_src/step/advise/advise.py",
-                "return sorted(self.records, key=lambda i: rank(self.records[i].row, i))",
-                "return sorted(self.records)",
+                "_src/step/advise/state.py",
+                "        return sorted(self.records, key=lambda i: rank(self.records[i].row, i, split))",
+                "        return sorted(self.records)",
             )
         ],
         "ranked-by-position": [
             (
-                "_src/step/advise/advise.py",
-                'bound = float(f"{_seconds(row.time) / per:.6g}")',
-                "bound = float(index)",
+                "_src/step/advise/judging.py",
+                '    bound = float(f"{ranked_seconds(row.time) / per:.6g}")',
+                "    bound = float(index)",
             )
         ],
         "tight-margin-ignored": [
             (
-                "_src/step/advise/advise.py",
-                "if step.peak_bytes <= budget * (1 - TIGHT_MARGIN):",
-                "if step.peak_bytes <= budget:",
+                "_src/step/advise/judging.py",
+                "    if step.judged_bytes <= budget * (1 - TIGHT_MARGIN):",
+                "    if step.judged_bytes <= budget:",
             )
         ],
         "collectives-not-one-at-a-time": [
             (
                 "_src/step/time/predict.py",
-                "clock.links = max(clock.compute, clock.links) + seconds",
-                "clock.links = clock.compute + seconds",
+                "            start = max(clock.compute, clock.links)",
+                "            start = clock.compute",
             )
         ],
         "loop-repeats-one-iteration-too-few": [
             (
                 "_src/step/time/predict.py",
-                "clock.advance(before, event.trips - self.WALKED)",
-                "clock.advance(before, event.trips - self.WALKED - 1)",
+                "                clock.advance(before, event.trips - self.WALKED, name)",
+                "                clock.advance(before, event.trips - self.WALKED - 1, name)",
             )
         ],
         "kernel-ignores-the-smaller-of-compute-and-memory": [
@@ -1448,14 +1452,14 @@ MUTANTS.update(
         # 5. the batch check reading a non-batch dimension left unsharded as the batch
         "any-unsharded-dimension-is-the-batch": [
             (
-                "_src/step/advise/advise.py",
+                "_src/step/advise/judging.py",
                 "    return isinstance(flag, LeftUnsharded) and flag.size == candidate.batch",
                 "    return isinstance(flag, LeftUnsharded)",
             )
         ],
         "the-batch-is-the-leading-dimension": [
             (
-                "_src/step/advise/advise.py",
+                "_src/step/advise/judging.py",
                 "    return isinstance(flag, LeftUnsharded) and flag.size == candidate.batch",
                 "    return isinstance(flag, LeftUnsharded) and flag.dimension == 0",
             )
