@@ -406,7 +406,7 @@ MUTANTS: dict[str, list[tuple[str, str, str]]] = {
             "meta = meta._replace(mesh=None)",
         ),
     ],
-    # The roofline (time/bound.py) and the ranking (advise.py).
+    # The roofline (time/bound.py) and the ranking (advise/judging.py).
     "hierarchy-divides-by-nothing": [("_src/step/time/bound.py", "        faster *= g[k]\n", "\n")],
     "reduce-scatter-volume-is-its-result": [
         (

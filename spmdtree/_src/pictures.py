@@ -183,7 +183,7 @@ def time_picture(
     for kind, seconds in by_class.items():
         if seconds <= 0:
             continue
-        label = "exposed collectives" if kind == "collectives" else kind
+        label = "exposed collectives" if kind == KernelClass.COLLECTIVES else kind
         top.barh(
             ["predicted"],
             [seconds / scale],

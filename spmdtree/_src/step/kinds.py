@@ -1,5 +1,8 @@
 """The step wing's closed sets of names, as enums: backends, collective kinds, kernel
-classes, link kinds (new in 0.6; 0.5 had the backends' and verdicts' alone).
+classes, link kinds (new in 0.6; 0.5 had the backends' and verdicts' alone), and
+advice's verdicts (0.7: here, below the pictures that draw them); `bits`, an element
+type's width, which the HLO reader and the hardware both read (0.7). The floor the
+others stand on.
 
 Each compares equal to its string, so a user's ``row.kind == "all-reduce"`` and a
 table keyed by ``"ici"`` work as before, and the kinds' reprs are their strings'

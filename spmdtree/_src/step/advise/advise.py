@@ -24,7 +24,7 @@ from jax.sharding import Mesh
 from spmdtree._src.errors import Mistake, public
 from spmdtree._src.rules import AnyMesh
 from spmdtree._src.step.advise.judging import _budget, _verdict
-from spmdtree._src.step.advise.progress import _message, _printer, _start_line
+from spmdtree._src.step.advise.progress import _printer, _start_line
 from spmdtree._src.step.advise.records import (
     HOPEFUL,
     Advice,
@@ -39,6 +39,7 @@ from spmdtree._src.step.advise.state import (
     _failed,
     _flagged,
     _judged,
+    _message,
     _nothing_fits,
     _Pending,
     _Record,

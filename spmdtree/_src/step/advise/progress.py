@@ -9,7 +9,6 @@ import sys
 import time
 from collections.abc import Callable
 
-from spmdtree._src.errors import Mistake
 from spmdtree._src.step.advise.records import (
     AdviceRow,
     Candidate,
@@ -18,7 +17,7 @@ from spmdtree._src.step.advise.records import (
 from spmdtree._src.step.compile import (
     TargetChild,
 )
-from spmdtree._src.step.time import StepTime, ranked_seconds
+from spmdtree._src.step.time import ranked_seconds
 from spmdtree._src.text import (
     seconds_text,
 )
@@ -103,21 +102,3 @@ def _start_line(
         f"compile{'' if most == 1 else 's'} (each distinct step once{again}), {jobs} "
         f"job{'' if jobs == 1 else 's'} at once; screened on {on}{over}"
     )
-
-
-def _bound_by(timed: StepTime) -> str:
-    """``bound by compute`` or ``bound by collectives, most over fsdp``."""
-    if timed.compute_seconds >= timed.comm_seconds:
-        return "bound by compute"
-    axes = max(timed.comm_by_axes, key=lambda a: timed.comm_by_axes[a])
-    return f"bound by collectives, most over {'+'.join(axes) or 'no axis'}"
-
-
-def _message(error: BaseException) -> str:
-    """What a row says of an error: spmdtree's message as preflight would raise it,
-    else the error's own."""
-    if isinstance(error, Mistake):
-        return str(error.error("preflight"))
-    if isinstance(error, (ValueError, TypeError)):
-        return str(error)
-    return f"{type(error).__name__}: {error}"

@@ -1,4 +1,4 @@
-"""Advice's records: `Candidate`, `Verdict`, `AdviceRow`, `Advice` and its ranked
+"""Advice's records: `Candidate`, `AdviceRow`, `Advice` (its `Verdict` in kinds.py) and its ranked
 table (new in 0.6: beside the records, apart from the search that fills them; 0.5
 rendered the table in text.py): the budget and what takes from it, where the rows
 were screened, then a row per candidate with its reason and flags."""
@@ -349,7 +349,7 @@ class Advice:
 
 
 def _row_json(row: AdviceRow) -> dict[str, Any]:
-    """One row of `Advice.to_json`."""
+    """One row of `Advice.to_dict`."""
     c = row.candidate
     return {
         "label": label_of(c),

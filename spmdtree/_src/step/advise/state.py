@@ -12,6 +12,7 @@ import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from spmdtree._src.errors import Mistake
 from spmdtree._src.plan import Plan
 from spmdtree._src.step.advise.judging import (
     _batch_first,
@@ -21,7 +22,6 @@ from spmdtree._src.step.advise.judging import (
     _verdict,
     rank,
 )
-from spmdtree._src.step.advise.progress import _bound_by
 from spmdtree._src.step.advise.records import (
     AdviceRow,
     Candidate,
@@ -42,7 +42,7 @@ from spmdtree._src.step.preflight import (
     StepPlan,
     nothing_fits,
 )
-from spmdtree._src.step.time import ranked_seconds
+from spmdtree._src.step.time import StepTime, ranked_seconds
 from spmdtree._src.text import (
     Located,
     argument_path,
@@ -299,3 +299,21 @@ def _nothing_fits(state: _State, budget: int) -> str:
             if isinstance(r, _Rejected) and r.arrays_bytes is not None
         ]
     return nothing_fits(closest, budget, searched=True) if closest else ""
+
+
+def _bound_by(timed: StepTime) -> str:
+    """``bound by compute`` or ``bound by collectives, most over fsdp``."""
+    if timed.compute_seconds >= timed.comm_seconds:
+        return "bound by compute"
+    axes = max(timed.comm_by_axes, key=lambda a: timed.comm_by_axes[a])
+    return f"bound by collectives, most over {'+'.join(axes) or 'no axis'}"
+
+
+def _message(error: BaseException) -> str:
+    """What a row says of an error: spmdtree's message as preflight would raise it,
+    else the error's own."""
+    if isinstance(error, Mistake):
+        return str(error.error("preflight"))
+    if isinstance(error, (ValueError, TypeError)):
+        return str(error)
+    return f"{type(error).__name__}: {error}"

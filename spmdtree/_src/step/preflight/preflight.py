@@ -3,8 +3,8 @@
 A `Plan` counts the arrays the shardings place. A training step needs more:
 activations and the compiler's temporaries are most of its memory. The
 compiler knows them, and it needs no accelerator to say. Preflight is four
-stages, each a frozen record: the arguments planned (`trace.arguments`), the
-step traced and lowered here or exported (`trace.trace`), compiled by the
+stages, each a frozen record: the arguments planned (`tracing.arguments`), the
+step traced and lowered here or exported (`tracing.trace`), compiled by the
 `Compiler` that `compilers.compiler_for` picks (here, a CPU child or the
 target's own compiler in a child), the compile's `Analysis`, and then the
 `StepPlan` (`step_plan`). `advise` runs the same stages (`plan_arguments`,
@@ -175,7 +175,7 @@ def plan_arguments(
     args: tuple[Any, ...], mesh: AnyMesh, rules: Rules | None, keywords: Keywords
 ) -> Arguments:
     """The first stage: the mesh checked and the arguments planned on it
-    (`trace.arguments`)."""
+    (`tracing.arguments`)."""
     check_mesh(mesh)
     return arguments(
         args,

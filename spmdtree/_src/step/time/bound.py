@@ -194,7 +194,7 @@ class StepTime:
 
 
 def time_json(timed: StepTime) -> dict[str, Any]:
-    """A `StepTime` as JSON values, for `StepPlan.to_json` and `Advice.to_json`
+    """A `StepTime` as JSON values, for `StepPlan.to_dict` and `Advice.to_dict`
     (new in 0.6): mesh-axes tuples joined by ``+`` (``""`` for none)."""
 
     def axes(by: Mapping[tuple[str, ...], float] | None) -> dict[str, float] | None:

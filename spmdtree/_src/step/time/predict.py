@@ -169,7 +169,7 @@ class Prediction:
         kernels: how many kernels run per step.
         exposed_by_axes: `exposed_comm_seconds` by the mesh axes of the
             collectives waited for (new in 0.6).
-        spans: what ran when on each stream, where the walk was traced (`Span`;
+        spans: what ran when on each stream, where the walk recorded them (`Span`;
             the first `_Walk.WALKED` iterations of a loop whole, the rest one
             span per stream); () otherwise (new in 0.6).
     """
@@ -212,10 +212,10 @@ class _Clock:
     kernels: int = 0
     pending: dict[int, tuple[float, str, Axes]] = dataclasses.field(default_factory=dict)
     waited: dict[Axes, float] = dataclasses.field(default_factory=dict)  # exposed, per axes
-    spans: list[Span] | None = None  # where the walk is traced: what ran when
+    spans: list[Span] | None = None  # where the walk records what ran when
 
     def copy(self, spans: bool = True) -> _Clock:
-        """A clock that goes on from here (with the spans so far, where traced)."""
+        """A clock that goes on from here (with the spans so far, where recorded)."""
         kept = list(self.spans) if spans and self.spans is not None else None
         return dataclasses.replace(
             self,
@@ -290,7 +290,7 @@ class _Walk:
     def step(self, event: Event, clock: _Clock) -> _Clock:
         if isinstance(event, Kernel):
             seconds = kernel_seconds(event, self.costs, self.peak)
-            if clock.spans is not None:  # traced: its args built only then (a hot path)
+            if clock.spans is not None:  # recorded: its args built only then (a hot path)
                 clock.record(
                     "compute",
                     event.name or event.call or event.kind,
