@@ -23,7 +23,6 @@ import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
-from spmdtree._src.step.hlo import opcodes
 from spmdtree._src.step.hlo.forms import (
     Flow,
     Part,
@@ -48,6 +47,9 @@ from spmdtree._src.step.hlo.opcodes import (
     kernel_estimate,
     kernel_name,
     reduced,
+)
+from spmdtree._src.step.hlo.opcodes import (
+    flops as op_flops,
 )
 from spmdtree._src.step.kinds import Backend, CollectiveKind, KernelClass
 from spmdtree._src.text import Flag, size_text
@@ -747,7 +749,7 @@ class _Walker:
         flops, largest, shape, dtype, named = 0, 0, (0, 0, 0, 0), "", False
         inside = self._inside_kernel(comp, ins)
         for where, dot in _dots(ins, inside):
-            f = opcodes.flops(self.mod, where, dot)
+            f = op_flops(self.mod, where, dot)
             if f > largest:
                 largest, shape = f, _gemm_shape(self.mod, where, dot, f)
                 dtype = _operand_dtype(self.mod, where, dot)
