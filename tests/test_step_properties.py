@@ -811,6 +811,26 @@ def test_a_tie_on_bound_and_peak_goes_to_the_smaller_serial_time():
         assert labels.index(quicker.candidate.label) < labels.index(slower.candidate.label)
 
 
+def test_a_tie_on_the_predicted_time_and_peak_goes_to_the_smaller_serial_time():
+    # Rows rank by the predicted time (0.6), and the walk counts the pair's
+    # collectives, so the pair above never ties on it: their predicted times are
+    # set equal here, each row keeping its own serial time. The label's order
+    # ("(" before "t") puts the slower row first: only the serial time turns it.
+    # Private: the ranking's key, fed rows whose predicted times tie
+    from spmdtree._src.step.advise.judging import rank
+
+    rows_ = {row.candidate.label: row for row in screened().rows}
+    slower, quicker = rows_["(2, 4) b64"], rows_["tensor 4 x data 2 b64"]
+    assert slower.time.serial_seconds > quicker.time.serial_seconds  # the premise
+    assert slower.step.peak_bytes == quicker.step.peak_bytes
+    assert slower.candidate.label < quicker.candidate.label  # the label's order
+    tied = [
+        row._replace(time=dataclasses.replace(row.time, predicted_seconds=0.25))
+        for row in (slower, quicker)
+    ]
+    assert rank(tied[1], 1) < rank(tied[0], 0)
+
+
 def check_confirmed(order):
     """confirm=2 (two jobs: one round) compiles the two best rows of the CPU screen
     again for the H100: the screen's two best (ranked as without confirm), whatever
