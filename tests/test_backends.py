@@ -56,8 +56,8 @@ def test_each_backend_has_its_toolchain_and_each_chip_its_target():
     assert {backend: t.backend for backend, t in TOOLCHAINS.items()} == {b: b for b in st.Backend}
     assert target_for(st.hardware("h100")).toolchain is XLA_GPU
     assert target_for(st.hardware("tpu-v5p")).toolchain is LIBTPU
-    assert XLA_CPU.options_for(deviceless=False) == dict(XLA_CPU.options)  # fake devices
-    assert XLA_GPU.options_for(deviceless=False) == {}  # a real GPU compiles as the job
+    assert XLA_CPU.own_options(deviceless=False) == dict(XLA_CPU.deviceless_options)  # fake devices
+    assert XLA_GPU.own_options(deviceless=False) == {}  # a real GPU compiles as the job
 
 
 def test_a_fake_compiler_passed_in_is_the_one_checked():

@@ -60,7 +60,7 @@ def raw_peak():
     grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
     with jax.set_mesh(mesh):
         lowered = grads.lower(spec, spec, spec)
-    return peak_of(lowered.compile(XLA_GPU.options_for(deviceless=True)))
+    return peak_of(lowered.compile(XLA_GPU.own_options(deviceless=True)))
 
 
 @pytest.mark.skipif(not has_cudnn(), reason="needs cuDNN's library (spmdtree[cuda])")

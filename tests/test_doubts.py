@@ -176,9 +176,9 @@ def test_a_doubt_is_read_from_the_layout_and_the_backend_config(layout, cycles, 
     read = reading_of(schedule)
     assert doubts(read.flags) == found
     # each crosses a process boundary as its record, not as a sentence
-    again = Schedule.from_json(schedule.to_json())
+    again = Schedule.from_dict(schedule.to_dict())
     assert again == schedule and [type(f) for f in again.flags] == [type(f) for f in schedule.flags]
-    assert doubts(Reading.from_json(read.to_json()).flags) == found
+    assert doubts(Reading.from_dict(read.to_dict()).flags) == found
 
 
 @LIBTPU

@@ -89,7 +89,7 @@ def compiled(fn, *specs):
     mesh = jax.make_mesh((8,), ("data",), devices=h100s(8), axis_types=(AxisType.Auto,))
     args = [jax.ShapeDtypeStruct(s, d, sharding=NamedSharding(mesh, p)) for s, d, p in specs]
     with jax.set_mesh(mesh):
-        return jax.jit(fn).lower(*args).compile(XLA_GPU.options_for(deviceless=True)).as_text()
+        return jax.jit(fn).lower(*args).compile(XLA_GPU.own_options(deviceless=True)).as_text()
 
 
 def predicted(text):
@@ -394,7 +394,7 @@ ENTRY %main (p: s32[], x: f32[1024]) -> f32[1024] {
 }"""
     schedule, timed = predicted(branches)
     (chosen,) = schedule.events
-    assert isinstance(chosen, schedule_.Branches) and len(chosen.options) == 2
+    assert isinstance(chosen, schedule_.Branches) and len(chosen.branches) == 2
     large = kernel(0, 2**12 + 2**22) + kernel(0, 2 * 2**22) + kernel(0, 2 * 2**12)
     assert timed.predicted_seconds == pytest.approx(large)
 
@@ -410,7 +410,7 @@ def test_a_schedule_crosses_a_process_boundary_as_json():
         schedule_.Branches(((schedule_.Kernel("memory", 0, 4),), ())),
     )
     schedule = schedule_.Schedule(events, "cuda", ("a flag",))
-    assert schedule_.Schedule.from_json(schedule.to_json()) == schedule
+    assert schedule_.Schedule.from_dict(schedule.to_dict()) == schedule
 
 
 def test_a_step_time_without_a_schedule_predicts_nothing():

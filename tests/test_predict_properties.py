@@ -109,7 +109,7 @@ def simulate(events, s):
             for _ in range(e.trips):
                 s = simulate(e.body, s)
         else:
-            ends = [simulate(option, copy.deepcopy(s)) for option in e.options]
+            ends = [simulate(branch, copy.deepcopy(s)) for branch in e.branches]
             s = max(ends, key=lambda end: end.compute)
     return s
 
@@ -157,8 +157,8 @@ def schedules(draw, depth=0, idents=None):
             trips = draw(hs.integers(0, 12))
             events.append(Loop(trips, tuple(draw(schedules(depth + 1, idents)))))
         else:
-            options = draw(hs.lists(schedules(depth + 1, idents), min_size=1, max_size=3))
-            events.append(Branches(tuple(tuple(o) for o in options)))
+            branches = draw(hs.lists(schedules(depth + 1, idents), min_size=1, max_size=3))
+            events.append(Branches(tuple(tuple(b) for b in branches)))
     return events
 
 

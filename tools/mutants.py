@@ -702,8 +702,8 @@ MUTANTS.update(
         "cond-both-branches": [
             (
                 "_src/step/hlo/reading.py",
-                "(tally(option) for option in event.options), key=lambda t: t.cost, default=Tally()",
-                "[sum((tally(option) for option in event.options), Tally())], key=lambda t: t.cost",
+                "(tally(branch) for branch in event.branches), key=lambda t: t.cost, default=Tally()",
+                "[sum((tally(branch) for branch in event.branches), Tally())], key=lambda t: t.cost",
             )
         ],
         "tpu-trip-count-unread": [
@@ -901,8 +901,8 @@ MUTANTS.update(
         "gpu-target-triton-gemms": [
             (
                 "_src/step/compile/backends.py",
-                '    options=(("xla_gpu_enable_triton_gemm", False),),',
-                "    options=(),",
+                '    deviceless_options=(("xla_gpu_enable_triton_gemm", False),),',
+                "    deviceless_options=(),",
             )
         ],
         "device-memory-said-as-a-compile-error": [
@@ -1488,8 +1488,8 @@ MUTANTS.update(
         "compiler-options-lose-to-ours": [
             (
                 "_src/step/compile/compilers.py",
-                "    return own if toolchain.backend.estimates else {**own, **dict(options)}",
-                "    return own if toolchain.backend.estimates else {**dict(options), **own}",
+                "    return own if toolchain.backend.estimates else {**own, **dict(compiler_options)}",
+                "    return own if toolchain.backend.estimates else {**dict(compiler_options), **own}",
             )
         ],
         # an undivided axis blamed where the work repeats along another

@@ -58,7 +58,7 @@ from spmdtree._src.step.compile import (
     DoesNotFit,
     Exported,
     TargetChild,
-    check_options,
+    check_compiler_options,
     compile_child,
     compiler_for,
 )
@@ -336,7 +336,7 @@ def _where_asked(
     candidates: list[Candidate],
     devices_per_node: int | None,
     needed: bool,
-    options: tuple[tuple[str, Any], ...],
+    compiler_options: tuple[tuple[str, Any], ...],
 ) -> tuple[TargetChild | None, str]:
     """Where the hardware's target compiles the candidates' devices, or None and why
     not (its compiler is not installed, or spmdtree knows none for the hardware);
@@ -344,14 +344,14 @@ def _where_asked(
     naming the pip command, before any work."""
     mesh = candidates[0].mesh
     if needed:
-        return compiler_for(mesh, hardware, devices_per_node, options=options), ""
+        return compiler_for(mesh, hardware, devices_per_node, compiler_options=compiler_options), ""
     if hardware.chip is None:
         return None, (
             f"the {hardware.name} has no chip= (a st.GpuChip or st.TpuChip), so spmdtree "
             "knows no compiler for it"
         )
     try:
-        return compiler_for(mesh, hardware, devices_per_node, options=options), ""
+        return compiler_for(mesh, hardware, devices_per_node, compiler_options=compiler_options), ""
     except Mistake as mistake:
         return None, mistake.message
 
@@ -537,7 +537,7 @@ def advise(
     workers = jobs or default_jobs()
     needed = confirm > 0 or screen == "target"
     asks, why = _where_asked(
-        hardware, candidates, devices_per_node, needed, check_options(compiler_options)
+        hardware, candidates, devices_per_node, needed, check_compiler_options(compiler_options)
     )
     first = _screen(asks, screen)
     report = _printer(len(candidates)) if progress else None
@@ -624,14 +624,14 @@ def _measured(
     k: int,
     make_step: Callable[[Candidate], Any],
     search: _Search,
-    options: Mapping[str, Any] | None,
+    compiler_options: Mapping[str, Any] | None,
 ) -> tuple[AdviceRow, ...]:
     """The ranked rows with the `k` best that fit run on their devices: those first,
     by their measured time per sequence, then the rest as ranked."""
     chosen = [
         i for i, r in enumerate(rows) if r.verdict in (Verdict.FITS, Verdict.TIGHT) and r.step
     ][:k]
-    ran = {i: _ran(rows[i], make_step, search, options) for i in chosen}
+    ran = {i: _ran(rows[i], make_step, search, compiler_options) for i in chosen}
     timed = {
         i: row.measured.seconds / row.candidate.batch for i, row in ran.items() if row.measured
     }
@@ -644,7 +644,7 @@ def _ran(
     row: AdviceRow,
     make_step: Callable[[Candidate], Any],
     search: _Search,
-    options: Mapping[str, Any] | None,
+    compiler_options: Mapping[str, Any] | None,
 ) -> AdviceRow:
     """`row` with its step run on its devices, or a flag saying why it could not be."""
     c = row.candidate
@@ -657,7 +657,7 @@ def _ran(
             mesh=c.mesh,
             rules=c.rules,
             **keywords,
-            compiler_options=options,
+            compiler_options=compiler_options,
             hardware=search.hardware,
         )
     except Exception as e:  # the row's, as a compile's failure is

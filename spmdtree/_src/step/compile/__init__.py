@@ -12,7 +12,7 @@ from spmdtree._src.step.compile.compilers import CpuChild as CpuChild
 from spmdtree._src.step.compile.compilers import DoesNotFit as DoesNotFit
 from spmdtree._src.step.compile.compilers import Here as Here
 from spmdtree._src.step.compile.compilers import TargetChild as TargetChild
-from spmdtree._src.step.compile.compilers import check_options as check_options
+from spmdtree._src.step.compile.compilers import check_compiler_options as check_compiler_options
 from spmdtree._src.step.compile.compilers import compile_child as compile_child
 from spmdtree._src.step.compile.compilers import compiler_for as compiler_for
 from spmdtree._src.step.compile.tracing import Arguments as Arguments

@@ -101,7 +101,7 @@ class Analysis:
     own time estimate where it gives one (`compiler_seconds`: libtpu's kernels'
     estimated cycles at its chip's clock, `compiler_time`; 0 elsewhere), and how
     long reading the compiled module took (`read_seconds`). Crosses a process
-    boundary as JSON (`to_json`, `from_json`)."""
+    boundary as JSON (`to_dict`, `from_dict`)."""
 
     memory: Memory
     reading: Reading
@@ -112,10 +112,10 @@ class Analysis:
     compiler_seconds: float = 0.0
     read_seconds: float = 0.0
 
-    def to_json(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, Any]:
         """The analysis as plain JSON values."""
-        schedule = self.schedule.to_json() if self.schedule else None
-        return {**dataclasses.asdict(self), "reading": self.reading.to_json(), "schedule": schedule}
+        schedule = self.schedule.to_dict() if self.schedule else None
+        return {**dataclasses.asdict(self), "reading": self.reading.to_dict(), "schedule": schedule}
 
     def masked(self, masks: Mapping[str, Kept]) -> Analysis:
         """This analysis with its flash-attention kernels' FLOPs counted over the blocks
@@ -128,11 +128,11 @@ class Analysis:
         return dataclasses.replace(self, schedule=schedule, reading=reading_of(schedule, masks))
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> Analysis:
-        """The analysis `to_json` gave."""
-        schedule = Schedule.from_json(data["schedule"]) if data.get("schedule") else None
+    def from_dict(cls, data: dict[str, Any]) -> Analysis:
+        """The analysis `to_dict` gave."""
+        schedule = Schedule.from_dict(data["schedule"]) if data.get("schedule") else None
         backend = Backend(data["backend"])
-        reading = Reading.from_json(data["reading"])
+        reading = Reading.from_dict(data["reading"])
         memory = Memory(**data["memory"])
         return cls(
             **{

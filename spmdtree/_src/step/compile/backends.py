@@ -56,7 +56,8 @@ class Toolchain:
             jax's own.
         module: the module whose presence says it is installed; None: always is.
         package: the distribution whose version is checked against jax's.
-        options: its compile options without a device, as (name, value) pairs.
+        deviceless_options: its compile options without a device, as (name, value)
+            pairs (spmdtree's own; the job's are `compiler_options`).
         taken: what takes a device's memory from a job on it (the budget note).
         screens_cheaply: whether a screen on it costs about what the CPU
             estimate's does (XLA GPU: measured 1.1-1.3x a CPU compile; libtpu
@@ -82,7 +83,7 @@ class Toolchain:
     extra: str | None = None
     module: str | None = None
     package: str | None = None
-    options: tuple[tuple[str, Any], ...] = ()
+    deviceless_options: tuple[tuple[str, Any], ...] = ()
     taken: str = "an allocator loses some to fragmentation"
     screens_cheaply: bool = True
     refuses: tuple[str, ...] = ()
@@ -97,10 +98,10 @@ class Toolchain:
         CPU estimate's, which is the CPU program's."""
         return not self.backend.estimates
 
-    def options_for(self, deviceless: bool) -> dict[str, Any]:
+    def own_options(self, deviceless: bool) -> dict[str, Any]:
         """Its compile options: without a device (a target, or fake CPU devices) its
         own; a `Mesh` of real accelerators compiles as the job will, with none."""
-        return dict(self.options) if deviceless or self.backend.estimates else {}
+        return dict(self.deviceless_options) if deviceless or self.backend.estimates else {}
 
     def check(self, target: str) -> None:
         """Raises `CompilerMissing`, naming the pip command, if it is not installed
@@ -364,7 +365,7 @@ XLA_CPU = Toolchain(
     "cpu",
     "XLA CPU",
     "cpu est.",
-    options=(
+    deviceless_options=(
         ("xla_backend_optimization_level", 0),
         ("xla_llvm_disable_expensive_passes", True),
         ("xla_disable_hlo_passes", "cse_barrier_expander"),
@@ -382,7 +383,7 @@ XLA_GPU = _XlaGpu(
     extra="cuda",
     module="jax_plugins.xla_cuda12",
     package="jax-cuda12-plugin",
-    options=(("xla_gpu_enable_triton_gemm", False),),
+    deviceless_options=(("xla_gpu_enable_triton_gemm", False),),
     taken="on GPU, JAX preallocates 75% of it unless XLA_PYTHON_CLIENT_MEM_FRACTION says "
     "otherwise, and fragmentation takes some",
     lowers_here=True,

@@ -88,7 +88,7 @@ class Here:
     CPU devices an `AbstractMesh` is laid on)."""
 
     here: Mesh
-    options: tuple[tuple[str, Any], ...] = ()
+    compiler_options: tuple[tuple[str, Any], ...] = ()
 
     @property
     def toolchain(self) -> Toolchain:
@@ -120,7 +120,7 @@ class Here:
     def left_out(self, analysis: Analysis) -> tuple[str, ...]:
         """compiler_options the CPU estimate did not take; nothing else: the devices
         are here, and their compiler sizes what they run."""
-        return _unapplied(self.toolchain, self.options)
+        return _unapplied(self.toolchain, self.compiler_options)
 
     def compile(self, traced: Traced) -> Analysis:
         """Compiles the step lowered for `here`."""
@@ -134,8 +134,8 @@ class Here:
         and keeps the executable to run (new in 0.7: `st.measure`)."""
         start = time.perf_counter()
         stage = cast(Lowered, traced.stage)  # `here` set: trace lowered it
-        options = {**_options(self.toolchain, False, self.options), **(extra or {})}
-        compiled = _compiled(stage, options, self)
+        taken = {**_taken(self.toolchain, False, self.compiler_options), **(extra or {})}
+        compiled = _compiled(stage, taken, self)
         found = analyse(compiled, self.here, self.toolchain)
         return dataclasses.replace(found, seconds=time.perf_counter() - start), compiled
 
@@ -150,7 +150,7 @@ class _Child(abc.ABC):
     """A compile in a fresh process, of the step exported for it."""
 
     here: None = None
-    options: tuple[tuple[str, Any], ...]
+    compiler_options: tuple[tuple[str, Any], ...]
 
     @property
     def device(self) -> AbstractDevice | None:
@@ -186,7 +186,7 @@ class _Child(abc.ABC):
         compiler_options the CPU estimate did not take."""
         return (
             *self.toolchain.left_out(analysis.schedule),
-            *_unapplied(self.toolchain, self.options),
+            *_unapplied(self.toolchain, self.compiler_options),
         )
 
     def compile(self, traced: Traced) -> Analysis:
@@ -199,7 +199,7 @@ class _Child(abc.ABC):
     def _here(self, stage: Lowered) -> Analysis:
         """The step lowered on the resident devices, compiled in this process."""
         start = time.perf_counter()
-        compiled = _compiled(stage, _options(self.toolchain, True, self.options), self)
+        compiled = _compiled(stage, _taken(self.toolchain, True, self.compiler_options), self)
         found = analyse(compiled, cast(Mesh, stage.mesh), self.toolchain, self.slice_size)
         return dataclasses.replace(found, seconds=time.perf_counter() - start)
 
@@ -209,7 +209,7 @@ class CpuChild(_Child):
     """A fresh process given `devices` fake CPU devices: the fast estimate."""
 
     devices: int
-    options: tuple[tuple[str, Any], ...] = ()
+    compiler_options: tuple[tuple[str, Any], ...] = ()
 
     @property
     def toolchain(self) -> Toolchain:
@@ -243,7 +243,7 @@ class TargetChild(_Child):
     """A fresh process where a target's own compiler compiles for its `placement`."""
 
     placement: Placement
-    options: tuple[tuple[str, Any], ...] = ()
+    compiler_options: tuple[tuple[str, Any], ...] = ()
 
     @property
     def toolchain(self) -> Toolchain:
@@ -289,28 +289,30 @@ class TargetChild(_Child):
         return str(self.placement)
 
 
-def _options(
-    toolchain: Toolchain, deviceless: bool, options: tuple[tuple[str, Any], ...]
+def _taken(
+    toolchain: Toolchain, deviceless: bool, compiler_options: tuple[tuple[str, Any], ...]
 ) -> dict[str, Any]:
     """The options a compile takes: the toolchain's own, and over them the job's
     `compiler_options` (0.6), which are its accelerator's compiler's: the CPU
     estimate, not that compiler, compiles without them."""
-    own = toolchain.options_for(deviceless)
-    return own if toolchain.backend.estimates else {**own, **dict(options)}
+    own = toolchain.own_options(deviceless)
+    return own if toolchain.backend.estimates else {**own, **dict(compiler_options)}
 
 
-def _unapplied(toolchain: Toolchain, options: tuple[tuple[str, Any], ...]) -> tuple[str, ...]:
+def _unapplied(
+    toolchain: Toolchain, compiler_options: tuple[tuple[str, Any], ...]
+) -> tuple[str, ...]:
     """The sentence for compiler_options the CPU estimate did not take."""
-    if not options or not toolchain.backend.estimates:
+    if not compiler_options or not toolchain.backend.estimates:
         return ()
-    names = ", ".join(name for name, _ in options)
+    names = ", ".join(name for name, _ in compiler_options)
     return (
         f"compiler_options ({names}) not applied: they are the job's compiler's, and the "
         "CPU estimate is not it; pass target= to compile with them",
     )
 
 
-def check_options(options: object) -> tuple[tuple[str, Any], ...]:
+def check_compiler_options(compiler_options: object) -> tuple[tuple[str, Any], ...]:
     """`compiler_options` as sorted (name, value) pairs: a mapping of XLA option
     names (``"xla_gpu_enable_latency_hiding_scheduler"``, no ``--``) to a bool,
     int, float or str, as `jax.stages.Lowered.compile` takes them.
@@ -318,15 +320,15 @@ def check_options(options: object) -> tuple[tuple[str, Any], ...]:
     Raises:
         Mistake: naming the first entry that is not so.
     """
-    if options is None:
+    if compiler_options is None:
         return ()
-    if not isinstance(options, Mapping):
+    if not isinstance(compiler_options, Mapping):
         raise Mistake(
             TypeError,
-            f"compiler_options is {options!r}; expected a mapping of XLA option names to "
+            f"compiler_options is {compiler_options!r}; expected a mapping of XLA option names to "
             "values, e.g. {'xla_gpu_enable_latency_hiding_scheduler': True}.",
         )
-    for name, value in options.items():
+    for name, value in compiler_options.items():
         if not isinstance(name, str) or name.startswith("-"):
             raise Mistake(
                 TypeError,
@@ -339,15 +341,15 @@ def check_options(options: object) -> tuple[tuple[str, Any], ...]:
                 TypeError,
                 f"compiler_options[{name!r}] is {value!r}; expected a bool, int, float or str.",
             )
-    return tuple(sorted(options.items()))
+    return tuple(sorted(compiler_options.items()))
 
 
-def _compiled(stage: Lowered, options: dict[str, Any], compiler: object) -> Any:
+def _compiled(stage: Lowered, taken: dict[str, Any], compiler: object) -> Any:
     """A step lowered here, compiled; the compiler's refusal said whole, in our words:
     a primitive with no lowering for its platform (cuDNN's attention on the CPU
     estimate) named, with what compiles it."""
     try:
-        return stage.lowered.compile(options)
+        return stage.lowered.compile(taken)
     except Exception as e:  # the compiler's own refusal: said, its cause chained
         said = str(e)
         lines = [line for line in said.splitlines() if "not found for platform" in line]
@@ -371,7 +373,7 @@ def compiler_for(
     target: Hardware | str,
     devices_per_node: int | None,
     toolchain: Toolchain | None = None,
-    options: tuple[tuple[str, Any], ...] = (),
+    compiler_options: tuple[tuple[str, Any], ...] = (),
 ) -> TargetChild: ...
 
 
@@ -385,7 +387,7 @@ def compiler_for(
     target: Hardware | str | None,
     devices_per_node: int | None,
     toolchain: Toolchain | None = None,
-    options: tuple[tuple[str, Any], ...] = (),
+    compiler_options: tuple[tuple[str, Any], ...] = (),
 ) -> Compiler: ...
 
 
@@ -394,14 +396,14 @@ def compiler_for(
     target: Hardware | str | None,
     devices_per_node: int | None,
     toolchain: Toolchain | None = None,
-    options: tuple[tuple[str, Any], ...] = (),
+    compiler_options: tuple[tuple[str, Any], ...] = (),
 ) -> Compiler:
     """Where a step on `mesh` compiles: for `target`'s devices as nodes or slices of
     `devices_per_node` (None: the hardware's), its compiler checked to be
     installed; else here, on a `Mesh`'s own devices or this process's CPU devices
     laid out like an `AbstractMesh`; else in a CPU child. Checked before anything
     compiles. `toolchain` replaces the target's own (a test's fake compiler);
-    `options` are the job's `compiler_options` (`check_options`)."""
+    `compiler_options` are the job's (`check_compiler_options`)."""
     devices = math.prod(mesh.shape.values())
     if target is not None:
         if devices_per_node is not None:  # GPUs per node, or chips per TPU slice
@@ -412,7 +414,7 @@ def compiler_for(
         placement = place(
             chosen, devices, per_node if devices_per_node is None else devices_per_node
         )
-        found = TargetChild(placement, options)
+        found = TargetChild(placement, compiler_options)
         found.check()
         return found
     if devices_per_node is not None:
@@ -423,9 +425,9 @@ def compiler_for(
             "to StepPlan.time instead.",
         )
     if isinstance(mesh, Mesh):
-        return Here(mesh, options)
+        return Here(mesh, compiler_options)
     here = cpu_mesh(tuple(mesh.shape.values()), tuple(mesh.axis_names), tuple(mesh.axis_types))
-    return CpuChild(devices, options) if here is None else Here(here, options)
+    return CpuChild(devices, compiler_options) if here is None else Here(here, compiler_options)
 
 
 def target_of(
@@ -501,7 +503,7 @@ def compile_child(payload: bytes, compiler: _Child) -> Analysis:
                 said = json.load(f)
             if "error" in said:
                 raise _refused(said, compiler)
-            found = Analysis.from_json(said)
+            found = Analysis.from_dict(said)
             return dataclasses.replace(found, seconds=time.perf_counter() - start)
     raise _child_failed(done, compiler)
 
@@ -580,7 +582,7 @@ def child(answer: str) -> None:
     try:
         with jax.set_mesh(mesh):
             compiled = jitted.lower(*args).compile(
-                _options(compiler.toolchain, True, compiler.options)
+                _taken(compiler.toolchain, True, compiler.compiler_options)
             )
     except Exception as e:  # the compiler's own refusal: said to the parent, whole
         with open(answer, "w") as f:
@@ -588,7 +590,7 @@ def child(answer: str) -> None:
         return
     found = analyse(compiled, mesh, compiler.toolchain, compiler.slice_size)
     with open(answer, "w") as f:
-        json.dump(found.to_json(), f)
+        json.dump(found.to_dict(), f)
 
 
 def _failure(error: Exception, compiler: _Child) -> str:
@@ -662,4 +664,4 @@ def target_compiler_options(target: Hardware | str) -> dict[str, Any]:
         {'xla_gpu_enable_triton_gemm': False}
     """
     chosen, _ = target_of(target, None)
-    return chosen.toolchain.options_for(deviceless=True)
+    return chosen.toolchain.own_options(deviceless=True)

@@ -56,7 +56,7 @@ class Reading:
     flops: int = 0
     held_bytes: int = 0
 
-    def to_json(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, Any]:
         """The reading as plain JSON values (what crosses a process boundary)."""
         return {
             "collectives": [list(row) for row in self.collectives],
@@ -66,8 +66,8 @@ class Reading:
         }
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> Reading:
-        """The reading `to_json` gave."""
+    def from_dict(cls, data: Mapping[str, Any]) -> Reading:
+        """The reading `to_dict` gave."""
         return cls(
             collectives=tuple(
                 Collective(
@@ -154,7 +154,7 @@ def _tally(event: Event) -> Tally:
         return inner.times(event.trips)
     if isinstance(event, Branches):
         return max(
-            (tally(option) for option in event.options), key=lambda t: t.cost, default=Tally()
+            (tally(branch) for branch in event.branches), key=lambda t: t.cost, default=Tally()
         )
     return Tally()
 
@@ -253,7 +253,7 @@ def read_step(
         True
         >>> read.collectives
         (Collective(kind='all-reduce', count=6, bytes=6144, axes=('fsdp',), group=4, written_as=''),)
-        >>> Reading.from_json(read.to_json()) == read
+        >>> Reading.from_dict(read.to_dict()) == read
         True
     """
     schedule = read_schedule(module, shape, platform=platform, slice_size=slice_size)

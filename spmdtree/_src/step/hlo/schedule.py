@@ -236,7 +236,7 @@ class Loop(NamedTuple):
 class Branches(NamedTuple):
     """A conditional: one of its branches runs (timed as the slowest)."""
 
-    options: tuple[tuple[Event, ...], ...]
+    branches: tuple[tuple[Event, ...], ...]
 
 
 Event = Kernel | Start | Done | Loop | Branches
@@ -397,7 +397,7 @@ class Schedule:
         """
         return _cycles(self.events)
 
-    def to_json(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, Any]:
         """The schedule as plain JSON values (each event a tagged list)."""
         return {
             "events": [_event_json(e) for e in self.events],
@@ -407,8 +407,8 @@ class Schedule:
         }
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> Schedule:
-        """The schedule `to_json` gave."""
+    def from_dict(cls, data: Mapping[str, Any]) -> Schedule:
+        """The schedule `to_dict` gave."""
         events = tuple(_event_from(e) for e in data["events"])
         flags = tuple(flag_from(flag) for flag in data["flags"])
         return cls(events, data["platform"], flags, *data["cpu"])
@@ -436,7 +436,7 @@ def _masked(events: tuple[Event, ...], masks: Mapping[str, Kept]) -> tuple[Event
         elif isinstance(event, Loop):
             event = event._replace(body=_masked(event.body, masks))
         elif isinstance(event, Branches):
-            event = Branches(tuple(_masked(option, masks) for option in event.options))
+            event = Branches(tuple(_masked(branch, masks) for branch in event.branches))
         found.append(event)
     return tuple(found)
 
@@ -448,8 +448,8 @@ def _kernels(events: Iterable[Event]) -> Iterator[Kernel]:
         elif isinstance(event, Loop):
             yield from _kernels(event.body)
         elif isinstance(event, Branches):
-            for option in event.options:
-                yield from _kernels(option)
+            for branch in event.branches:
+                yield from _kernels(branch)
 
 
 def _cycles(events: Iterable[Event]) -> int:
@@ -461,7 +461,7 @@ def _cycles(events: Iterable[Event]) -> int:
         elif isinstance(event, Loop):
             total += event.trips * _cycles(event.body)
         elif isinstance(event, Branches):
-            total += max((_cycles(option) for option in event.options), default=0)
+            total += max((_cycles(branch) for branch in event.branches), default=0)
     return total
 
 
@@ -475,7 +475,7 @@ def _event_json(event: Event) -> list[Any]:
     if isinstance(event, Loop):
         body = [_event_json(e) for e in event.body]
         return ["loop", event.trips, body, event.known, event.name]
-    return ["branches", [[_event_json(e) for e in option] for option in event.options]]
+    return ["branches", [[_event_json(e) for e in branch] for branch in event.branches]]
 
 
 def _event_from(data: Sequence[Any]) -> Event:
@@ -490,7 +490,7 @@ def _event_from(data: Sequence[Any]) -> Event:
         return Done(rest[0])
     if tag == "loop":
         return Loop(rest[0], tuple(_event_from(e) for e in rest[1]), rest[2], rest[3])
-    return Branches(tuple(tuple(_event_from(e) for e in option) for option in rest[0]))
+    return Branches(tuple(tuple(_event_from(e) for e in branch) for branch in rest[0]))
 
 
 #: A multi-slice TPU job's transfer across slices: a host-transfer ``send`` for the
@@ -1138,7 +1138,7 @@ def read_schedule(
         Collective(kind='all-gather', count=1, bytes=2097152, axes=('data',), group=8, written_as='')
         >>> schedule.events[1]
         Kernel(kind='matmul', flops=2147483648, bytes=6291456, batch=1, m=1024, n=1024, k=1024, dtype='bf16', opaque='', call='', name='d', estimated_cycles=0, opcode='dot', shape='bf16[1024,1024]{1,0}', op_name='', unfused_update=False)
-        >>> Schedule.from_json(schedule.to_json()) == schedule
+        >>> Schedule.from_dict(schedule.to_dict()) == schedule
         True
     """
     mod = Module.of(module)

@@ -28,7 +28,7 @@ from jax.sharding import AbstractMesh, Mesh
 
 from spmdtree._src.errors import Mistake, public
 from spmdtree._src.rules import AnyMesh, PyTree, Rules, logical_axis_rules
-from spmdtree._src.step.compile import Arguments, Here, called, check_options, flat_step
+from spmdtree._src.step.compile import Arguments, Here, called, check_compiler_options, flat_step
 from spmdtree._src.step.hw import Hardware, timed_on
 from spmdtree._src.step.kinds import Backend
 from spmdtree._src.step.preflight import Keywords, plan_arguments, step_plan, trace_for
@@ -123,7 +123,7 @@ def measure(
         timed_on(hardware, "")
     keywords = Keywords(params, donate_argnums, static_argnums, out_shardings)
     planned = plan_arguments(args, mesh, rules, keywords)
-    compiler = Here(here, check_options(compiler_options))
+    compiler = Here(here, check_compiler_options(compiler_options))
     traced = trace_for(fn, planned, mesh, rules, keywords, (compiler,))
     extra = _CPU_EVENTS if compiler.toolchain.backend is Backend.CPU else {}
     analysis, compiled = _fitting(lambda: compiler.executable(traced, extra), compiler)

@@ -27,7 +27,7 @@ from spmdtree._src.step.compile import (
     Compiler,
     Traced,
     arguments,
-    check_options,
+    check_compiler_options,
     compiler_for,
     trace,
 )
@@ -145,8 +145,9 @@ def preflight(
 
     keywords = Keywords(params, donate_argnums, static_argnums, out_shardings)
     planned = plan_arguments(args, mesh, rules, keywords)
-    options = check_options(compiler_options)
-    compiler = compiler_for(mesh, target, devices_per_node, options=options)
+    compiler = compiler_for(
+        mesh, target, devices_per_node, compiler_options=check_compiler_options(compiler_options)
+    )
     traced = trace_for(fn, planned, mesh, rules, keywords, (compiler,))
     return step_plan(traced, compiler.compile(traced), compiler)
 

@@ -311,8 +311,8 @@ def instruction_seconds(
             elif isinstance(event, Loop):
                 walk(event.body, times * event.trips)
             elif isinstance(event, Branches):  # each as if it ran
-                for option in event.options:
-                    walk(option, times)
+                for branch in event.branches:
+                    walk(branch, times)
 
     def add(
         name: str,

@@ -340,7 +340,7 @@ class _Walk:
                 name = f"{event.name or 'loop'}: iterations {self.WALKED + 1}-{event.trips}"
                 clock.advance(before, event.trips - self.WALKED, name)
         else:
-            ends = [self.run(option, clock.copy()) for option in event.options]
+            ends = [self.run(branch, clock.copy()) for branch in event.branches]
             clock = max(ends, key=lambda c: c.compute, default=clock)
         return clock
 
