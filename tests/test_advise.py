@@ -793,8 +793,8 @@ def test_the_traffic_flag_of_a_layout_that_repeats_work_says_the_repeat_is_its_c
     assert traffic is not None and "st.with_logical_constraint" in traffic.sentence
     plain = tuple(f for f in repeats.flags if "repeat each other's work" not in f)
     flagged = repeats._replace(step=step, flags=(*plain, traffic.sentence))
-    records = {0: state._Confirmed(splits), 1: state._Confirmed(flagged)}
-    said = state._said_repeats(state._State(types.MappingProxyType(records), 2))
+    records = {0: state.Confirmed(splits), 1: state.Confirmed(flagged)}
+    said = state.said_repeats(state.State(types.MappingProxyType(records), 2))
     flags = said.records[1].row.flags
     assert traffic.sentence not in flags
     assert flags[0].startswith("devices repeat each other's work along data (2):")
@@ -1047,6 +1047,6 @@ def test_repeats_compare_the_same_work_only():
         st.Candidate(mesh, RULES, 64, length=32, options={"remat": "full"}),
     ]
     advice = st.advise(mlp_step, found, hardware=HW, progress=False)
-    split = judging._split(advice.rows)
+    split = judging.rows_split(advice.rows)
     assert len(split) == 3
     assert all(split[judging._work(r.candidate)] == r.step.flops for r in advice.rows)

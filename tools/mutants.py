@@ -796,7 +796,7 @@ MUTANTS.update(
         "repeats-ranked-with-the-rest": [
             (
                 "_src/step/advise/judging.py",
-                "    repeats = int(_repeated(row, split or {}) is not None)",
+                "    repeats = int(row_repeated(row, split or {}) is not None)",
                 "    repeats = 0",
             )
         ],

@@ -23,36 +23,36 @@ from jax.sharding import Mesh
 
 from spmdtree._src.errors import Mistake, public
 from spmdtree._src.rules import AnyMesh
-from spmdtree._src.step.advise.judging import _budget, _verdict
-from spmdtree._src.step.advise.progress import _printer, _start_line
+from spmdtree._src.step.advise.judging import budget_per_device, verdict_of
+from spmdtree._src.step.advise.progress import printer, start_line
 from spmdtree._src.step.advise.records import (
     HOPEFUL,
     Advice,
     AdviceRow,
     Candidate,
 )
-from spmdtree._src.step.advise.space import _checked, _count_or_none
+from spmdtree._src.step.advise.space import checked_candidates, count_or_none
 from spmdtree._src.step.advise.state import (
-    _Child,
-    _Compiled,
-    _Confirmed,
-    _failed,
-    _flagged,
-    _judged,
-    _message,
-    _nothing_fits,
-    _Pending,
-    _Record,
-    _recorded,
-    _Rejected,
-    _rejection,
-    _row,
-    _rules_said,
-    _said_repeats,
-    _Search,
-    _State,
-    _Step,
-    _Unconfirmed,
+    ChildCompile,
+    Compiled,
+    Confirmed,
+    Pending,
+    PlannedStep,
+    Record,
+    Rejected,
+    Search,
+    State,
+    Unconfirmed,
+    error_text,
+    failed,
+    flagged,
+    judged,
+    make_row,
+    nothing_fits_said,
+    recorded,
+    rejection,
+    rules_said,
+    said_repeats,
 )
 from spmdtree._src.step.compile import (
     DoesNotFit,
@@ -93,8 +93,8 @@ def default_jobs() -> int:
 
 
 def _first_pass(
-    search: _Search, index: int, make_step: Callable[[Candidate], Any], screen: TargetChild | None
-) -> _Pending | _Record:
+    search: Search, index: int, make_step: Callable[[Candidate], Any], screen: TargetChild | None
+) -> Pending | Record:
     """Plans the candidate, and traces and exports its step for `screen` (None: the
     CPU estimate; or compiles it here, on a mesh this process has the devices
     for): a pending compile, or the candidate's record."""
@@ -102,24 +102,24 @@ def _first_pass(
     try:
         returned = make_step(candidate)
     except Exception as e:
-        return _failed(search, index, f"make_step raised {_message(e)}")
+        return failed(search, index, f"make_step raised {error_text(e)}")
     fn, args, keywords = step_call(returned)
     mesh = _abstract(candidate)
     try:
         planned = plan_arguments(args, mesh, candidate.rules, keywords)
-        rejected = _rejection(search, index, planned.plan)
+        rejected = rejection(search, index, planned.plan)
         if rejected is not None:
             return rejected
-        step = _Step(fn, planned, keywords)
+        step = PlannedStep(fn, planned, keywords)
         at = screen if screen is not None else compiler_for(mesh, None, None)
         meets = (at,) if search.asks is None else (at, search.asks)
         traced = trace_for(fn, planned, mesh, candidate.rules, keywords, meets)
         if at.here is None:  # exported: its child compiles it in the pool
-            return _Pending(index, traced, at, step)
+            return Pending(index, traced, at, step)
         compiled = step_plan(traced, at.compile(traced), at)
     except Exception as e:
-        return _failed(search, index, _message(e))
-    return _Compiled(_judged(search, index, compiled), step)
+        return failed(search, index, error_text(e))
+    return Compiled(judged(search, index, compiled), step)
 
 
 def step_call(returned: object) -> tuple[Callable[..., Any], tuple[Any, ...], Keywords]:
@@ -155,45 +155,45 @@ def _abstract(candidate: Candidate) -> AnyMesh:
     return mesh.abstract_mesh if isinstance(mesh, Mesh) else mesh
 
 
-def _second_pass(search: _Search, state: _State, pending: _Pending, child: _Child) -> _Record:
+def _second_pass(search: Search, state: State, pending: Pending, child: ChildCompile) -> Record:
     """A pending candidate's record from its subprocess's analysis; a confirming
     compile that fails keeps the screened row, flagged."""
     index = pending.index
     try:
         step = step_plan(pending.traced, child.result(), pending.compiler)
     except DoesNotFit as mistake:  # the target's compiler: too big for one chip
-        row = _row(search, index, Verdict.OVER_BUDGET, str(mistake.error("preflight")))
-        return _Confirmed(row) if pending.confirming else _Rejected(row)
+        row = make_row(search, index, Verdict.OVER_BUDGET, str(mistake.error("preflight")))
+        return Confirmed(row) if pending.confirming else Rejected(row)
     except Exception as e:
         if not pending.confirming:
-            return _failed(search, index, _message(e))
-        flag = f"not confirmed by {pending.compiler}: {_message(e)}"
-        return _Unconfirmed(_flagged(state.records[index].row, flag), pending.step)
-    row = _judged(search, index, step)
-    return _Confirmed(row) if pending.confirming else _Compiled(row, pending.step)
+            return failed(search, index, error_text(e))
+        flag = f"not confirmed by {pending.compiler}: {error_text(e)}"
+        return Unconfirmed(flagged(state.records[index].row, flag), pending.step)
+    row = judged(search, index, step)
+    return Confirmed(row) if pending.confirming else Compiled(row, pending.step)
 
 
 def _run(
-    search: _Search,
-    state: _State,
-    firsts: Iterable[tuple[int, _Pending | _Record]],
+    search: Search,
+    state: State,
+    firsts: Iterable[tuple[int, Pending | Record]],
     pool: concurrent.futures.ThreadPoolExecutor,
-) -> _State:
+) -> State:
     """Starts each pending candidate's compile as it comes (once per distinct step,
     through its compiler's `compile`) and records every candidate whose compile
     is done between them, so the rows are reported as candidates finish."""
-    children: dict[tuple[str | None, Any], _Child] = {}
-    waiting: dict[_Child, list[_Pending]] = {}
+    children: dict[tuple[str | None, Any], ChildCompile] = {}
+    waiting: dict[ChildCompile, list[Pending]] = {}
 
-    def finish(state: _State, done: Iterable[_Child]) -> _State:
+    def finish(state: State, done: Iterable[ChildCompile]) -> State:
         for child in done:
             for pending in waiting.pop(child):
                 record = _second_pass(search, state, pending, child)
-                state = _recorded(search, state, pending.index, record)
+                state = recorded(search, state, pending.index, record)
         return state
 
     for index, first in firsts:
-        if isinstance(first, _Pending):
+        if isinstance(first, Pending):
             key = (first.traced.digest, first.compiler)
             if key not in children:
                 children[key] = _submit(search, pool, first)
@@ -201,14 +201,14 @@ def _run(
                 state = state.counted(1)
             waiting[children[key]].append(first)
         else:  # decided here: a step compiled in this process counts
-            state = _recorded(search, state, index, first, int(isinstance(first, _Compiled)))
+            state = recorded(search, state, index, first, int(isinstance(first, Compiled)))
         state = finish(state, [child for child in waiting if child.done()])
     return finish(state, concurrent.futures.as_completed(list(waiting)))
 
 
 def _submit(
-    search: _Search, pool: concurrent.futures.ThreadPoolExecutor, pending: _Pending
-) -> _Child:
+    search: Search, pool: concurrent.futures.ThreadPoolExecutor, pending: Pending
+) -> ChildCompile:
     """A pending step's compile started: a compile in a fresh process of the step
     exported for it by the caller's executor where there is one (a Dask cluster's
     workers: the payload and the compiler pickle), else here; a step lowered in
@@ -219,29 +219,27 @@ def _submit(
     return search.executor.submit(compile_child, stage.payload, pending.compiler)
 
 
-def _confirmed(
-    search: _Search, state: _State, index: int, target: TargetChild
-) -> _Pending | _Record:
+def _confirmed(search: Search, state: State, index: int, target: TargetChild) -> Pending | Record:
     """The candidate's step traced again, exported for the target's compiler (its
     screened row kept, flagged, where it does not trace so)."""
     record = state.records[index]
-    step = cast(_Compiled, record).step
+    step = cast(Compiled, record).step
     try:
         candidate = search.candidates[index]
         traced = trace_for(
             step.fn, step.planned, _abstract(candidate), candidate.rules, step.keywords, (target,)
         )
     except Exception as e:
-        return _Unconfirmed(_flagged(record.row, f"not confirmed by {target}: {_message(e)}"), step)
-    return _Pending(index, traced, target, step, confirming=True)
+        return Unconfirmed(flagged(record.row, f"not confirmed by {target}: {error_text(e)}"), step)
+    return Pending(index, traced, target, step, confirming=True)
 
 
 def _ask(
-    search: _Search,
-    state: _State,
+    search: Search,
+    state: State,
     indices: Sequence[int],
     pool: concurrent.futures.ThreadPoolExecutor,
-) -> _State:
+) -> State:
     """Compiles the rows at `indices` again for the target and judges them on its
     figures (a row that does not trace or compile so keeps its screened figures,
     flagged)."""
@@ -251,7 +249,7 @@ def _ask(
     return _run(search, state, [(i, _confirmed(search, state, i, asks)) for i in indices], pool)
 
 
-def _over_on_the_estimate(search: _Search, state: _State) -> list[int]:
+def _over_on_the_estimate(search: Search, state: State) -> list[int]:
     """The screened rows over the budget on the CPU estimate alone: the target's
     compiler decides them where it can be asked."""
     if search.asks is None:
@@ -261,7 +259,7 @@ def _over_on_the_estimate(search: _Search, state: _State) -> list[int]:
     return [i for i in state.order() if state.screened(i) and rows[i].verdict in over]
 
 
-def _contenders(state: _State, tried: set[int]) -> list[int]:
+def _contenders(state: State, tried: set[int]) -> list[int]:
     """The screened rows that fit (or may) on the CPU estimate and rank above the
     best row the target's figures fit: the ones that could still beat it."""
     order, rows = state.order(), state.rows
@@ -281,12 +279,12 @@ def _contenders(state: _State, tried: set[int]) -> list[int]:
 
 
 def _confirm(
-    search: _Search,
-    state: _State,
+    search: Search,
+    state: State,
     confirm: int,
     pool: concurrent.futures.ThreadPoolExecutor,
     jobs: int,
-) -> tuple[_State, str]:
+) -> tuple[State, str]:
     """Compiles screened rows for the target, best first, while one could still beat
     the best the target fits, up to `confirm` of them; the state after, and what
     the note says of it."""
@@ -320,7 +318,7 @@ def _confirm(
     return state, said
 
 
-def _why_none_confirmed(state: _State) -> str:
+def _why_none_confirmed(state: State) -> str:
     """Why `confirm` found no row to compile for the target, in words."""
     rows = state.rows
     screened = [i for i in rows if state.screened(i)]
@@ -530,34 +528,34 @@ def advise(
         >>> len(advice.rows), advice.compiles, advice.best is not None
         (3, 3, True)
     """
-    candidates = _checked(candidates)
+    candidates = checked_candidates(candidates)
     _check_arguments(hardware, jobs, devices_per_node, confirm, screen)
     _check_measure(measure, candidates)
-    budget = _budget(budget_bytes, hardware)
+    budget = budget_per_device(budget_bytes, hardware)
     workers = jobs or default_jobs()
     needed = confirm > 0 or screen == "target"
     asks, why = _where_asked(
         hardware, candidates, devices_per_node, needed, check_compiler_options(compiler_options)
     )
     first = _screen(asks, screen)
-    report = _printer(len(candidates)) if progress else None
+    report = printer(len(candidates)) if progress else None
     _check_executor(executor)
-    search = _Search(hardware, devices_per_node, budget, tuple(candidates), asks, report, executor)
+    search = Search(hardware, devices_per_node, budget, tuple(candidates), asks, report, executor)
     if progress:
         print(
-            _start_line(candidates, workers, confirm, first, asks is not None),
+            start_line(candidates, workers, confirm, first, asks is not None),
             file=sys.stderr,
             flush=True,
         )
     with _warned_once(), concurrent.futures.ThreadPoolExecutor(workers) as pool:
         firsts = ((i, _first_pass(search, i, make_step, first)) for i in range(len(candidates)))
-        state = _run(search, _State(), firsts, pool)
+        state = _run(search, State(), firsts, pool)
         state = _ask(search, state, _over_on_the_estimate(search, state), pool)
         state, confirmed = _confirm(search, state, confirm, pool, workers)
-    state = _said_repeats(state)
+    state = said_repeats(state)
     rows = _measured(state.ranked(), measure, make_step, search, compiler_options)
     said = [_screen_note(asks, first, why, screen), confirmed]
-    said += [_rules_said(state), _nothing_fits(state, budget)]
+    said += [rules_said(state), nothing_fits_said(state, budget)]
     note = "; ".join(part for part in said if part)
     return Advice(rows, state.compiles, hardware, budget, note=note)
 
@@ -573,7 +571,7 @@ def _check_arguments(
             else "such as st.hardware('h100'), or a st.Hardware of your own"
         )
         raise Mistake(TypeError, f"hardware is {hardware!r}; expected a st.Hardware. {fix}.")
-    if not _count_or_none(jobs):
+    if not count_or_none(jobs):
         raise Mistake(ValueError, f"jobs is {jobs!r}; expected an int >= 1 (or None).")
     if devices_per_node is not None:
         check_devices_per_node(devices_per_node, "devices_per_node", "the hardware's")
@@ -623,7 +621,7 @@ def _measured(
     rows: tuple[AdviceRow, ...],
     k: int,
     make_step: Callable[[Candidate], Any],
-    search: _Search,
+    search: Search,
     compiler_options: Mapping[str, Any] | None,
 ) -> tuple[AdviceRow, ...]:
     """The ranked rows with the `k` best that fit run on their devices: those first,
@@ -643,7 +641,7 @@ def _measured(
 def _ran(
     row: AdviceRow,
     make_step: Callable[[Candidate], Any],
-    search: _Search,
+    search: Search,
     compiler_options: Mapping[str, Any] | None,
 ) -> AdviceRow:
     """`row` with its step run on its devices, or a flag saying why it could not be."""
@@ -661,12 +659,12 @@ def _ran(
             hardware=search.hardware,
         )
     except Exception as e:  # the row's, as a compile's failure is
-        return _flagged(row, f"not measured: {_message(e)}")
+        return flagged(row, f"not measured: {error_text(e)}")
     tokens = c.batch * c.length / m.seconds if c.length else None
     # the step as the devices' own compiler compiled it, which the run measured: its
     # figures, its verdict
     step = cast(StepPlan, m.plan)
-    verdict, reason = _verdict(step, search.budget, None)
+    verdict, reason = verdict_of(step, search.budget, None)
     return row._replace(
         measured=m,
         tokens_per_second=tokens,

@@ -23,7 +23,7 @@ from spmdtree._src.text import (
 )
 
 
-def _printer(total: int) -> Callable[[AdviceRow, int, bool], None]:
+def printer(total: int) -> Callable[[AdviceRow, int, bool], None]:
     """What reports each row decided: its progress line on stderr, timed from now;
     a row decided again (compiled for the target after the estimate) said so."""
     started = time.perf_counter()
@@ -82,7 +82,7 @@ def _duration(seconds: float) -> str:
     return f"{whole // 3600} h {whole % 3600 // 60} min"
 
 
-def _start_line(
+def start_line(
     candidates: list[Candidate], jobs: int, confirm: int, first: TargetChild | None, asks: bool
 ) -> str:
     """The first progress line: what the search will do."""

@@ -33,11 +33,6 @@ VERDICTS = tuple(v.value for v in Verdict)
 #: The verdicts of a row that fits, or may: the ones a confirmation can change.
 HOPEFUL = (Verdict.FITS, Verdict.TIGHT, Verdict.MAY_FIT)
 
-#: How many times the CPU estimate's peak was measured above the accelerator's
-#: on models that unroll their layers (0.4, flax's lm1b and an equinox GPT):
-#: why its "over budget" is never final where the target can be asked.
-CPU_OVER = "1.5-4.5x"
-
 #: A step whose peak is within this share of the budget is "tight", not "fits":
 #: the budget is a device's whole memory by default, and an allocator loses
 #: some to fragmentation (docs/planning.md, "Choosing a layout").

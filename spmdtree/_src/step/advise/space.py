@@ -112,11 +112,11 @@ def layouts(
     return [AbstractMesh(shape, axes, axis_types=types) for shape in shapes]
 
 
-def _count_or_none(value: object) -> bool:
+def count_or_none(value: object) -> bool:
     return value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1)
 
 
-def _checked(candidates: Iterable[Candidate]) -> list[Candidate]:
+def checked_candidates(candidates: Iterable[Candidate]) -> list[Candidate]:
     """The candidates, each a `Candidate` with a mesh and a batch >= 1, all over one
     device count (a ranking compares layouts of one job)."""
     candidates = list(candidates)

@@ -1,6 +1,6 @@
 """The search's state (0.7: cut from advise.py): what each candidate has come to, as
-immutable records (`_Rejected`, `_Compiled`, `_Confirmed`, `_Unconfirmed`) in an
-immutable `_State`, the row each record makes, and what the state as a whole says.
+immutable records (`Rejected`, `Compiled`, `Confirmed`, `Unconfirmed`) in an
+immutable `State`, the row each record makes, and what the state as a whole says.
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ from typing import Any
 from spmdtree._src.errors import Mistake
 from spmdtree._src.plan import Plan
 from spmdtree._src.step.advise.judging import (
-    _batch_first,
-    _rejected,
-    _repeated,
-    _split,
-    _verdict,
+    batch_first,
     rank,
+    row_repeated,
+    rows_split,
+    ruled_out,
+    verdict_of,
 )
 from spmdtree._src.step.advise.records import (
     AdviceRow,
@@ -49,11 +49,11 @@ from spmdtree._src.text import (
 )
 
 #: A compile subprocess's analysis, to come.
-_Child = concurrent.futures.Future[Analysis]
+ChildCompile = concurrent.futures.Future[Analysis]
 
 
 @dataclasses.dataclass(frozen=True)
-class _Step:
+class PlannedStep:
     """A candidate's step, planned: what tracing it (again, for a target) takes."""
 
     fn: Callable[..., Any]
@@ -62,7 +62,7 @@ class _Step:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Search:
+class Search:
     """What every row is judged by, fixed for the call: the hardware, the budget,
     the candidates, where the target's compiler can be asked (`asks`; None: it
     cannot: no compiler installed, or the hardware has none spmdtree knows), and
@@ -79,19 +79,19 @@ class _Search:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Pending:
+class Pending:
     """A candidate traced and exported, waiting for its compile subprocess
     (`confirming`: again, for the target, after a screened compile)."""
 
     index: int
     traced: Traced
     compiler: CpuChild | TargetChild
-    step: _Step
+    step: PlannedStep
     confirming: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
-class _Rejected:
+class Rejected:
     """A candidate decided without figures: its plan rules it out, or its
     make_step, trace or compile failed (or the target's compiler found it too
     big for a chip); `arrays_bytes`, where its arrays alone were over the budget,
@@ -102,51 +102,51 @@ class _Rejected:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Compiled:
+class Compiled:
     """A candidate compiled where it was screened, judged on those figures; its
     `step`, to trace it again for the target."""
 
     row: AdviceRow
-    step: _Step
+    step: PlannedStep
 
 
 @dataclasses.dataclass(frozen=True)
-class _Confirmed:
+class Confirmed:
     """A screened candidate compiled again for the target, judged on its figures."""
 
     row: AdviceRow
 
 
 @dataclasses.dataclass(frozen=True)
-class _Unconfirmed:
+class Unconfirmed:
     """A screened candidate whose trace or compile for the target failed: its
     screened row kept, flagged with why."""
 
     row: AdviceRow
-    step: _Step
+    step: PlannedStep
 
 
-_Record = _Rejected | _Compiled | _Confirmed | _Unconfirmed
+Record = Rejected | Compiled | Confirmed | Unconfirmed
 
 
 @dataclasses.dataclass(frozen=True)
-class _State:
+class State:
     """The search so far: each decided candidate's record by its index, and the
     compiles run. Never changed: each step of the search returns a new one."""
 
-    records: Mapping[int, _Record] = dataclasses.field(
+    records: Mapping[int, Record] = dataclasses.field(
         default_factory=lambda: types.MappingProxyType({})
     )
     compiles: int = 0
 
-    def add(self, index: int, record: _Record, compiles: int = 0) -> _State:
+    def add(self, index: int, record: Record, compiles: int = 0) -> State:
         """This state with `index` decided as `record`, and `compiles` more run."""
         records = types.MappingProxyType({**self.records, index: record})
-        return _State(records, self.compiles + compiles)
+        return State(records, self.compiles + compiles)
 
-    def counted(self, compiles: int) -> _State:
+    def counted(self, compiles: int) -> State:
         """This state with `compiles` more run."""
-        return _State(self.records, self.compiles + compiles)
+        return State(self.records, self.compiles + compiles)
 
     @property
     def rows(self) -> dict[int, AdviceRow]:
@@ -155,7 +155,7 @@ class _State:
     def order(self) -> list[int]:
         """The candidates' indices, best row first (`rank`), a layout whose devices
         repeat each other's work after those that split it (`split_work`)."""
-        split = _split(self.rows.values())
+        split = rows_split(self.rows.values())
         return sorted(self.records, key=lambda i: rank(self.records[i].row, i, split))
 
     def ranked(self) -> tuple[AdviceRow, ...]:
@@ -167,18 +167,16 @@ class _State:
         return step is not None and step.backend.estimates
 
 
-def _recorded(
-    search: _Search, state: _State, index: int, record: _Record, compiles: int = 0
-) -> _State:
+def recorded(search: Search, state: State, index: int, record: Record, compiles: int = 0) -> State:
     """`state` with `record`; a decided row (not a flag added to one) reported."""
     after = state.add(index, record, compiles)
-    if search.report is not None and not isinstance(record, _Unconfirmed):
+    if search.report is not None and not isinstance(record, Unconfirmed):
         search.report(record.row, len(after.records), index in state.records)
     return after
 
 
-def _row(
-    search: _Search,
+def make_row(
+    search: Search,
     index: int,
     verdict: Verdict,
     reason: str,
@@ -198,49 +196,49 @@ def _row(
     tokens = None
     if timed is not None and candidate.length is not None and ranked_seconds(timed) > 0:
         tokens = candidate.batch * candidate.length / ranked_seconds(timed)
-    flags = _batch_first(candidate, flags)
+    flags = batch_first(candidate, flags)
     return AdviceRow(candidate, verdict, reason, step, timed, tokens, flags)
 
 
-def _flagged(row: AdviceRow, flag: str) -> AdviceRow:
+def flagged(row: AdviceRow, flag: str) -> AdviceRow:
     """A row as it stands, with one flag more."""
     return row._replace(flags=(*row.flags, flag))
 
 
-def _rejection(search: _Search, index: int, planned: Plan) -> _Rejected | None:
+def rejection(search: Search, index: int, planned: Plan) -> Rejected | None:
     """A candidate its plan rules out before any compile: its batch axes do not
     divide its batch, or its arrays alone exceed the budget; else None."""
-    rejected = _rejected(search.candidates[index], planned, search.budget)
+    rejected = ruled_out(search.candidates[index], planned, search.budget)
     if rejected is None:
         return None
     flags = tuple(
         Located(argument_path(row.path), flag) for row in planned.rows for flag in row.flags
     )
     over = planned.device_bytes if rejected[0] == Verdict.OVER_BUDGET else None
-    return _Rejected(_row(search, index, *rejected, flags=flags), over)
+    return Rejected(make_row(search, index, *rejected, flags=flags), over)
 
 
-def _judged(search: _Search, index: int, step: StepPlan) -> AdviceRow:
+def judged(search: Search, index: int, step: StepPlan) -> AdviceRow:
     """The row of a compiled step: its verdict from its peak against the budget; its
     flags, and the collectives its layout does not explain where they are far
     above it."""
     traffic = step.unexplained_traffic
     flags = step.flags if traffic is None else (*step.flags, traffic.sentence)
-    return _row(search, index, *_verdict(step, search.budget, search.asks), step, flags)
+    return make_row(search, index, *verdict_of(step, search.budget, search.asks), step, flags)
 
 
-def _failed(search: _Search, index: int, reason: str) -> _Rejected:
-    return _Rejected(_row(search, index, Verdict.DOES_NOT_COMPILE, reason))
+def failed(search: Search, index: int, reason: str) -> Rejected:
+    return Rejected(make_row(search, index, Verdict.DOES_NOT_COMPILE, reason))
 
 
-def _said_repeats(state: _State) -> _State:
+def said_repeats(state: State) -> State:
     """Each compiled row whose devices repeat each other's work, flagged so (the
     axis named), its traffic flag, where it has one, saying that is its cause."""
-    split = _split(state.rows.values())
+    split = rows_split(state.rows.values())
     records = dict(state.records)
     for index, record in state.records.items():
         row = record.row
-        said = _repeated(row, split)
+        said = row_repeated(row, split)
         if said is None or row.step is None:
             continue
         traffic = row.step.unexplained_traffic
@@ -251,10 +249,10 @@ def _said_repeats(state: _State) -> _State:
                 "from unconstrained activations"
             )
         records[index] = dataclasses.replace(record, row=row._replace(flags=(said, *flags)))
-    return _State(types.MappingProxyType(records), state.compiles)
+    return State(types.MappingProxyType(records), state.compiles)
 
 
-def _rules_said(state: _State) -> str:
+def rules_said(state: State) -> str:
     """The rules' problems (as `validate_rules` says them) of the compiled steps,
     each once."""
     problems = dict.fromkeys(
@@ -266,7 +264,7 @@ def _rules_said(state: _State) -> str:
     return " ".join(problems)
 
 
-def _nothing_fits(state: _State, budget: int) -> str:
+def nothing_fits_said(state: State, budget: int) -> str:
     """Where no compiled row fits, what would: the smallest peak, and whether
     remat, more devices or a smaller batch could bring it under; where none
     compiled, every one's arrays alone over the budget, the smallest arrays (new
@@ -296,7 +294,7 @@ def _nothing_fits(state: _State, budget: int) -> str:
                 r.row.candidate.batch,
             )
             for r in state.records.values()
-            if isinstance(r, _Rejected) and r.arrays_bytes is not None
+            if isinstance(r, Rejected) and r.arrays_bytes is not None
         ]
     return nothing_fits(closest, budget, searched=True) if closest else ""
 
@@ -309,7 +307,7 @@ def _bound_by(timed: StepTime) -> str:
     return f"bound by collectives, most over {'+'.join(axes) or 'no axis'}"
 
 
-def _message(error: BaseException) -> str:
+def error_text(error: BaseException) -> str:
     """What a row says of an error: spmdtree's message as preflight would raise it,
     else the error's own."""
     if isinstance(error, Mistake):
