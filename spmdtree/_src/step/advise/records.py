@@ -392,15 +392,15 @@ def _devices(advice: Advice) -> int:
 def _budget_text(advice: Advice) -> str:
     """What the budget is, and why: the hardware's whole memory, or as given; what
     takes some of it on the platform the rows were compiled for, where known."""
-    hw, budget = advice.hardware, size_text(advice.budget_bytes)
+    hardware, budget = advice.hardware, size_text(advice.budget_bytes)
     tight = f'"tight": within {advice.margin:.0%} of it'
-    if advice.budget_bytes != hw.memory_bytes:
-        return f"budget {budget} per device, as given (the {hw.name} has {size_text(hw.memory_bytes)}); {tight}"
+    if advice.budget_bytes != hardware.memory_bytes:
+        return f"budget {budget} per device, as given (the {hardware.name} has {size_text(hardware.memory_bytes)}); {tight}"
     # what takes some of it: the toolchain's word (JAX's GPU client preallocates, a
     # TPU's runtime keeps some of its HBM), or a general one for hardware it knows not
     taken = TOOLCHAINS[Backend(advice.platform)].taken if advice.platform else Toolchain.taken
     return (
-        f"budget {budget} per device: the {hw.name}'s whole memory ({taken}: pass "
+        f"budget {budget} per device: the {hardware.name}'s whole memory ({taken}: pass "
         f"budget_bytes); {tight}"
     )
 
