@@ -80,17 +80,17 @@ def described(path: pathlib.Path) -> None:
 
 def calibrate(out: pathlib.Path) -> None:
     start = time.perf_counter()
-    chip = st.calibrate()
+    calibrated = st.calibrate()
     print(f"st.calibrate() in {time.perf_counter() - start:.1f} s")
-    print(chip.to_json())
-    (out / "chip.json").write_text(chip.to_json())
+    print(calibrated.to_json())
+    (out / "chip.json").write_text(calibrated.to_json())
 
 
 def advise(out: pathlib.Path) -> None:
     """Three remat policies of a decoder step on the chip, the two best measured."""
     import measured
 
-    chip = one_chip_hardware(out)
+    hardware = one_chip_hardware(out)
     row = measured.ROWS[0]  # the small decoder, attention by XLA's kernels
 
     def make_step(candidate: st.Candidate) -> tuple[Any, ...]:
@@ -105,7 +105,7 @@ def advise(out: pathlib.Path) -> None:
     mesh = measured.one_chip()
     candidates = st.candidates([mesh], measured.RULES, [4], remat=("full", "minimal", "op"))
     start = time.perf_counter()
-    advice = st.advise(make_step, candidates, hardware=chip, measure=2)
+    advice = st.advise(make_step, candidates, hardware=hardware, measure=2)
     print(f"advise(measure=2) in {time.perf_counter() - start:.1f} s")
     print(advice)
     (out / "advice.json").write_text(advice.to_json())

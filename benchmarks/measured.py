@@ -99,15 +99,17 @@ def one_chip() -> jax.sharding.Mesh:
     return jax.make_mesh((1,), ("fsdp",), axis_types=(AxisType.Auto,))
 
 
-def measured(row: Row, chips: list[st.Hardware], out: pathlib.Path | None = None) -> dict[str, Any]:
+def measured(
+    row: Row, hardware: list[st.Hardware], out: pathlib.Path | None = None
+) -> dict[str, Any]:
     """`row` run on the chip: its times, the prediction on each of `chips`, the join;
     the whole Measurement (every instruction) as `out`/`row name`.json."""
     a = row.arguments(one_chip())
     start = time.perf_counter()
-    m = st.measure(a.pop("fn"), *a.pop("args"), **a, hardware=chips[-1], steps=5, warmup=2)
+    m = st.measure(a.pop("fn"), *a.pop("args"), **a, hardware=hardware[-1], steps=5, warmup=2)
     predicted = {}
-    for chip in chips:
-        predicted[chip.name] = m.plan.time(chip).predicted_seconds
+    for each in hardware:
+        predicted[each.name] = m.step.time(each).predicted_seconds
     if out:
         out.mkdir(parents=True, exist_ok=True)
         (out / f"{row.name.split(' (')[0].replace(' ', '-')}.json").write_text(m.to_json())
@@ -117,37 +119,37 @@ def measured(row: Row, chips: list[st.Hardware], out: pathlib.Path | None = None
         "seconds": m.seconds,
         "predicted": predicted,
         "joined_share": m.joined_share,
-        "peak_bytes": m.plan.peak_bytes,
-        "compiler_peak_bytes": m.plan.compiler_peak_bytes,
+        "peak_bytes": m.step.peak_bytes,
+        "compiler_peak_bytes": m.step.compiler_peak_bytes,
         "misses": [dataclasses.asdict(op) for op in m.misses(5)],
         "flags": list(m.flags),
         "wall_seconds": time.perf_counter() - start,
     }
 
 
-def predicted_here(row: Row, chips: list[st.Hardware]) -> dict[str, float | None]:
+def predicted_here(row: Row, hardware: list[st.Hardware]) -> dict[str, float | None]:
     """`row` compiled by libtpu without the chip, predicted on each of `chips`."""
     mesh = jax.sharding.AbstractMesh((1,), ("fsdp",), axis_types=(AxisType.Auto,))
     a = row.arguments(mesh)
     plan = st.preflight(a.pop("fn"), *a.pop("args"), **a, target="tpu-v5e")
-    return {chip.name: plan.time(chip).predicted_seconds for chip in chips}
+    return {each.name: plan.time(each).predicted_seconds for each in hardware}
 
 
-def table(results: list[dict[str, Any]], chips: list[st.Hardware]) -> tuple[str, list[float]]:
+def table(results: list[dict[str, Any]], hardware: list[st.Hardware]) -> tuple[str, list[float]]:
     """The rows' measured and predicted times; the errors on the last chip."""
-    head = f"{'step':<36}{'measured':>10}" + "".join(f"{c.name:>26}" for c in chips)
+    head = f"{'step':<36}{'measured':>10}" + "".join(f"{c.name:>26}" for c in hardware)
     lines, errors = [head], []
     for r in results:
         cells = ""
-        for chip in chips:
-            p = r["predicted"][chip.name]
+        for each in hardware:
+            p = r["predicted"][each.name]
             cells += f"{p * 1e3:>14.1f} ms {p / r['seconds']:>6.2f}x"
-        errors.append(abs(r["predicted"][chips[-1].name] / r["seconds"] - 1))
+        errors.append(abs(r["predicted"][hardware[-1].name] / r["seconds"] - 1))
         lines.append(f"{r['row']:<36}{r['seconds'] * 1e3:>7.1f} ms{cells}")
-    for chip in chips:
-        each = [abs(r["predicted"][chip.name] / r["seconds"] - 1) for r in results]
+    for each in hardware:
+        errs = [abs(r["predicted"][each.name] / r["seconds"] - 1) for r in results]
         lines.append(
-            f"{chip.name}: mean |ratio - 1| {statistics.mean(each):.1%}, largest {max(each):.1%}"
+            f"{each.name}: mean |ratio - 1| {statistics.mean(errs):.1%}, largest {max(errs):.1%}"
         )
     return "\n".join(lines), errors
 
@@ -172,18 +174,18 @@ def main() -> int:
             "predicts a chip's results here)"
         )
         return 0
-    chip = preset
+    own = preset
     if args.hardware:
-        chip = st.Hardware.from_json(args.hardware)
+        own = st.Hardware.from_json(args.hardware)
     elif args.calibrate:
         start = time.perf_counter()
-        chip = st.calibrate()
+        own = st.calibrate()
         print(f"st.calibrate() in {time.perf_counter() - start:.1f} s")
-    print(chip.to_json())
+    print(own.to_json())
     results = []
     for row in rows:
         try:
-            results.append(measured(row, [preset, chip], args.out))
+            results.append(measured(row, [preset, own], args.out))
         except Exception as e:  # a row that fails is said, and the others still run
             print(f"{row.name}: {type(e).__name__}: {str(e)[:2000]}", flush=True)
             continue
@@ -192,11 +194,11 @@ def main() -> int:
             args.out.mkdir(parents=True, exist_ok=True)
             record = {
                 "versions": versions(),
-                "hardware": json.loads(chip.to_json()),
+                "hardware": json.loads(own.to_json()),
                 "rows": results,
             }
             (args.out / "measured.json").write_text(json.dumps(record, indent=1))
-    print(table(results, [preset, chip])[0])
+    print(table(results, [preset, own])[0])
     return 0
 
 
@@ -204,16 +206,18 @@ def again(paths: list[pathlib.Path], rows: list[Row], preset: st.Hardware) -> in
     """The recorded rows predicted here by the deviceless compile: the docs' table."""
     records = [json.loads(path.read_text()) for path in paths]
     record = records[0]
-    chip = st.Hardware.from_json(json.dumps(record["hardware"]))
+    calibrated = st.Hardware.from_json(json.dumps(record["hardware"]))
     by_name = {row.name: row for row in rows}
     results = []
     for r in [r for each in records for r in each["rows"]]:
         if r["row"] in by_name:  # predicted again: by this code, as the chip ran it
-            results.append({**r, "predicted": predicted_here(by_name[r["row"]], [preset, chip])})
+            results.append(
+                {**r, "predicted": predicted_here(by_name[r["row"]], [preset, calibrated])}
+            )
     print(
         f"measured {record['versions']}; predicted here by deviceless libtpu, jax {jax.__version__}"
     )
-    text, errors = table(results, [preset, chip])
+    text, errors = table(results, [preset, calibrated])
     print(text)
     if statistics.mean(errors) > MEAN_GOAL or max(errors) > EACH_GOAL:
         print(f"goal missed: mean <= {MEAN_GOAL:.0%}, each <= {EACH_GOAL:.0%}")

@@ -44,10 +44,10 @@ def test_measure_runs_the_step_and_sets_the_prediction_beside_it(types):
     m = st.measure(step, *args, mesh=mesh(types), hardware=CPU, donate_argnums=0, steps=4)
     assert len(m.times) == 4 and min(m.times) == m.min_seconds > 0
     assert m.seconds == statistics.median(m.times)
-    assert m.predicted_seconds == m.plan.time(CPU).predicted_seconds
+    assert m.predicted_seconds == m.step.time(CPU).predicted_seconds
     assert m.ratio == m.predicted_seconds / m.seconds
     # every instruction of the schedule is an OpTime; XLA CPU's events join them by name
-    names = {k.name for k in m.plan.schedule.kernels()}
+    names = {k.name for k in m.step.schedule.kernels()}
     assert names <= {op.name for op in m.ops}
     assert 0.5 < m.joined_share <= 1.0
     assert sum(op.measured_seconds for op in m.ops) > 0
@@ -206,11 +206,11 @@ def test_compare_refuses_a_profile_that_is_no_trace(tmp_path):
 
 @pytest.mark.parametrize("name", ["a100", "h100", "tpu-v5e", "tpu-v5p"])
 def test_hardware_round_trips_through_json(name, tmp_path):
-    chip = st.hardware(name)
-    assert st.Hardware.from_json(chip.to_json()) == chip
-    (tmp_path / "chip.json").write_text(chip.to_json())
-    assert st.Hardware.from_json(tmp_path / "chip.json") == chip
-    assert st.Hardware.from_json(str(tmp_path / "chip.json")).provenance == chip.provenance
+    hardware = st.hardware(name)
+    assert st.Hardware.from_json(hardware.to_json()) == hardware
+    (tmp_path / "chip.json").write_text(hardware.to_json())
+    assert st.Hardware.from_json(tmp_path / "chip.json") == hardware
+    assert st.Hardware.from_json(str(tmp_path / "chip.json")).provenance == hardware.provenance
     mine = st.Hardware("mine", 2**30, 1e12, {"ici": (1e9, 0.0)}, provenance={"cores": "a guess"})
     assert st.Hardware.from_json(mine.to_json()) == mine
 
@@ -235,21 +235,22 @@ def test_hardware_json_names_what_is_missing_or_unknown(tmp_path):
 
 
 def test_a_calibrated_chip_predicts_what_its_figures_give():
-    chip = st.calibrate(seconds=2.0, preset="tpu-v5e")
-    assert chip.name == "tpu-v5e, calibrated"
+    calibrated = st.calibrate(seconds=2.0, preset="tpu-v5e")
+    assert calibrated.name == "tpu-v5e, calibrated"
     for figure in ("matmul_efficiency", "memory_efficiency", "f32_speed", "f32_highest_speed"):
-        assert 0 < getattr(chip, figure) <= 1
-        assert chip.provenance[figure].startswith("measured 20")
-        assert f"jax {jax.__version__}" in chip.provenance[figure]
+        assert 0 < getattr(calibrated, figure) <= 1
+        assert calibrated.provenance[figure].startswith("measured 20")
+        assert f"jax {jax.__version__}" in calibrated.provenance[figure]
     assert (
-        chip.provenance["flops_per_second"] == st.hardware("tpu-v5e").provenance["flops_per_second"]
+        calibrated.provenance["flops_per_second"]
+        == st.hardware("tpu-v5e").provenance["flops_per_second"]
     )
-    assert chip.flash_forward_efficiency is None  # no flash kernel on a CPU: left out, said
-    assert chip.provenance["flash_forward_efficiency"].startswith("not measured")
+    assert calibrated.flash_forward_efficiency is None  # no flash kernel on a CPU: left out, said
+    assert calibrated.provenance["flash_forward_efficiency"].startswith("not measured")
     # no update left unfused where no layout is tiled: the preset's share, said as such
-    assert chip.update_efficiency == st.hardware("tpu-v5e").update_efficiency
-    assert chip.provenance["update_efficiency"].startswith("not measured: cpu's compiler")
-    assert st.Hardware.from_json(chip.to_json()) == chip
+    assert calibrated.update_efficiency == st.hardware("tpu-v5e").update_efficiency
+    assert calibrated.provenance["update_efficiency"].startswith("not measured: cpu's compiler")
+    assert st.Hardware.from_json(calibrated.to_json()) == calibrated
     # a matmul's time is what the measured figures give it: its FLOPs at the measured
     # share (at f32's rate: the CPU compile widens bf16) beside its bytes at the
     # measured bandwidth, overlapped as the model overlaps them
@@ -257,14 +258,16 @@ def test_a_calibrated_chip_predicts_what_its_figures_give():
     w = jax.ShapeDtypeStruct((2048, 4096), jnp.float32)
     plan = st.preflight(jnp.matmul, x, w, mesh=jax.sharding.AbstractMesh((1,), ("data",)))
     (dot,) = [k for k in plan.schedule.kernels() if k.flops]
-    compute = dot.flops / (chip.flops_per_second * chip.matmul_efficiency * chip.f32_speed)
-    memory = dot.bytes / (chip.hbm_bytes_per_second * chip.memory_efficiency)
+    compute = dot.flops / (
+        calibrated.flops_per_second * calibrated.matmul_efficiency * calibrated.f32_speed
+    )
+    memory = dot.bytes / (calibrated.hbm_bytes_per_second * calibrated.memory_efficiency)
     expected = max(compute, memory) + 0.05 * min(compute, memory)
-    assert plan.time(chip).predicted_by_class["matmul"] == pytest.approx(expected, rel=1e-9)
-    slower = dataclasses.replace(chip, matmul_efficiency=chip.matmul_efficiency / 2)
+    assert plan.time(calibrated).predicted_by_class["matmul"] == pytest.approx(expected, rel=1e-9)
+    slower = dataclasses.replace(calibrated, matmul_efficiency=calibrated.matmul_efficiency / 2)
     assert (
         plan.time(slower).predicted_by_class["matmul"]
-        > plan.time(chip).predicted_by_class["matmul"]
+        > plan.time(calibrated).predicted_by_class["matmul"]
     )
 
 
@@ -343,7 +346,7 @@ def test_a_compiled_step_jax_cannot_call_runs_through_jax_jit(monkeypatch):
     step, args = mlp_step()
     m = st.measure(step, *args, mesh=mesh(), hardware=CPU, donate_argnums=0, steps=3)
     assert refused == [2] and len(m.times) == 3 and m.joined_share > 0.5
-    assert {k.name for k in m.plan.schedule.kernels()} <= {op.name for op in m.ops}
+    assert {k.name for k in m.step.schedule.kernels()} <= {op.name for op in m.ops}
 
 
 def test_a_plan_on_one_device_says_nothing_of_replication():

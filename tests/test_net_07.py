@@ -22,7 +22,7 @@ import spmdtree as st
 # Private: how a compile's options are put together, and the diagnosis's sentence,
 # have no public names: each is held to its oracle here.
 from spmdtree._src.step.compile.backends import LIBTPU, XLA_CPU, XLA_GPU
-from spmdtree._src.step.compile.compilers import _taken, check_compiler_options
+from spmdtree._src.step.compile.compilers import _compile_options, check_compiler_options
 from spmdtree._src.step.preflight.diagnose import repeated
 
 TOOLCHAINS = (XLA_CPU, XLA_GPU, LIBTPU)
@@ -40,7 +40,7 @@ def test_the_jobs_compiler_options_win_over_spmdtrees_own(toolchain, deviceless,
     job = data.draw(
         hs.dictionaries(hs.sampled_from(names), hs.one_of(hs.booleans(), hs.integers(0, 9)))
     )
-    got = _taken(toolchain, deviceless, check_compiler_options(job))
+    got = _compile_options(toolchain, deviceless, check_compiler_options(job))
     # the oracle: spmdtree's own (without a device: every one; with one, none but the
     # CPU estimate's), then each of the job's over them; the CPU estimate takes none
     # of the job's, which are its accelerator's compiler's
@@ -58,7 +58,9 @@ def test_the_jobs_compiler_options_win_over_spmdtrees_own(toolchain, deviceless,
 
 def test_a_flag_spmdtree_sets_is_the_jobs_where_the_job_sets_it():
     ((flag, ours),) = XLA_GPU.deviceless_options  # spmdtree turns Triton's GEMMs off for XLA GPU
-    assert _taken(XLA_GPU, True, check_compiler_options({flag: not ours})) == {flag: not ours}
+    assert _compile_options(XLA_GPU, True, check_compiler_options({flag: not ours})) == {
+        flag: not ours
+    }
 
 
 # --- the repeated-work diagnosis ---------------------------------------------------------

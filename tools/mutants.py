@@ -460,8 +460,8 @@ MUTANTS: dict[str, list[tuple[str, str, str]]] = {
     "devices-per-node-override-ignored": [
         (
             "_src/step/time/bound.py",
-            "per_node = hw.devices_per_node if devices_per_node is None else devices_per_node",
-            "per_node = hw.devices_per_node",
+            "per_node = hardware.devices_per_node if devices_per_node is None else devices_per_node",
+            "per_node = hardware.devices_per_node",
         ),
     ],
     "ranking-per-step-across-batches": [
@@ -1137,7 +1137,7 @@ MUTANTS.update(
         "torus-one-axis": [
             (
                 "_src/step/time/bound.py",
-                'bandwidth *= _torus_links(hw, g["ici"], per_node)',
+                'bandwidth *= _torus_links(hardware, g["ici"], per_node)',
                 "bandwidth *= 1",
             )
         ],

@@ -302,15 +302,15 @@ def _measure(args: argparse.Namespace) -> int:
 def _calibrate(args: argparse.Namespace) -> int:
     if args.json not in (None, "-"):
         _check_paths(args.json, None)
-    chip = calibrate(seconds=float(args.seconds), preset=args.preset)
+    calibrated = calibrate(seconds=float(args.seconds), preset=args.preset)
     said = sys.stderr if args.json == "-" else sys.stdout
-    for name, why in chip.provenance.items():
+    for name, why in calibrated.provenance.items():
         if why.startswith(("measured", "not measured")):
-            print(f"{name:<27}{getattr(chip, name)!s:<22}{why}", file=said)
+            print(f"{name:<27}{getattr(calibrated, name)!s:<22}{why}", file=said)
     if args.json == "-":
-        print(chip.to_json())
+        print(calibrated.to_json())
     elif args.json:
-        pathlib.Path(args.json).write_text(chip.to_json())
+        pathlib.Path(args.json).write_text(calibrated.to_json())
     return OK
 
 

@@ -34,12 +34,12 @@ from spmdtree._src.step.advise.records import (
 from spmdtree._src.step.advise.space import checked_candidates, count_or_none
 from spmdtree._src.step.advise.state import (
     ChildCompile,
-    Compiled,
     Confirmed,
     Pending,
     PlannedStep,
     Record,
     Rejected,
+    Screened,
     Search,
     State,
     Unconfirmed,
@@ -119,7 +119,7 @@ def _first_pass(
         compiled = step_plan(traced, at.compile(traced), at)
     except Exception as e:
         return failed(search, index, error_text(e))
-    return Compiled(judged(search, index, compiled), step)
+    return Screened(judged(search, index, compiled), step)
 
 
 def step_call(returned: object) -> tuple[Callable[..., Any], tuple[Any, ...], Keywords]:
@@ -170,7 +170,7 @@ def _second_pass(search: Search, state: State, pending: Pending, child: ChildCom
         flag = f"not confirmed by {pending.compiler}: {error_text(e)}"
         return Unconfirmed(flagged(state.records[index].row, flag), pending.step)
     row = judged(search, index, step)
-    return Confirmed(row) if pending.confirming else Compiled(row, pending.step)
+    return Confirmed(row) if pending.confirming else Screened(row, pending.step)
 
 
 def _run(
@@ -201,7 +201,7 @@ def _run(
                 state = state.counted(1)
             waiting[children[key]].append(first)
         else:  # decided here: a step compiled in this process counts
-            state = recorded(search, state, index, first, int(isinstance(first, Compiled)))
+            state = recorded(search, state, index, first, int(isinstance(first, Screened)))
         state = finish(state, [child for child in waiting if child.done()])
     return finish(state, concurrent.futures.as_completed(list(waiting)))
 
@@ -219,19 +219,19 @@ def _submit(
     return search.executor.submit(compile_child, stage.payload, pending.compiler)
 
 
-def _confirmed(search: Search, state: State, index: int, target: TargetChild) -> Pending | Record:
+def _confirmed(search: Search, state: State, index: int, child: TargetChild) -> Pending | Record:
     """The candidate's step traced again, exported for the target's compiler (its
     screened row kept, flagged, where it does not trace so)."""
     record = state.records[index]
-    step = cast(Compiled, record).step
+    step = cast(Screened, record).step
     try:
         candidate = search.candidates[index]
         traced = trace_for(
-            step.fn, step.planned, _abstract(candidate), candidate.rules, step.keywords, (target,)
+            step.fn, step.planned, _abstract(candidate), candidate.rules, step.keywords, (child,)
         )
     except Exception as e:
-        return Unconfirmed(flagged(record.row, f"not confirmed by {target}: {error_text(e)}"), step)
-    return Pending(index, traced, target, step, confirming=True)
+        return Unconfirmed(flagged(record.row, f"not confirmed by {child}: {error_text(e)}"), step)
+    return Pending(index, traced, child, step, confirming=True)
 
 
 def _ask(
@@ -663,7 +663,7 @@ def _ran(
     tokens = c.batch * c.length / m.seconds if c.length else None
     # the step as the devices' own compiler compiled it, which the run measured: its
     # figures, its verdict
-    step = cast(StepPlan, m.plan)
+    step = cast(StepPlan, m.step)
     verdict, reason = verdict_of(step, search.budget, None)
     return row._replace(
         measured=m,

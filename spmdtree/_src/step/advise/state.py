@@ -1,5 +1,5 @@
 """The search's state (0.7: cut from advise.py): what each candidate has come to, as
-immutable records (`Rejected`, `Compiled`, `Confirmed`, `Unconfirmed`) in an
+immutable records (`Rejected`, `Screened`, `Confirmed`, `Unconfirmed`) in an
 immutable `State`, the row each record makes, and what the state as a whole says.
 """
 
@@ -102,7 +102,7 @@ class Rejected:
 
 
 @dataclasses.dataclass(frozen=True)
-class Compiled:
+class Screened:
     """A candidate compiled where it was screened, judged on those figures; its
     `step`, to trace it again for the target."""
 
@@ -126,7 +126,7 @@ class Unconfirmed:
     step: PlannedStep
 
 
-Record = Rejected | Compiled | Confirmed | Unconfirmed
+Record = Rejected | Screened | Confirmed | Unconfirmed
 
 
 @dataclasses.dataclass(frozen=True)

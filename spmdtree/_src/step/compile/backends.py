@@ -337,13 +337,13 @@ class _Libtpu(Toolchain):
         from jax.experimental import mesh_utils, topologies
 
         dims = placement.dims
-        options: dict[str, Any] = {}
+        described: dict[str, Any] = {}
         if placement.per_node < 4:
-            options["chips_per_host_bounds"] = [*dims, 1][:3]
+            described["chips_per_host_bounds"] = [*dims, 1][:3]
         if placement.nodes > 1:
-            options["num_slices"] = placement.nodes
+            described["num_slices"] = placement.nodes
         topology = topologies.get_topology_desc(
-            platform=self.platform, topology_name=self.topology(placement), **options
+            platform=self.platform, topology_name=self.topology(placement), **described
         )
         if placement.nodes == 1:
             return _one_slice(topology.devices, sizes, names, types)

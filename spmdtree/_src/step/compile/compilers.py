@@ -127,15 +127,15 @@ class Here:
         return self.executable(traced)[0]
 
     def executable(
-        self, traced: Traced, extra: Mapping[str, Any] | None = None
+        self, traced: Traced, added: Mapping[str, Any] | None = None
     ) -> tuple[Analysis, jax.stages.Compiled]:
-        """Compiles the step lowered for `here`, with `extra` options beside the
+        """Compiles the step lowered for `here`, with `added` options beside the
         toolchain's and the job's (what a run adds: XLA CPU's profiler events),
         and keeps the executable to run (new in 0.7: `st.measure`)."""
         start = time.perf_counter()
         stage = cast(Lowered, traced.stage)  # `here` set: trace lowered it
-        taken = {**_taken(self.toolchain, False, self.compiler_options), **(extra or {})}
-        compiled = _compiled(stage, taken, self)
+        given = {**_compile_options(self.toolchain, False, self.compiler_options), **(added or {})}
+        compiled = _compiled(stage, given, self)
         found = analyse(compiled, self.here, self.toolchain)
         return dataclasses.replace(found, seconds=time.perf_counter() - start), compiled
 
@@ -199,7 +199,9 @@ class _Child(abc.ABC):
     def _here(self, stage: Lowered) -> Analysis:
         """The step lowered on the resident devices, compiled in this process."""
         start = time.perf_counter()
-        compiled = _compiled(stage, _taken(self.toolchain, True, self.compiler_options), self)
+        compiled = _compiled(
+            stage, _compile_options(self.toolchain, True, self.compiler_options), self
+        )
         found = analyse(compiled, cast(Mesh, stage.mesh), self.toolchain, self.slice_size)
         return dataclasses.replace(found, seconds=time.perf_counter() - start)
 
@@ -289,7 +291,7 @@ class TargetChild(_Child):
         return str(self.placement)
 
 
-def _taken(
+def _compile_options(
     toolchain: Toolchain, deviceless: bool, compiler_options: tuple[tuple[str, Any], ...]
 ) -> dict[str, Any]:
     """The options a compile takes: the toolchain's own, and over them the job's
@@ -344,12 +346,12 @@ def check_compiler_options(compiler_options: object) -> tuple[tuple[str, Any], .
     return tuple(sorted(compiler_options.items()))
 
 
-def _compiled(stage: Lowered, taken: dict[str, Any], compiler: object) -> Any:
+def _compiled(stage: Lowered, given: dict[str, Any], compiler: object) -> Any:
     """A step lowered here, compiled; the compiler's refusal said whole, in our words:
     a primitive with no lowering for its platform (cuDNN's attention on the CPU
     estimate) named, with what compiles it."""
     try:
-        return stage.lowered.compile(taken)
+        return stage.lowered.compile(given)
     except Exception as e:  # the compiler's own refusal: said, its cause chained
         said = str(e)
         lines = [line for line in said.splitlines() if "not found for platform" in line]
@@ -582,7 +584,7 @@ def child(answer: str) -> None:
     try:
         with jax.set_mesh(mesh):
             compiled = jitted.lower(*args).compile(
-                _taken(compiler.toolchain, True, compiler.compiler_options)
+                _compile_options(compiler.toolchain, True, compiler.compiler_options)
             )
     except Exception as e:  # the compiler's own refusal: said to the parent, whole
         with open(answer, "w") as f:

@@ -411,8 +411,8 @@ class Hardware:
 
         Example:
             >>> import spmdtree as st
-            >>> chip = st.hardware("h100")
-            >>> st.Hardware.from_json(chip.to_json()) == chip
+            >>> h100 = st.hardware("h100")
+            >>> st.Hardware.from_json(h100.to_json()) == h100
             True
             >>> st.Hardware.from_json('{"schema": "spmdtree.Hardware/1", "name": "x"}')
             Traceback (most recent call last):

@@ -99,8 +99,8 @@ def calibrate(
 
     Example:
         >>> import spmdtree as st
-        >>> chip = st.calibrate(seconds=2.0, preset="h100")  # a CPU's figures, an H100's peak
-        >>> chip.name, 0 < chip.matmul_efficiency <= 1, chip.provenance["matmul_efficiency"][:8]
+        >>> calibrated = st.calibrate(seconds=2.0, preset="h100")  # a CPU's figures, an H100's peak
+        >>> calibrated.name, 0 < calibrated.matmul_efficiency <= 1, calibrated.provenance["matmul_efficiency"][:8]
         ('h100, calibrated', True, 'measured')
     """
     device = _device(device)
@@ -228,7 +228,7 @@ class _Bench:
             warmup=2,
             donate_argnums=0,
         )
-        schedule = m.plan.schedule
+        schedule = m.step.schedule
         unfused = {k.name for k in schedule.kernels() if k.unfused_update} if schedule else set()
         ops = [op for op in m.ops if op.name in unfused and op.measured_seconds]
         if not ops:

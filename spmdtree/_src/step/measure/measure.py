@@ -125,10 +125,10 @@ def measure(
     planned = plan_arguments(args, mesh, rules, keywords)
     compiler = Here(here, check_compiler_options(compiler_options))
     traced = trace_for(fn, planned, mesh, rules, keywords, (compiler,))
-    extra = _CPU_EVENTS if compiler.toolchain.backend is Backend.CPU else {}
-    analysis, compiled = _fitting(lambda: compiler.executable(traced, extra), compiler)
-    plan = step_plan(traced, analysis, compiler)
-    chosen = timed_on(hardware, plan.target)
+    added = _CPU_EVENTS if compiler.toolchain.backend is Backend.CPU else {}
+    analysis, compiled = _fitting(lambda: compiler.executable(traced, added), compiler)
+    step = step_plan(traced, analysis, compiler)
+    chosen = timed_on(hardware, step.target)
     runs = _Runs(compiled, planned, here, fill, _jitted(fn, planned, here, rules))
     times = _fitting(lambda: runs.timed(warmup, steps), compiler)
     with contextlib.ExitStack() as stack:
@@ -136,7 +136,7 @@ def measure(
         with jax.profiler.trace(folder, create_perfetto_trace=True):
             runs.timed(0, min(steps, PROFILED))
         profile = read_profile(folder, module=_module_name(compiled))
-    return compare(plan, profile, chosen, times)
+    return compare(step, profile, chosen, times)
 
 
 def check_here(mesh: object) -> Mesh:

@@ -256,9 +256,9 @@ def _bytes_per_kind(row: Row, g: Mapping[str, float]) -> dict[str, float]:
 
 
 def collective_seconds(
-    row: Row, shape: Mapping[str, int], hw: Hardware, devices_per_node: int | None
+    row: Row, shape: Mapping[str, int], hardware: Hardware, devices_per_node: int | None
 ) -> float:
-    """One row's seconds on `hw`: the slowest of the link kinds it crosses, each
+    """One row's seconds on `hardware`: the slowest of the link kinds it crosses, each
     its bytes / bandwidth + latency x (group on that kind - 1) per op.
 
     The slowest, not the sum: NCCL splits a collective into chunks and
@@ -289,25 +289,25 @@ def collective_seconds(
     for kind, sent in _bytes_per_kind(row, g).items():
         if g[kind] <= 1:
             continue
-        if kind not in hw.links:
+        if kind not in hardware.links:
             raise Mistake(
                 ValueError,
                 f"a {row.kind} over {row.axes} crosses {int(g[kind])} "
                 f"{'nodes' if kind == 'dcn' else 'devices of a node'}, but hardware "
-                f"{hw.name!r} has no {kind!r} link. Add one to its links.",
+                f"{hardware.name!r} has no {kind!r} link. Add one to its links.",
             )
-        bandwidth, latency = hw.links[kind]
+        bandwidth, latency = hardware.links[kind]
         if kind == "ici":
-            bandwidth *= _torus_links(hw, g["ici"], per_node)
+            bandwidth *= _torus_links(hardware, g["ici"], per_node)
         seconds = max(seconds, sent / bandwidth + row.count * latency * (g[kind] - 1))
     return seconds
 
 
-def _torus_links(hw: Hardware, group: float, slice_chips: int) -> float:
+def _torus_links(hardware: Hardware, group: float, slice_chips: int) -> float:
     """How many times its ICI figure an ICI group of `group` chips sends at on a slice
     of `slice_chips` of a TPU's torus (`chips.torus_links`); 1 on anything else (a GPU
     node, a hardware with no `TpuChip`)."""
-    chip = hw.chip
+    chip = hardware.chip
     if not isinstance(chip, TpuChip) or not chip.dimensions:
         return 1.0
     dims = slice_dims(slice_chips, chip.dimensions)
@@ -318,51 +318,51 @@ def step_time(
     collectives: Iterable[Row],
     flops: float,
     shape: Mapping[str, int],
-    hw: Hardware,
+    hardware: Hardware,
     devices_per_node: int | None = None,
     schedule: Schedule | None = None,
 ) -> StepTime:
     """The `StepTime` of a step with these FLOPs per device and collectives on a
-    mesh of this shape (axis name -> size), on `hw`; with the compiled module's
+    mesh of this shape (axis name -> size), on `hardware`; with the compiled module's
     `schedule` (`schedule.read_schedule`), its predicted time too, timed by the
     hardware's own figures (new in 0.5; 0.6: any `Hardware`, its defaults said)."""
-    return step_spans(collectives, flops, shape, hw, devices_per_node, schedule, False)[0]
+    return step_spans(collectives, flops, shape, hardware, devices_per_node, schedule, False)[0]
 
 
 def step_spans(
     collectives: Iterable[Row],
     flops: float,
     shape: Mapping[str, int],
-    hw: Hardware,
+    hardware: Hardware,
     devices_per_node: int | None,
     schedule: Schedule | None,
     spans: bool = True,
 ) -> tuple[StepTime, tuple[Span, ...]]:
     """`step_time`, and with `spans` what ran when on each stream of the walk
     (`predict.Span`; none without a schedule; new in 0.6)."""
-    if not isinstance(hw, Hardware):
+    if not isinstance(hardware, Hardware):
         raise Mistake(
-            TypeError, f"hardware is {hw!r}; expected a st.Hardware (st.hardware('h100'))."
+            TypeError, f"hardware is {hardware!r}; expected a st.Hardware (st.hardware('h100'))."
         )
     if devices_per_node is not None:
         check_devices_per_node(devices_per_node, "devices_per_node")
-    per_node = hw.devices_per_node if devices_per_node is None else devices_per_node
+    per_node = hardware.devices_per_node if devices_per_node is None else devices_per_node
     by_axes: dict[tuple[str, ...], float] = {}
     for row in collectives:
-        seconds = collective_seconds(row, shape, hw, per_node)
+        seconds = collective_seconds(row, shape, hardware, per_node)
         by_axes[tuple(row.axes)] = by_axes.get(tuple(row.axes), 0.0) + seconds
-    bound = StepTime(flops / hw.flops_per_second, by_axes, hw.flops_per_second)
+    bound = StepTime(flops / hardware.flops_per_second, by_axes, hardware.flops_per_second)
     if schedule is None:
         return bound, ()
-    timed = functools.cache(lambda row: collective_seconds(row, shape, hw, per_node))
-    said = predict(schedule, hw.costs(), hw.flops_per_second, timed, spans)
+    timed = functools.cache(lambda row: collective_seconds(row, shape, hardware, per_node))
+    said = predict(schedule, hardware.costs(), hardware.flops_per_second, timed, spans)
     predicted = dataclasses.replace(
         bound,
         predicted_seconds=said.seconds,
         exposed_comm_seconds=said.exposed_comm_seconds,
         predicted_by_class=said.by_class,
         exposed_by_axes=said.exposed_by_axes,
-        flags=(*_defaults_said(hw, schedule), *schedule.flags),
+        flags=(*_defaults_said(hardware, schedule), *schedule.flags),
     )
     return predicted, said.spans
 
@@ -375,19 +375,19 @@ _KERNEL_FIELDS: Mapping[str, Callable[[Kernel], bool]] = {
 }
 
 
-def _defaults_said(hw: Hardware, schedule: Schedule) -> Iterator[str]:
+def _defaults_said(hardware: Hardware, schedule: Schedule) -> Iterator[str]:
     """The sentence for a prediction built on the model's defaults: those it used
     (a flash kernel's shares only where the step runs one, an unfused update's
     share likewise)."""
     kernels = list(schedule.kernels())
     used = [
         what
-        for what in hw.left_out
+        for what in hardware.left_out
         if what not in _KERNEL_FIELDS or any(map(_KERNEL_FIELDS[what], kernels))
     ]
     if used:
         yield (
-            f"hardware {hw.name!r} leaves out {', '.join(used)}: the prediction "
+            f"hardware {hardware.name!r} leaves out {', '.join(used)}: the prediction "
             "takes their defaults (st.Hardware's docstring lists them); give the chip's "
             "own figures for a prediction of it"
         )
