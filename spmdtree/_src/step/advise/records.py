@@ -166,11 +166,11 @@ class AdviceRow(NamedTuple):
             )
         if devices is None:
             return jax.make_mesh(sizes, names, axis_types=types)
-        repeated = _repeated(given[:needed])
-        if repeated is not None:
+        twice = _device_twice(given[:needed])
+        if twice is not None:
             raise Mistake(
                 ValueError,
-                f"devices holds {repeated!r} more than once among the {needed} the layout "
+                f"devices holds {twice!r} more than once among the {needed} the layout "
                 f"{label_of(self.candidate)} takes; a mesh places each device once. Pass "
                 "distinct devices (jax.devices()).",
             )
@@ -179,7 +179,7 @@ class AdviceRow(NamedTuple):
         )
 
 
-def _repeated(devices: Sequence[Any]) -> Any:
+def _device_twice(devices: Sequence[Any]) -> Any:
     """The first device given twice (by its id, jax's own key for a device), or None."""
     seen: set[object] = set()
     for device in devices:
