@@ -3,7 +3,8 @@
 For each mutant below, this copies the repository's tracked files to a
 temporary directory, plants one bug in the copy of the package (a text
 replacement that must apply exactly once), confirms that the copy is what
-``import spmdtree`` loads there, and runs the test suite (``pytest -x -n 0``: in order, in one process) on it.
+``import spmdtree`` loads there, and runs the test suite (``pytest -x -n 0``: in order, in one process) on it,
+the tests nearest the floors it plants in first (`NEAREST`).
 A mutant is *killed* if a test fails, and *survives* if the suite passes.
 Every mutant changes a result a user would see; a survivor is a hole in the net.
 
@@ -1565,6 +1566,67 @@ STEP_TESTS = [
 ]
 
 
+#: The step wing's tests nearest each floor's code: a mutant's run takes the ones of
+#: the floors it plants in first, then the rest in their order. The order changes
+#: only how soon a kill is found (``-x`` stops at the first failure), never the
+#: verdict: a mutant survives only where every test passes.
+NEAREST = {
+    "kinds": ["tests/test_hlo.py", "tests/test_preflight.py"],
+    "hlo": [
+        "tests/test_hlo.py",
+        "tests/test_hlo_targets.py",
+        "tests/test_hlo_libtpu.py",
+        "tests/test_one_walk.py",
+        "tests/test_predict.py",
+        "tests/test_tpu_layouts.py",
+    ],
+    "hw": ["tests/test_hardware.py", "tests/test_presets.py"],
+    "compile": [
+        "tests/test_backends.py",
+        "tests/test_targets.py",
+        "tests/test_preflight.py",
+        "tests/test_layout.py",
+        "tests/test_net_07.py",
+    ],
+    "time": [
+        "tests/test_predict.py",
+        "tests/test_predict_properties.py",
+        "tests/test_flash.py",
+        "tests/test_hardware.py",
+        "tests/test_one_walk.py",
+        "tests/test_tpu_layouts.py",
+    ],
+    "preflight": [
+        "tests/test_preflight.py",
+        "tests/test_diagnose_properties.py",
+        "tests/test_said.py",
+        "tests/test_layout.py",
+        "tests/test_net_07.py",
+    ],
+    "measure": ["tests/test_predict.py"],
+    "advise": [
+        "tests/test_advise.py",
+        "tests/test_step_properties.py",
+        "tests/test_net.py",
+        "tests/test_look.py",
+        "tests/test_said.py",
+    ],
+}
+
+
+def nearest_first(edits: list[tuple[str, str, str]], tests: list[str]) -> list[str]:
+    """`tests` with those nearest the floors `edits` plant in first (`NEAREST`)."""
+    floors = [
+        f.split("/")[2].removesuffix(".py") for f, _, _ in edits if f.startswith("_src/step/")
+    ]
+    near = [t for floor in floors for t in NEAREST.get(floor, []) if t in tests]
+    return list(dict.fromkeys([*near, *tests]))
+
+
+#: The suite in order, in one process, stopping at the first failure.
+PYTEST = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-n", "0"]
+
+
 def run(name: str, edits: list[tuple[str, str, str]], tests: list[str]) -> tuple[str, str, float]:
     with tempfile.TemporaryDirectory(prefix=f"mutant-{name}-") as tmp:
         copy = pathlib.Path(tmp)
@@ -1586,8 +1648,7 @@ def run(name: str, edits: list[tuple[str, str, str]], tests: list[str]) -> tuple
         start = time.perf_counter()
         try:
             done = subprocess.run(
-                [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-n", "0"]
-                + (tests or ordered_tests()),
+                [*PYTEST, *nearest_first(edits, tests or ordered_tests())],
                 cwd=copy,
                 env=env,
                 capture_output=True,
