@@ -1633,7 +1633,10 @@ def run(name: str, edits: list[tuple[str, str, str]], tests: list[str]) -> tuple
         copy_repository(copy)
         plant(copy, edits)
         # the whole target grid of the property tests, not CI's sample
-        env = {**os.environ, "PYTHONPATH": str(copy), "SPMDTREE_FULL_GRID": "1"}
+        # the copy first, before what PYTHONPATH holds already (where jax lives on
+        # a machine that installs it so)
+        paths = [str(copy), *filter(None, [os.environ.get("PYTHONPATH")])]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "SPMDTREE_FULL_GRID": "1"}
         where = subprocess.run(
             [sys.executable, "-c", "import spmdtree; print(spmdtree.__file__)"],
             cwd=copy,
