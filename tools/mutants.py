@@ -1563,6 +1563,8 @@ STEP_TESTS = [
     "tests/test_net.py",
     "tests/test_net_07.py",
     "tests/test_tpu_layouts.py",
+    # the step wing's docstring examples (a progress line's pace is said in one)
+    "tests/test_doctests.py",
 ]
 
 
