@@ -109,7 +109,7 @@ def measured(
     m = st.measure(a.pop("fn"), *a.pop("args"), **a, hardware=hardware[-1], steps=5, warmup=2)
     predicted = {}
     for each in hardware:
-        predicted[each.name] = m.step.time(each).predicted_seconds
+        predicted[each.name] = m.plan.time(each).predicted_seconds
     if out:
         out.mkdir(parents=True, exist_ok=True)
         (out / f"{row.name.split(' (')[0].replace(' ', '-')}.json").write_text(m.to_json())
@@ -119,8 +119,8 @@ def measured(
         "seconds": m.seconds,
         "predicted": predicted,
         "joined_share": m.joined_share,
-        "peak_bytes": m.step.peak_bytes,
-        "compiler_peak_bytes": m.step.compiler_peak_bytes,
+        "peak_bytes": m.plan.peak_bytes,
+        "compiler_peak_bytes": m.plan.compiler_peak_bytes,
         "misses": [dataclasses.asdict(op) for op in m.misses(5)],
         "flags": list(m.flags),
         "wall_seconds": time.perf_counter() - start,

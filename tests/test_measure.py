@@ -44,10 +44,10 @@ def test_measure_runs_the_step_and_sets_the_prediction_beside_it(types):
     m = st.measure(step, *args, mesh=mesh(types), hardware=CPU, donate_argnums=0, steps=4)
     assert len(m.times) == 4 and min(m.times) == m.min_seconds > 0
     assert m.seconds == statistics.median(m.times)
-    assert m.predicted_seconds == m.step.time(CPU).predicted_seconds
+    assert m.predicted_seconds == m.plan.time(CPU).predicted_seconds
     assert m.ratio == m.predicted_seconds / m.seconds
     # every instruction of the schedule is an OpTime; XLA CPU's events join them by name
-    names = {k.name for k in m.step.schedule.kernels()}
+    names = {k.name for k in m.plan.schedule.kernels()}
     assert names <= {op.name for op in m.ops}
     assert 0.5 < m.joined_share <= 1.0
     assert sum(op.measured_seconds for op in m.ops) > 0
@@ -346,7 +346,7 @@ def test_a_compiled_step_jax_cannot_call_runs_through_jax_jit(monkeypatch):
     step, args = mlp_step()
     m = st.measure(step, *args, mesh=mesh(), hardware=CPU, donate_argnums=0, steps=3)
     assert refused == [2] and len(m.times) == 3 and m.joined_share > 0.5
-    assert {k.name for k in m.step.schedule.kernels()} <= {op.name for op in m.ops}
+    assert {k.name for k in m.plan.schedule.kernels()} <= {op.name for op in m.ops}
 
 
 def test_a_plan_on_one_device_says_nothing_of_replication():

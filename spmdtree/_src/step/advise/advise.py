@@ -663,7 +663,7 @@ def _ran(
     tokens = c.batch * c.length / m.seconds if c.length else None
     # the step as the devices' own compiler compiled it, which the run measured: its
     # figures, its verdict
-    step = cast(StepPlan, m.step)
+    step = cast(StepPlan, m.plan)
     verdict, reason = verdict_of(step, search.budget, None)
     return row._replace(
         measured=m,

@@ -228,7 +228,7 @@ class _Bench:
             warmup=2,
             donate_argnums=0,
         )
-        schedule = m.step.schedule
+        schedule = m.plan.schedule
         unfused = {k.name for k in schedule.kernels() if k.unfused_update} if schedule else set()
         ops = [op for op in m.ops if op.name in unfused and op.measured_seconds]
         if not ops:

@@ -121,7 +121,7 @@ class Measurement:
     (new in 0.7; `st.measure`, `StepPlan.compare`).
 
     Attributes:
-        step: the step's `StepPlan`, compiled once for the devices it ran on.
+        plan: the step's `StepPlan`, compiled once for the devices it ran on.
         hardware: the `Hardware` the prediction is timed on.
         times: each measured step's seconds, in the order run (wall clock, as
             `st.measure` runs them; the profile's own steps for
@@ -148,7 +148,7 @@ class Measurement:
         ('spmdtree.Measurement/1', ['hardware', 'joined_share'])
     """
 
-    step: Planned
+    plan: Planned
     hardware: Hardware
     times: tuple[float, ...]
     predicted_seconds: float
@@ -193,8 +193,8 @@ class Measurement:
         instruction's figures."""
         return {
             "schema": f"spmdtree.Measurement/{JSON_VERSION}",
-            "mesh": mesh_json(self.step.mesh),
-            "target": self.step.target,
+            "mesh": mesh_json(self.plan.mesh),
+            "target": self.plan.target,
             "device": self.device,
             "hardware": self.hardware.name,
             "times": list(self.times),
@@ -240,28 +240,28 @@ STREAMS = {"compute": 2, "collectives": 3, "measured": 4}
 
 
 def compare(
-    step: Planned,
+    plan: Planned,
     profile: Profile,
     hardware: Hardware,
     times: Sequence[float] | None = None,
 ) -> Measurement:
-    """`step`'s prediction on `hardware` held against `profile`: each instruction
+    """`plan`'s prediction on `hardware` held against `profile`: each instruction
     joined by name; the step's `times` (None: the profile's own steps)."""
-    if step.schedule is None:
+    if plan.schedule is None:
         raise Mistake(
             ValueError,
             "this StepPlan carries no compiled schedule to join (one rebuilt from its "
             "fields alone); preflight the step again.",
         )
-    per_node = step.devices_per_node
+    per_node = plan.devices_per_node
     timed, spans = step_spans(
-        step.collectives, step.flops, step.mesh.shape, hardware, per_node, step.schedule
+        plan.collectives, plan.flops, plan.mesh.shape, hardware, per_node, plan.schedule
     )
 
     def comm(row: Collective) -> float:
-        return collective_seconds(row, step.mesh.shape, hardware, per_node)
+        return collective_seconds(row, plan.mesh.shape, hardware, per_node)
 
-    predicted = list(instruction_seconds(step.schedule, hardware, comm))
+    predicted = list(instruction_seconds(plan.schedule, hardware, comm))
     ops = tuple(_joined(op, profile) for op in predicted)
     joined = sum(op.measured_seconds for op in ops)
     share = joined / profile.op_seconds if profile.op_seconds else 0.0
@@ -269,7 +269,7 @@ def compare(
         Span("measured", e.name, e.start, e.seconds, "measured", {}) for e in profile.first
     )
     return Measurement(
-        step=step,
+        plan=plan,
         hardware=hardware,
         times=tuple(times) if times else profile.steps,
         predicted_seconds=float(timed.predicted_seconds or 0.0),
@@ -277,7 +277,7 @@ def compare(
         joined_share=share,
         profiled_seconds=float(np.median(profile.steps)),
         device=profile.device,
-        flags=tuple(dict.fromkeys([*step.flags, *timed.flags, *_unjoined(ops, profile, share)])),
+        flags=tuple(dict.fromkeys([*plan.flags, *timed.flags, *_unjoined(ops, profile, share)])),
         first=(*spans, *measured),
     )
 
@@ -403,7 +403,7 @@ def _unjoined(ops: Sequence[OpTime], profile: Profile, share: float) -> Iterator
 def _table(m: Measurement, most: int = 10) -> str:
     """A measurement's table: the step, then the largest misses per instruction, with
     the compiler's own estimate of each where it gives one."""
-    devices = math.prod(m.step.mesh.shape.values())
+    devices = math.prod(m.plan.mesh.shape.values())
     own = any(op.estimated_seconds for op in m.ops)
     lines = [
         f"measured on {m.device} ({devices} device{'' if devices == 1 else 's'}): "
