@@ -1605,7 +1605,6 @@ NEAREST = {
         "tests/test_layout.py",
         "tests/test_net_07.py",
     ],
-    "measure": ["tests/test_predict.py"],
     "advise": [
         "tests/test_advise.py",
         "tests/test_step_properties.py",
