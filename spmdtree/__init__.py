@@ -35,6 +35,8 @@ from spmdtree._src.constraints import shard as shard
 from spmdtree._src.constraints import with_logical_constraint as with_logical_constraint
 from spmdtree._src.interop import from_flax as from_flax
 from spmdtree._src.optim import optimizer_sharding as optimizer_sharding
+from spmdtree._src.pipeline import pipeline as pipeline
+from spmdtree._src.pipeline import stages as stages
 from spmdtree._src.plan import DiffRow as DiffRow
 from spmdtree._src.plan import Plan as Plan
 from spmdtree._src.plan import PlanDiff as PlanDiff
@@ -179,6 +181,7 @@ __all__ = [
     "match",
     "measure",
     "optimizer_sharding",
+    "pipeline",
     "plan",
     "preflight",
     "remove_axis",
@@ -187,6 +190,7 @@ __all__ = [
     "set_logical_axis_rules",
     "shard",
     "sharded_init",
+    "stages",
     "target_compiler_options",
     "target_mesh",
     "to_abstract",

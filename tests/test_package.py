@@ -89,6 +89,7 @@ FLOW = [
     "interop",
     "constraints",
     "transforms",
+    "pipeline",
     "optim",
     "plan",
     "step.kinds",

@@ -232,6 +232,24 @@ def test_accumulate_equals_the_whole_batchs_value_and_gradients(kind, count):
         assert micro.sharding.spec == P("data", None)
 
 
+@pytest.mark.parametrize("kind", [AxisType.Explicit, AxisType.Auto])
+def test_accumulate_sums_gradients_laid_out_as_sharded_params_are(kind):
+    """0.8: the sum starts from zeros laid out as the outputs are; 0.7's were
+    replicated, which a scan refuses on Explicit axes for a gradient sharded as its
+    param is."""
+    mesh = jax.make_mesh((2, 4), ("data", "fsdp"), axis_types=(kind,) * 2)
+    params, data = _mlp()
+    with jax.set_mesh(mesh):
+        data = jax.device_put(data, NamedSharding(mesh, P("data")))
+        params["w1"] = jax.device_put(params["w1"], NamedSharding(mesh, P(None, "fsdp")))
+        whole = jax.jit(jax.value_and_grad(_mlp_loss))(params, data)
+        parts = jax.jit(st.accumulate(jax.value_and_grad(_mlp_loss), 4))(params, data)
+    for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(parts), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    if kind == AxisType.Explicit:
+        assert parts[1]["w1"].sharding.spec == P(None, "fsdp")
+
+
 def test_accumulate_lowers_the_peak_of_a_step_that_holds_activations():
     params, data = _mlp(batch=512, hidden=4096)
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (params, data))

@@ -256,13 +256,44 @@ def _as_tuple(x: Any) -> tuple[Any, ...]:
     return (x,) if isinstance(x, (int, str)) else tuple(x)
 
 
-def _microbatches(x: jax.Array, count: int) -> jax.Array:
+def split_microbatches(x: jax.Array, count: int) -> jax.Array:
     """`x`'s leading (batch) dimension as `count` microbatches of rows strided over
     it: microbatch i holds rows i, i + count, ..., so every device's contiguous
     shard of the batch holds its share of each microbatch, and the batch's sharding
     stays on the rows (a reshape to ``(count, rows)`` would put it on the
     microbatch index, each microbatch on a few devices: the SPMD pitfall)."""
     return jnp.swapaxes(x.reshape(x.shape[0] // count, count, *x.shape[1:]), 0, 1)
+
+
+def check_microbatches(tree: PyTree, count: int, argument: str, passed: str) -> None:
+    """Raises a Mistake unless every leaf of `tree` has a leading (batch) dimension
+    that `count` microbatches divide; the wrong leaves are named by their paths
+    under `argument`, and what is not per example is to be passed `passed`."""
+    leaves = jax.tree_util.tree_leaves_with_path(tree)
+    scalars = [at(argument, path) for path, leaf in leaves if not jnp.ndim(leaf)]
+    if scalars:
+        raise Mistake(
+            ValueError,
+            f"{', '.join(scalars)} {'is a scalar' if len(scalars) == 1 else 'are scalars'}: "
+            f"every leaf of the {argument} needs the batch as its leading dimension to be "
+            f"split into microbatches. Pass what is not per example {passed} (a closure).",
+        )
+    wrong = [
+        f"{at(argument, path)} (shape {tuple(jnp.shape(leaf))})"
+        for path, leaf in leaves
+        if jnp.shape(leaf)[0] % count
+    ]
+    if wrong:
+        raise Mistake(
+            ValueError,
+            f"{count} microbatches do not divide the leading (batch) dimension "
+            f"of {', '.join(wrong)}. Give a batch the count divides, or another count.",
+        )
+
+
+def join_microbatches(x: jax.Array) -> jax.Array:
+    """The batch that `split_microbatches` split into ``x.shape[0]`` microbatches."""
+    return jnp.swapaxes(x, 0, 1).reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
 
 def accumulate(fn: Callable[[Any, Any], Any], microbatches: int) -> Callable[[Any, Any], Any]:
@@ -320,29 +351,11 @@ def accumulate(fn: Callable[[Any, Any], Any], microbatches: int) -> Callable[[An
     def accumulated(params: Any, batch: Any) -> Any:
         if microbatches == 1:
             return fn(params, batch)
-        leaves = jax.tree_util.tree_leaves_with_path(batch)
-        scalars = [at("batch", path) for path, leaf in leaves if not jnp.ndim(leaf)]
-        if scalars:
-            raise Mistake(
-                ValueError,
-                f"{', '.join(scalars)} {'is a scalar' if len(scalars) == 1 else 'are scalars'}: "
-                "every leaf of the batch needs the batch as its leading dimension to be split "
-                "into microbatches. Pass what is not per example with the params (a closure).",
-            )
-        wrong = [
-            f"{at('batch', path)} (shape {tuple(jnp.shape(leaf))})"
-            for path, leaf in leaves
-            if jnp.shape(leaf)[0] % microbatches
-        ]
-        if wrong:
-            raise Mistake(
-                ValueError,
-                f"{microbatches} microbatches do not divide the leading (batch) dimension "
-                f"of {', '.join(wrong)}. Give a batch the count divides, or another count.",
-            )
-        split = jax.tree.map(lambda x: _microbatches(x, microbatches), batch)
+        check_microbatches(batch, microbatches, "batch", "with the params")
+        split = jax.tree.map(lambda x: split_microbatches(x, microbatches), batch)
         one = jax.tree.map(lambda x: x[0], split)
-        zero = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(fn, params, one))
+        # zeros laid out as the outputs are (on Explicit axes their sharding is their type)
+        zero = jax.tree.map(jnp.zeros_like, jax.eval_shape(fn, params, one))
 
         def add(total: Any, micro: Any) -> tuple[Any, None]:
             return jax.tree.map(jnp.add, total, fn(params, micro)), None

@@ -23,6 +23,7 @@ import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
+from spmdtree._src.pipeline import Scope
 from spmdtree._src.step.hlo.forms import (
     Flow,
     Part,
@@ -225,12 +226,17 @@ class Done(NamedTuple):
 class Loop(NamedTuple):
     """A ``while``: its body (condition included) runs `trips` times; `known` is
     False where the compiler does not say how often (timed and counted once);
-    `name`, the instruction's name in the compiled module (new in 0.6)."""
+    `name`, the instruction's name in the compiled module (new in 0.6); `idle`,
+    for the loop of a pipeline's iterations (`st.pipeline`'s, its name scope on
+    the ``while``, its trips that scope's iterations), how many of them each
+    device runs on padding: the bubble, ``stages - 1`` (new in 0.8; 0 for any
+    other loop)."""
 
     trips: int
     body: tuple[Event, ...]
     known: bool = True
     name: str = ""
+    idle: int = 0
 
 
 class Branches(NamedTuple):
@@ -397,6 +403,19 @@ class Schedule:
         """
         return _cycles(self.events)
 
+    def pipelines(self) -> tuple[Loop, ...]:
+        """The loops of a pipeline's iterations (`Loop.idle` > 0), in schedule order:
+        the forward's, then the backward's; a loop inside one is its stage's, not
+        another pipeline's (new in 0.8).
+
+        Example:
+            >>> stage = Loop(2, (Kernel("matmul", 1, 1),))
+            >>> forward = Loop(11, (stage,), name="while.3", idle=3)
+            >>> [loop.name for loop in Schedule((forward, Kernel("memory", 0, 1)), "tpu").pipelines()]
+            ['while.3']
+        """
+        return tuple(_pipelines(self.events))
+
     def to_dict(self) -> dict[str, Any]:
         """The schedule as plain JSON values (each event a tagged list)."""
         return {
@@ -452,6 +471,15 @@ def _kernels(events: Iterable[Event]) -> Iterator[Kernel]:
                 yield from _kernels(branch)
 
 
+def _pipelines(events: Iterable[Event]) -> Iterator[Loop]:
+    for event in events:
+        if isinstance(event, Loop):
+            yield from [event] if event.idle else _pipelines(event.body)
+        elif isinstance(event, Branches):
+            for branch in event.branches:
+                yield from _pipelines(branch)
+
+
 def _cycles(events: Iterable[Event]) -> int:
     """The estimated cycles of `events`, per run (`Schedule.compiler_cycles`)."""
     total = 0
@@ -474,7 +502,7 @@ def _event_json(event: Event) -> list[Any]:
         return ["done", event.ident]
     if isinstance(event, Loop):
         body = [_event_json(e) for e in event.body]
-        return ["loop", event.trips, body, event.known, event.name]
+        return ["loop", event.trips, body, event.known, event.name, event.idle]
     return ["branches", [[_event_json(e) for e in branch] for branch in event.branches]]
 
 
@@ -489,7 +517,7 @@ def _event_from(data: Sequence[Any]) -> Event:
     if tag == "done":
         return Done(rest[0])
     if tag == "loop":
-        return Loop(rest[0], tuple(_event_from(e) for e in rest[1]), rest[2], rest[3])
+        return Loop(rest[0], tuple(_event_from(e) for e in rest[1]), *rest[2:])
     return Branches(tuple(tuple(_event_from(e) for e in branch) for branch in rest[0]))
 
 
@@ -572,7 +600,9 @@ class _Walker:
             trips = trip_count(self.mod, comp, ins)
             self.unknown |= trips is None
             body = self.events(callees.get("condition", "")) + self.events(callees.get("body", ""))
-            return [Loop(1 if trips is None else trips, body, trips is not None, ins.name)]
+            scope = Scope.read(ins.op_name)
+            idle = scope.idle if scope is not None and trips == scope.iterations else 0
+            return [Loop(1 if trips is None else trips, body, trips is not None, ins.name, idle)]
         if ins.op == Op.kConditional:
             return [Branches(tuple(self.events(c) for _, c in ins.callees))]
         if ins.op == Op.kCall:

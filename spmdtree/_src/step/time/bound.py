@@ -82,6 +82,10 @@ class StepTime:
             collectives the compute waited for (each collective with its
             latency); a read-only dict, or None where no schedule was walked
             (new in 0.6).
+        bubble_seconds: of `predicted_seconds`, what a pipeline's iterations on
+            padding take (`st.pipeline`: ``stages - 1`` of each of its loops'
+            iterations, at the loop's predicted time); 0 without a pipeline,
+            None where no schedule was walked (new in 0.8).
 
     Raises:
         ValueError: for a `flops_per_second` <= 0, or a prediction < 0.
@@ -107,6 +111,7 @@ class StepTime:
     exposed_by_axes: Mapping[tuple[str, ...], float] | None = dataclasses.field(
         default=None, hash=False
     )
+    bubble_seconds: float | None = None
 
     @functools.partial(public, name="StepTime")
     def __post_init__(self) -> None:
@@ -115,7 +120,7 @@ class StepTime:
         )
         if self.flops_per_second is not None:
             positive(self.flops_per_second, "flops_per_second")
-        for what in ("predicted_seconds", "exposed_comm_seconds"):
+        for what in ("predicted_seconds", "exposed_comm_seconds", "bubble_seconds"):
             value = getattr(self, what)
             if value is not None and value != 0:
                 positive(value, what)
@@ -148,6 +153,20 @@ class StepTime:
     def serial_seconds(self) -> float:
         """compute + collectives: no overlap at all."""
         return self.compute_seconds + self.comm_seconds
+
+    @property
+    def bubble_share(self) -> float | None:
+        """The share of the predicted step a pipeline's bubble takes (0 without a
+        pipeline), or None where there is no prediction (new in 0.8).
+
+        Example:
+            >>> import spmdtree as st
+            >>> st.StepTime(0.5, {}, predicted_seconds=2.0, bubble_seconds=0.5).bubble_share
+            0.25
+        """
+        if self.predicted_seconds is None or self.bubble_seconds is None:
+            return None
+        return self.bubble_seconds / self.predicted_seconds if self.predicted_seconds else 0.0
 
     @public
     def mfu(self, step_seconds: float, model_flops: float | None = None) -> float:
@@ -211,6 +230,7 @@ def time_json(timed: StepTime) -> dict[str, Any]:
         if timed.predicted_by_class is None
         else dict(timed.predicted_by_class),
         "exposed_by_axes": axes(timed.exposed_by_axes),
+        "bubble_seconds": timed.bubble_seconds,
         "flops_per_second": timed.flops_per_second,
         "flags": list(timed.flags),
     }
@@ -362,6 +382,7 @@ def step_spans(
         exposed_comm_seconds=said.exposed_comm_seconds,
         predicted_by_class=said.by_class,
         exposed_by_axes=said.exposed_by_axes,
+        bubble_seconds=said.bubble_seconds,
         flags=(*_defaults_said(hardware, schedule), *schedule.flags),
     )
     return predicted, said.spans

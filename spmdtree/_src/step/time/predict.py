@@ -172,6 +172,10 @@ class Prediction:
         spans: what ran when on each stream, where the walk recorded them (`Span`;
             the first `_Walk.WALKED` iterations of a loop whole, the rest one
             span per stream); () otherwise (new in 0.6).
+        bubble_seconds: of the step, the time a pipeline's loops spend in the
+            iterations each device runs on padding (`Loop.idle` of its trips,
+            at the loop's own time: what the compiled program runs); 0 without
+            a pipeline (new in 0.8).
     """
 
     matmul_seconds: float
@@ -183,6 +187,7 @@ class Prediction:
     kernels: int
     exposed_by_axes: Mapping[Axes, float] = dataclasses.field(default_factory=dict)
     spans: tuple[Span, ...] = dataclasses.field(default=(), repr=False, compare=False)
+    bubble_seconds: float = 0.0
 
     @property
     def seconds(self) -> float:
@@ -213,6 +218,7 @@ class _Clock:
     pending: dict[int, tuple[float, str, Axes]] = dataclasses.field(default_factory=dict)
     waited: dict[Axes, float] = dataclasses.field(default_factory=dict)  # exposed, per axes
     spans: list[Span] | None = None  # where the walk records what ran when
+    bubble: float = 0.0  # a pipeline's idle iterations, of the compute stream's time
 
     def copy(self, spans: bool = True) -> _Clock:
         """A clock that goes on from here (with the spans so far, where recorded)."""
@@ -268,6 +274,7 @@ class _Clock:
         for kind in CLASSES:
             self.spent[kind] += times * (self.spent[kind] - before.spent[kind])
         self.comm += times * (self.comm - before.comm)
+        self.bubble += times * (self.bubble - before.bubble)
         for axes, seconds in list(self.waited.items()):
             self.waited[axes] += times * (seconds - before.waited.get(axes, 0.0))
         self.kernels += times * (self.kernels - before.kernels)
@@ -281,6 +288,7 @@ class _Walk:
 
     def __init__(self, costs: Costs, peak: float, comm: Callable[[Collective], float]) -> None:
         self.costs, self.peak, self.comm = costs, peak, comm
+        self.piped = False  # inside a pipeline's loop: a loop there is its stage's
 
     def run(self, events: Sequence[Event], clock: _Clock) -> _Clock:
         for event in events:
@@ -332,16 +340,27 @@ class _Walk:
             if event.ident in clock.pending:
                 clock.wait(*clock.pending.pop(event.ident))
         elif isinstance(event, Loop):
-            before = clock
-            for _ in range(min(event.trips, self.WALKED)):
-                before = clock.copy(spans=False)
-                clock = self.run(event.body, clock)
-            if event.trips > self.WALKED:
-                name = f"{event.name or 'loop'}: iterations {self.WALKED + 1}-{event.trips}"
-                clock.advance(before, event.trips - self.WALKED, name)
+            clock = self.loop(event, clock)
         else:
             ends = [self.run(branch, clock.copy()) for branch in event.branches]
             clock = max(ends, key=lambda c: c.compute, default=clock)
+        return clock
+
+    def loop(self, loop: Loop, clock: _Clock) -> _Clock:
+        """A loop: its first `WALKED` iterations walked, the rest repeating the last
+        one's change; a pipeline's bubble, its idle iterations' share of its time."""
+        began, piped = clock.compute, self.piped
+        self.piped = piped or loop.idle > 0
+        before = clock
+        for _ in range(min(loop.trips, self.WALKED)):
+            before = clock.copy(spans=False)
+            clock = self.run(loop.body, clock)
+        if loop.trips > self.WALKED:
+            name = f"{loop.name or 'loop'}: iterations {self.WALKED + 1}-{loop.trips}"
+            clock.advance(before, loop.trips - self.WALKED, name)
+        self.piped = piped
+        if loop.idle and not piped:
+            clock.bubble += (clock.compute - began) * loop.idle / loop.trips
         return clock
 
 
@@ -382,4 +401,5 @@ def predict(
         kernels=end.kernels,
         exposed_by_axes={axes: s for axes, s in end.waited.items() if s > 0},
         spans=tuple(end.spans or ()),
+        bubble_seconds=end.bubble,
     )

@@ -1,0 +1,480 @@
+"""Pipeline stages (new in 0.8): `stages` restages stacked layers for a pipeline, and
+`pipeline` runs them as one, in one SPMD program.
+
+A pipeline splits the layers into stages, each stage's layers on its own devices
+along a mesh axis, and streams microbatches through them: while stage s runs
+microbatch k, stage s + 1 runs microbatch k - 1. As MaxText's and praxis's
+pipelines do (and the smallest one, `spmd_pipeline` in jax's shard_map notebook),
+it is one program over the whole mesh, written per stage (`jax.shard_map` over
+the stage axis alone; every other axis stays as the mesh has it): every stage
+runs every iteration, hands its output to the next by a ``ppermute`` (a
+``collective-permute`` in the compiled program), and the last stage's output goes
+round the ring to the first, which keeps it in the buffer of microbatches it
+streams from. Before a stage's first microbatch arrives and after its last
+leaves, it runs on what it holds and the result is dropped: the bubble, real work
+in the compiled program, ``stages - 1`` of its ``microbatches x repeats + stages
+- 1`` iterations. With ``repeats`` > 1 the pipeline is circular: each stage holds
+``repeats`` groups of layers, and each microbatch goes round the ring that often.
+
+The iterations run under the name scope `scope` says, which the compiled
+program's metadata keeps: preflight reads the pipeline's loops and their bubble
+from it.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AxisType, PartitionSpec
+
+from spmdtree._src.boxes import LogicallyPartitioned, Partitioned
+from spmdtree._src.errors import Mistake, at, public
+from spmdtree._src.rules import PyTree
+from spmdtree._src.specs import context_mesh
+from spmdtree._src.transforms import check_microbatches, join_microbatches, split_microbatches
+from spmdtree._src.trees import change_axes, is_boxed
+
+#: A remat policy, as `jax.checkpoint` takes it.
+Policy = Callable[..., bool]
+
+
+class Scope(NamedTuple):
+    """What a pipeline's name scope says of it: its stages, microbatches and
+    repeats, and so its iterations and the bubble among them.
+
+    Example:
+        >>> scope = Scope(4, 8, 2)
+        >>> str(scope), scope.iterations, scope.idle
+        ('st.pipeline(stages=4,microbatches=8,repeats=2)', 19, 3)
+        >>> Scope.read("jit(step)/transpose(jvp(st.pipeline(stages=4,microbatches=8,repeats=2)))/while")
+        Scope(stages=4, microbatches=8, repeats=2)
+    """
+
+    stages: int
+    microbatches: int
+    repeats: int
+
+    @property
+    def iterations(self) -> int:
+        """How often every stage runs: once per microbatch and repeat, and the bubble."""
+        return self.microbatches * self.repeats + self.stages - 1
+
+    @property
+    def idle(self) -> int:
+        """The iterations each stage runs on padding (the bubble)."""
+        return self.stages - 1
+
+    def __str__(self) -> str:
+        return f"st.pipeline(stages={self.stages},microbatches={self.microbatches},repeats={self.repeats})"
+
+    @classmethod
+    def read(cls, op_name: str) -> Scope | None:
+        """The pipeline scope an instruction's ``op_name`` names, or None."""
+        found = _SCOPE.search(op_name)
+        return None if found is None else cls(*map(int, found.groups()))
+
+
+_SCOPE = re.compile(r"st\.pipeline\(stages=(\d+),microbatches=(\d+),repeats=(\d+)\)")
+
+
+def _count(value: object, what: str) -> int:
+    """`value`, an int >= 1, or the Mistake that says it is not."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise Mistake(TypeError, f"{what} is {value!r}; expected an int >= 1.")
+    if value < 1:
+        raise Mistake(ValueError, f"{what} is {value}; expected an int >= 1.")
+    return value
+
+
+def _leading(tree: PyTree, argument: str, dims: int) -> dict[str, tuple[int, ...]]:
+    """Each array leaf's first `dims` sizes, by its path under `argument` (boxes'
+    values as their leaves); a leaf of fewer dimensions is a Mistake."""
+    found: dict[str, tuple[int, ...]] = {}
+    short = []
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        shape = getattr(leaf, "shape", None)
+        if shape is None or len(shape) < dims:
+            short.append(f"{at(argument, path)} (shape {None if shape is None else tuple(shape)})")
+            continue
+        found[at(argument, path)] = tuple(shape[:dims])
+    if short:
+        raise Mistake(
+            ValueError,
+            f"{', '.join(short)} {'has' if len(short) == 1 else 'have'} fewer than {dims} "
+            f"dimension{'s' if dims > 1 else ''}; every array of {argument} is expected "
+            "stacked, its leading dimension"
+            + (" the layers." if dims == 1 else "s (repeats, stages, layers per stage).")
+            + (" Build them with st.stages." if dims > 1 else ""),
+        )
+    if not found:
+        raise Mistake(ValueError, f"{argument} holds no arrays; expected stacked layers.")
+    return found
+
+
+def _one_size(sizes: dict[str, tuple[int, ...]], argument: str, what: str) -> tuple[int, ...]:
+    """The one leading size every leaf has, or the Mistake that lists how they differ."""
+    distinct = dict.fromkeys(sizes.values())
+    if len(distinct) > 1:
+        shown = "; ".join(
+            f"{size if len(size) > 1 else size[0]} at "
+            + ", ".join(path for path, s in sizes.items() if s == size)
+            for size in list(distinct)[:5]
+        )
+        raise Mistake(
+            ValueError,
+            f"the arrays of {argument} disagree on their {what}: {shown}. Stack every "
+            f"array of the layers alike (st.vmap), and restage the whole tree at once.",
+        )
+    return next(iter(distinct))
+
+
+def _reshaped(value: Any, shape: tuple[int, ...]) -> Any:
+    """`value` reshaped, an abstract one (`jax.ShapeDtypeStruct`) too."""
+    if isinstance(value, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(shape, value.dtype)
+    return jnp.reshape(value, shape)
+
+
+@public
+def stages(layers: PyTree, stages: int, *, repeats: int = 1, name: str = "stage") -> PyTree:
+    """Restages stacked layers ``[L, ...]`` for `pipeline`:
+    ``[repeats, stages, L // (repeats * stages), ...]`` (new in 0.8).
+
+    A C-order reshape, so layer ``l = (r * stages + s) * per_stage + j`` is
+    repeat r, stage s, position j: stage s holds layers ``s * per_stage`` to
+    ``(s + 1) * per_stage - 1`` of each pass round the ring. A box gains two
+    names: ``None`` for the repeats and `name` for the stages, which the rules
+    map onto the stage mesh axis (``("stage", "stage")``), so that each device
+    holds its own stage's layers; a box of mesh-axis names names the mesh
+    axis itself. Arrays abstract (`jax.ShapeDtypeStruct`) or not.
+
+    Args:
+        layers: stacked layers, every array with the layers as its leading
+            dimension (as ``st.vmap(init_layer, partition_name="layers")``
+            builds them).
+        stages: how many pipeline stages (the stage mesh axis's size).
+        repeats: how often each microbatch goes round the stages (1: GPipe;
+            more: a circular pipeline, each stage holding `repeats` groups of
+            layers).
+        name: the name of the stage dimension in the boxes' names.
+
+    Returns:
+        The same tree, each array ``[repeats, stages, L // (repeats * stages),
+        ...]``, each box named ``(None, name, <its names>)``.
+
+    Raises:
+        TypeError: for `stages` or `repeats` that is not an int, or a `name`
+            that is not a string.
+        ValueError: for `stages` or `repeats` < 1, layers that ``stages x
+            repeats`` do not divide, or arrays that disagree on the layers.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, spmdtree as st
+        >>> layers = {"w": st.LogicallyPartitioned(jnp.arange(8.0 * 3).reshape(8, 3), ("layers", "embed"))}
+        >>> staged = st.stages(layers, 2, repeats=2)
+        >>> staged["w"]
+        LogicallyPartitioned(f32[2,2,2,3], names=(None, 'stage', 'layers', 'embed'))
+        >>> float(staged["w"].value[1, 0, 1, 0]) == float(layers["w"].value[(1 * 2 + 0) * 2 + 1, 0])
+        True
+        >>> st.stages(layers, 3)
+        Traceback (most recent call last):
+        ...
+        ValueError: stages: layers holds 8 layers, which 3 stages x 1 repeats do not divide. Choose stages and repeats whose product divides 8: 1, 2, 4 or 8.
+    """
+    _count(stages, "stages")
+    _count(repeats, "repeats")
+    if not isinstance(name, str):
+        raise Mistake(TypeError, f"name is {name!r}; expected a str, the stage dimension's name.")
+    (count,) = _one_size(_leading(layers, "layers", 1), "layers", "layers (leading dimension)")
+    if count % (stages * repeats):
+        divisors = [str(d) for d in range(1, count + 1) if count % d == 0]
+        raise Mistake(
+            ValueError,
+            f"layers holds {count} layers, which {stages} stages x {repeats} repeats do not "
+            f"divide. Choose stages and repeats whose product divides {count}: "
+            f"{', '.join(divisors[:-1])} or {divisors[-1]}.",
+        )
+    split = (repeats, stages, count // (repeats * stages))
+    reshaped = jax.tree.map(lambda v: _reshaped(v, (*split, *v.shape[1:])), layers)
+    named = change_axes(reshaped, 0, name, add=True, argument="layers")
+    return change_axes(named, 0, None, add=True, argument="layers")
+
+
+def _per_layer(staged: PyTree) -> PyTree:
+    """`staged` with its boxes' names those of one layer (the repeats, stage and
+    layer dimensions dropped), their values as they are: what `pipeline` indexes."""
+    for first in (True, False, False):
+        staged = change_axes(
+            staged, 0, None, add=False, argument="staged", match_name=False, unmapped=first
+        )
+    return staged
+
+
+def _check_stage_names(staged: PyTree, axis: str) -> None:
+    """A box of mesh-axis names must name the stage dimension `axis`: else each
+    device would hold every stage's layers."""
+    wrong = [
+        f"{at('staged', path)} (names {box.names})"
+        for path, box in jax.tree_util.tree_leaves_with_path(staged, is_leaf=is_boxed)
+        if isinstance(box, Partitioned)
+        and not isinstance(box, LogicallyPartitioned)
+        and len(box.names) > 1
+        and box.names[1] != axis
+    ]
+    if wrong:
+        raise Mistake(
+            ValueError,
+            f"{', '.join(wrong)} {'names' if len(wrong) == 1 else 'name'} the stage dimension "
+            f"(dimension 1) otherwise than the stage mesh axis {axis!r}, so every device "
+            f"would hold every stage's layers. Restage with st.stages(..., name={axis!r}).",
+        )
+
+
+def _stage_mesh(axis: str, stages: int) -> int:
+    """The size of the stage axis of the mesh in context, checked against the
+    staged layers' stage dimension."""
+    mesh = context_mesh()
+    if mesh is None:
+        raise Mistake(
+            ValueError,
+            f"no mesh is in context; the pipeline runs its {stages} stages along the mesh "
+            f"axis {axis!r} of the mesh set with jax.set_mesh. Call it under "
+            "`with jax.set_mesh(mesh):`.",
+        )
+    if axis not in mesh.axis_names:
+        raise Mistake(
+            ValueError,
+            f"the mesh in context has axes {dict(mesh.shape)}, no stage axis {axis!r}. Build "
+            f"the mesh with an axis {axis!r} of size {stages} (jax.make_mesh), or pass the "
+            "stage axis's name as axis=.",
+        )
+    if mesh.shape[axis] != stages:
+        raise Mistake(
+            ValueError,
+            f"the mesh's stage axis {axis!r} has {mesh.shape[axis]} devices, but the staged "
+            f"layers have {stages} stages (their dimension 1). Restage them with "
+            f"st.stages(layers, {mesh.shape[axis]}), or lay the mesh out with {stages} on "
+            f"{axis!r}.",
+        )
+    return stages
+
+
+def _checked_layer(f: Callable[[Any, Any], tuple[Any, Any]]) -> Callable[[Any, Any], Any]:
+    """`f` for one layer, its result checked: the carry as it came in (structure,
+    shapes, dtypes) and no per-layer output."""
+
+    def layer(carry: Any, params: Any) -> tuple[Any, None]:
+        out = f(carry, params)
+        if not isinstance(out, tuple) or len(out) != 2:
+            raise Mistake(
+                ValueError,
+                f"f returned {type(out).__name__}; expected (carry, None), as a scan's body "
+                "returns its carry and per-layer output.",
+            )
+        new, per_layer = out
+        if per_layer is not None:
+            raise Mistake(
+                ValueError,
+                f"f returned a per-layer output ({jax.tree.structure(per_layer)}); a pipeline "
+                "passes only the carry from stage to stage, so f must return (carry, None). "
+                "Carry what a layer adds up (an auxiliary loss) in the carry.",
+            )
+        given, got = (jax.tree.map(lambda x: str(jax.typeof(x)), t) for t in (carry, new))
+        if given != got:
+            raise Mistake(
+                ValueError,
+                f"f returned a carry of {got}, given one of {given}; a layer must return its "
+                "carry as it came in: its structure, shapes, dtypes and, on Explicit axes, "
+                "shardings (constrain the carry before the pipeline to the sharding f "
+                "gives it: st.with_logical_constraint).",
+            )
+        return new, None
+
+    return layer
+
+
+@public
+def pipeline(
+    f: Callable[[Any, Any], tuple[Any, Any]],
+    init: PyTree,
+    staged: PyTree,
+    *,
+    microbatches: int,
+    axis: str = "stage",
+    remat: bool | Policy = False,
+) -> tuple[Any, None]:
+    """``st.scan(f, init, layers)`` run as a pipeline over the mesh axis `axis`, in
+    one SPMD program (new in 0.8).
+
+    `staged` is the layers as `stages` restaged them (``[repeats, stages,
+    per_stage, ...]``). `init`'s leading (batch) dimension is split into
+    `microbatches` (rows strided, as `accumulate` splits them, so the batch's
+    sharding stays on its rows), which stream through the stages: each stage
+    runs its layers (a scan of `f`) on one microbatch per iteration and passes
+    the result to the next stage by a ``ppermute`` along `axis` (a
+    ``collective-permute``); the last stage's goes round the ring to the first,
+    for the next repeat or into the output. Each device holds its own stage's
+    layers (shard the stage dimension on `axis`: the rule ``("stage",
+    "stage")``). The mesh is the one in context (`jax.set_mesh`), as
+    constraints take it; every axis but `axis` stays as it is, so `f`'s
+    constraints over the data, fsdp and tensor axes hold inside.
+
+    ``microbatches x repeats + stages - 1`` iterations run; in ``stages - 1``
+    of them each stage runs on padding (the bubble, ``(stages - 1) /
+    (microbatches x repeats + stages - 1)`` of the pipeline's time), which
+    preflight counts as the compiled program runs it. The result equals
+    ``st.scan(f, init, layers)``'s to float tolerance, its gradients too.
+    Pure: composes with `jax.jit`, `jax.grad`, `jax.checkpoint`, optax and
+    `accumulate`.
+
+    Args:
+        f: ``(carry, layer) -> (carry, None)`` for one layer, as `scan` takes
+            it: `layer` holds boxes with one layer's names.
+        init: the carry: activations, every leaf with the batch as its leading
+            dimension.
+        staged: the layers, restaged by `stages`.
+        microbatches: how many microbatches the batch is split into: a multiple
+            of the stages that divides the batch (MaxText's advice is twice the
+            stages or more).
+        axis: the stage mesh axis.
+        remat: rematerialise each iteration's stage in the backward pass (as
+            MaxText's ``set_remat_policy_on_pipeline_iterations``): True saves
+            only each iteration's input, a policy
+            (``jax.checkpoint_policies.*``) saves what it names; False
+            (default) adds nothing to what `f` does itself.
+
+    Returns:
+        ``(carry, None)``: the carry after every layer, as `scan` returns it.
+
+    Raises:
+        TypeError: for a `microbatches` that is not an int.
+        ValueError: for microbatches that are not a multiple of the stages or
+            do not divide the batch; no mesh in context, a mesh without `axis`,
+            or one whose `axis` differs in size from the staged layers' stages;
+            staged arrays that disagree on the repeats or the stages, or a box
+            of mesh-axis names whose stage dimension is not `axis`; and (while
+            tracing) an `f` whose per-layer output is not None, or whose carry
+            changes.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, spmdtree as st
+        >>> mesh = jax.make_mesh((4, 2), ("stage", "data"))
+        >>> layers = {"w": st.Partitioned(jax.random.normal(jax.random.key(0), (8, 16, 16)) / 4, ("layers", None, None))}
+        >>> def layer(x, p):
+        ...     return jnp.tanh(x @ st.unbox(p)["w"]), None
+        >>> x = jnp.ones((16, 16))
+        >>> staged = st.stages(layers, 4, repeats=2, name="stage")
+        >>> with jax.set_mesh(mesh):
+        ...     piped, _ = jax.jit(lambda x, s: st.pipeline(layer, x, s, microbatches=4))(x, staged)
+        >>> scanned, _ = st.scan(layer, x, layers)
+        >>> bool(jnp.allclose(piped, scanned, atol=1e-6))
+        True
+    """
+    microbatches = _count(microbatches, "microbatches")
+    if remat is not False and remat is not True and not callable(remat):
+        raise Mistake(
+            TypeError,
+            f"remat is {remat!r}; expected True, False or a remat policy "
+            "(jax.checkpoint_policies.*).",
+        )
+    if not isinstance(axis, str):
+        raise Mistake(TypeError, f"axis is {axis!r}; expected the stage mesh axis's name.")
+    repeats, count = _one_size(
+        _leading(staged, "staged", 3),
+        "staged",
+        "repeats, stages and layers per stage (dimensions 0 to 2)",
+    )[:2]
+    _stage_mesh(axis, count)
+    _check_stage_names(staged, axis)
+    if microbatches % count:
+        raise Mistake(
+            ValueError,
+            f"microbatches is {microbatches}, not a multiple of the {count} stages. Give a "
+            f"multiple of {count} (MaxText advises {2 * count} or more: the bubble is "
+            f"{count - 1} iterations of microbatches x repeats + {count - 1}).",
+        )
+    check_microbatches(init, microbatches, "init", "to f")
+    scope = Scope(count, microbatches, repeats)
+    layers = _per_layer(staged)
+    specs = jax.tree.map(lambda _: PartitionSpec(None, axis), layers)
+    run = functools.partial(_run, _checked_layer(f), scope, axis, remat)
+    with jax.named_scope(str(scope)):
+        out = jax.shard_map(
+            run,
+            in_specs=(PartitionSpec(axis), specs),
+            out_specs=PartitionSpec(axis),
+            axis_names={axis},
+        )(jax.tree.map(functools.partial(_copies, count, axis), init), layers)
+        # only the first stage's copy is not zero: their sum is its carry on every stage
+        return jax.tree.map(lambda x: jnp.sum(x, axis=0), out), None
+
+
+def _copies(count: int, axis: str, x: jax.Array) -> jax.Array:
+    """`x` as `count` copies along a new leading dimension on the stage axis, one for
+    each stage: each device holds its own, as it held `x` (no transfer).
+
+    Each stage's carry is its own from the start (its gradient the sum of theirs),
+    so the compiler's partitioner, not the per-stage program, sums across the
+    stages: an all-reduce there, which the CPU compiler also compiles for bf16
+    (one written inside the per-stage program does not compile there, jax
+    0.10.2)."""
+    copies = jnp.broadcast_to(x[None], (count, *jnp.shape(x)))
+    if AxisType.Explicit not in jax.sharding.get_abstract_mesh().axis_types:
+        return copies
+    spec = tuple(jax.typeof(x).sharding.spec)
+    return jax.sharding.reshard(copies, PartitionSpec(axis, *spec))
+
+
+def _stage_fn(layer: Callable[[Any, Any], Any], remat: bool | Policy) -> Callable[..., Any]:
+    """One stage's layers of repeat `r` run on its input: ``(weights, r, x) -> x``."""
+
+    def stage(weights: Any, r: jax.Array, x: Any) -> Any:
+        group = jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, r, 0, False), weights)
+        return jax.lax.scan(layer, x, group)[0]
+
+    if remat is False:
+        return stage
+    policy = None if remat is True else remat
+    return jax.checkpoint(stage, policy=policy, prevent_cse=False)
+
+
+def _run(
+    layer: Callable[[Any, Any], Any], scope: Scope, axis: str, remat: bool | Policy,
+    init: Any, weights: Any,
+) -> Any:  # fmt: skip
+    """The pipeline, per stage (inside `jax.shard_map` over `axis`)."""
+    stage, count, m = jax.lax.axis_index(axis), scope.stages, scope.microbatches
+    weights = jax.tree.map(lambda w: w[:, 0], weights)  # this stage's: [repeats, per_stage, ...]
+    # the microbatches, which the first stage streams from, and where the last stage's
+    # outputs come back round the ring (each slot read before it is written again)
+    held = jax.tree.map(lambda x: split_microbatches(x[0], m), init)
+    ring = [(s, (s + 1) % count) for s in range(count)]
+    run_stage = _stage_fn(layer, remat)
+
+    def iteration(carry: tuple[Any, Any], i: jax.Array) -> tuple[tuple[Any, Any], None]:
+        held, passed = carry
+        fresh = jax.tree.map(lambda h: jax.lax.dynamic_index_in_dim(h, i % m, 0, False), held)
+        x = jax.tree.map(lambda a, b: jnp.where(stage == 0, a, b), fresh, passed)
+        repeat = jnp.clip((i - stage) // m, 0, scope.repeats - 1)
+        passed = jax.lax.ppermute(run_stage(weights, repeat, x), axis, ring)
+        slot = (i - count + 1) % m  # the microbatch the last stage just finished
+        back = jax.tree.map(
+            lambda h, p: jnp.where(
+                i >= count - 1, p, jax.lax.dynamic_index_in_dim(h, slot, 0, False)
+            ),
+            held,
+            passed,
+        )
+        held = jax.tree.map(
+            lambda h, b: jax.lax.dynamic_update_index_in_dim(h, b, slot, 0), held, back
+        )
+        return (held, passed), None
+
+    first = jax.tree.map(lambda h: h[0], held)  # what a stage runs before its first microbatch
+    (held, _), _ = jax.lax.scan(iteration, (held, first), jnp.arange(scope.iterations))
+    return jax.tree.map(lambda h: jnp.where(stage == 0, join_microbatches(h), 0)[None], held)
