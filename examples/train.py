@@ -136,7 +136,12 @@ def block(x, layer):
     return st.with_logical_constraint(x, ("batch", "length", "embed")), None
 
 
-def forward(params, tokens):
+def scan_layers(x, layers):
+    """The layers in turn: a scan over their stacked weights."""
+    return st.scan(block, x, layers, partition_name="layers")[0]
+
+
+def forward(params, tokens, run_layers=scan_layers):
     tables = st.unbox(
         st.constrain({k: params[k] for k in ("embed", "position")}, rules=compute_rules())
     )
@@ -149,14 +154,14 @@ def forward(params, tokens):
     )
     x = x + tables["position"][: tokens.shape[1]]
     x = st.with_logical_constraint(x, ("batch", "length", "embed"))
-    x, _ = st.scan(block, x, params["layers"], partition_name="layers")
+    x = run_layers(x, params["layers"])
     x = rms_norm(x, st.unbox(st.constrain(params["norm"], rules=compute_rules())))
     logits = x @ embed.T / math.sqrt(embed.shape[1])
     return st.with_logical_constraint(logits, ("batch", "length", "vocab"))
 
 
-def loss_fn(params, tokens):
-    logits = forward(params, tokens[:, :-1])
+def loss_fn(params, tokens, run_layers=scan_layers):
+    logits = forward(params, tokens[:, :-1], run_layers)
     targets = tokens[:, 1:]
     log_probs = jax.nn.log_softmax(logits)
     # A one-hot sum rather than a gather: log_probs are sharded over vocab.

@@ -158,7 +158,9 @@ def test_the_pipeline_equals_the_scan_loss_and_gradients_under_jit(kind, repeats
     close(unstaged(grads), st.unbox(want_grads))
 
 
-@pytest.mark.parametrize("stages, repeats, microbatches", [(2, 1, 2), (2, 2, 4), (8, 1, 8)])
+@pytest.mark.parametrize(
+    "stages, repeats, microbatches", [(2, 1, 2), (2, 2, 4), (4, 2, 8), (8, 1, 8)]
+)
 def test_the_pipeline_equals_the_scan_for_other_counts(stages, repeats, microbatches):
     params, (x, y) = layers(), batch()
     layout = jax.make_mesh(

@@ -163,7 +163,14 @@ def _advise_parser(commands: Any) -> None:
         action="append",
         default=[],
         metavar="NAME=V1,V2",
-        help="an option make_step reads from candidate.options, and its values (repeatable)",
+        help="an option make_step reads from candidate.options, and its values (repeatable; "
+        "a pipeline's: microbatches=8,16 and repeats=1,2)",
+    )
+    sub.add_argument(
+        "--layers",
+        type=_positive,
+        help="the model's layers: with a stage axis in --axes, the stages (x repeats) of each "
+        "layout must divide them",
     )
     sub.add_argument(
         "--hardware",
@@ -337,7 +344,12 @@ def _advise(args: argparse.Namespace) -> int:
     _check_axes(rules, axes, f"--axes {','.join(axes)}", "add it to --axes")
     options = _options(args.option, many=True)
     found = candidates(
-        layouts(args.devices, axes), rules, args.batch, length=args.length, **options
+        layouts(args.devices, axes),
+        rules,
+        args.batch,
+        length=args.length,
+        layers=args.layers,
+        **options,
     )
     budget = None if args.budget_gib is None else int(args.budget_gib * 2**30)
     advice = advise(

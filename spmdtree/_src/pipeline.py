@@ -5,18 +5,18 @@ A pipeline splits the layers into stages, each stage's layers on its own devices
 along a mesh axis, and streams microbatches through them: while stage s runs
 microbatch k, stage s + 1 runs microbatch k - 1. As MaxText's and praxis's
 pipelines do (and the smallest one, `spmd_pipeline` in jax's shard_map notebook),
-it is one program over the whole mesh, written per stage (`jax.shard_map` over
-the stage axis alone; every other axis stays as the mesh has it): every stage
-runs every iteration, hands its output to the next by a ``ppermute`` (a
-``collective-permute`` in the compiled program), and the last stage's output goes
-round the ring to the first, which keeps it in the buffer of microbatches it
-streams from. Before a stage's first microbatch arrives and after its last
-leaves, it runs on what it holds and the result is dropped: the bubble, real work
-in the compiled program, ``stages - 1`` of its ``microbatches x repeats + stages
-- 1`` iterations. With ``repeats`` > 1 the pipeline is circular: each stage holds
-``repeats`` groups of layers, and each microbatch goes round the ring that often.
+it is one program over the whole mesh: every stage at once, a leading dimension
+on the stage axis (`jax.vmap` with that axis as its SPMD axis; every other axis
+as the mesh has it), every stage running every iteration and handing its output
+to the next by a ``ppermute`` (a ``collective-permute`` in the compiled
+program); the last stage's output goes round the ring to the first. Before a
+stage's first microbatch arrives and after its last leaves, it runs on what it
+holds and the result is dropped: the bubble, real work in the compiled program,
+``stages - 1`` of its ``microbatches x repeats + stages - 1`` iterations. With
+``repeats`` > 1 the pipeline is circular: each stage holds ``repeats`` groups of
+layers, and each microbatch goes round the ring that often.
 
-The iterations run under the name scope `scope` says, which the compiled
+The iterations run under the name scope `Scope` says, which the compiled
 program's metadata keeps: preflight reads the pipeline's loops and their bubble
 from it.
 """
@@ -30,6 +30,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax._src.core import trace_state_clean  # how JAX itself tells that it is tracing
 from jax.sharding import AxisType, PartitionSpec
 
 from spmdtree._src.boxes import LogicallyPartitioned, Partitioned
@@ -315,14 +316,23 @@ def pipeline(
     per_stage, ...]``). `init`'s leading (batch) dimension is split into
     `microbatches` (rows strided, as `accumulate` splits them, so the batch's
     sharding stays on its rows), which stream through the stages: each stage
-    runs its layers (a scan of `f`) on one microbatch per iteration and passes
-    the result to the next stage by a ``ppermute`` along `axis` (a
-    ``collective-permute``); the last stage's goes round the ring to the first,
-    for the next repeat or into the output. Each device holds its own stage's
-    layers (shard the stage dimension on `axis`: the rule ``("stage",
-    "stage")``). The mesh is the one in context (`jax.set_mesh`), as
-    constraints take it; every axis but `axis` stays as it is, so `f`'s
-    constraints over the data, fsdp and tensor axes hold inside.
+    runs its layers (a scan of `f`) on one microbatch per iteration, every stage
+    at once (`jax.vmap` with `axis` as its SPMD axis), and passes the result to
+    the next stage by a ``ppermute`` along `axis` (a ``collective-permute``); the
+    last stage's goes round the ring to the first, for the next repeat (kept
+    ``microbatches - stages`` iterations where that is more than 0) or into the
+    output. Each device holds its own stage's layers (shard the stage dimension
+    on `axis`: the rule ``("stage", "stage")``; other layouts are resharded to
+    it). The mesh is the one in context (`jax.set_mesh`), as constraints take
+    it; every axis but `axis` stays as it is, so `f`'s constraints over the
+    data, fsdp and tensor axes hold inside, on Explicit axes and Auto ones.
+
+    What the stages hand each other is one microbatch per iteration; the carry
+    goes in and comes out as the mesh holds it outside, so the output is summed
+    over the stage axis once (an all-reduce of the carry; its gradient another).
+    The compiled program reduces a replicated weight's gradient over the data
+    axes in every iteration, as it does a scanned layer's in every layer (and an
+    FSDP weight is gathered in every iteration): traffic the prediction counts.
 
     ``microbatches x repeats + stages - 1`` iterations run; in ``stages - 1``
     of them each stage runs on padding (the bubble, ``(stages - 1) /
@@ -364,7 +374,7 @@ def pipeline(
     Example:
         >>> import jax, jax.numpy as jnp, spmdtree as st
         >>> mesh = jax.make_mesh((4, 2), ("stage", "data"))
-        >>> layers = {"w": st.Partitioned(jax.random.normal(jax.random.key(0), (8, 16, 16)) / 4, ("layers", None, None))}
+        >>> layers = {"w": st.Partitioned(jax.random.normal(jax.random.key(0), (8, 16, 16)) / 4, (None, None, None))}
         >>> def layer(x, p):
         ...     return jnp.tanh(x @ st.unbox(p)["w"]), None
         >>> x = jnp.ones((16, 16))
@@ -400,34 +410,59 @@ def pipeline(
         )
     check_microbatches(init, microbatches, "init", "to f")
     scope = Scope(count, microbatches, repeats)
-    layers = _per_layer(staged)
-    specs = jax.tree.map(lambda _: PartitionSpec(None, axis), layers)
-    run = functools.partial(_run, _checked_layer(f), scope, axis, remat)
+    piped: Callable[..., Any] = functools.partial(
+        _piped, _checked_layer(f), scope=scope, axis=axis, remat=remat
+    )
+    if trace_state_clean():  # called eagerly: its constraints need a trace to live in
+        piped = jax.jit(piped)
     with jax.named_scope(str(scope)):
-        out = jax.shard_map(
-            run,
-            in_specs=(PartitionSpec(axis), specs),
-            out_specs=PartitionSpec(axis),
-            axis_names={axis},
-        )(jax.tree.map(functools.partial(_copies, count, axis), init), layers)
-        # only the first stage's copy is not zero: their sum is its carry on every stage
-        return jax.tree.map(lambda x: jnp.sum(x, axis=0), out), None
+        return piped(init, _per_layer(staged)), None
 
 
-def _copies(count: int, axis: str, x: jax.Array) -> jax.Array:
-    """`x` as `count` copies along a new leading dimension on the stage axis, one for
-    each stage: each device holds its own, as it held `x` (no transfer).
+def _on_stages(x: jax.Array, axis: str, dim: int = 0) -> jax.Array:
+    """`x`, its dimension `dim` one entry per stage, laid out on the stage axis: on
+    Explicit axes its type says so (resharded where it does not: a slice of what
+    each device holds); on Auto ones a constraint does, the other dimensions left
+    to the compiler."""
+    if AxisType.Explicit in jax.sharding.get_abstract_mesh().axis_types:
+        spec = list(jax.typeof(x).sharding.spec) + [None] * jnp.ndim(x)
+        if spec[dim] == axis:
+            return x
+        spec[dim] = axis
+        return jax.sharding.reshard(x, PartitionSpec(*spec[: jnp.ndim(x)]))
+    free: list[Any] = [PartitionSpec.UNCONSTRAINED] * jnp.ndim(x)
+    free[dim] = axis
+    return jax.lax.with_sharding_constraint(x, PartitionSpec(*free))
 
-    Each stage's carry is its own from the start (its gradient the sum of theirs),
-    so the compiler's partitioner, not the per-stage program, sums across the
-    stages: an all-reduce there, which the CPU compiler also compiles for bf16
-    (one written inside the per-stage program does not compile there, jax
-    0.10.2)."""
-    copies = jnp.broadcast_to(x[None], (count, *jnp.shape(x)))
-    if AxisType.Explicit not in jax.sharding.get_abstract_mesh().axis_types:
-        return copies
-    spec = tuple(jax.typeof(x).sharding.spec)
-    return jax.sharding.reshard(copies, PartitionSpec(axis, *spec))
+
+def _copies(x: jax.Array, count: int, axis: str) -> jax.Array:
+    """`x` as `count` copies along a new leading dimension on the stage axis, one per
+    stage: each device holds its own, as it held `x` (no transfer; the gradient
+    sums them, an all-reduce over the stage axis)."""
+    explicit = AxisType.Explicit in jax.sharding.get_abstract_mesh().axis_types
+    if not explicit:
+        return _on_stages(jnp.broadcast_to(x[None], (count, *jnp.shape(x))), axis)
+    spec = PartitionSpec(axis, *tuple(jax.typeof(x).sharding.spec))
+    dims = tuple(range(1, jnp.ndim(x) + 1))
+    return jax.lax.broadcast_in_dim(x, (count, *jnp.shape(x)), dims, out_sharding=spec)
+
+
+def _shift(axis: str, count: int, y: jax.Array) -> jax.Array:
+    """Each stage's `y` to the next stage along `axis`, the last's to the first: a
+    ``ppermute`` (a collective-permute). Manual over the stage axis and the
+    Explicit axes `y`'s type names (partial-manual over the stage axis alone would
+    all-gather those at its boundary, jax 0.10.2); on Auto axes the compiler
+    keeps the rest as it is."""
+    spec = list(jax.typeof(y).sharding.spec) + [None] * jnp.ndim(y)
+    spec = [axis, *spec[1 : jnp.ndim(y)]]
+    manual = {a for entry in spec if entry for a in ((entry,) if isinstance(entry, str) else entry)}
+    ring = [(s, (s + 1) % count) for s in range(count)]
+    return jax.shard_map(
+        lambda a: jax.lax.ppermute(a, axis, ring),
+        in_specs=PartitionSpec(*spec),
+        out_specs=PartitionSpec(*spec),
+        axis_names=manual,
+    )(y)
 
 
 def _stage_fn(layer: Callable[[Any, Any], Any], remat: bool | Policy) -> Callable[..., Any]:
@@ -443,38 +478,63 @@ def _stage_fn(layer: Callable[[Any, Any], Any], remat: bool | Policy) -> Callabl
     return jax.checkpoint(stage, policy=policy, prevent_cse=False)
 
 
-def _run(
-    layer: Callable[[Any, Any], Any], scope: Scope, axis: str, remat: bool | Policy,
-    init: Any, weights: Any,
-) -> Any:  # fmt: skip
-    """The pipeline, per stage (inside `jax.shard_map` over `axis`)."""
-    stage, count, m = jax.lax.axis_index(axis), scope.stages, scope.microbatches
-    weights = jax.tree.map(lambda w: w[:, 0], weights)  # this stage's: [repeats, per_stage, ...]
-    # the microbatches, which the first stage streams from, and where the last stage's
-    # outputs come back round the ring (each slot read before it is written again)
-    held = jax.tree.map(lambda x: split_microbatches(x[0], m), init)
-    ring = [(s, (s + 1) % count) for s in range(count)]
-    run_stage = _stage_fn(layer, remat)
+def _piped(
+    layer: Callable[[Any, Any], Any],
+    init: Any,
+    weights: Any,
+    *,
+    scope: Scope,
+    axis: str,
+    remat: bool | Policy,
+) -> Any:
+    """The pipeline: every stage at once, their leading dimension on the stage axis
+    (vmapped with it as their SPMD axis), a scan over its iterations.
 
-    def iteration(carry: tuple[Any, Any], i: jax.Array) -> tuple[tuple[Any, Any], None]:
-        held, passed = carry
-        fresh = jax.tree.map(lambda h: jax.lax.dynamic_index_in_dim(h, i % m, 0, False), held)
-        x = jax.tree.map(lambda a, b: jnp.where(stage == 0, a, b), fresh, passed)
+    The microbatches go in as the scan's per-iteration inputs and the last stage's
+    outputs come out as its per-iteration outputs (each iteration reads and writes
+    one microbatch, in its forward and its backward alike). In a circular pipeline
+    a microbatch the last stage finishes reaches the first stage, round the ring,
+    ``microbatches - stages`` iterations before its next repeat: the first stage
+    keeps it that long in a ring of as many slots, read and written at one slot
+    per iteration (none where the microbatches are the stages)."""
+    count, m, iterations = scope.stages, scope.microbatches, scope.iterations
+    stage = _on_stages(jnp.arange(count), axis)
+    delay = m - count if scope.repeats > 1 else 0
+
+    def first(x: jax.Array) -> jax.Array:  # True on the first stage, shaped for `x`
+        return jnp.reshape(stage == 0, (count,) + (1,) * (jnp.ndim(x) - 1))
+
+    def streamed(x: jax.Array) -> jax.Array:  # [iterations, stages, micro, ...]
+        micro = split_microbatches(x, m)
+        # after the last, zeros: the first stage takes what comes round the ring then
+        padded = jnp.pad(micro, [(0, iterations - m)] + [(0, 0)] * (jnp.ndim(micro) - 1))
+        return jnp.swapaxes(_copies(padded, count, axis), 0, 1)
+
+    weights = jax.tree.map(lambda w: _on_stages(w, axis, 1), weights)
+    run = jax.vmap(_stage_fn(layer, remat), in_axes=(1, 0, 0), spmd_axis_name=axis)
+    shift = functools.partial(_shift, axis, count)
+
+    def iteration(carry: tuple[Any, Any], step: tuple[jax.Array, Any]) -> tuple[Any, Any]:
+        passed, ring = carry  # what each stage was handed; the first stage's ring
+        i, fresh = step
+        slot = i % max(delay, 1)  # what came round `delay` iterations ago, and now
+        back = jax.tree.map(lambda r: jax.lax.dynamic_index_in_dim(r, slot, 1, False), ring)
+        if delay:
+            ring = jax.tree.map(
+                lambda r, p: jax.lax.dynamic_update_index_in_dim(r, p, slot, 1), ring, passed
+            )
+        again = back if delay else passed  # a microbatch's next repeat
+        x = jax.tree.map(
+            lambda a, b, c: jnp.where(first(a), jnp.where(i < m, a, b), c), fresh, again, passed
+        )
         repeat = jnp.clip((i - stage) // m, 0, scope.repeats - 1)
-        passed = jax.lax.ppermute(run_stage(weights, repeat, x), axis, ring)
-        slot = (i - count + 1) % m  # the microbatch the last stage just finished
-        back = jax.tree.map(
-            lambda h, p: jnp.where(
-                i >= count - 1, p, jax.lax.dynamic_index_in_dim(h, slot, 0, False)
-            ),
-            held,
-            passed,
-        )
-        held = jax.tree.map(
-            lambda h, b: jax.lax.dynamic_update_index_in_dim(h, b, slot, 0), held, back
-        )
-        return (held, passed), None
+        passed = jax.tree.map(shift, run(weights, repeat, x))
+        return (passed, ring), jax.tree.map(lambda p: jnp.where(first(p), p, 0), passed)
 
-    first = jax.tree.map(lambda h: h[0], held)  # what a stage runs before its first microbatch
-    (held, _), _ = jax.lax.scan(iteration, (held, first), jnp.arange(scope.iterations))
-    return jax.tree.map(lambda h: jnp.where(stage == 0, join_microbatches(h), 0)[None], held)
+    inputs = jax.tree.map(streamed, init)
+    start = jax.tree.map(lambda x: x[0], inputs)  # what a stage runs before its first
+    ring = jax.tree.map(lambda x: jnp.stack([x] * max(delay, 1), axis=1), start)
+    _, outputs = jax.lax.scan(iteration, (start, ring), (jnp.arange(iterations), inputs))
+    # the last repeat's outputs, on the first stage (zeros elsewhere): their sum over
+    # the stages is them on every stage (an all-reduce)
+    return jax.tree.map(lambda y: join_microbatches(jnp.sum(y[iterations - m :], axis=1)), outputs)

@@ -53,6 +53,7 @@ from spmdtree._src.step.advise.state import (
     rejection,
     rules_said,
     said_repeats,
+    said_stages,
 )
 from spmdtree._src.step.compile import (
     DoesNotFit,
@@ -552,7 +553,7 @@ def advise(
         state = _run(search, State(), firsts, pool)
         state = _ask(search, state, _over_on_the_estimate(search, state), pool)
         state, confirmed = _confirm(search, state, confirm, pool, workers)
-    state = said_repeats(state)
+    state = said_stages(said_repeats(state))
     rows = _measured(state.ranked(), measure, make_step, search, compiler_options)
     said = [_screen_note(asks, first, why, screen), confirmed]
     said += [rules_said(state), nothing_fits_said(state, budget)]

@@ -425,12 +425,13 @@ def _table(advice: Advice, *, width: int = 100) -> str:
     rows = advice.rows
     devices = _devices(advice)
     measured = any(row.measured is not None for row in rows)
+    piped = any(row.time is not None and row.time.bubble_seconds for row in rows)
     header = ["#", "layout", "batch", "peak", "compute", "comm", "bound", "predicted"]
-    header += ["measured"] * measured + ["tokens/s", "from"]
+    header += ["bubble"] * piped + ["measured"] * measured + ["tokens/s", "from"]
     header.append("verdict")
-    cells = [_cells(rank, row, measured) for rank, row in enumerate(rows, 1)]
+    cells = [_cells(rank, row, measured, piped) for rank, row in enumerate(rows, 1)]
     widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(header)]
-    right = set(range(9 + measured)) - {1}
+    right = set(range(9 + measured + piped)) - {1}
 
     def line(items: list[str]) -> str:
         return "  ".join(
@@ -456,14 +457,16 @@ def _table(advice: Advice, *, width: int = 100) -> str:
                 flag, width, initial_indent="     ! ", subsequent_indent="       "
             )
     estimated = any(row.step is not None and row.step.backend.estimates for row in rows)
-    lines.append(_times_text(estimated, measured))
+    lines.append(_times_text(estimated, measured, piped))
     return "\n".join(lines)
 
 
-def _cells(rank: int, row: AdviceRow, measured: bool) -> list[str]:
+def _cells(rank: int, row: AdviceRow, measured: bool, piped: bool) -> list[str]:
     """One row's cells: its rank, layout, batch, peak, the roofline's parts, the
-    predicted (and measured) time, tokens/s, whose figures, the verdict."""
+    predicted time (its bubble's share, and the measured time, where any row has
+    them), tokens/s, whose figures, the verdict."""
     c, t, step = row.candidate, row.time, row.step
+    share = None if t is None else t.bubble_share
     return [
         str(rank),
         label_of(c),
@@ -473,6 +476,7 @@ def _cells(rank: int, row: AdviceRow, measured: bool) -> list[str]:
         seconds_text(None if t is None else t.comm_seconds),
         seconds_text(None if t is None else t.bound_seconds),
         seconds_text(None if t is None else t.predicted_seconds),
+        *["-" if share is None else f"{share:.0%}"] * piped,
         *[seconds_text(row.measured.seconds if row.measured else None)] * measured,
         "-" if row.tokens_per_second is None else f"{row.tokens_per_second:,.0f}",
         "-" if step is None else TOOLCHAINS[step.backend].label,
@@ -480,7 +484,7 @@ def _cells(rank: int, row: AdviceRow, measured: bool) -> list[str]:
     ]
 
 
-def _times_text(estimated: bool, measured: bool) -> str:
+def _times_text(estimated: bool, measured: bool, piped: bool) -> str:
     """The table's last line: what each time is, and which the rows rank by."""
     return (
         "times: bound, a roofline (peak FLOPs, collectives at full link bandwidth, perfect "
@@ -488,6 +492,11 @@ def _times_text(estimated: bool, measured: bool) -> str:
         + (" (from the CPU program on cpu est. rows)" if estimated else "")
         + ", what rows rank by, per sequence, and tokens/s is at it; a row whose devices "
         "repeat each other's work ranks after those that split it"
+        + (
+            "; bubble, the share of the predicted time a pipeline's stages run on padding"
+            if piped
+            else ""
+        )
         + (
             "; measured, the step run on its devices (measure=k): those rows rank first, "
             "by it, and their tokens/s is at it"

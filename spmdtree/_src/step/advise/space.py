@@ -181,6 +181,11 @@ def _hashable(value: object) -> bool:
     return True
 
 
+#: The mesh axis a pipeline's stages lie along, and the options `make_step` reads for
+#: it (new in 0.8): what `candidates` checks against the layers and the batch.
+STAGE, MICROBATCHES, REPEATS = "stage", "microbatches", "repeats"
+
+
 @public
 def candidates(
     meshes: Sequence[AnyMesh],
@@ -188,32 +193,49 @@ def candidates(
     batches: int | Sequence[int],
     *,
     length: int | None = None,
+    layers: int | None = None,
     **options: Sequence[Hashable],
 ) -> list[Candidate]:
     """Every combination of `meshes`, `batches` and each option's values, as
     `Candidate`s, in a fixed order (meshes, then batches, then the options in the
-    order given; new in 0.6).
+    order given; new in 0.6), but those no pipeline can run (new in 0.8).
+
+    A pipeline's stages lie along the mesh axis ``"stage"`` (1 where a mesh has
+    none), and ``make_step`` reads its counts from the options ``microbatches``
+    and ``repeats`` (`st.pipeline`, `st.stages`). Left out: a combination whose
+    microbatches are not a multiple of its stages or do not divide its batch
+    (``microbatches`` alone is gradient accumulation's count, which must divide
+    the batch too), and, with `layers`, one whose stages x repeats do not divide
+    the layers.
 
     Args:
         meshes: the layouts (`layouts` gives them).
         rules: the rules for every candidate.
         batches: a global batch, or several.
         length: the sequence length (for tokens per second).
+        layers: the model's layers, which the stages (x repeats) of each
+            candidate must divide (new in 0.8); None: not checked.
         **options: each option's values, e.g. ``remat=("full", "minimal"),
             microbatches=(1, 4)``; ``make_step(candidate)`` reads
             ``candidate.options``.
 
     Returns:
-        The candidates, ``len(meshes) x len(batches) x`` each option's count.
+        The candidates, ``len(meshes) x len(batches) x`` each option's count,
+        less those left out.
 
     Raises:
         TypeError: for an option given one value rather than a sequence of them.
+        ValueError: for `layers` < 1, or where every combination is left out
+            (the message says why the first was).
 
     Example:
         >>> import spmdtree as st
         >>> found = st.candidates(st.layouts(8, ("data", "fsdp"))[:2], None, 64, remat=("full", "none"))
         >>> [(dict(c.mesh.shape)["data"], c.batch, c.options) for c in found]
         [(1, 64, {'remat': 'full'}), (1, 64, {'remat': 'none'}), (2, 64, {'remat': 'full'}), (2, 64, {'remat': 'none'})]
+        >>> piped = st.candidates(st.layouts(8, ("data", "stage")), None, 32, layers=12, microbatches=(4, 8))
+        >>> [(dict(c.mesh.shape)["stage"], c.options["microbatches"]) for c in piped]
+        [(4, 4), (4, 8), (2, 4), (2, 8), (1, 4), (1, 8)]
     """
     for name, values in options.items():
         if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) or not values:
@@ -229,10 +251,38 @@ def candidates(
         if isinstance(batches, numbers.Integral)
         else tuple(cast(Sequence[int], batches))
     )
+    if layers is not None and not count_or_none(layers):
+        raise Mistake(ValueError, f"layers is {layers!r}; expected an int >= 1 (or None).")
     names = tuple(options)
-    return [
+    every = [
         Candidate(mesh, rules, batch, length, options=dict(zip(names, chosen, strict=True)) or None)
         for mesh in meshes
         for batch in sizes
         for chosen in itertools.product(*options.values())
     ]
+    kept = [c for c in every if _unrunnable(c, layers) is None]
+    if every and not kept:
+        raise Mistake(
+            ValueError,
+            f"no combination can run: {_unrunnable(every[0], layers)} ({label_of(every[0])}, "
+            f"batch {every[0].batch}), and every other is left out likewise. Give microbatches "
+            "that are a multiple of the stages and divide the batch, and stages x repeats "
+            "that divide the layers.",
+        )
+    return kept
+
+
+def _unrunnable(candidate: Candidate, layers: int | None) -> str | None:
+    """Why no pipeline (nor accumulation) can run a candidate, or None."""
+    options = candidate.options or {}
+    stages = dict(candidate.mesh.shape).get(STAGE, 1)
+    micro, repeats = options.get(MICROBATCHES), options.get(REPEATS, 1)
+    if isinstance(micro, int) and (micro < 1 or micro % stages or candidate.batch % micro):
+        return (
+            f"{micro} microbatches are not a multiple of {stages} stages"
+            if micro < 1 or micro % stages
+            else f"{micro} microbatches do not divide the batch {candidate.batch}"
+        )
+    if layers is not None and isinstance(repeats, int) and layers % (stages * max(repeats, 1)):
+        return f"{stages} stages x {repeats} repeats do not divide {layers} layers"
+    return None

@@ -10,7 +10,7 @@ import dataclasses
 import math
 import types
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 from spmdtree._src.errors import Mistake
 from spmdtree._src.plan import Plan
@@ -23,6 +23,7 @@ from spmdtree._src.step.advise.judging import (
     verdict_of,
 )
 from spmdtree._src.step.advise.records import (
+    HOPEFUL,
     AdviceRow,
     Candidate,
     label_of,
@@ -46,6 +47,7 @@ from spmdtree._src.step.time import StepTime, ranked_seconds
 from spmdtree._src.text import (
     Located,
     argument_path,
+    seconds_text,
 )
 
 #: A compile subprocess's analysis, to come.
@@ -250,6 +252,73 @@ def said_repeats(state: State) -> State:
             )
         records[index] = dataclasses.replace(record, row=row._replace(flags=(said, *flags)))
     return State(types.MappingProxyType(records), state.compiles)
+
+
+def said_stages(state: State) -> State:
+    """Each pipelined row that fits or may (new in 0.8) flagged with what its bubble
+    costs, its stage traffic, and whether the stages pay: against the best row
+    without a pipeline, by the predicted time per sequence, or, where no such row
+    fits, the memory the stages save."""
+    rows = state.rows
+    hopeful = [i for i in state.order() if _timed(rows[i]) is not None]
+    plain = [i for i in hopeful if not _bubble(rows[i])]
+    unpiped = any(not _bubble(row) for row in rows.values())
+    records = dict(state.records)
+    for index in hopeful:
+        row = rows[index]
+        if _bubble(row):
+            said = _stages_said(row, rows[plain[0]] if plain else None, unpiped)
+            records[index] = dataclasses.replace(records[index], row=flagged(row, said))
+    return State(types.MappingProxyType(records), state.compiles)
+
+
+def _timed(row: AdviceRow) -> StepTime | None:
+    """A row's time where it fits or may and has a prediction, else None."""
+    if row.verdict not in HOPEFUL or row.time is None or row.time.predicted_seconds is None:
+        return None
+    return row.time
+
+
+def _bubble(row: AdviceRow) -> float:
+    return (row.time.bubble_seconds or 0.0) if row.time is not None else 0.0
+
+
+def _stages_said(row: AdviceRow, plain: AdviceRow | None, unpiped: bool) -> str:
+    """What a pipelined row's bubble costs, against `plain`, the best row without
+    one (None where none fits or may; `unpiped`, whether any was tried)."""
+    timed = cast(StepTime, row.time)
+    axes = row.step.schedule.stage_axes() if row.step and row.step.schedule else ()
+    traffic = sum(timed.comm_by_axes.get((axis,), 0.0) for axis in axes)
+    said = (
+        f"stages: its bubble takes {seconds_text(timed.bubble_seconds)} "
+        f"({timed.bubble_share:.0%} of the predicted step), its stage traffic "
+        f"{seconds_text(traffic)} over {'+'.join(axes) or 'no axis'}"
+    )
+    if plain is None:
+        return said + (
+            "; no layout without stages fits: the bubble is what the memory they save costs"
+            if unpiped
+            else ""
+        )
+    other = cast(StepTime, plain.time)
+    mine, theirs = (
+        ranked_seconds(t) / r.candidate.batch for t, r in ((timed, row), (other, plain))
+    )
+    waits = (
+        f"(collectives exposed {seconds_text(timed.exposed_comm_seconds)} here, "
+        f"{seconds_text(other.exposed_comm_seconds)} there)"
+    )
+    if mine > theirs:
+        return (
+            f"{said}; the bubble costs more than the stages save: {label_of(plain.candidate)}, "
+            f"without stages, takes {seconds_text(theirs)} a sequence against "
+            f"{seconds_text(mine)} here {waits}"
+        )
+    return (
+        f"{said}; the stages save more than their bubble costs: {seconds_text(mine)} a "
+        f"sequence against {seconds_text(theirs)} for {label_of(plain.candidate)}, the best "
+        f"layout without them {waits}"
+    )
 
 
 def rules_said(state: State) -> str:

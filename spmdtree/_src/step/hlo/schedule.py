@@ -416,6 +416,24 @@ class Schedule:
         """
         return tuple(_pipelines(self.events))
 
+    def stage_axes(self) -> tuple[str, ...]:
+        """The mesh axes a pipeline passes its activations along: those of the
+        collective-permutes in its loops (new in 0.8; () without a pipeline).
+
+        Example:
+            >>> shift = Start(0, Collective("collective-permute", 1, 64, ("stage",), 2), True)
+            >>> Schedule((Loop(11, (shift, Done(0)), idle=3),), "tpu").stage_axes()
+            ('stage',)
+        """
+        axes = dict.fromkeys(
+            axis
+            for loop in self.pipelines()
+            for start in _starts(loop.body)
+            if start.row.kind == CollectiveKind.COLLECTIVE_PERMUTE
+            for axis in start.row.axes
+        )
+        return tuple(axes)
+
     def to_dict(self) -> dict[str, Any]:
         """The schedule as plain JSON values (each event a tagged list)."""
         return {
@@ -478,6 +496,17 @@ def _pipelines(events: Iterable[Event]) -> Iterator[Loop]:
         elif isinstance(event, Branches):
             for branch in event.branches:
                 yield from _pipelines(branch)
+
+
+def _starts(events: Iterable[Event]) -> Iterator[Start]:
+    for event in events:
+        if isinstance(event, Start):
+            yield event
+        elif isinstance(event, Loop):
+            yield from _starts(event.body)
+        elif isinstance(event, Branches):
+            for branch in event.branches:
+                yield from _starts(branch)
 
 
 def _cycles(events: Iterable[Event]) -> int:

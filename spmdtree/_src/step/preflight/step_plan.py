@@ -698,6 +698,7 @@ def _table(step: StepPlan) -> str:
         )
         if row.label != row.kind:  # written in another form: libtpu's
             lines.append(f"{'':<21}{row.label[len(row.kind) + 1 :]}")
+    lines += _pipeline_lines(step)
     noun = "array" if len(step.inputs.rows) == 1 else "arrays"
     lines.append(
         f"inputs  {len(step.inputs.rows)} {noun}, {size_text(step.inputs.device_bytes)} on "
@@ -706,6 +707,22 @@ def _table(step: StepPlan) -> str:
     lines += [f"! {flag}" for flag in step.flags]
     lines += [f"! {problem}" for problem in dict.fromkeys(p.sentence for p in step.rule_problems)]
     return "\n".join(lines)
+
+
+def _pipeline_lines(step: StepPlan) -> list[str]:
+    """A pipelined step's loops (new in 0.8): their iterations, the bubble among them,
+    and the axes its stages pass activations along."""
+    if step.schedule is None or not step.schedule.pipelines():
+        return []
+    loops = step.schedule.pipelines()
+    shapes = dict.fromkeys((loop.trips, loop.idle) for loop in loops)
+    said = "; ".join(
+        f"{trips} iterations, {idle} of them on padding (the bubble: {idle / trips:.0%})"
+        for trips, idle in shapes
+    )
+    plural = "s" if len(loops) > 1 else ""
+    axes = "+".join(step.schedule.stage_axes()) or "no axis"
+    return [f"pipeline  {len(loops)} loop{plural} over {axes}: {said}"]
 
 
 def _memory_lines(step: StepPlan) -> list[str]:
