@@ -207,6 +207,53 @@ def test_advise_where_nothing_fits_prints_the_table_and_exits_1(tmp_path):
     assert all(line.startswith("advise") for line in said[:-1])  # its progress, then that
 
 
+#: A user's pipelined step (0.8): stages over the mesh's "stage" axis where it has
+#: more than one, the candidate's microbatches.
+PIPED = textwrap.dedent(
+    """
+    import jax
+    import jax.numpy as jnp
+    import spmdtree as st
+
+    RULES = [("batch", "data"), ("stage", "stage"), ("layers", None), ("embed", None)]
+
+
+    def block(x, layer):
+        return jnp.tanh(x @ st.unbox(layer)["w"]), None
+
+
+    def make_step(candidate):
+        stages = dict(candidate.mesh.shape)["stage"]
+        w = {"w": st.LogicallyPartitioned(
+            jax.ShapeDtypeStruct((2, 64, 64), jnp.float32), ("layers", "embed", None))}
+        x = st.LogicallyPartitioned(
+            jax.ShapeDtypeStruct((candidate.batch, 64), jnp.float32), ("batch", "embed"))
+        micro = candidate.options["microbatches"]
+        run = lambda p, x: st.pipeline(block, x, p, microbatches=micro)[0]
+        step = lambda p, x: jax.grad(lambda p: jnp.mean(run(p, x.value)))(p)
+        return step, (st.stages(w, stages), x), {}
+    """
+)
+
+
+def test_advise_leaves_out_the_layouts_no_pipeline_runs(tmp_path):
+    (tmp_path / "piped.py").write_text(PIPED)
+    done, _ = run(
+        tmp_path,
+        "advise", "piped:make_step", "--devices", "4", "--axes", "data,stage", "--layers", "2",
+        "--batch", "8", "--option", "microbatches=2,4", "--hardware", "h100", "--screen", "cpu",
+        "--json", "out.json",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    rows = json.loads((tmp_path / "out.json").read_text())["rows"]
+    shapes = sorted((row["mesh"]["axes"]["stage"], row["options"]["microbatches"]) for row in rows)
+    assert shapes == [(1, 2), (1, 4), (2, 2), (2, 4)]  # 4 stages do not divide 2 layers
+    (header,) = [line for line in done.stdout.splitlines() if line.startswith("#  layout")]
+    assert "predicted  bubble" in header
+    piped = [row for row in rows if row["mesh"]["axes"]["stage"] == 2]
+    assert all(row["time"]["bubble_seconds"] > 0 for row in piped)
+
+
 def test_json_to_stdout(tmp_path):
     done, _ = run(tmp_path, "preflight", "mystep:make_step", "--mesh", "data=2,fsdp=2,tensor=2",
                   "--batch", "8", "--json", "-")  # fmt: skip

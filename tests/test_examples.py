@@ -22,6 +22,7 @@ SMALL = {
     "checkpoint.py": ["--steps", "4", "--save-every", "2", "--optimizer", "adamw"],
     "advise.py": ["--quick"],
     "targets.py": ["--quick"],
+    "pipeline.py": ["--steps", "10"],
 }
 
 
@@ -109,6 +110,12 @@ def test_example_runs(script):
         assert "advise: 8 candidates on 16 devices, at most 8 compiles" in done.stderr
         assert done.stderr.count("advise [") == 8  # one progress line per candidate
         assert "advice.best.make_mesh() gives the jax.sharding.Mesh" in done.stdout
+    if script == "pipeline.py":  # the loss equals the scan's; what the stages pass; the bubble
+        assert "pipelined" in done.stdout and "(equal: True)" in done.stdout, done.stdout
+        assert "  collective-permute" in done.stdout and "over stage (2)" in done.stdout
+        assert "pipeline  2 loops over stage: 11 iterations, 3 of them on padding" in done.stdout
+        assert "-,stage,layers,embed,mlp -> -,stage,-,-,-" in done.stdout  # its stage's layers
+        assert "step   10  loss" in done.stdout
     if script == "train.py":  # the plan table, progress lines and the summary
         assert "names -> mesh spec" in done.stdout and "per device" in done.stdout
         assert "step   10  loss" in done.stdout and "steps/s" in done.stdout

@@ -465,17 +465,51 @@ def _shift(axis: str, count: int, y: jax.Array) -> jax.Array:
     )(y)
 
 
+#: The primitives that only move, reshape or cast an array: what a stage's iteration
+#: never saves for its backward pass, but recomputes. A stage's weights of one
+#: repeat (and of one layer, cast) are such: saved, every iteration would keep its
+#: own copy of them; recomputed, they are taken again from the stage's weights,
+#: which every iteration shares (a circular pipeline takes another repeat's in
+#: each). Cheap to recompute, and the compute they feed is saved as usual.
+MOVES = frozenset(
+    {
+        "dynamic_slice",
+        "gather",
+        "slice",
+        "squeeze",
+        "reshape",
+        "broadcast_in_dim",
+        "convert_element_type",
+        "transpose",
+        "copy",
+        "copy_p",
+        "name",
+    }
+)
+
+
+def _saves(policy: Policy | None) -> Policy:
+    """`policy` (None: save everything), but never what only moves an array."""
+
+    def saves(prim: Any, *args: Any, **params: Any) -> bool:
+        if prim.name in MOVES:
+            return False
+        return True if policy is None else bool(policy(prim, *args, **params))
+
+    return saves
+
+
 def _stage_fn(layer: Callable[[Any, Any], Any], remat: bool | Policy) -> Callable[..., Any]:
-    """One stage's layers of repeat `r` run on its input: ``(weights, r, x) -> x``."""
+    """One stage's layers of repeat `r` run on its input: ``(weights, r, x) -> x``,
+    checkpointed so that no iteration saves its own copy of the stage's weights
+    (remat False: all else is saved; True: nothing is; a policy: what it saves)."""
 
     def stage(weights: Any, r: jax.Array, x: Any) -> Any:
         group = jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, r, 0, False), weights)
         return jax.lax.scan(layer, x, group)[0]
 
-    if remat is False:
-        return stage
-    policy = None if remat is True else remat
-    return jax.checkpoint(stage, policy=policy, prevent_cse=False)
+    policy = remat if callable(remat) else jax.checkpoint_policies.nothing_saveable
+    return jax.checkpoint(stage, policy=_saves(None if remat is False else policy), prevent_cse=False)
 
 
 def _piped(
