@@ -246,9 +246,10 @@ def test_a_pipelined_decoders_predicted_time_on_a_tpu_follows_the_bubble_formula
     for m in (4, 8, 16):
 
         def step(p, x, m=m):
-            loss = lambda p: jnp.mean(
-                st.pipeline(block, x.value, p, microbatches=m)[0].astype(jnp.float32) ** 2
-            )  # noqa: E731
+            def loss(p):
+                out = st.pipeline(block, x.value, p, microbatches=m)[0]
+                return jnp.mean(out.astype(jnp.float32) ** 2)
+
             return jax.grad(loss)(p)
 
         plan = st.preflight(step, layers, x, mesh=mesh, rules=rules, target="tpu-v5e")

@@ -509,7 +509,9 @@ def _stage_fn(layer: Callable[[Any, Any], Any], remat: bool | Policy) -> Callabl
         return jax.lax.scan(layer, x, group)[0]
 
     policy = remat if callable(remat) else jax.checkpoint_policies.nothing_saveable
-    return jax.checkpoint(stage, policy=_saves(None if remat is False else policy), prevent_cse=False)
+    return jax.checkpoint(
+        stage, policy=_saves(None if remat is False else policy), prevent_cse=False
+    )
 
 
 def _piped(
