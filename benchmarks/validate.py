@@ -328,6 +328,9 @@ class Model:
     #: "pallas": jax's Pallas TPU flash attention as `flash` (a `FLASH_RECIPES` key) ran it
     kernel: str = "blocked"
     flash: str = "maxtext-2023-12"
+    #: the layers as a pipeline of this many microbatches over the mesh's "stage" axis
+    #: (`st.pipeline`; their boxes restaged by `staged`); 0: scanned (new in 0.8)
+    microbatches: int = 0
 
     def params(self) -> dict[str, Any]:
         e, h, kv, d, m, n = (
@@ -428,7 +431,10 @@ class Model:
             body = jax.checkpoint(self.layer, policy=policy, prevent_cse=False)
         else:
             body = jax.checkpoint(self.layer, prevent_cse=False)
-        x, _ = st.scan(body, x, params["layers"], partition_name="layers")
+        if self.microbatches:
+            x, _ = st.pipeline(body, x, params["layers"], microbatches=self.microbatches)
+        else:
+            x, _ = st.scan(body, x, params["layers"], partition_name="layers")
         x = rms_norm(x, st.unbox(params["final_norm"]).astype(BF16))
         head = table.T if self.style != "llama" else st.unbox(params["output"]).astype(BF16)
         logits = constrain((x @ head).astype(jnp.float32), "batch", "length", "vocab")
@@ -440,6 +446,11 @@ class Model:
         loss, grads = jax.value_and_grad(self.loss)(params, tokens.value)
         updates, state = tx.update(grads, state, params)
         return optax.apply_updates(params, updates), state, loss
+
+    def staged(self, stages: int) -> dict[str, Any]:
+        """`params`, the layers restaged into `stages` pipeline stages (new in 0.8)."""
+        params = self.params()
+        return {**params, "layers": st.stages(params["layers"], stages)}
 
     def param_count(self) -> int:
         return sum(

@@ -117,7 +117,7 @@ from spmdtree._src.trees import remove_axis as remove_axis
 from spmdtree._src.trees import replace_boxed as replace_boxed
 from spmdtree._src.trees import unbox as unbox
 
-__version__ = "0.7.0"
+__version__ = "0.8.0"
 
 __all__ = [
     "PARTITION_NAME",

@@ -172,6 +172,8 @@ def test_advise_ranks_pipelined_rows_beside_the_others_and_says_what_their_bubbl
     for row in plain:
         assert not any(f.startswith("stages:") for f in row.flags)
         assert row.time.bubble_seconds == 0
+    # the pipelined steps use the stage rule, the others do not: nothing is said of it
+    assert "('stage', 'stage')" not in advice.note
     json.dumps(advice.to_dict())
 
 

@@ -322,15 +322,13 @@ def _stages_said(row: AdviceRow, plain: AdviceRow | None, unpiped: bool) -> str:
 
 
 def rules_said(state: State) -> str:
-    """The rules' problems (as `validate_rules` says them) of the compiled steps,
-    each once."""
-    problems = dict.fromkeys(
-        problem.sentence
-        for row in state.rows.values()
-        if row.step is not None
-        for problem in row.step.rule_problems
-    )
-    return " ".join(problems)
+    """The rules' problems (as `validate_rules` says them) that every compiled step
+    has, each once (new in 0.8: 0.7 said any step's, so that a rule the pipelined
+    steps use and the others do not was said to be never used; a step's own stay in
+    its `StepPlan.rule_problems`)."""
+    steps = [row.step for row in state.rows.values() if row.step is not None]
+    each = [dict.fromkeys(problem.sentence for problem in step.rule_problems) for step in steps]
+    return " ".join(p for p in each[0] if all(p in other for other in each[1:])) if each else ""
 
 
 def nothing_fits_said(state: State, budget: int) -> str:
