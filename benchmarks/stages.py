@@ -5,15 +5,16 @@ stages pay"; new in 0.8).
 The step is benchmarks/validate.py's Llama step (a plain-JAX decoder, SwiGLU, RoPE,
 grouped-query attention in blocks (XLA's kernels, as validate.py's TPU runs), each layer rematerialised, bf16 compute
 over f32 params, AdamW) at Llama 3 70B's shapes (examples/llama.py) and 4,096 tokens,
-one sequence per chip: 128 sequences on 2 x v5p-128 (128 chips, two slices of 64).
+four sequences per chip: 512 sequences on 2 x v5p-128 (128 chips, two slices of 64).
 Each layout is compiled by libtpu for the two slices without the chips
 (`st.advise(..., devices_per_node=64)`: the mesh's first axis that is not 1 spans the
 slices) and ranked by its predicted step time:
 
 - fsdp 128: FSDP over both slices; every layer's weights gathered across the DCN;
 - data 2 x fsdp 64: FSDP within each slice, the gradients all-reduced across the DCN;
-- stage 2 x fsdp 64: 40 layers per slice, a pipeline (`st.pipeline`) of 4, 8 or 16
-  microbatches; activations cross the DCN, one microbatch per iteration.
+- stage 2 x fsdp 64: 40 layers per slice, a pipeline (`st.pipeline`) of 2, 4 or 8
+  microbatches (more would leave a microbatch fewer sequences than the 64 devices its
+  batch is split over); activations cross the DCN, one microbatch per iteration.
 
 No pipelined training run on TPUs is published: these are predictions, held against
 no measurement (a single chip runs no pipeline).
@@ -98,12 +99,14 @@ def main() -> int:
     parser.add_argument("--json", help="write the advice's JSON here")
     args = parser.parse_args()
     model, chips = (TINY, 8) if args.quick else (LLAMA_70B, 128)
-    found = candidates(chips, chips, (4,) if args.quick else (4, 8, 16))
+    found = candidates(
+        chips, 4 * chips // (4 if args.quick else 1), (2,) if args.quick else (2, 4, 8)
+    )
     if args.quick:
         found = [c._replace(length=model.length) for c in found]
     print(
         f"jax {jax.__version__}; spmdtree {st.__version__}; {model.param_count() / 1e9:.1f}B "
-        f"params, {model.layers} layers, {model.length} tokens, batch {chips}, on 2 slices of "
+        f"params, {model.layers} layers, {model.length} tokens, batch {found[0].batch}, on 2 slices of "
         f"{chips // 2} v5p chips (libtpu, no chips)\n",
         flush=True,
     )

@@ -10,6 +10,7 @@ import numpy as np
 import optax
 import pytest
 from jax.sharding import AbstractMesh, AxisType
+from jax.sharding import PartitionSpec as P
 
 import spmdtree as st
 
@@ -305,6 +306,17 @@ def test_microbatches_that_are_no_multiple_of_the_stages_or_do_not_divide_the_ba
 ):
     with pytest.raises(ValueError, match=f"^pipeline: {said}"):
         run(st.stages(layers(), 4), microbatches=microbatches)
+
+
+def test_a_microbatch_its_batch_axes_do_not_divide_is_a_value_error_on_explicit_axes():
+    x = jax.device_put(batch()[0], jax.sharding.NamedSharding(mesh(), P("data")))
+    with pytest.raises(ValueError) as e:
+        run(st.stages(layers(), 4), x=x, microbatches=16)
+    assert str(e.value) == (
+        "pipeline: a microbatch of init holds 1 rows (16 over 16 microbatches), which its "
+        "batch's mesh axes data (2 devices) do not divide. Give 4 or 8 microbatches, or a "
+        "larger batch."
+    )
 
 
 def test_a_mesh_without_the_stage_axis_or_of_another_size_is_a_value_error():

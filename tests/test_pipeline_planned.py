@@ -201,6 +201,19 @@ def test_where_only_pipelined_layouts_fit_the_bubble_is_the_price_of_their_memor
 # --- the search's constraints ---------------------------------------------------------------
 
 
+def test_a_microbatch_its_batch_axes_do_not_divide_is_no_layout():
+    mesh = AbstractMesh((2, 4), ("data", "stage"), axis_types=(AxisType.Auto,) * 2)
+    found = st.candidates([mesh], RULES, 16, layers=LAYERS, microbatches=(8, 16))
+    advice = st.advise(make_step, found, hardware=st.hardware("h100"), progress=False)
+    rows = {row.candidate.options["microbatches"]: row for row in advice.rows}
+    assert rows[8].verdict == "fits" and rows[16].verdict == "batch unsharded"
+    assert rows[16].step is None and rows[16].reason == (
+        "a microbatch of 1 (16 over 16 microbatches) is not divided by its batch axes data "
+        "(2): their devices would compute it whole (the array at args[1], dimension 0); not "
+        "compiled"
+    )
+
+
 def test_candidates_leave_out_stages_that_do_not_divide_the_layers_and_bad_microbatches():
     meshes = st.layouts(8, ("data", "stage"))
     found = st.candidates(meshes, None, 16, layers=12, microbatches=(2, 4, 32), repeats=(1, 2))

@@ -488,6 +488,71 @@ MUTANTS: dict[str, list[tuple[str, str, str]]] = {
     "repeated-steps-compiled-again": [
         ("_src/step/advise/advise.py", "if key not in children:", "if True:")
     ],
+    # 0.8: pipeline stages, planned and searched
+    "pipeline-ring-backwards": [
+        (
+            "_src/pipeline.py",
+            "    ring = [(s, (s + 1) % count) for s in range(count)]",
+            "    ring = [(s, (s - 1) % count) for s in range(count)]",
+        )
+    ],
+    "pipeline-every-stage-on-one-repeat": [
+        (
+            "_src/pipeline.py",
+            "repeat = jnp.clip((i - stage) // m, 0, scope.repeats - 1)",
+            "repeat = jnp.clip(i // m + 0 * stage, 0, scope.repeats - 1)",
+        )
+    ],
+    "pipeline-ring-slot-ahead": [
+        ("_src/pipeline.py", "slot = i % max(delay, 1)", "slot = (i + 1) % max(delay, 1)")
+    ],
+    "pipeline-first-outputs-kept": [
+        ("_src/pipeline.py", "jnp.sum(y[iterations - m :], axis=1)", "jnp.sum(y[:m], axis=1)")
+    ],
+    "pipeline-weights-saved-per-iteration": [
+        ("_src/pipeline.py", "        if prim.name in MOVES:\n            return False\n", "")
+    ],
+    "stages-layers-reversed": [
+        (
+            "_src/pipeline.py",
+            "    reshaped = jax.tree.map(lambda v: _reshaped(v, (*split, *v.shape[1:])), layers)",
+            "    reshaped = jax.tree.map(lambda v: _reshaped(v if isinstance(v, jax.ShapeDtypeStruct) else v[::-1], (*split, *v.shape[1:])), layers)",
+        )
+    ],
+    "accumulate-replicated-zeros": [
+        (
+            "_src/transforms.py",
+            "zero = jax.tree.map(jnp.zeros_like, jax.eval_shape(fn, params, one))",
+            "zero = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(fn, params, one))",
+        )
+    ],
+    "pipeline-scope-unread": [
+        ("_src/pipeline.py", "        found = _SCOPE.search(op_name)", "        found = None")
+    ],
+    "bubble-the-whole-loop": [
+        (
+            "_src/step/time/predict.py",
+            "clock.bubble += (clock.compute - began) * loop.idle / loop.trips",
+            "clock.bubble += clock.compute - began",
+        )
+    ],
+    "stages-said-the-wrong-way": [
+        ("_src/step/advise/state.py", "    if mine > theirs:", "    if mine < theirs:")
+    ],
+    "candidates-keep-what-no-pipeline-runs": [
+        (
+            "_src/step/advise/space.py",
+            "    kept = [c for c in every if _unrunnable(c, layers) is None]",
+            "    kept = every",
+        )
+    ],
+    "rules-said-of-any-step": [
+        (
+            "_src/step/advise/state.py",
+            "p for p in each[0] if all(p in other for other in each[1:])",
+            "p for e in each for p in e",
+        )
+    ],
 }
 
 #: Test files in the order a mutant's run takes them: quick, broad ones first, so
@@ -513,6 +578,7 @@ FIRST = [
     "tests/test_advise.py",
     "tests/test_constraints.py",
     "tests/test_transforms.py",
+    "tests/test_pipeline.py",
     "tests/test_fuzz.py",
     "tests/test_flax.py",
     "tests/test_optax.py",
@@ -1563,6 +1629,7 @@ STEP_TESTS = [
     "tests/test_net.py",
     "tests/test_net_07.py",
     "tests/test_tpu_layouts.py",
+    "tests/test_pipeline_planned.py",
     # the step wing's docstring examples (a progress line's pace is said in one)
     "tests/test_doctests.py",
 ]
@@ -1591,6 +1658,7 @@ NEAREST = {
         "tests/test_net_07.py",
     ],
     "time": [
+        "tests/test_pipeline_planned.py",
         "tests/test_predict.py",
         "tests/test_predict_properties.py",
         "tests/test_flash.py",
@@ -1606,6 +1674,7 @@ NEAREST = {
         "tests/test_net_07.py",
     ],
     "advise": [
+        "tests/test_pipeline_planned.py",
         "tests/test_advise.py",
         "tests/test_step_properties.py",
         "tests/test_net.py",

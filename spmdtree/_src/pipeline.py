@@ -24,6 +24,7 @@ from it.
 from __future__ import annotations
 
 import functools
+import math
 import re
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -265,6 +266,33 @@ def _stage_mesh(axis: str, stages: int) -> int:
     return stages
 
 
+def _check_microbatch_shards(init: PyTree, microbatches: int, stages: int) -> None:
+    """On Explicit axes, every microbatch split as the batch is: its rows a multiple
+    of the devices the batch's dimension is sharded over (else they would hold it
+    whole, or the split would not type). On Auto axes the types do not say:
+    advise rules such a candidate out from its plan."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if AxisType.Explicit not in mesh.axis_types:
+        return
+    for path, leaf in jax.tree_util.tree_leaves_with_path(init):
+        spec = tuple(jax.typeof(leaf).sharding.spec)
+        entry = spec[0] if spec else None
+        axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        shards = math.prod(mesh.shape[axis] for axis in axes)
+        batch = jnp.shape(leaf)[0]
+        if (batch // microbatches) % shards:
+            fit = [m for m in range(stages, batch + 1, stages) if batch % m == 0]
+            fit = [m for m in fit if (batch // m) % shards == 0]
+            fix = f"Give {' or '.join(map(str, fit[-2:]))} microbatches" if fit else "Give"
+            raise Mistake(
+                ValueError,
+                f"a microbatch of {at('init', path)} holds {batch // microbatches} rows "
+                f"({batch} over {microbatches} microbatches), which its batch's mesh axes "
+                f"{'+'.join(axes)} ({shards} devices) do not divide. {fix}, or a "
+                "larger batch.",
+            )
+
+
 def _checked_layer(f: Callable[[Any, Any], tuple[Any, Any]]) -> Callable[[Any, Any], Any]:
     """`f` for one layer, its result checked: the carry as it came in (structure,
     shapes, dtypes) and no per-layer output."""
@@ -409,6 +437,7 @@ def pipeline(
             f"{count - 1} iterations of microbatches x repeats + {count - 1}).",
         )
     check_microbatches(init, microbatches, "init", "to f")
+    _check_microbatch_shards(init, microbatches, count)
     scope = Scope(count, microbatches, repeats)
     piped: Callable[..., Any] = functools.partial(
         _piped, _checked_layer(f), scope=scope, axis=axis, remat=remat

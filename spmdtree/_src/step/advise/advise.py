@@ -433,7 +433,9 @@ def advise(
     batch's names: a dimension of the arguments of the candidate's batch
     size that its mesh axes (a rule's, or a box's own) do not divide, left
     unsharded; a name such as "batch" need not be resolved, and a batch on
-    mesh axes directly is caught alike. The others are traced here, one after
+    mesh axes directly is caught alike; so is a microbatch (the option
+    ``microbatches``: the batch over it) those axes do not divide (new in
+    0.8). The others are traced here, one after
     the other, and compiled in parallel subprocesses (at most `jobs` at once;
     each distinct step once), then timed with `StepPlan.time`.
 

@@ -62,7 +62,7 @@ def _batch_flag(candidate: Candidate, flag: str) -> bool:
 
 def ruled_out(candidate: Candidate, planned: Plan, budget: int) -> tuple[Verdict, str] | None:
     """The verdict and reason of a candidate its plan rules out, or None."""
-    unsharded = _unsharded_batch(candidate, planned)
+    unsharded = _unsharded_batch(candidate, planned) or _unsharded_microbatch(candidate, planned)
     if unsharded is not None:
         return Verdict.BATCH_UNSHARDED, f"{unsharded}; not compiled"
     if planned.device_bytes > budget:
@@ -175,6 +175,30 @@ def _unsharded_batch(candidate: Candidate, planned: Plan) -> str | None:
                     f"batch {candidate.batch} is not divided by its batch axes {tried}: every "
                     f"device would compute the whole batch (the array at {argument_path(row.path)}, dimension "
                     f"{flag.dimension})"
+                )
+    return None
+
+
+def _unsharded_microbatch(candidate: Candidate, planned: Plan) -> str | None:
+    """Why the candidate's microbatches are no layout (new in 0.8): a microbatch (the
+    batch over the option ``microbatches``, a pipeline's or an accumulation's) that the
+    batch's mesh axes do not divide, read from the arguments' dimensions of the
+    batch's size, as `_unsharded_batch` reads the batch; None where none is."""
+    count = (candidate.options or {}).get("microbatches")
+    if not isinstance(count, int) or count <= 1 or candidate.batch % count:
+        return None
+    rows, sizes = candidate.batch // count, dict(candidate.mesh.shape)
+    for row in planned.rows:
+        spec = (*row.spec, *(None,) * (len(row.shape) - len(row.spec)))
+        for dimension, (size, entry) in enumerate(zip(row.shape, spec, strict=True)):
+            axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+            shards = math.prod(sizes.get(axis, 1) for axis in axes)
+            if size == candidate.batch and rows % shards:
+                return (
+                    f"a microbatch of {rows} ({candidate.batch} over {count} microbatches) is "
+                    f"not divided by its batch axes {entries_text((entry,), 1)} ({shards}): "
+                    f"their devices would compute it whole (the array at "
+                    f"{argument_path(row.path)}, dimension {dimension})"
                 )
     return None
 

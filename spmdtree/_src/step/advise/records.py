@@ -86,8 +86,8 @@ class AdviceRow(NamedTuple):
         candidate: the `Candidate`.
         verdict: one of ``"fits"``, ``"tight"`` (fits, but within the margin
             of the budget), ``"may fit"``, ``"over budget"``, ``"batch
-            unsharded"`` (its batch axes do not divide its batch: not a real
-            layout) or ``"does not compile"``.
+            unsharded"`` (its batch axes do not divide its batch, or since 0.8
+            its microbatch: not a real layout) or ``"does not compile"``.
         reason: one sentence, never a flag: the peak against the budget and
             what bounds the step, why it was not compiled, or JAX's or
             spmdtree's message.
