@@ -284,6 +284,34 @@ def test_its_step_shifts_activations_by_collective_permute_and_each_device_holds
     assert [(loop.trips, loop.idle) for loop in loops] == [(iterations, 3)] * 2
 
 
+@pytest.mark.parametrize(
+    "repeats, remat",
+    [(1, False), (2, True), (2, jax.checkpoint_policies.everything_saveable)],
+    ids=["gpipe", "circular-remat", "circular-everything-saveable"],
+)
+def test_the_backward_pass_holds_the_stages_weights_once_not_once_per_iteration(repeats, remat):
+    """Wide layers, a small batch: a copy of a stage's weights per iteration would be
+    most of the temporaries; the weights of a repeat are taken again instead."""
+    wide = {
+        "w": st.Partitioned(jax.ShapeDtypeStruct((8, 512, 512), jnp.float32), (None, None, None))
+    }
+    staged = st.stages(wide, 4, repeats=repeats)
+    x = jax.ShapeDtypeStruct((8, 512), jnp.float32)
+    layout = AbstractMesh((4,), ("stage",), axis_types=(AxisType.Auto,))
+
+    def step(p, x):
+        def loss(p):
+            f = lambda h, q: (jnp.tanh(h @ st.unbox(q)["w"]), None)  # noqa: E731
+            return jnp.mean(st.pipeline(f, x, p, microbatches=4, remat=remat)[0])
+
+        return jax.grad(loss)(p)
+
+    plan = st.preflight(step, staged, x, mesh=layout, rules=[("stage", "stage")])
+    per_repeat = 8 // (4 * repeats) * 512 * 512 * 4  # one repeat of one stage's weights
+    iterations = 4 * repeats + 3
+    assert plan.temp_bytes < per_repeat * iterations / 2
+
+
 # --- bad inputs -------------------------------------------------------------------------
 
 

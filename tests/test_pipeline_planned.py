@@ -151,8 +151,9 @@ def test_a_pipelined_steps_table_says_its_loops_and_bubble():
 
 
 def test_advise_ranks_pipelined_rows_beside_the_others_and_says_what_their_bubble_costs():
-    meshes = st.layouts(8, ("data", "stage"), sizes={"stage": (1, 4)})
-    found = st.candidates(meshes, RULES, 32, layers=LAYERS, microbatches=(4, 8))
+    plain, *staged = st.layouts(8, ("data", "stage"), sizes={"stage": (1, 4)})[::-1]
+    found = [st.Candidate(plain, RULES, 32)]
+    found += st.candidates(staged, RULES, 32, layers=LAYERS, microbatches=(4, 8))
     assert {dict(c.mesh.shape)["stage"] for c in found} == {1, 2, 4}
     advice = st.advise(make_step, found, hardware=st.hardware("h100"), progress=False)
     (header,) = [line for line in str(advice).splitlines() if line.startswith("#  layout")]

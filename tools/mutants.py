@@ -509,8 +509,15 @@ MUTANTS: dict[str, list[tuple[str, str, str]]] = {
     "pipeline-first-outputs-kept": [
         ("_src/pipeline.py", "jnp.sum(y[iterations - m :], axis=1)", "jnp.sum(y[:m], axis=1)")
     ],
-    "pipeline-weights-saved-per-iteration": [
-        ("_src/pipeline.py", "        if prim.name in MOVES:\n            return False\n", "")
+    "pipeline-one-repeat-taken-per-iteration": [
+        ("_src/pipeline.py", "        if repeats == 1:", "        if False:")
+    ],
+    "pipeline-remat-saves-the-repeats-weights": [
+        (
+            "_src/pipeline.py",
+            "return prim.name not in MOVES and bool(policy(prim, *args, **params))",
+            "return bool(policy(prim, *args, **params))",
+        )
     ],
     "stages-layers-reversed": [
         (

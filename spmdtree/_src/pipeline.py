@@ -383,8 +383,12 @@ def pipeline(
         remat: rematerialise each iteration's stage in the backward pass (as
             MaxText's ``set_remat_policy_on_pipeline_iterations``): True saves
             only each iteration's input, a policy
-            (``jax.checkpoint_policies.*``) saves what it names; False
-            (default) adds nothing to what `f` does itself.
+            (``jax.checkpoint_policies.*``) saves what it names (never a
+            repeat's weights, which it takes again); False (default) adds
+            nothing to what `f` does itself (its own `jax.checkpoint` governs).
+            Without it a circular pipeline's backward pass holds the weights of
+            the repeat each iteration ran, once per iteration: give `remat`
+            where repeats > 1 (one repeat's weights are held once).
 
     Returns:
         ``(carry, None)``: the carry after every layer, as `scan` returns it.
@@ -494,12 +498,11 @@ def _shift(axis: str, count: int, y: jax.Array) -> jax.Array:
     )(y)
 
 
-#: The primitives that only move, reshape or cast an array: what a stage's iteration
-#: never saves for its backward pass, but recomputes. A stage's weights of one
-#: repeat (and of one layer, cast) are such: saved, every iteration would keep its
-#: own copy of them; recomputed, they are taken again from the stage's weights,
-#: which every iteration shares (a circular pipeline takes another repeat's in
-#: each). Cheap to recompute, and the compute they feed is saved as usual.
+#: The primitives that only move, reshape or cast an array: what a rematerialised
+#: stage never saves for its backward pass, but recomputes. A circular pipeline's
+#: weights of one repeat (and of one layer, cast) are such: saved, every iteration
+#: would keep its own copy of them; recomputed, they are taken again from the
+#: stage's weights, which every iteration shares. Cheap to recompute.
 MOVES = frozenset(
     {
         "dynamic_slice",
@@ -517,30 +520,38 @@ MOVES = frozenset(
 )
 
 
-def _saves(policy: Policy | None) -> Policy:
-    """`policy` (None: save everything), but never what only moves an array."""
+def _saves(policy: Policy) -> Policy:
+    """`policy`, but never what only moves an array."""
 
     def saves(prim: Any, *args: Any, **params: Any) -> bool:
-        if prim.name in MOVES:
-            return False
-        return True if policy is None else bool(policy(prim, *args, **params))
+        return prim.name not in MOVES and bool(policy(prim, *args, **params))
 
     return saves
 
 
-def _stage_fn(layer: Callable[[Any, Any], Any], remat: bool | Policy) -> Callable[..., Any]:
-    """One stage's layers of repeat `r` run on its input: ``(weights, r, x) -> x``,
-    checkpointed so that no iteration saves its own copy of the stage's weights
-    (remat False: all else is saved; True: nothing is; a policy: what it saves)."""
+def _stage_fn(
+    layer: Callable[[Any, Any], Any], repeats: int, remat: bool | Policy
+) -> Callable[..., Any]:
+    """One stage's layers of repeat `r` run on its input: ``(weights, r, x) -> x``.
+
+    With one repeat its weights are the same in every iteration, and the backward
+    pass holds them once. A circular pipeline takes repeat `r`'s in each iteration,
+    and unrematerialised each iteration keeps its copy of them: `remat` (True, or a
+    policy) recomputes the stage, and them, instead. Without `remat` nothing is
+    checkpointed here, so that `f`'s own `jax.checkpoint` governs what its layers
+    keep (a policy around the stage would override it)."""
 
     def stage(weights: Any, r: jax.Array, x: Any) -> Any:
-        group = jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, r, 0, False), weights)
+        if repeats == 1:
+            group = jax.tree.map(lambda w: w[0], weights)  # the same in every iteration
+        else:
+            group = jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, r, 0, False), weights)
         return jax.lax.scan(layer, x, group)[0]
 
+    if remat is False:
+        return stage
     policy = remat if callable(remat) else jax.checkpoint_policies.nothing_saveable
-    return jax.checkpoint(
-        stage, policy=_saves(None if remat is False else policy), prevent_cse=False
-    )
+    return jax.checkpoint(stage, policy=_saves(policy), prevent_cse=False)
 
 
 def _piped(
@@ -576,7 +587,8 @@ def _piped(
         return jnp.swapaxes(_copies(padded, count, axis), 0, 1)
 
     weights = jax.tree.map(lambda w: _on_stages(w, axis, 1), weights)
-    run = jax.vmap(_stage_fn(layer, remat), in_axes=(1, 0, 0), spmd_axis_name=axis)
+    stage_fn = _stage_fn(layer, scope.repeats, remat)
+    run = jax.vmap(stage_fn, in_axes=(1, 0, 0), spmd_axis_name=axis)
     shift = functools.partial(_shift, axis, count)
 
     def iteration(carry: tuple[Any, Any], step: tuple[jax.Array, Any]) -> tuple[Any, Any]:

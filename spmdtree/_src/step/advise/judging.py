@@ -181,25 +181,26 @@ def _unsharded_batch(candidate: Candidate, planned: Plan) -> str | None:
 
 def _unsharded_microbatch(candidate: Candidate, planned: Plan) -> str | None:
     """Why the candidate's microbatches are no layout (new in 0.8): a microbatch (the
-    batch over the option ``microbatches``, a pipeline's or an accumulation's) that the
-    batch's mesh axes do not divide, read from the arguments' dimensions of the
-    batch's size, as `_unsharded_batch` reads the batch; None where none is."""
+    batch over the option ``microbatches``, a pipeline's or an accumulation's, which
+    split the leading dimension) that the batch's mesh axes do not divide, read from
+    the arguments whose leading dimension is of the batch's size; None where none is."""
     count = (candidate.options or {}).get("microbatches")
     if not isinstance(count, int) or count <= 1 or candidate.batch % count:
         return None
     rows, sizes = candidate.batch // count, dict(candidate.mesh.shape)
     for row in planned.rows:
-        spec = (*row.spec, *(None,) * (len(row.shape) - len(row.spec)))
-        for dimension, (size, entry) in enumerate(zip(row.shape, spec, strict=True)):
-            axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-            shards = math.prod(sizes.get(axis, 1) for axis in axes)
-            if size == candidate.batch and rows % shards:
-                return (
-                    f"a microbatch of {rows} ({candidate.batch} over {count} microbatches) is "
-                    f"not divided by its batch axes {entries_text((entry,), 1)} ({shards}): "
-                    f"their devices would compute it whole (the array at "
-                    f"{argument_path(row.path)}, dimension {dimension})"
-                )
+        if not row.shape or row.shape[0] != candidate.batch or not len(row.spec):
+            continue
+        entry = row.spec[0]
+        axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        shards = math.prod(sizes.get(axis, 1) for axis in axes)
+        if rows % shards:
+            return (
+                f"a microbatch of {rows} ({candidate.batch} over {count} microbatches) is not "
+                f"divided by its batch axes {entries_text((entry,), 1)} ({shards}): their "
+                f"devices would compute it whole (the array at {argument_path(row.path)}, "
+                "dimension 0)"
+            )
     return None
 
 
