@@ -114,7 +114,7 @@ def test_layers_that_the_stages_and_repeats_do_not_divide_are_a_value_error():
     with pytest.raises(ValueError) as e:
         st.stages(layers(6), 4)
     message = str(e.value)
-    assert message.startswith("stages: layers holds 6 layers, which 4 stages x 1 repeats")
+    assert message.startswith("stages: layers holds 6 layers, which 4 stages x 1 repeat do")
     assert "1, 2, 3 or 6" in message
     with pytest.raises(ValueError, match=r"8 layers, which 2 stages x 3 repeats do not divide"):
         st.stages(layers(), 2, repeats=3)
@@ -126,6 +126,18 @@ def test_layers_that_disagree_on_their_count_are_a_value_error_naming_each():
         st.stages(tree, 2)
     with pytest.raises(ValueError, match=r"layers\['s'\] \(shape \(\)\) has fewer than 1"):
         st.stages({"s": jnp.zeros(())}, 1)
+
+
+def test_layers_restaged_already_are_a_value_error():
+    with pytest.raises(
+        ValueError,
+        match=r"^stages: layers\['down'\], layers\['scale'\], layers\['up'\] are restaged already",
+    ):
+        st.stages(st.stages(layers(), 4), 1)
+    with pytest.raises(
+        ValueError, match=r"holds 1 layer, which 2 stages x 1 repeat do not .*: 1\.$"
+    ):
+        st.stages({"w": jnp.zeros((1, 3))}, 2)
 
 
 @pytest.mark.parametrize(
@@ -366,6 +378,34 @@ def test_a_per_layer_output_or_a_changed_carry_is_a_value_error():
         run(staged, f=lambda x, p: (block(x, p)[0], x))
     with pytest.raises(ValueError, match=r"^pipeline: f returned a carry of float32\[4,32\]"):
         run(staged, f=lambda x, p: (jnp.concatenate([x, x], -1), None))
+
+
+def test_layers_passed_without_restaging_are_a_value_error_that_says_to_restage_them():
+    with pytest.raises(ValueError) as e:
+        run(layers())
+    assert "pipeline: staged['down'] (names ('layers', 'mlp', 'embed'))" in str(e.value)
+    assert str(e.value).endswith("Restage the stacked layers first: st.stages(layers, 4).")
+
+
+def test_a_carry_of_bools_and_small_ints_comes_back_as_it_went_in():
+    params, (x, _) = layers(), batch()
+    init = (x, jnp.ones(BATCH, bool), jnp.arange(BATCH, dtype=jnp.int8))
+    with st.logical_axis_rules(RULES), jax.set_mesh(mesh("auto")):
+        got, _ = jax.jit(
+            lambda s, c: st.pipeline(
+                lambda c, p: ((block(c[0], p)[0], *c[1:]), None), c, s, microbatches=4
+            )
+        )(st.stages(params, 4), init)
+    assert [a.dtype for a in got] == [jnp.float32, jnp.bool_, jnp.int8]
+    np.testing.assert_array_equal(got[2], init[2])
+
+
+def test_f_that_returns_the_carry_alone_is_told_what_it_returned():
+    with pytest.raises(
+        ValueError,
+        match=r"^pipeline: f returned float32\[4@data,16\]; expected \(carry, None\)",
+    ):
+        run(st.stages(layers(), 4), f=lambda x, p: block(x, p)[0])
 
 
 def test_staged_arrays_that_disagree_on_the_stages_are_a_value_error():

@@ -225,8 +225,18 @@ def test_candidates_leave_out_stages_that_do_not_divide_the_layers_and_bad_micro
     assert kept == {
         (2, 2, 1), (2, 4, 1), (2, 2, 2), (2, 4, 2),  # 2 x 2 repeats divide 12
         (4, 4, 1),  # 4 x 2 do not; 2 microbatches are no multiple of 4
-        (1, 2, 1), (1, 4, 1), (1, 2, 2), (1, 4, 2),
+        (1, 2, 1), (1, 4, 1),  # repeats without stages are the same step as one
     }  # fmt: skip  # 32 microbatches divide no batch of 16; 8 stages do not divide 12
+
+
+def test_where_no_layout_without_stages_was_tried_none_is_said_not_to_fit():
+    mesh = AbstractMesh((4, 2), ("data", "stage"), axis_types=(AxisType.Auto,) * 2)
+    found = st.candidates([mesh], RULES, 16, layers=LAYERS, microbatches=(2, 8))
+    advice = st.advise(make_step, found, hardware=st.hardware("h100"), progress=False)
+    rows = {row.candidate.options["microbatches"]: row for row in advice.rows}
+    assert rows[8].verdict == "batch unsharded"  # a microbatch of 2 over data 4
+    (said,) = [f for f in rows[2].flags if f.startswith("stages:")]
+    assert "no layout without stages" not in said and said.endswith("over stage")
 
 
 def test_candidates_say_why_when_nothing_can_run():

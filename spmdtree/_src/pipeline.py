@@ -186,25 +186,67 @@ def stages(layers: PyTree, stages: int, *, repeats: int = 1, name: str = "stage"
         >>> st.stages(layers, 3)
         Traceback (most recent call last):
         ...
-        ValueError: stages: layers holds 8 layers, which 3 stages x 1 repeats do not divide. Choose stages and repeats whose product divides 8: 1, 2, 4 or 8.
+        ValueError: stages: layers holds 8 layers, which 3 stages x 1 repeat do not divide. Choose stages and repeats whose product divides 8: 1, 2, 4 or 8.
     """
     _count(stages, "stages")
     _count(repeats, "repeats")
     if not isinstance(name, str):
         raise Mistake(TypeError, f"name is {name!r}; expected a str, the stage dimension's name.")
+    _not_staged(layers, name)
     (count,) = _one_size(_leading(layers, "layers", 1), "layers", "layers (leading dimension)")
     if count % (stages * repeats):
         divisors = [str(d) for d in range(1, count + 1) if count % d == 0]
+        said = " or ".join([", ".join(divisors[:-1]), divisors[-1]] if divisors[1:] else divisors)
         raise Mistake(
             ValueError,
-            f"layers holds {count} layers, which {stages} stages x {repeats} repeats do not "
-            f"divide. Choose stages and repeats whose product divides {count}: "
-            f"{', '.join(divisors[:-1])} or {divisors[-1]}.",
+            f"layers holds {count} layer{'s' * (count > 1)}, which {stages} stage"
+            f"{'s' * (stages > 1)} x {repeats} repeat{'s' * (repeats > 1)} do not divide. "
+            f"Choose stages and repeats whose product divides {count}: {said}.",
         )
     split = (repeats, stages, count // (repeats * stages))
     reshaped = jax.tree.map(lambda v: _reshaped(v, (*split, *v.shape[1:])), layers)
     named = change_axes(reshaped, 0, name, add=True, argument="layers")
     return change_axes(named, 0, None, add=True, argument="layers")
+
+
+def _restaged(box: object, name: object) -> bool:
+    """Whether a box is one `stages` restaged: names ``(None, <name>, ...)``."""
+    if not isinstance(box, Partitioned):
+        return False
+    names = tuple(box.names)
+    return len(names) > 1 and names[0] is None and names[1] == name
+
+
+def _not_staged(layers: PyTree, name: str) -> None:
+    """Refuses layers some of whose boxes `stages` already restaged."""
+    done = [
+        at("layers", path)
+        for path, box in jax.tree_util.tree_leaves_with_path(layers, is_leaf=is_boxed)
+        if _restaged(box, name)
+    ]
+    if done:
+        raise Mistake(
+            ValueError,
+            f"{', '.join(done[:5])} {'is' if len(done) == 1 else 'are'} restaged already "
+            f"(names (None, {name!r}, ...)). Restage the stacked layers themselves, once.",
+        )
+
+
+def _unstaged(staged: PyTree, count: int) -> None:
+    """Refuses boxes `stages` did not restage: names whose first is not None (the
+    repeats' dimension is unnamed), most often stacked layers passed as they are."""
+    unstaged = [
+        f"{at('staged', path)} (names {box.names})"
+        for path, box in jax.tree_util.tree_leaves_with_path(staged, is_leaf=is_boxed)
+        if isinstance(box, Partitioned) and box.names and box.names[0] is not None
+    ]
+    if unstaged:
+        raise Mistake(
+            ValueError,
+            f"{', '.join(unstaged[:5])} {'is' if len(unstaged) == 1 else 'are'} not restaged "
+            "for a pipeline: st.stages names a box (None, <stage>, <layers>, ...). Restage the "
+            f"stacked layers first: st.stages(layers, {count}).",
+        )
 
 
 def _per_layer(staged: PyTree) -> PyTree:
@@ -302,7 +344,7 @@ def _checked_layer(f: Callable[[Any, Any], tuple[Any, Any]]) -> Callable[[Any, A
         if not isinstance(out, tuple) or len(out) != 2:
             raise Mistake(
                 ValueError,
-                f"f returned {type(out).__name__}; expected (carry, None), as a scan's body "
+                f"f returned {_kinds(out)}; expected (carry, None), as a scan's body "
                 "returns its carry and per-layer output.",
             )
         new, per_layer = out
@@ -311,20 +353,27 @@ def _checked_layer(f: Callable[[Any, Any], tuple[Any, Any]]) -> Callable[[Any, A
                 ValueError,
                 f"f returned a per-layer output ({jax.tree.structure(per_layer)}); a pipeline "
                 "passes only the carry from stage to stage, so f must return (carry, None). "
-                "Carry what a layer adds up (an auxiliary loss) in the carry.",
+                "Carry what a layer adds up per example in the carry (an auxiliary loss of "
+                "shape [batch], its leading dimension the batch's), and reduce it after the "
+                "pipeline.",
             )
-        given, got = (jax.tree.map(lambda x: str(jax.typeof(x)), t) for t in (carry, new))
+        given, got = (_kinds(t) for t in (carry, new))
         if given != got:
             raise Mistake(
                 ValueError,
-                f"f returned a carry of {got}, given one of {given}; a layer must return its "
-                "carry as it came in: its structure, shapes, dtypes and, on Explicit axes, "
-                "shardings (constrain the carry before the pipeline to the sharding f "
-                "gives it: st.with_logical_constraint).",
+                f"f returned a carry of {got}, given one of {given} (one microbatch's); a "
+                "layer must return its carry as it came in: its structure, shapes, dtypes "
+                "and, on Explicit axes, shardings (constrain the carry before the pipeline "
+                "to the sharding f gives it: st.with_logical_constraint).",
             )
         return new, None
 
     return layer
+
+
+def _kinds(tree: Any) -> Any:
+    """A tree's arrays as their types show them (``float32[4@data,16]``), for a message."""
+    return jax.tree.map(lambda x: str(jax.typeof(x)) if hasattr(x, "shape") else repr(x), tree)
 
 
 @public
@@ -372,9 +421,10 @@ def pipeline(
 
     Args:
         f: ``(carry, layer) -> (carry, None)`` for one layer, as `scan` takes
-            it: `layer` holds boxes with one layer's names.
-        init: the carry: activations, every leaf with the batch as its leading
-            dimension.
+            it: `layer` holds boxes with one layer's names. It sees one
+            microbatch: what it needs per example travels in the carry.
+        init: the carry: activations (and whatever else is per example),
+            every leaf with the batch as its leading dimension.
         staged: the layers, restaged by `stages`.
         microbatches: how many microbatches the batch is split into: a multiple
             of the stages that divides the batch (MaxText's advice is twice the
@@ -396,12 +446,13 @@ def pipeline(
     Raises:
         TypeError: for a `microbatches` that is not an int.
         ValueError: for microbatches that are not a multiple of the stages or
-            do not divide the batch; no mesh in context, a mesh without `axis`,
+            do not divide the batch (on Explicit axes: whose rows the batch's
+            mesh axes do not divide); no mesh in context, a mesh without `axis`,
             or one whose `axis` differs in size from the staged layers' stages;
-            staged arrays that disagree on the repeats or the stages, or a box
-            of mesh-axis names whose stage dimension is not `axis`; and (while
-            tracing) an `f` whose per-layer output is not None, or whose carry
-            changes.
+            boxes `stages` did not restage, staged arrays that disagree on the
+            repeats or the stages, or a box of mesh-axis names whose stage
+            dimension is not `axis`; and (while tracing) an `f` whose per-layer
+            output is not None, or whose carry changes.
 
     Example:
         >>> import jax, jax.numpy as jnp, spmdtree as st
@@ -426,6 +477,8 @@ def pipeline(
         )
     if not isinstance(axis, str):
         raise Mistake(TypeError, f"axis is {axis!r}; expected the stage mesh axis's name.")
+    in_context = context_mesh()
+    _unstaged(staged, 1 if in_context is None else dict(in_context.shape).get(axis, 1))
     repeats, count = _one_size(
         _leading(staged, "staged", 3),
         "staged",
@@ -606,7 +659,9 @@ def _piped(
         )
         repeat = jnp.clip((i - stage) // m, 0, scope.repeats - 1)
         passed = jax.tree.map(shift, run(weights, repeat, x))
-        return (passed, ring), jax.tree.map(lambda p: jnp.where(first(p), p, 0), passed)
+        return (passed, ring), jax.tree.map(
+            lambda p: jnp.where(first(p), p, jnp.zeros_like(p)), passed
+        )
 
     inputs = jax.tree.map(streamed, init)
     start = jax.tree.map(lambda x: x[0], inputs)  # what a stage runs before its first
@@ -614,4 +669,6 @@ def _piped(
     _, outputs = jax.lax.scan(iteration, (start, ring), (jnp.arange(iterations), inputs))
     # the last repeat's outputs, on the first stage (zeros elsewhere): their sum over
     # the stages is them on every stage (an all-reduce)
-    return jax.tree.map(lambda y: join_microbatches(jnp.sum(y[iterations - m :], axis=1)), outputs)
+    return jax.tree.map(
+        lambda y: join_microbatches(jnp.sum(y[iterations - m :], axis=1, dtype=y.dtype)), outputs
+    )

@@ -205,8 +205,10 @@ def candidates(
     and ``repeats`` (`st.pipeline`, `st.stages`). Left out: a combination whose
     microbatches are not a multiple of its stages or do not divide its batch
     (``microbatches`` alone is gradient accumulation's count, which must divide
-    the batch too), and, with `layers`, one whose stages x repeats do not divide
-    the layers.
+    the batch too), repeats over 1 without stages (the same step as one repeat),
+    and, with `layers`, one whose stages x repeats do not divide the layers.
+    (advise then rules out, from each one's plan, microbatches that its batch's
+    mesh axes do not divide.)
 
     Args:
         meshes: the layouts (`layouts` gives them).
@@ -283,6 +285,8 @@ def _unrunnable(candidate: Candidate, layers: int | None) -> str | None:
             if micro < 1 or micro % stages
             else f"{micro} microbatches do not divide the batch {candidate.batch}"
         )
+    if isinstance(repeats, int) and repeats > 1 and stages == 1:
+        return f"{repeats} repeats without stages (its mesh has no {STAGE!r} axis over 1)"
     if layers is not None and isinstance(repeats, int) and layers % (stages * max(repeats, 1)):
         return f"{stages} stages x {repeats} repeats do not divide {layers} layers"
     return None

@@ -28,6 +28,7 @@ from spmdtree._src.step.advise.records import (
     Candidate,
     label_of,
 )
+from spmdtree._src.step.advise.space import STAGE
 from spmdtree._src.step.compile import (
     Analysis,
     Arguments,
@@ -262,7 +263,7 @@ def said_stages(state: State) -> State:
     rows = state.rows
     hopeful = [i for i in state.order() if _timed(rows[i]) is not None]
     plain = [i for i in hopeful if not _bubble(rows[i])]
-    unpiped = any(not _bubble(row) for row in rows.values())
+    unpiped = any(_without_stages(row) for row in rows.values())
     records = dict(state.records)
     for index in hopeful:
         row = rows[index]
@@ -277,6 +278,14 @@ def _timed(row: AdviceRow) -> StepTime | None:
     if row.verdict not in HOPEFUL or row.time is None or row.time.predicted_seconds is None:
         return None
     return row.time
+
+
+def _without_stages(row: AdviceRow) -> bool:
+    """Whether a row is a layout without stages: compiled, no pipeline in its
+    schedule; not compiled, no stage axis of more than one device."""
+    if row.step is None:
+        return dict(row.candidate.mesh.shape).get(STAGE, 1) == 1
+    return not (row.step.schedule is not None and row.step.schedule.pipelines())
 
 
 def _bubble(row: AdviceRow) -> float:
