@@ -3,6 +3,7 @@ pipeline in one SPMD program and equals `st.scan` (loss and gradients), with its
 inputs each a ValueError that names the numbers and the fix."""
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -357,6 +358,29 @@ def test_a_microbatch_its_batch_axes_do_not_divide_is_a_value_error_on_explicit_
         "batch's mesh axes data (2 devices) do not divide. Give 4 or 8 microbatches, or a "
         "larger batch."
     )
+
+
+def test_staged_layers_not_on_the_stage_axis_are_warned_of_on_explicit_axes():
+    staged = st.stages(layers(), 4)  # placed nowhere: every device holds every stage
+    x = jax.device_put(batch()[0], jax.sharding.NamedSharding(mesh(), P("data")))
+    with pytest.warns(UserWarning, match=r"every device holds every stage's layers"):
+        run(staged, x=x)
+    with st.logical_axis_rules(RULES), jax.set_mesh(mesh()):
+        placed = st.shard(staged, mesh())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        run(placed, x=x)
+
+
+def test_a_traced_microbatch_count_is_told_to_be_static():
+    staged, x = st.stages(layers(), 4), batch()[0]
+    said = r"microbatches is .*; expected an int >= 1 \(a Python"
+    with (
+        st.logical_axis_rules(RULES),
+        jax.set_mesh(mesh("auto")),
+        pytest.raises(TypeError, match=said),
+    ):
+        jax.jit(lambda m: st.pipeline(block, x, staged, microbatches=m))(4)
 
 
 def test_a_mesh_without_the_stage_axis_or_of_another_size_is_a_value_error():

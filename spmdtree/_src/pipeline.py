@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import math
 import re
+import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -35,7 +36,7 @@ from jax._src.core import trace_state_clean  # how JAX itself tells that it is t
 from jax.sharding import AxisType, PartitionSpec
 
 from spmdtree._src.boxes import LogicallyPartitioned, Partitioned
-from spmdtree._src.errors import Mistake, at, public
+from spmdtree._src.errors import Mistake, at, public, user_level
 from spmdtree._src.rules import PyTree
 from spmdtree._src.specs import context_mesh
 from spmdtree._src.transforms import check_microbatches, join_microbatches, split_microbatches
@@ -87,7 +88,13 @@ _SCOPE = re.compile(r"st\.pipeline\(stages=(\d+),microbatches=(\d+),repeats=(\d+
 def _count(value: object, what: str) -> int:
     """`value`, an int >= 1, or the Mistake that says it is not."""
     if not isinstance(value, int) or isinstance(value, bool):
-        raise Mistake(TypeError, f"{what} is {value!r}; expected an int >= 1.")
+        static = (
+            " (a Python int: the program's shape depends on it; pass it static, as "
+            "jax.jit's static_argnums)"
+            if hasattr(value, "shape")
+            else ""
+        )
+        raise Mistake(TypeError, f"{what} is {value!r}; expected an int >= 1{static}.")
     if value < 1:
         raise Mistake(ValueError, f"{what} is {value}; expected an int >= 1.")
     return value
@@ -288,7 +295,7 @@ def _stage_mesh(axis: str, stages: int) -> int:
             ValueError,
             f"no mesh is in context; the pipeline runs its {stages} stages along the mesh "
             f"axis {axis!r} of the mesh set with jax.set_mesh. Call it under "
-            "`with jax.set_mesh(mesh):`.",
+            "`with jax.set_mesh(mesh):` (a `with mesh:` block sets none).",
         )
     if axis not in mesh.axis_names:
         raise Mistake(
@@ -514,6 +521,15 @@ def _on_stages(x: jax.Array, axis: str, dim: int = 0) -> jax.Array:
         spec = list(jax.typeof(x).sharding.spec) + [None] * jnp.ndim(x)
         if spec[dim] == axis:
             return x
+        if dim:  # a staged weight: every device was handed every stage's layers
+            warnings.warn(
+                f"pipeline: a staged array of shape {tuple(jnp.shape(x))} comes with its "
+                f"stage dimension (dimension 1) on {spec[dim]!r}, not on the stage axis "
+                f"{axis!r}: every device holds every stage's layers, and the pipeline "
+                "takes its own stage's from them. Shard the stage dimension on the stage "
+                "axis (the rule ('stage', 'stage')).",
+                stacklevel=user_level(),
+            )
         spec[dim] = axis
         return jax.sharding.reshard(x, PartitionSpec(*spec[: jnp.ndim(x)]))
     free: list[Any] = [PartitionSpec.UNCONSTRAINED] * jnp.ndim(x)
