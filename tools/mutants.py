@@ -503,11 +503,19 @@ MUTANTS: dict[str, list[tuple[str, str, str]]] = {
             "repeat = jnp.clip(i // m + 0 * stage, 0, scope.repeats - 1)",
         )
     ],
-    "pipeline-ring-slot-ahead": [
-        ("_src/pipeline.py", "slot = i % max(delay, 1)", "slot = (i + 1) % max(delay, 1)")
+    "pipeline-ring-written-a-slot-ahead": [
+        (
+            "_src/pipeline.py",
+            "lambda r, p: jax.lax.dynamic_update_index_in_dim(r, p, slot, 1)",
+            "lambda r, p: jax.lax.dynamic_update_index_in_dim(r, p, (slot + 1) % delay, 1)",
+        )
     ],
     "pipeline-first-outputs-kept": [
-        ("_src/pipeline.py", "jnp.sum(y[iterations - m :], axis=1)", "jnp.sum(y[:m], axis=1)")
+        (
+            "_src/pipeline.py",
+            "jnp.sum(y[iterations - m :], axis=1, dtype=y.dtype)",
+            "jnp.sum(y[:m], axis=1, dtype=y.dtype)",
+        )
     ],
     "pipeline-one-repeat-taken-per-iteration": [
         ("_src/pipeline.py", "        if repeats == 1:", "        if False:")
@@ -1338,8 +1346,8 @@ MUTANTS.update(
         "loop-repeats-one-iteration-too-few": [
             (
                 "_src/step/time/predict.py",
-                "                clock.advance(before, event.trips - self.WALKED, name)",
-                "                clock.advance(before, event.trips - self.WALKED - 1, name)",
+                "            clock.advance(before, loop.trips - self.WALKED, name)",
+                "            clock.advance(before, loop.trips - self.WALKED - 1, name)",
             )
         ],
         "kernel-ignores-the-smaller-of-compute-and-memory": [
