@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 from spmdtree._src.pipeline import Scope
 from spmdtree._src.step.hlo.forms import (
@@ -246,6 +246,7 @@ class Branches(NamedTuple):
 
 
 Event = Kernel | Start | Done | Loop | Branches
+E = TypeVar("E", Kernel, Start)
 
 
 #: A reduction over a dimension that is not its array's minor-most is flagged from
@@ -388,7 +389,7 @@ class Schedule:
     def kernels(self) -> Iterator[Kernel]:
         """Every `Kernel` it runs, in loops and in every branch too, once each as
         written (not times its trips)."""
-        return _kernels(self.events)
+        return _every(self.events, Kernel)
 
     def compiler_cycles(self) -> int:
         """libtpu's own estimate of the step, in cycles: each kernel's
@@ -428,7 +429,7 @@ class Schedule:
         axes = dict.fromkeys(
             axis
             for loop in self.pipelines()
-            for start in _starts(loop.body)
+            for start in _every(loop.body, Start)
             if start.row.kind == CollectiveKind.COLLECTIVE_PERMUTE
             for axis in start.row.axes
         )
@@ -478,15 +479,17 @@ def _masked(events: tuple[Event, ...], masks: Mapping[str, Kept]) -> tuple[Event
     return tuple(found)
 
 
-def _kernels(events: Iterable[Event]) -> Iterator[Kernel]:
+def _every(events: Iterable[Event], kind: type[E]) -> Iterator[E]:
+    """Every event of `kind` in `events`, in loops and in every branch too, once each
+    as written."""
     for event in events:
-        if isinstance(event, Kernel):
+        if isinstance(event, kind):
             yield event
         elif isinstance(event, Loop):
-            yield from _kernels(event.body)
+            yield from _every(event.body, kind)
         elif isinstance(event, Branches):
             for branch in event.branches:
-                yield from _kernels(branch)
+                yield from _every(branch, kind)
 
 
 def _pipelines(events: Iterable[Event]) -> Iterator[Loop]:
@@ -496,17 +499,6 @@ def _pipelines(events: Iterable[Event]) -> Iterator[Loop]:
         elif isinstance(event, Branches):
             for branch in event.branches:
                 yield from _pipelines(branch)
-
-
-def _starts(events: Iterable[Event]) -> Iterator[Start]:
-    for event in events:
-        if isinstance(event, Start):
-            yield event
-        elif isinstance(event, Loop):
-            yield from _starts(event.body)
-        elif isinstance(event, Branches):
-            for branch in event.branches:
-                yield from _starts(branch)
 
 
 def _cycles(events: Iterable[Event]) -> int:
