@@ -76,7 +76,9 @@ def make_step(model: validate.Model):
     return make
 
 
-def candidates(chips: int, batch: int, microbatches: tuple[int, ...]) -> list[st.Candidate]:
+def candidates(
+    model: validate.Model, chips: int, batch: int, microbatches: tuple[int, ...]
+) -> list[st.Candidate]:
     """The three uses of the DCN axis, on `chips` in two slices."""
     half = chips // 2
 
@@ -85,10 +87,10 @@ def candidates(chips: int, batch: int, microbatches: tuple[int, ...]) -> list[st
             (data, stage, fsdp), ("data", "stage", "fsdp"), axis_types=(AxisType.Auto,) * 3
         )
 
-    plain = [st.Candidate(mesh(1, 1, chips), RULES, batch, LLAMA_70B.length)]
-    plain.append(st.Candidate(mesh(2, 1, half), RULES, batch, LLAMA_70B.length))
+    plain = [st.Candidate(mesh(1, 1, chips), RULES, batch, model.length)]
+    plain.append(st.Candidate(mesh(2, 1, half), RULES, batch, model.length))
     piped = st.candidates(
-        [mesh(1, 2, half)], RULES, batch, length=LLAMA_70B.length, microbatches=microbatches
+        [mesh(1, 2, half)], RULES, batch, length=model.length, microbatches=microbatches
     )
     return plain + piped
 
@@ -100,10 +102,8 @@ def main() -> int:
     args = parser.parse_args()
     model, chips = (TINY, 8) if args.quick else (LLAMA_70B, 128)
     found = candidates(
-        chips, 4 * chips // (4 if args.quick else 1), (2,) if args.quick else (2, 4, 8)
+        model, chips, 4 * chips // (4 if args.quick else 1), (2,) if args.quick else (2, 4, 8)
     )
-    if args.quick:
-        found = [c._replace(length=model.length) for c in found]
     print(
         f"jax {jax.__version__}; spmdtree {st.__version__}; {model.param_count() / 1e9:.1f}B "
         f"params, {model.layers} layers, {model.length} tokens, batch {found[0].batch}, on 2 slices of "

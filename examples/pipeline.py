@@ -54,6 +54,7 @@ def piped(microbatches):
 
 
 def main(argv=None):
+    """Trains as the command line says; returns the losses it printed."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--layers", type=int, default=8)
@@ -76,53 +77,58 @@ def main(argv=None):
     )
     sizes = dict(vocab=32, length=args.length, width=args.width, layers=args.layers, heads=4)
     sizes["mlp"] = 4 * args.width
-    init_fn = functools.partial(staged_init, stages=4, repeats=args.repeats, **sizes)
-    tx = train.adamw(1e-2)
-    loss_fn = functools.partial(train.loss_fn, run_layers=piped(args.microbatches))
-
     with st.logical_axis_rules(RULES), jax.set_mesh(mesh):
-        print("\nThe plan of the params (the layers' stage dimension on the stage axis):")
-        print(st.describe(jax.eval_shape(init_fn, jax.random.key(0)), mesh, rich=False))
-        params = st.sharded_init(init_fn, mesh)(jax.random.key(0))
-        shape = (args.batch, args.length)
-        data = NamedSharding(
-            mesh, st.logical_to_mesh_axes(("batch", "length"), shape=shape, mesh=mesh)
-        )
-        batches = train.batches(jax.random.key(1), args.batch, args.length, 32)
-        tokens = jax.device_put(next(batches), data)
-
-        # the same weights from the same key, the layers stacked as train.py runs them
-        stacked = st.sharded_init(functools.partial(train.init, **sizes), mesh)(jax.random.key(0))
-        scanned = jax.jit(train.loss_fn)(stacked, tokens)
-        pipelined = jax.jit(loss_fn)(params, tokens)
-        same = bool(jnp.allclose(scanned, pipelined, rtol=1e-5))
-        print(
-            f"\nloss before training: scanned {scanned:.4f}, pipelined {pipelined:.4f} (equal: {same})"
-        )
-
-        step = functools.partial(_step, tx=tx, loss_fn=loss_fn)
-        state = jax.jit(tx.init, out_shardings=st.optimizer_sharding(tx, params, mesh))(params)
-        compiled = st.preflight(step, params, state, tokens, mesh=mesh.abstract_mesh, rules=RULES)
-        print(
-            "\nThe compiled step (st.preflight, the CPU's compile), its collectives and pipeline:"
-        )
-        print("\n".join(line for line in str(compiled).splitlines() if _shown(line)))
-
-        print(
-            f"\ntraining {args.steps} steps, batch {args.batch}, {args.microbatches} microbatches"
-        )
-        train_step = jax.jit(step, donate_argnums=(0, 1))
-        losses = []
-        for i in range(1, args.steps + 1):
-            params, state, loss = train_step(params, state, jax.device_put(next(batches), data))
-            if i in (1, args.steps) or i % 10 == 0:
-                losses.append(float(loss))
-                print(f"step {i:4d}  loss {losses[-1]:.3f}")
+        losses, same = train_pipelined(args, mesh, sizes)
     if not same:
         raise SystemExit("the pipelined loss differs from the scanned one")
     if losses[-1] >= losses[0]:
         raise SystemExit("the loss did not go down")
     return losses
+
+
+def train_pipelined(args, mesh, sizes):
+    """Prints the plan, the loss against the unpipelined one and the compiled step's
+    pipeline, then trains; returns the losses it printed and whether the two agreed."""
+    init_fn = functools.partial(staged_init, stages=4, repeats=args.repeats, **sizes)
+    print("\nThe plan of the params (the layers' stage dimension on the stage axis):")
+    print(st.describe(jax.eval_shape(init_fn, jax.random.key(0)), mesh, rich=False))
+    params = st.sharded_init(init_fn, mesh)(jax.random.key(0))
+    shape = (args.batch, args.length)
+    data = NamedSharding(mesh, st.logical_to_mesh_axes(("batch", "length"), shape=shape, mesh=mesh))
+    batches = train.batches(jax.random.key(1), args.batch, args.length, 32)
+    tokens = jax.device_put(next(batches), data)
+    loss_fn = functools.partial(train.loss_fn, run_layers=piped(args.microbatches))
+    same = same_loss(params, tokens, loss_fn, mesh, sizes)
+
+    tx = train.adamw(1e-2)
+    step = functools.partial(_step, tx=tx, loss_fn=loss_fn)
+    state = jax.jit(tx.init, out_shardings=st.optimizer_sharding(tx, params, mesh))(params)
+    compiled = st.preflight(step, params, state, tokens, mesh=mesh.abstract_mesh, rules=RULES)
+    print("\nThe compiled step (st.preflight, the CPU's compile), its collectives and pipeline:")
+    print("\n".join(line for line in str(compiled).splitlines() if _shown(line)))
+
+    print(f"\ntraining {args.steps} steps, batch {args.batch}, {args.microbatches} microbatches")
+    train_step = jax.jit(step, donate_argnums=(0, 1))
+    losses = []
+    for i in range(1, args.steps + 1):
+        params, state, loss = train_step(params, state, jax.device_put(next(batches), data))
+        if i in (1, args.steps) or i % 10 == 0:
+            losses.append(float(loss))
+            print(f"step {i:4d}  loss {losses[-1]:.3f}")
+    return losses, same
+
+
+def same_loss(params, tokens, loss_fn, mesh, sizes):
+    """Whether the pipelined loss equals train.py's, on the same weights from the same
+    key with the layers stacked as train.py runs them; printed."""
+    stacked = st.sharded_init(functools.partial(train.init, **sizes), mesh)(jax.random.key(0))
+    scanned = jax.jit(train.loss_fn)(stacked, tokens)
+    pipelined = jax.jit(loss_fn)(params, tokens)
+    same = bool(jnp.allclose(scanned, pipelined, rtol=1e-5))
+    print(
+        f"\nloss before training: scanned {scanned:.4f}, pipelined {pipelined:.4f} (equal: {same})"
+    )
+    return same
 
 
 def _step(params, state, tokens, tx, loss_fn):

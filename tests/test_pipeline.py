@@ -132,7 +132,7 @@ def test_layers_that_disagree_on_their_count_are_a_value_error_naming_each():
 def test_layers_restaged_already_are_a_value_error():
     with pytest.raises(
         ValueError,
-        match=r"^stages: layers\['down'\], layers\['scale'\], layers\['up'\] are restaged already",
+        match=r"^stages: 3 leaves are wrong:\n  the box at layers\['down'\] is restaged already",
     ):
         st.stages(st.stages(layers(), 4), 1)
     with pytest.raises(
@@ -374,13 +374,45 @@ def test_staged_layers_not_on_the_stage_axis_are_warned_of_on_explicit_axes():
 
 def test_a_traced_microbatch_count_is_told_to_be_static():
     staged, x = st.stages(layers(), 4), batch()[0]
-    said = r"microbatches is .*; expected an int >= 1 \(a Python"
+    said = r"microbatches is .*; expected an int >= 1 \(the microbatches .*; a Python int"
     with (
         st.logical_axis_rules(RULES),
         jax.set_mesh(mesh("auto")),
         pytest.raises(TypeError, match=said),
     ):
         jax.jit(lambda m: st.pipeline(block, x, staged, microbatches=m))(4)
+
+
+def test_a_microbatch_no_count_fits_says_to_give_a_larger_batch():
+    layout = jax.make_mesh((2, 4), ("stage", "data"))
+    x = jax.device_put(jnp.ones((4, WIDTH)), jax.sharding.NamedSharding(layout, P("data")))
+    with pytest.raises(ValueError, match=r"do not divide\. No count of them that is a multiple"):
+        run(st.stages(layers(), 2), x=x, microbatches=2, layout=layout)
+
+
+@pytest.mark.parametrize("kind", ["explicit", "auto"])
+def test_a_batch_split_over_the_stage_axis_too_pipelines(kind):
+    """Outside the pipeline the batch may be split over every axis, the stage axis
+    among them; inside, each stage holds the carry whole along it."""
+    params, (x, y) = layers(), batch()
+    rules = [("batch", ("data", "stage")), *RULES[1:]]
+    with st.logical_axis_rules(rules), jax.set_mesh(mesh(kind)):
+        staged = st.shard(st.stages(params, 4), mesh(kind))
+        x = st.shard(st.LogicallyPartitioned(x, ("batch", None)), mesh(kind)).value
+
+        def loss(p, x):
+            return jnp.mean((st.pipeline(block, x, p, microbatches=4)[0] - y) ** 2)
+
+        got = jax.jit(loss)(staged, x)
+    assert float(got) == pytest.approx(float(scanned_loss(params, batch()[0], y)), rel=1e-5)
+
+
+def test_nested_boxes_and_leaves_that_are_no_arrays_are_said_so():
+    nested = {"w": st.Partitioned(st.Partitioned(jnp.zeros((4, 2)), (None, None)), ())}
+    with pytest.raises(ValueError, match=r"the box at layers\['w'\] holds a Partitioned, not an"):
+        st.stages(nested, 2)
+    with pytest.raises(ValueError, match=r"layers\['n'\] \(a str, not an array\) has fewer"):
+        st.stages({"w": jnp.zeros((4, 2)), "n": "name"}, 2)
 
 
 def test_a_mesh_without_the_stage_axis_or_of_another_size_is_a_value_error():

@@ -6,6 +6,7 @@ import json
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.sharding import AbstractMesh, AxisType
 from test_targets import has_compiler
@@ -40,9 +41,15 @@ def test_a_pipeline_loops_bubble_is_its_idle_iterations_share_of_its_time():
 
 
 def test_a_loop_inside_a_pipelines_loop_is_its_stages_not_another_pipeline():
-    inner = Loop(11, (Kernel("memory", 0, 1),), idle=3)  # as many trips: a coincidence
-    said = walked([Loop(11, (inner,), idle=3)])
-    assert said.bubble_seconds == pytest.approx(3 * 11)  # the outer loop's share only
+    """Two stages of 3 layers, 2 microbatches: the stage's scan of its layers runs 3
+    times, as many as the pipeline's iterations, and is no pipeline's loop."""
+    mesh = AbstractMesh((2, 4), ("stage", "data"), axis_types=(AxisType.Auto,) * 2)
+    candidate = st.Candidate(mesh, RULES, 16, options={"microbatches": 2})
+    fn, (_, x), _ = make_step(candidate)
+    staged = st.stages(layer_boxes(layers=6), 2)
+    step = st.preflight(fn, staged, x, mesh=mesh, rules=RULES)
+    assert [(loop.trips, loop.idle) for loop in step.schedule.pipelines()] == [(3, 1)] * 2
+    assert "pipeline  2 loops over stage: 3 iterations, 1 of them on padding" in str(step)
 
 
 def test_a_pipeline_inside_an_accumulation_loop_is_counted_each_time_it_runs():
@@ -249,6 +256,12 @@ def test_candidates_say_why_when_nothing_can_run():
         st.candidates([AbstractMesh((4,), ("stage",))], None, 8, layers=6)
     with pytest.raises(ValueError, match=r"^candidates: layers is 0; expected an int >= 1"):
         st.candidates(st.layouts(2), None, 8, layers=0)
+    with pytest.raises(TypeError, match=r"^candidates: layers is True; expected an int >= 1"):
+        st.candidates(st.layouts(2), None, 8, layers=True)
+    with pytest.raises(ValueError, match=r"no combination can run: microbatches 0: there must"):
+        st.candidates(st.layouts(2), None, 8, microbatches=(0,))
+    odd = st.candidates([AbstractMesh((2,), ("stage",))], None, 12, microbatches=(np.int64(3), 2))
+    assert [c.options["microbatches"] for c in odd] == [2]  # numpy's ints are counts too
     assert (
         len(st.candidates(st.layouts(8, ("data", "fsdp")), None, 8, layers=7)) == 4
     )  # no stage axis

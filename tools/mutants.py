@@ -542,7 +542,7 @@ MUTANTS: dict[str, list[tuple[str, str, str]]] = {
         )
     ],
     "pipeline-scope-unread": [
-        ("_src/pipeline.py", "        found = _SCOPE.search(op_name)", "        found = None")
+        ("_src/pipeline.py", "        found = _LOOP.search(op_name)", "        found = None")
     ],
     "bubble-the-whole-loop": [
         (

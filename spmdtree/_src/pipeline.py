@@ -36,14 +36,22 @@ from jax._src.core import trace_state_clean  # how JAX itself tells that it is t
 from jax.sharding import AxisType, PartitionSpec
 
 from spmdtree._src.boxes import LogicallyPartitioned, Partitioned
-from spmdtree._src.errors import Mistake, at, public, user_level
+from spmdtree._src.errors import Mistake, at, public, raise_collected, user_level
+from spmdtree._src.resolve import axes_of
 from spmdtree._src.rules import PyTree
 from spmdtree._src.specs import context_mesh
-from spmdtree._src.transforms import check_microbatches, join_microbatches, split_microbatches
+from spmdtree._src.transforms import (
+    check_count,
+    check_microbatches,
+    join_microbatches,
+    split_microbatches,
+)
 from spmdtree._src.trees import change_axes, is_boxed
 
 #: A remat policy, as `jax.checkpoint` takes it.
 Policy = Callable[..., bool]
+#: The stage mesh axis's name, and the stage dimension's, unless told otherwise.
+STAGE = "stage"
 
 
 class Scope(NamedTuple):
@@ -81,23 +89,25 @@ class Scope(NamedTuple):
         found = _SCOPE.search(op_name)
         return None if found is None else cls(*map(int, found.groups()))
 
+    @classmethod
+    def loop(cls, op_name: str) -> Scope | None:
+        """The pipeline whose own loop of iterations a ``while``'s ``op_name`` names
+        (the scope, the transforms jax wrapped round it, then the loop: ``...
+        jvp(st.pipeline(...))/while``), or None: a loop inside it (a stage's scan
+        of its layers) is not its loop.
+
+        Example:
+            >>> Scope.loop("jit(f)/transpose(jvp(st.pipeline(stages=2,microbatches=4,repeats=1)))/while")
+            Scope(stages=2, microbatches=4, repeats=1)
+            >>> Scope.loop("jit(f)/jvp(st.pipeline(stages=2,microbatches=4,repeats=1))/while/body/closed_call/vmap()/while") is None
+            True
+        """
+        found = _LOOP.search(op_name)
+        return None if found is None else cls(*map(int, found.groups()))
+
 
 _SCOPE = re.compile(r"st\.pipeline\(stages=(\d+),microbatches=(\d+),repeats=(\d+)\)")
-
-
-def _count(value: object, what: str) -> int:
-    """`value`, an int >= 1, or the Mistake that says it is not."""
-    if not isinstance(value, int) or isinstance(value, bool):
-        static = (
-            " (a Python int: the program's shape depends on it; pass it static, as "
-            "jax.jit's static_argnums)"
-            if hasattr(value, "shape")
-            else ""
-        )
-        raise Mistake(TypeError, f"{what} is {value!r}; expected an int >= 1{static}.")
-    if value < 1:
-        raise Mistake(ValueError, f"{what} is {value}; expected an int >= 1.")
-    return value
+_LOOP = re.compile(_SCOPE.pattern + r"\)*/while$")
 
 
 def _leading(tree: PyTree, argument: str, dims: int) -> dict[str, tuple[int, ...]]:
@@ -107,15 +117,18 @@ def _leading(tree: PyTree, argument: str, dims: int) -> dict[str, tuple[int, ...
     short = []
     for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
         shape = getattr(leaf, "shape", None)
-        if shape is None or len(shape) < dims:
-            short.append(f"{at(argument, path)} (shape {None if shape is None else tuple(shape)})")
+        if shape is None:
+            short.append(f"{at(argument, path)} (a {type(leaf).__name__}, not an array)")
+            continue
+        if len(shape) < dims:
+            short.append(f"{at(argument, path)} (shape {tuple(shape)})")
             continue
         found[at(argument, path)] = tuple(shape[:dims])
     if short:
         raise Mistake(
             ValueError,
             f"{', '.join(short)} {'has' if len(short) == 1 else 'have'} fewer than {dims} "
-            f"dimension{'s' if dims > 1 else ''}; every array of {argument} is expected "
+            f"dimension{'s' if dims > 1 else ''}; every leaf of {argument} is expected an array "
             "stacked, its leading dimension"
             + (" the layers." if dims == 1 else "s (repeats, stages, layers per stage).")
             + (" Build them with st.stages." if dims > 1 else ""),
@@ -150,7 +163,7 @@ def _reshaped(value: Any, shape: tuple[int, ...]) -> Any:
 
 
 @public
-def stages(layers: PyTree, stages: int, *, repeats: int = 1, name: str = "stage") -> PyTree:
+def stages(layers: PyTree, stages: int, *, repeats: int = 1, name: str = STAGE) -> PyTree:
     """Restages stacked layers ``[L, ...]`` for `pipeline`:
     ``[repeats, stages, L // (repeats * stages), ...]`` (new in 0.8).
 
@@ -195,8 +208,8 @@ def stages(layers: PyTree, stages: int, *, repeats: int = 1, name: str = "stage"
         ...
         ValueError: stages: layers holds 8 layers, which 3 stages x 1 repeat do not divide. Choose stages and repeats whose product divides 8: 1, 2, 4 or 8.
     """
-    _count(stages, "stages")
-    _count(repeats, "repeats")
+    check_count(stages, "stages", "how many pipeline stages")
+    check_count(repeats, "repeats", "how often a microbatch goes round the stages")
     if not isinstance(name, str):
         raise Mistake(TypeError, f"name is {name!r}; expected a str, the stage dimension's name.")
     _not_staged(layers, name)
@@ -225,18 +238,35 @@ def _restaged(box: object, name: object) -> bool:
 
 
 def _not_staged(layers: PyTree, name: str) -> None:
-    """Refuses layers some of whose boxes `stages` already restaged."""
-    done = [
-        at("layers", path)
-        for path, box in jax.tree_util.tree_leaves_with_path(layers, is_leaf=is_boxed)
-        if _restaged(box, name)
-    ]
-    if done:
-        raise Mistake(
-            ValueError,
-            f"{', '.join(done[:5])} {'is' if len(done) == 1 else 'are'} restaged already "
-            f"(names (None, {name!r}, ...)). Restage the stacked layers themselves, once.",
-        )
+    """Refuses layers some of whose boxes `stages` already restaged, or that hold a
+    box or a tree rather than an array (a box in a box: only the outer would be
+    renamed)."""
+    problems = []
+    for path, box in jax.tree_util.tree_leaves_with_path(layers, is_leaf=is_boxed):
+        if _restaged(box, name):
+            problems.append(
+                (
+                    f"the box at {at('layers', path)}",
+                    Mistake(
+                        ValueError,
+                        f"is restaged already (names {box.names}). Restage the stacked layers "
+                        "themselves, once.",
+                    ),
+                )
+            )
+        elif is_boxed(box) and not hasattr(box.unbox(), "shape"):
+            problems.append(
+                (
+                    f"the box at {at('layers', path)}",
+                    Mistake(
+                        ValueError,
+                        f"holds a {type(box.unbox()).__name__}, not an array: st.stages renames "
+                        "the boxes of arrays. Box the arrays themselves (st.unbox the outer "
+                        "box first).",
+                    ),
+                )
+            )
+    raise_collected(problems)
 
 
 def _unstaged(staged: PyTree, count: int) -> None:
@@ -286,59 +316,65 @@ def _check_stage_names(staged: PyTree, axis: str) -> None:
         )
 
 
-def _stage_mesh(axis: str, stages: int) -> int:
-    """The size of the stage axis of the mesh in context, checked against the
-    staged layers' stage dimension."""
+def _stage_axis(axis: str) -> int:
+    """The size of the stage axis of the mesh in context."""
     mesh = context_mesh()
     if mesh is None:
         raise Mistake(
             ValueError,
-            f"no mesh is in context; the pipeline runs its {stages} stages along the mesh "
-            f"axis {axis!r} of the mesh set with jax.set_mesh. Call it under "
+            f"no mesh is in context; the pipeline runs its stages along the mesh axis "
+            f"{axis!r} of the mesh set with jax.set_mesh. Call it under "
             "`with jax.set_mesh(mesh):` (a `with mesh:` block sets none).",
         )
     if axis not in mesh.axis_names:
         raise Mistake(
             ValueError,
             f"the mesh in context has axes {dict(mesh.shape)}, no stage axis {axis!r}. Build "
-            f"the mesh with an axis {axis!r} of size {stages} (jax.make_mesh), or pass the "
-            "stage axis's name as axis=.",
+            f"the mesh with an axis {axis!r} (jax.make_mesh), or pass the stage axis's name "
+            "as axis=.",
         )
-    if mesh.shape[axis] != stages:
+    return int(mesh.shape[axis])
+
+
+def _check_stages(stages: int, size: int, axis: str) -> None:
+    """The staged layers' stages are the stage axis's devices."""
+    if stages != size:
         raise Mistake(
             ValueError,
-            f"the mesh's stage axis {axis!r} has {mesh.shape[axis]} devices, but the staged "
-            f"layers have {stages} stages (their dimension 1). Restage them with "
-            f"st.stages(layers, {mesh.shape[axis]}), or lay the mesh out with {stages} on "
-            f"{axis!r}.",
+            f"the mesh's stage axis {axis!r} has {size} devices, but the staged layers have "
+            f"{stages} stages (their dimension 1). Restage them with st.stages(layers, "
+            f"{size}), or lay the mesh out with {stages} on {axis!r}.",
         )
-    return stages
 
 
-def _check_microbatch_shards(init: PyTree, microbatches: int, stages: int) -> None:
-    """On Explicit axes, every microbatch split as the batch is: its rows a multiple
-    of the devices the batch's dimension is sharded over (else they would hold it
-    whole, or the split would not type). On Auto axes the types do not say:
-    advise rules such a candidate out from its plan."""
+def _check_microbatch_shards(init: PyTree, microbatches: int, stages: int, axis: str) -> None:
+    """On Explicit axes, every microbatch split as the batch is inside the pipeline
+    (its axes but the stage axis): its rows a multiple of the devices the batch's
+    dimension is sharded over (else they would hold it whole, or the split would not
+    type). On Auto axes the types do not say: advise rules such a candidate out
+    from its plan."""
     mesh = jax.sharding.get_abstract_mesh()
     if AxisType.Explicit not in mesh.axis_types:
         return
     for path, leaf in jax.tree_util.tree_leaves_with_path(init):
         spec = tuple(jax.typeof(leaf).sharding.spec)
-        entry = spec[0] if spec else None
-        axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-        shards = math.prod(mesh.shape[axis] for axis in axes)
+        axes = tuple(a for a in axes_of(spec[0] if spec else None) if a != axis)
+        shards = math.prod(mesh.shape[a] for a in axes)
         batch = jnp.shape(leaf)[0]
         if (batch // microbatches) % shards:
             fit = [m for m in range(stages, batch + 1, stages) if batch % m == 0]
             fit = [m for m in fit if (batch // m) % shards == 0]
-            fix = f"Give {' or '.join(map(str, fit[-2:]))} microbatches" if fit else "Give"
+            fix = (
+                f"Give {' or '.join(map(str, fit[-2:]))} microbatches, or a larger batch."
+                if fit
+                else "No count of them that is a multiple of the stages fits this batch: give "
+                "a larger batch."
+            )
             raise Mistake(
                 ValueError,
                 f"a microbatch of {at('init', path)} holds {batch // microbatches} rows "
                 f"({batch} over {microbatches} microbatches), which its batch's mesh axes "
-                f"{'+'.join(axes)} ({shards} devices) do not divide. {fix}, or a "
-                "larger batch.",
+                f"{'+'.join(axes)} ({shards} devices) do not divide. {fix}",
             )
 
 
@@ -390,7 +426,7 @@ def pipeline(
     staged: PyTree,
     *,
     microbatches: int,
-    axis: str = "stage",
+    axis: str = STAGE,
     remat: bool | Policy = False,
 ) -> tuple[Any, None]:
     """``st.scan(f, init, layers)`` run as a pipeline over the mesh axis `axis`, in
@@ -475,7 +511,9 @@ def pipeline(
         >>> bool(jnp.allclose(piped, scanned, atol=1e-6))
         True
     """
-    microbatches = _count(microbatches, "microbatches")
+    microbatches = check_count(
+        microbatches, "microbatches", "the microbatches the batch is split into"
+    )
     if remat is not False and remat is not True and not callable(remat):
         raise Mistake(
             TypeError,
@@ -484,14 +522,14 @@ def pipeline(
         )
     if not isinstance(axis, str):
         raise Mistake(TypeError, f"axis is {axis!r}; expected the stage mesh axis's name.")
-    in_context = context_mesh()
-    _unstaged(staged, 1 if in_context is None else dict(in_context.shape).get(axis, 1))
+    size = _stage_axis(axis)
+    _unstaged(staged, size)
     repeats, count = _one_size(
         _leading(staged, "staged", 3),
         "staged",
         "repeats, stages and layers per stage (dimensions 0 to 2)",
     )[:2]
-    _stage_mesh(axis, count)
+    _check_stages(count, size, axis)
     _check_stage_names(staged, axis)
     if microbatches % count:
         raise Mistake(
@@ -501,7 +539,7 @@ def pipeline(
             f"{count - 1} iterations of microbatches x repeats + {count - 1}).",
         )
     check_microbatches(init, microbatches, "init", "to f")
-    _check_microbatch_shards(init, microbatches, count)
+    _check_microbatch_shards(init, microbatches, count, axis)
     scope = Scope(count, microbatches, repeats)
     piped: Callable[..., Any] = functools.partial(
         _piped, _checked_layer(f), scope=scope, axis=axis, remat=remat
@@ -521,6 +559,8 @@ def _on_stages(x: jax.Array, axis: str, dim: int = 0) -> jax.Array:
         spec = list(jax.typeof(x).sharding.spec) + [None] * jnp.ndim(x)
         if spec[dim] == axis:
             return x
+        x = _off_stages(x, axis)
+        spec = list(jax.typeof(x).sharding.spec) + [None] * jnp.ndim(x)
         if dim:  # a staged weight: every device was handed every stage's layers
             warnings.warn(
                 f"pipeline: a staged array of shape {tuple(jnp.shape(x))} comes with its "
@@ -547,6 +587,19 @@ def _copies(x: jax.Array, count: int, axis: str) -> jax.Array:
     spec = PartitionSpec(axis, *tuple(jax.typeof(x).sharding.spec))
     dims = tuple(range(1, jnp.ndim(x) + 1))
     return jax.lax.broadcast_in_dim(x, (count, *jnp.shape(x)), dims, out_sharding=spec)
+
+
+def _off_stages(x: jax.Array, axis: str) -> jax.Array:
+    """`x` on Explicit axes with `axis` taken out of its sharding (a reshard where its
+    type names it: the devices along it gather their parts; a batch split over the
+    stage axis too is whole on each stage); on Auto axes (its type names none) `x`."""
+    spec = tuple(jax.typeof(x).sharding.spec)
+    if axis not in {a for entry in spec for a in axes_of(entry)}:
+        return x
+    kept = [tuple(a for a in axes_of(entry) if a != axis) for entry in spec]
+    return jax.sharding.reshard(
+        x, PartitionSpec(*(k[0] if len(k) == 1 else k or None for k in kept))
+    )
 
 
 def _shift(axis: str, count: int, y: jax.Array) -> jax.Array:
@@ -650,7 +703,7 @@ def _piped(
         return jnp.reshape(stage == 0, (count,) + (1,) * (jnp.ndim(x) - 1))
 
     def streamed(x: jax.Array) -> jax.Array:  # [iterations, stages, micro, ...]
-        micro = split_microbatches(x, m)
+        micro = split_microbatches(_off_stages(x, axis), m)  # whole along the stage axis
         # after the last, zeros: the first stage takes what comes round the ring then
         padded = jnp.pad(micro, [(0, iterations - m)] + [(0, 0)] * (jnp.ndim(micro) - 1))
         return jnp.swapaxes(_copies(padded, count, axis), 0, 1)
@@ -663,13 +716,13 @@ def _piped(
     def iteration(carry: tuple[Any, Any], step: tuple[jax.Array, Any]) -> tuple[Any, Any]:
         passed, ring = carry  # what each stage was handed; the first stage's ring
         i, fresh = step
-        slot = i % max(delay, 1)  # what came round `delay` iterations ago, and now
-        back = jax.tree.map(lambda r: jax.lax.dynamic_index_in_dim(r, slot, 1, False), ring)
-        if delay:
+        again = passed  # a microbatch's next repeat: what just came round, or
+        if delay:  # what came round `delay` iterations ago (now kept in its place)
+            slot = i % delay
+            again = jax.tree.map(lambda r: jax.lax.dynamic_index_in_dim(r, slot, 1, False), ring)
             ring = jax.tree.map(
                 lambda r, p: jax.lax.dynamic_update_index_in_dim(r, p, slot, 1), ring, passed
             )
-        again = back if delay else passed  # a microbatch's next repeat
         x = jax.tree.map(
             lambda a, b, c: jnp.where(first(a), jnp.where(i < m, a, b), c), fresh, again, passed
         )
@@ -681,7 +734,7 @@ def _piped(
 
     inputs = jax.tree.map(streamed, init)
     start = jax.tree.map(lambda x: x[0], inputs)  # what a stage runs before its first
-    ring = jax.tree.map(lambda x: jnp.stack([x] * max(delay, 1), axis=1), start)
+    ring = jax.tree.map(lambda x: jnp.stack([x] * delay, axis=1), start) if delay else ()
     _, outputs = jax.lax.scan(iteration, (start, ring), (jnp.arange(iterations), inputs))
     # the last repeat's outputs, on the first stage (zeros elsewhere): their sum over
     # the stages is them on every stage (an all-reduce)

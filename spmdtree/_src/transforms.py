@@ -265,6 +265,22 @@ def split_microbatches(x: jax.Array, count: int) -> jax.Array:
     return jnp.swapaxes(x.reshape(x.shape[0] // count, count, *x.shape[1:]), 0, 1)
 
 
+def check_count(value: object, what: str, meaning: str) -> int:
+    """`value`, an int >= 1 (`what`, which is `meaning`), or the Mistake that says it
+    is not; a traced one is told it must be static (new in 0.8)."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        static = (
+            "; a Python int, as the program's shapes depend on it: pass it static (jax.jit's "
+            "static_argnums)"
+            if hasattr(value, "shape")
+            else ""
+        )
+        raise Mistake(TypeError, f"{what} is {value!r}; expected an int >= 1 ({meaning}{static}).")
+    if value < 1:
+        raise Mistake(ValueError, f"{what} is {value}; expected an int >= 1.")
+    return value
+
+
 def check_microbatches(tree: PyTree, count: int, argument: str, passed: str) -> None:
     """Raises a Mistake unless every leaf of `tree` has a leading (batch) dimension
     that `count` microbatches divide; the wrong leaves are named by their paths
@@ -337,16 +353,10 @@ def accumulate(fn: Callable[[Any, Any], Any], microbatches: int) -> Callable[[An
         ...
         ValueError: accumulate: 3 microbatches do not divide the leading (batch) dimension of batch['x'] (shape (8, 3)), batch['y'] (shape (8, 1)). Give a batch the count divides, or another count.
     """
-    if not isinstance(microbatches, int) or isinstance(microbatches, bool):
-        raise Mistake(
-            TypeError,
-            f"microbatches is {microbatches!r}; expected an int >= 1 (the microbatches "
-            "each batch is split into).",
-        ).error("accumulate")
-    if microbatches < 1:
-        raise Mistake(ValueError, f"microbatches is {microbatches}; expected an int >= 1.").error(
-            "accumulate"
-        )
+    try:
+        check_count(microbatches, "microbatches", "the microbatches each batch is split into")
+    except Mistake as mistake:
+        raise mistake.error("accumulate") from None
 
     def accumulated(params: Any, batch: Any) -> Any:
         if microbatches == 1:

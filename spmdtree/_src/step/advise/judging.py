@@ -187,19 +187,17 @@ def _unsharded_microbatch(candidate: Candidate, planned: Plan) -> str | None:
     count = (candidate.options or {}).get("microbatches")
     if not isinstance(count, int) or count <= 1 or candidate.batch % count:
         return None
-    rows, sizes = candidate.batch // count, dict(candidate.mesh.shape)
+    rows = candidate.batch // count
     for row in planned.rows:
-        if not row.shape or row.shape[0] != candidate.batch or not len(row.spec):
+        if not row.shape or row.shape[0] != candidate.batch:
             continue
-        entry = row.spec[0]
-        axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-        shards = math.prod(sizes.get(axis, 1) for axis in axes)
+        shards = candidate.batch // row.shard_shape[0]  # the devices its batch is split over
         if rows % shards:
             return (
                 f"a microbatch of {rows} ({candidate.batch} over {count} microbatches) is not "
-                f"divided by its batch axes {entries_text((entry,), 1)} ({shards}): their "
-                f"devices would compute it whole (the array at {argument_path(row.path)}, "
-                "dimension 0)"
+                f"divided by its batch axes {entries_text((row.spec[0],), 1)} ({shards}): "
+                f"their devices would compute it whole (the array at "
+                f"{argument_path(row.path)}, dimension 0)"
             )
     return None
 

@@ -15,6 +15,7 @@ from typing import cast
 from jax.sharding import AbstractMesh, AxisType, Mesh
 
 from spmdtree._src.errors import Mistake, public
+from spmdtree._src.pipeline import STAGE
 from spmdtree._src.rules import AnyMesh, Rules
 from spmdtree._src.step.advise.records import (
     Candidate,
@@ -181,9 +182,9 @@ def _hashable(value: object) -> bool:
     return True
 
 
-#: The mesh axis a pipeline's stages lie along, and the options `make_step` reads for
-#: it (new in 0.8): what `candidates` checks against the layers and the batch.
-STAGE, MICROBATCHES, REPEATS = "stage", "microbatches", "repeats"
+#: The options `make_step` reads for a pipeline (new in 0.8), which `candidates`
+#: checks against the stage axis (`STAGE`), the layers and the batch.
+MICROBATCHES, REPEATS = "microbatches", "repeats"
 
 
 @public
@@ -254,7 +255,10 @@ def candidates(
         else tuple(cast(Sequence[int], batches))
     )
     if layers is not None and not count_or_none(layers):
-        raise Mistake(ValueError, f"layers is {layers!r}; expected an int >= 1 (or None).")
+        raise Mistake(
+            ValueError if isinstance(layers, int) and not isinstance(layers, bool) else TypeError,
+            f"layers is {layers!r}; expected an int >= 1 (or None).",
+        )
     names = tuple(options)
     every = [
         Candidate(mesh, rules, batch, length, options=dict(zip(names, chosen, strict=True)) or None)
@@ -279,14 +283,18 @@ def _unrunnable(candidate: Candidate, layers: int | None) -> str | None:
     options = candidate.options or {}
     stages = dict(candidate.mesh.shape).get(STAGE, 1)
     micro, repeats = options.get(MICROBATCHES), options.get(REPEATS, 1)
-    if isinstance(micro, int) and (micro < 1 or micro % stages or candidate.batch % micro):
-        return (
-            f"{micro} microbatches are not a multiple of {stages} stages"
-            if micro < 1 or micro % stages
-            else f"{micro} microbatches do not divide the batch {candidate.batch}"
-        )
-    if isinstance(repeats, int) and repeats > 1 and stages == 1:
+    plural = "s" * (stages > 1)
+    for name, value in ((MICROBATCHES, micro), (REPEATS, repeats)):
+        if isinstance(value, numbers.Integral) and value < 1:
+            return f"{name} {value}: there must be at least 1"
+    if isinstance(micro, numbers.Integral) and micro % stages:
+        return f"{micro} microbatches are not a multiple of {stages} stage{plural}"
+    if isinstance(micro, numbers.Integral) and candidate.batch % micro:
+        return f"{micro} microbatches do not divide the batch {candidate.batch}"
+    if not isinstance(repeats, numbers.Integral):
+        return None
+    if repeats > 1 and stages == 1:
         return f"{repeats} repeats without stages (its mesh has no {STAGE!r} axis over 1)"
-    if layers is not None and isinstance(repeats, int) and layers % (stages * max(repeats, 1)):
-        return f"{stages} stages x {repeats} repeats do not divide {layers} layers"
+    if layers is not None and layers % (stages * repeats):
+        return f"{stages} stage{plural} x {repeats} repeats do not divide {layers} layers"
     return None

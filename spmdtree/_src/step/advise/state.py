@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, cast
 
 from spmdtree._src.errors import Mistake
+from spmdtree._src.pipeline import STAGE
 from spmdtree._src.plan import Plan
 from spmdtree._src.step.advise.judging import (
     batch_first,
@@ -28,7 +29,6 @@ from spmdtree._src.step.advise.records import (
     Candidate,
     label_of,
 )
-from spmdtree._src.step.advise.space import STAGE
 from spmdtree._src.step.compile import (
     Analysis,
     Arguments,
@@ -258,26 +258,26 @@ def said_repeats(state: State) -> State:
 def said_stages(state: State) -> State:
     """Each pipelined row that fits or may (new in 0.8) flagged with what its bubble
     costs, its stage traffic, and whether the stages pay: against the best row
-    without a pipeline, by the predicted time per sequence, or, where no such row
-    fits, the memory the stages save."""
+    without stages, by the predicted time per sequence, or, where no such row fits,
+    the memory the stages save."""
     rows = state.rows
-    hopeful = [i for i in state.order() if _timed(rows[i]) is not None]
-    plain = [i for i in hopeful if not _bubble(rows[i])]
+    hopeful = [i for i in state.order() if _hopeful(rows[i])]
+    plain = [i for i in hopeful if _without_stages(rows[i])]
     unpiped = any(_without_stages(row) for row in rows.values())
     records = dict(state.records)
     for index in hopeful:
         row = rows[index]
-        if _bubble(row):
+        if not _without_stages(row):
             said = _stages_said(row, rows[plain[0]] if plain else None, unpiped)
             records[index] = dataclasses.replace(records[index], row=flagged(row, said))
     return State(types.MappingProxyType(records), state.compiles)
 
 
-def _timed(row: AdviceRow) -> StepTime | None:
-    """A row's time where it fits or may and has a prediction, else None."""
-    if row.verdict not in HOPEFUL or row.time is None or row.time.predicted_seconds is None:
-        return None
-    return row.time
+def _hopeful(row: AdviceRow) -> bool:
+    """Whether a row fits or may, with a prediction."""
+    return (
+        row.verdict in HOPEFUL and row.time is not None and row.time.predicted_seconds is not None
+    )
 
 
 def _without_stages(row: AdviceRow) -> bool:
@@ -286,10 +286,6 @@ def _without_stages(row: AdviceRow) -> bool:
     if row.step is None:
         return dict(row.candidate.mesh.shape).get(STAGE, 1) == 1
     return not (row.step.schedule is not None and row.step.schedule.pipelines())
-
-
-def _bubble(row: AdviceRow) -> float:
-    return (row.time.bubble_seconds or 0.0) if row.time is not None else 0.0
 
 
 def _stages_said(row: AdviceRow, plain: AdviceRow | None, unpiped: bool) -> str:

@@ -246,7 +246,7 @@ class Branches(NamedTuple):
 
 
 Event = Kernel | Start | Done | Loop | Branches
-E = TypeVar("E", Kernel, Start)
+E = TypeVar("E", Kernel, Loop)
 
 
 #: A reduction over a dimension that is not its array's minor-most is flagged from
@@ -406,8 +406,7 @@ class Schedule:
 
     def pipelines(self) -> tuple[Loop, ...]:
         """The loops of a pipeline's iterations (`Loop.idle` > 0), in schedule order:
-        the forward's, then the backward's; a loop inside one is its stage's, not
-        another pipeline's (new in 0.8).
+        the forward's, then the backward's (new in 0.8).
 
         Example:
             >>> stage = Loop(2, (Kernel("matmul", 1, 1),))
@@ -415,11 +414,12 @@ class Schedule:
             >>> [loop.name for loop in Schedule((forward, Kernel("memory", 0, 1)), "tpu").pipelines()]
             ['while.3']
         """
-        return tuple(_pipelines(self.events))
+        return tuple(loop for loop in _every(self.events, Loop) if loop.idle)
 
     def stage_axes(self) -> tuple[str, ...]:
         """The mesh axes a pipeline passes its activations along: those of the
-        collective-permutes in its loops (new in 0.8; () without a pipeline).
+        collective-permutes of its loops' own iterations, not of loops inside them
+        (new in 0.8; () without a pipeline).
 
         Example:
             >>> shift = Start(0, Collective("collective-permute", 1, 64, ("stage",), 2), True)
@@ -429,7 +429,8 @@ class Schedule:
         axes = dict.fromkeys(
             axis
             for loop in self.pipelines()
-            for start in _every(loop.body, Start)
+            for start in loop.body
+            if isinstance(start, Start)
             if start.row.kind == CollectiveKind.COLLECTIVE_PERMUTE
             for axis in start.row.axes
         )
@@ -480,25 +481,16 @@ def _masked(events: tuple[Event, ...], masks: Mapping[str, Kept]) -> tuple[Event
 
 
 def _every(events: Iterable[Event], kind: type[E]) -> Iterator[E]:
-    """Every event of `kind` in `events`, in loops and in every branch too, once each
-    as written."""
+    """Every event of `kind` in `events`, in loops (a loop's own too) and in every
+    branch, once each as written."""
     for event in events:
         if isinstance(event, kind):
             yield event
-        elif isinstance(event, Loop):
+        if isinstance(event, Loop):
             yield from _every(event.body, kind)
         elif isinstance(event, Branches):
             for branch in event.branches:
                 yield from _every(branch, kind)
-
-
-def _pipelines(events: Iterable[Event]) -> Iterator[Loop]:
-    for event in events:
-        if isinstance(event, Loop):
-            yield from [event] if event.idle else _pipelines(event.body)
-        elif isinstance(event, Branches):
-            for branch in event.branches:
-                yield from _pipelines(branch)
 
 
 def _cycles(events: Iterable[Event]) -> int:
@@ -621,7 +613,7 @@ class _Walker:
             trips = trip_count(self.mod, comp, ins)
             self.unknown |= trips is None
             body = self.events(callees.get("condition", "")) + self.events(callees.get("body", ""))
-            scope = Scope.read(ins.op_name)
+            scope = Scope.loop(ins.op_name)  # a pipeline's own loop, not one inside it
             idle = scope.idle if scope is not None and trips == scope.iterations else 0
             return [Loop(1 if trips is None else trips, body, trips is not None, ins.name, idle)]
         if ins.op == Op.kConditional:

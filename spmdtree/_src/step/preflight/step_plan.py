@@ -712,9 +712,9 @@ def _table(step: StepPlan) -> str:
 def _pipeline_lines(step: StepPlan) -> list[str]:
     """A pipelined step's loops (new in 0.8): their iterations, the bubble among them,
     and the axes its stages pass activations along."""
-    if step.schedule is None or not step.schedule.pipelines():
+    loops = step.schedule.pipelines() if step.schedule is not None else ()
+    if not loops or step.schedule is None:
         return []
-    loops = step.schedule.pipelines()
     shapes = dict.fromkeys((loop.trips, loop.idle) for loop in loops)
     said = "; ".join(
         f"{trips} iterations, {idle} of them on padding (the bubble: {idle / trips:.0%})"

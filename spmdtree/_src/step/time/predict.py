@@ -288,7 +288,6 @@ class _Walk:
 
     def __init__(self, costs: Costs, peak: float, comm: Callable[[Collective], float]) -> None:
         self.costs, self.peak, self.comm = costs, peak, comm
-        self.piped = False  # inside a pipeline's loop: a loop there is its stage's
 
     def run(self, events: Sequence[Event], clock: _Clock) -> _Clock:
         for event in events:
@@ -349,17 +348,14 @@ class _Walk:
     def loop(self, loop: Loop, clock: _Clock) -> _Clock:
         """A loop: its first `WALKED` iterations walked, the rest repeating the last
         one's change; a pipeline's bubble, its idle iterations' share of its time."""
-        began, piped = clock.compute, self.piped
-        self.piped = piped or loop.idle > 0
-        before = clock
+        began, before = clock.compute, clock
         for _ in range(min(loop.trips, self.WALKED)):
             before = clock.copy(spans=False)
             clock = self.run(loop.body, clock)
         if loop.trips > self.WALKED:
             name = f"{loop.name or 'loop'}: iterations {self.WALKED + 1}-{loop.trips}"
             clock.advance(before, loop.trips - self.WALKED, name)
-        self.piped = piped
-        if loop.idle and not piped:
+        if loop.idle:
             clock.bubble += (clock.compute - began) * loop.idle / loop.trips
         return clock
 
