@@ -276,9 +276,9 @@ def test_a_pipelined_decoders_predicted_time_on_a_tpu_follows_the_bubble_formula
     the chip: the time without the bubble, predicted x m / (m + 3), holds within 10%,
     and each step's bubble is its loops' 3 of m + 3 iterations."""
     mesh = AbstractMesh((4,), ("stage",), axis_types=(AxisType.Explicit,))
-    layers = st.stages(layer_boxes(8, 1024, jnp.bfloat16), 4)
+    layers = st.stages(layer_boxes(8, 2048, jnp.bfloat16), 4)
     x = st.LogicallyPartitioned(
-        jax.ShapeDtypeStruct((64, 1024, 1024), jnp.bfloat16), ("batch", None, "embed")
+        jax.ShapeDtypeStruct((64, 1024, 2048), jnp.bfloat16), ("batch", None, "embed")
     )
     rules = [("batch", None), *RULES[1:]]
     v5e, unbubbled = st.hardware("tpu-v5e"), {}
