@@ -173,6 +173,12 @@ def _advise_parser(commands: Any) -> None:
         "layout must divide them",
     )
     sub.add_argument(
+        "--experts",
+        type=_positive,
+        help="the experts of each expert layer: with an expert axis in --axes, each layout's "
+        "must divide them (a context axis must divide --length)",
+    )
+    sub.add_argument(
         "--hardware",
         required=True,
         help="the chip to time on: a preset (h100, h200, b200, tpu-v5p, ...) or a JSON file "
@@ -349,6 +355,7 @@ def _advise(args: argparse.Namespace) -> int:
         args.batch,
         length=args.length,
         layers=args.layers,
+        experts=args.experts,
         **options,
     )
     budget = None if args.budget_gib is None else int(args.budget_gib * 2**30)

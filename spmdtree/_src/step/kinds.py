@@ -71,7 +71,15 @@ class CollectiveKind(_Named):
     ALL_REDUCE = "all-reduce"
     REDUCE_SCATTER = "reduce-scatter"
     ALL_TO_ALL = "all-to-all"
+    RAGGED_ALL_TO_ALL = "ragged-all-to-all"
     COLLECTIVE_PERMUTE = "collective-permute"
+
+    @property
+    def exchanges(self) -> bool:
+        """Whether each device sends a part of its buffer to every other one (an
+        all-to-all, ragged or not; a ragged one timed at its output buffer's size,
+        which bounds what it moves; new in 0.8)."""
+        return self in (CollectiveKind.ALL_TO_ALL, CollectiveKind.RAGGED_ALL_TO_ALL)
 
     @property
     def passes(self) -> int:

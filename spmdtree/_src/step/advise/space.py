@@ -21,6 +21,7 @@ from spmdtree._src.step.advise.records import (
     Candidate,
     label_of,
 )
+from spmdtree._src.step.preflight.diagnose import EXPERT
 
 
 def _sizes_allowed(
@@ -182,6 +183,8 @@ def _hashable(value: object) -> bool:
     return True
 
 
+#: The mesh axis a sequence is split over (`st.context_attention`'s; new in 0.8).
+CONTEXT = "context"
 #: The options `make_step` reads for a pipeline (new in 0.8), which `candidates`
 #: checks against the stage axis (`STAGE`), the layers and the batch.
 MICROBATCHES, REPEATS = "microbatches", "repeats"
@@ -195,6 +198,7 @@ def candidates(
     *,
     length: int | None = None,
     layers: int | None = None,
+    experts: int | None = None,
     **options: Sequence[Hashable],
 ) -> list[Candidate]:
     """Every combination of `meshes`, `batches` and each option's values, as
@@ -209,15 +213,20 @@ def candidates(
     the batch too), repeats over 1 without stages (the same step as one repeat),
     and, with `layers`, one whose stages x repeats do not divide the layers.
     (advise then rules out, from each one's plan, microbatches that its batch's
-    mesh axes do not divide.)
+    mesh axes do not divide.) A sequence split lies along the mesh axis
+    ``"context"`` (`st.context_attention`), which must divide `length`; experts
+    along ``"expert"``, which must divide `experts` (new in 0.8).
 
     Args:
         meshes: the layouts (`layouts` gives them).
         rules: the rules for every candidate.
         batches: a global batch, or several.
-        length: the sequence length (for tokens per second).
+        length: the sequence length (for tokens per second), which each
+            candidate's context axis must divide (new in 0.8).
         layers: the model's layers, which the stages (x repeats) of each
             candidate must divide (new in 0.8); None: not checked.
+        experts: the experts of each expert layer, which each candidate's
+            expert axis must divide (new in 0.8); None: not checked.
         **options: each option's values, e.g. ``remat=("full", "minimal"),
             microbatches=(1, 4)``; ``make_step(candidate)`` reads
             ``candidate.options``.
@@ -228,8 +237,8 @@ def candidates(
 
     Raises:
         TypeError: for an option given one value rather than a sequence of them.
-        ValueError: for `layers` < 1, or where every combination is left out
-            (the message says why the first was).
+        ValueError: for `layers` or `experts` < 1, or where every combination is
+            left out (the message says why the first was).
 
     Example:
         >>> import spmdtree as st
@@ -239,6 +248,9 @@ def candidates(
         >>> piped = st.candidates(st.layouts(8, ("data", "stage")), None, 32, layers=12, microbatches=(4, 8))
         >>> [(dict(c.mesh.shape)["stage"], c.options["microbatches"]) for c in piped]
         [(4, 4), (4, 8), (2, 4), (2, 8), (1, 4), (1, 8)]
+        >>> split = st.candidates(st.layouts(8, ("expert", "data")), None, 32, experts=4)
+        >>> [dict(c.mesh.shape)["expert"] for c in split]
+        [1, 2, 4]
     """
     for name, values in options.items():
         if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) or not values:
@@ -254,11 +266,12 @@ def candidates(
         if isinstance(batches, numbers.Integral)
         else tuple(cast(Sequence[int], batches))
     )
-    if layers is not None and not count_or_none(layers):
-        raise Mistake(
-            ValueError if isinstance(layers, int) and not isinstance(layers, bool) else TypeError,
-            f"layers is {layers!r}; expected an int >= 1 (or None).",
-        )
+    for name, count in (("layers", layers), ("experts", experts)):
+        if count is not None and not count_or_none(count):
+            raise Mistake(
+                ValueError if isinstance(count, int) and not isinstance(count, bool) else TypeError,
+                f"{name} is {count!r}; expected an int >= 1 (or None).",
+            )
     names = tuple(options)
     every = [
         Candidate(mesh, rules, batch, length, options=dict(zip(names, chosen, strict=True)) or None)
@@ -266,22 +279,29 @@ def candidates(
         for batch in sizes
         for chosen in itertools.product(*options.values())
     ]
-    kept = [c for c in every if _unrunnable(c, layers) is None]
+    kept = [c for c in every if _unrunnable(c, layers, experts) is None]
     if every and not kept:
         raise Mistake(
             ValueError,
-            f"no combination can run: {_unrunnable(every[0], layers)} ({label_of(every[0])}, "
-            f"batch {every[0].batch}), and every other is left out likewise. Give microbatches "
-            "that are a multiple of the stages and divide the batch, and stages x repeats "
-            "that divide the layers.",
+            f"no combination can run: {_unrunnable(every[0], layers, experts)} "
+            f"({label_of(every[0])}, batch {every[0].batch}), and every other is left out "
+            "likewise. Give microbatches that are a multiple of the stages and divide the "
+            "batch, stages x repeats that divide the layers, a context axis that divides "
+            "the length and an expert axis that divides the experts.",
         )
     return kept
 
 
-def _unrunnable(candidate: Candidate, layers: int | None) -> str | None:
-    """Why no pipeline (nor accumulation) can run a candidate, or None."""
+def _unrunnable(candidate: Candidate, layers: int | None, experts: int | None) -> str | None:
+    """Why no pipeline (nor accumulation, nor a sequence or expert split) can run a
+    candidate, or None."""
     options = candidate.options or {}
-    stages = dict(candidate.mesh.shape).get(STAGE, 1)
+    sizes = dict(candidate.mesh.shape)
+    stages, context, split = sizes.get(STAGE, 1), sizes.get(CONTEXT, 1), sizes.get(EXPERT, 1)
+    if candidate.length is not None and candidate.length % context:
+        return f"the context axis {context} does not divide the length {candidate.length}"
+    if experts is not None and experts % split:
+        return f"the expert axis {split} does not divide {experts} experts"
     micro, repeats = options.get(MICROBATCHES), options.get(REPEATS, 1)
     plural = "s" * (stages > 1)
     for name, value in ((MICROBATCHES, micro), (REPEATS, repeats)):

@@ -75,6 +75,7 @@ SYNC = {
     Op.kAllReduce: CollectiveKind.ALL_REDUCE,
     Op.kReduceScatter: CollectiveKind.REDUCE_SCATTER,
     Op.kAllToAll: CollectiveKind.ALL_TO_ALL,
+    Op.kRaggedAllToAll: CollectiveKind.RAGGED_ALL_TO_ALL,
     Op.kCollectivePermute: CollectiveKind.COLLECTIVE_PERMUTE,
 }
 #: The ``-start`` halves of async pairs, by opcode.
@@ -174,19 +175,86 @@ def _result(ins: Instr) -> Array | None:
     return ins.arrays[0] if ins.arrays else None
 
 
+#: The primitive a grouped matmul's kernel is named by (a TPU runs
+#: `jax.lax.ragged_dot` as a kernel of its own, its op_name ending
+#: ``ragged_dot_general/ragged-dot-none``; new in 0.8).
+GROUPED = "ragged_dot"
+
+
+def _source(mod: Module, comp: str, name: str) -> tuple[str, Instr] | None:
+    """What makes value `name` of `comp`, seen through what only carries it: into a
+    fusion (its root), out of a fused computation (a parameter: its fusion's
+    operand), through what moves it unchanged (`MOVES`) or converts it."""
+    for _ in range(16):
+        ins = mod.by_name.get(comp, {}).get(name)
+        if ins is None:
+            return None
+        if ins.op == Op.kFusion and ins.callees:
+            comp = ins.callees[0][1]
+            name = next((i.name for i in mod.comps[comp] if i.root), "")
+        elif ins.op == Op.kParameter and len(callers := mod.callers.get(comp, [])) == 1:
+            comp, caller, _ = callers[0]
+            number = int(ins.literal) if ins.literal.isdigit() else len(caller.operands)
+            if caller.op != Op.kFusion or number >= len(caller.operands):
+                return comp, ins
+            name = caller.operands[number]
+        elif (ins.op in MOVES or ins.op == Op.kConvert) and ins.operands:
+            name = ins.operands[0]
+        else:
+            return comp, ins
+    return None
+
+
+def groups_of(mod: Module, comp: str, name: str) -> int:
+    """How many groups value `name` spreads one array's rows over, where it is a
+    grouped matmul's masked operand; else 1 (new in 0.8).
+
+    jax writes a ragged dot's transposes (`jax.lax.ragged_dot`'s gradients, the expert
+    weights' among them) as dense dots over a new group dimension: each operand is
+    ``select(mask, broadcast(rows), 0)``, the rows repeated once per group and each
+    group keeping its own (every backend: libtpu fuses it into a convolution). Each
+    row is in one group, so the dot does 1/groups of its dense FLOPs' work.
+    """
+    found = _source(mod, comp, name)
+    if found is None or found[1].op != Op.kSelect or len(found[1].operands) != 3:
+        return 1
+    where, select = found
+    kept, zeros = (_source(mod, where, n) for n in select.operands[1:])
+    if kept is None or zeros is None or kept[1].op != Op.kBroadcast:
+        return 1
+    if (
+        zeros[1].op not in (Op.kBroadcast, Op.kConstant)
+        or (zeros[1].op == Op.kBroadcast
+        and (_dims(_operands(mod, zeros[0], zeros[1])[0] if zeros[1].operands else None)))
+    ):
+        return 1
+    rows = _operands(mod, kept[0], kept[1])[0] if kept[1].operands else None
+    whole, part = math.prod(_dims(_result(kept[1]))), math.prod(_dims(rows))
+    return whole // part if rows is not None and part and whole % part == 0 else 1
+
+
+def dot_groups(mod: Module, comp: str, ins: Instr) -> int:
+    """The groups of a dot's or convolution's masked operands (`groups_of`): 1 for
+    any other matmul."""
+    return max((groups_of(mod, comp, name) for name in ins.operands[:2]), default=1)
+
+
 def dot_flops(mod: Module, comp: str, ins: Instr) -> int:
-    """A dot's: 2 x result elements x its contracted size."""
+    """A dot's: 2 x result elements x its contracted size; a grouped matmul's
+    (`groups_of`) over its groups."""
     if not ins.operands:
         return 0
-    return _dot_flops(_result(ins), _operands(mod, comp, ins)[0], ins.dot.lhs_contracting)
+    dense = _dot_flops(_result(ins), _operands(mod, comp, ins)[0], ins.dot.lhs_contracting)
+    return dense // dot_groups(mod, comp, ins)
 
 
 def conv_flops(mod: Module, comp: str, ins: Instr) -> int:
-    """A convolution's (`_conv_flops`)."""
+    """A convolution's (`_conv_flops`); a grouped matmul's (`groups_of`) over its
+    groups."""
     if len(ins.operands) < 2:
         return 0
     lhs, rhs = _operands(mod, comp, ins)[:2]
-    return _conv_flops(_result(ins), lhs, rhs, ins)
+    return _conv_flops(_result(ins), lhs, rhs, ins) // dot_groups(mod, comp, ins)
 
 
 #: The custom calls that run a kernel written outside the compiler: Pallas's, through

@@ -38,10 +38,12 @@ from spmdtree._src.step.hlo.instructions import Array, Instr, Module, Op, config
 from spmdtree._src.step.hlo.loops import trip_count
 from spmdtree._src.step.hlo.opcodes import (
     DONES,
+    GROUPED,
     STARTS,
     SYNC,
     UNESTIMABLE,
     Kept,
+    dot_groups,
     estimated_cycles,
     flash_of,
     is_kernel_call,
@@ -158,7 +160,10 @@ class Kernel(NamedTuple):
     offset known only when it runs, into a dimension its layout's tiles cover (a
     TPU's blocked attention writing each block's output): it moves its update at
     `Hardware.update_efficiency` of the bandwidth, read and written wherever it is
-    held (new in 0.7)."""
+    held (new in 0.7); `grouped`, True for a grouped matmul (`jax.lax.ragged_dot`
+    and its transposes: an expert layer's), its FLOPs those of the groups it
+    multiplies (`opcodes.groups_of`), timed at `Hardware.grouped_efficiency` of the
+    peak (new in 0.8)."""
 
     kind: KernelClass
     flops: int
@@ -176,6 +181,7 @@ class Kernel(NamedTuple):
     shape: str = ""
     op_name: str = ""
     unfused_update: bool = False
+    grouped: bool = False
 
     @property
     def unestimable(self) -> bool:
@@ -791,6 +797,7 @@ class _Walker:
         """A kernel: its class, FLOPs, bytes and largest matmul's shape."""
         flops, largest, shape, dtype, named = 0, 0, (0, 0, 0, 0), "", False
         inside = self._inside_kernel(comp, ins)
+        grouped = is_kernel_call(ins) and GROUPED in ins.op_name  # libtpu's own kernel
         for where, dot in _dots(ins, inside):
             f = op_flops(self.mod, where, dot)
             if f > largest:
@@ -798,6 +805,7 @@ class _Walker:
                 dtype = _operand_dtype(self.mod, where, dot)
             flops += f
             named |= _attention_named(dot)
+            grouped |= dot.op != Op.kCustomCall and dot_groups(self.mod, where, dot) > 1
         name = kernel_name(ins) if is_kernel_call(ins) else ""
         fused = ins.target.startswith("__cudnn$fmha") or flash_of(name) is not None
         if fused or named or self._attention(ins):
@@ -824,6 +832,7 @@ class _Walker:
             ins.printed,
             ins.op_name,
             self._unfused_update(comp, ins) is not None,
+            grouped and bool(flops),
         )
 
     def _doubt(self, ins: Instr, inside: list[tuple[str, Instr]], cycles: int) -> None:
@@ -1180,7 +1189,7 @@ def read_schedule(
         >>> schedule.events[0].row
         Collective(kind='all-gather', count=1, bytes=2097152, axes=('data',), group=8, written_as='')
         >>> schedule.events[1]
-        Kernel(kind='matmul', flops=2147483648, bytes=6291456, batch=1, m=1024, n=1024, k=1024, dtype='bf16', opaque='', call='', name='d', estimated_cycles=0, opcode='dot', shape='bf16[1024,1024]{1,0}', op_name='', unfused_update=False)
+        Kernel(kind='matmul', flops=2147483648, bytes=6291456, batch=1, m=1024, n=1024, k=1024, dtype='bf16', opaque='', call='', name='d', estimated_cycles=0, opcode='dot', shape='bf16[1024,1024]{1,0}', op_name='', unfused_update=False, grouped=False)
         >>> Schedule.from_dict(schedule.to_dict()) == schedule
         True
     """

@@ -115,6 +115,9 @@ class Costs:
         update_efficiency: the share of the bandwidth an unfused in-place update
             at a run-time offset into a tiled dimension sustains
             (`Kernel.unfused_update`; new in 0.7).
+        grouped_efficiency: the share of the peak a grouped matmul reaches
+            (`jax.lax.ragged_dot` and its transposes, their FLOPs the groups';
+            `Kernel.grouped`; new in 0.8).
     """
 
     hbm_bytes_per_second: float
@@ -129,6 +132,7 @@ class Costs:
     flash_forward_efficiency: float = 0.5
     flash_backward_efficiency: float = 0.5
     update_efficiency: float = 0.23
+    grouped_efficiency: float = 0.5
 
     def speed(self, dtype: str) -> float:
         """A matmul's peak over the bf16 one for operands of `dtype`."""
@@ -150,7 +154,8 @@ class Costs:
 #: published shares cited in chips.py run from 0.52 to 0.73; none is published for a
 #: TPU), unfused updates at a run-time offset into a tiled dimension at 0.23 of the
 #: bandwidth (st.calibrate's update benchmark on a TPU v5e, 2026-12-06: the only chip
-#: measured; new in 0.7), no launch overhead and no latency per collective beyond the
+#: measured; new in 0.7), grouped matmuls at half the peak, as an unmeasured flash
+#: kernel (new in 0.8), no launch overhead and no latency per collective beyond the
 #: links' own.
 DEFAULTS: Mapping[str, float] = {
     "flops_per_byte": 300.0,
@@ -163,6 +168,7 @@ DEFAULTS: Mapping[str, float] = {
     "flash_forward_efficiency": 0.5,
     "flash_backward_efficiency": 0.5,
     "update_efficiency": 0.23,
+    "grouped_efficiency": 0.5,
     "launch_seconds": 0.0,
     "collective_latency_seconds": 0.0,
 }
@@ -179,6 +185,7 @@ MODEL_FIELDS = (
     "flash_forward_efficiency",
     "flash_backward_efficiency",
     "update_efficiency",
+    "grouped_efficiency",
     "launch_seconds",
     "collective_latency_seconds",
 )
@@ -226,6 +233,10 @@ class Hardware:
             update sustains where its offset, known only when it runs, falls in
             a dimension the layout tiles (a blocked attention writing each
             block's output; `st.calibrate` measures it; new in 0.7; 0.23).
+        grouped_efficiency: the share of the peak a grouped matmul reaches
+            (`jax.lax.ragged_dot` and its transposes, an expert layer's, their
+            FLOPs those of the groups they multiply; `st.calibrate` measures it;
+            new in 0.8; 0.5, as an unmeasured flash kernel's).
         launch_seconds: the overhead each kernel adds (XLA GPU's 1 us; 0).
         collective_latency_seconds: what each collective adds beyond the links'
             per-hop latency (XLA GPU's 5 us; 0).
@@ -252,7 +263,7 @@ class Hardware:
         >>> gpu.left_out[:2]
         ('hbm_bytes_per_second', 'memory_efficiency')
         >>> dataclasses.replace(st.hardware("h100"), name="mine").left_out  # a preset's figures
-        ()
+        ('grouped_efficiency',)
         >>> st.Hardware("bad", 1, 1e15, {"nvlink": (1e9, 0.0)})
         Traceback (most recent call last):
         ...
@@ -275,6 +286,7 @@ class Hardware:
     flash_forward_efficiency: float | None = None
     flash_backward_efficiency: float | None = None
     update_efficiency: float | None = None
+    grouped_efficiency: float | None = None
     launch_seconds: float | None = None
     collective_latency_seconds: float | None = None
     chip: GpuChip | TpuChip | None = None
@@ -343,10 +355,10 @@ class Hardware:
 
         Example:
             >>> import spmdtree as st
-            >>> st.hardware("h100").left_out
-            ()
-            >>> st.hardware("tpu-v5e").left_out  # no flash kernel's share is published
-            ('flash_forward_efficiency', 'flash_backward_efficiency')
+            >>> st.hardware("h100").left_out  # no grouped matmul's share is published
+            ('grouped_efficiency',)
+            >>> st.hardware("tpu-v5e").left_out  # nor a TPU flash kernel's
+            ('flash_forward_efficiency', 'flash_backward_efficiency', 'grouped_efficiency')
         """
         return tuple(what for what in MODEL_FIELDS if getattr(self, what) is None)
 
@@ -424,6 +436,9 @@ class Hardware:
 
 #: The schema `Hardware.to_json` writes (new in 0.7).
 HARDWARE_SCHEMA = "spmdtree.Hardware/1"
+#: The fields added to that schema since 0.7: a file written before them leaves them
+#: out, and reads back with each left out (at its default).
+ADDED = ("grouped_efficiency",)
 
 
 def _checked_provenance(provenance: object) -> dict[str, str]:
@@ -464,7 +479,7 @@ def _from_json(source: object) -> Hardware:
             f"the JSON has a field {unknown[0]!r}, which Hardware does not know; its fields "
             f"are {', '.join(map(repr, fields))}.",
         )
-    missing = [name for name in fields if name not in data]
+    missing = [name for name in fields if name not in data and name not in ADDED]
     if missing:
         more = f" (nor {', '.join(map(repr, missing[1:3]))}" if missing[1:] else ""
         more += f" and {len(missing) - 3} more)" if missing[3:] else ")" if more else ""
@@ -473,7 +488,7 @@ def _from_json(source: object) -> Hardware:
             f"the JSON has no field {missing[0]!r}{more}; write it with Hardware.to_json(), "
             "which gives every field.",
         )
-    figures = {name: data[name] for name in fields}
+    figures = {name: data.get(name) for name in fields}
     figures["links"] = {kind: tuple(pair) for kind, pair in dict(data["links"]).items()}
     figures["chip"] = _chip_of(data["chip"])
     return Hardware(**figures)

@@ -9,7 +9,9 @@ at the default and the highest precision (`f32_speed`, `f32_highest_speed`,
 their rate over the bf16 one), an in-place update at a run-time offset into a
 tiled dimension that the compiler leaves unfused (`update_efficiency`: its
 update's bytes read and written over the data sheet's bandwidth; a TPU's
-only), and the chip's flash-attention kernel
+only), a grouped matmul (`jax.lax.ragged_dot` and its weights' gradient, their
+groups' FLOPs over their time: `grouped_efficiency`, new in 0.8), and the chip's
+flash-attention kernel
 (splash attention on a TPU, cuDNN's on a GPU), forward and backward, causal,
 run by `measure` (`flash_forward_efficiency`, `flash_backward_efficiency`:
 their FLOPs as the model counts them over their time). Never a step's: the
@@ -53,6 +55,9 @@ UPDATE = {
     "accelerator": ((8, 8, 2048, 128), (8, 8, 512, 128)),
     "cpu": ((1, 1, 256, 128), (1, 1, 64, 128)),
 }
+#: The grouped matmul's rows, width, hidden width and groups (even ones): an expert
+#: layer's 16,384 routed tokens over 8 experts on an accelerator (new in 0.8).
+GROUPED = {"accelerator": (16384, 1024, 4096, 8), "cpu": (512, 128, 256, 4)}
 #: Attention's (batch, heads, length, head width) for the flash kernel.
 ATTENTION = (2, 8, 4096, 128)
 #: Splash attention's blocks, every one of its eight: MaxText's default (its base.yml's
@@ -121,6 +126,9 @@ def calibrate(
     update = bench.update(*UPDATE[kind])
     if update is not None:
         figures["update_efficiency"] = update / bandwidth
+    grouped = bench.grouped(*GROUPED[kind])
+    if grouped is not None:
+        figures["grouped_efficiency"] = grouped / base.flops_per_second
     flash = _flash_shares(bench, toolchain.flash)
     figures.update(flash or {})
     said = _provenance(device, toolchain.package)
@@ -134,6 +142,10 @@ def calibrate(
             provenance[name] = (
                 f"not measured: no flash-attention kernel timed on {device.device_kind}"
             )
+    if grouped is None:
+        provenance["grouped_efficiency"] = (
+            f"not measured: {device.device_kind}'s compiler ran no grouped matmul"
+        )
     if update is None:
         provenance["update_efficiency"] = (
             f"not measured: {device.device_kind}'s compiler left no update unfused (its "
@@ -234,6 +246,29 @@ class _Bench:
         if not ops:
             return None
         return sum(op.bytes * op.calls for op in ops) / sum(op.measured_seconds for op in ops)
+
+    def grouped(self, rows: int, width: int, hidden: int, groups: int) -> float | None:
+        """FLOP/s of the grouped matmuls (`Kernel.grouped`, their groups' FLOPs) of a
+        `jax.lax.ragged_dot` of `rows` bf16 rows of `width` in `groups` even groups by
+        (groups, width, hidden) weights, and its weights' gradient; None where the
+        compiler runs none."""
+
+        def both(x: jax.Array, w: jax.Array) -> jax.Array:
+            sizes = jnp.full((groups,), rows // groups, jnp.int32)
+            square = lambda w: jnp.sum(jax.lax.ragged_dot(x, w, sizes).astype(jnp.float32) ** 2)  # noqa: E731
+            return jax.grad(square)(w)
+
+        bf16 = jnp.bfloat16
+        x = jax.ShapeDtypeStruct((rows, width), bf16)
+        w = jax.ShapeDtypeStruct((groups, width, hidden), bf16)
+        m = measure(both, x, w, mesh=self.mesh, hardware=self.base, steps=self.steps, warmup=2)
+        schedule = m.plan.schedule
+        grouped = {k.name for k in schedule.kernels() if k.grouped} if schedule else set()
+        ops = [op for op in m.ops if op.name in grouped]
+        if not ops:
+            return None
+        spent = sum(op.measured_seconds for op in ops) or m.min_seconds
+        return sum(op.flops * op.calls for op in ops) / spent
 
     def memory(self, elements: int) -> float:
         """Bytes per second of an elementwise pass over an f32 array (read and

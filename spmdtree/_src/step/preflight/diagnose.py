@@ -15,11 +15,12 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 from spmdtree._src.plan import Plan, PlanRow
 from spmdtree._src.resolve import axes_of
 from spmdtree._src.step.hlo import Collective
+from spmdtree._src.step.kinds import CollectiveKind
 from spmdtree._src.text import LeftUnsharded, flops_text, size_text
 
 #: How many times what the layout explains the collectives may move before it is said.
@@ -132,7 +133,9 @@ def unexplained_traffic(
         return None
     largest = max(collectives, key=lambda c: c.bytes)
     sharding = set().union(*(_spec_axes(row) for row in inputs.rows))
-    activations = largest.kind in ("all-reduce", "all-to-all") and set(largest.axes) <= sharding
+    activations = (largest.kind == "all-reduce" or CollectiveKind(largest.kind).exchanges) and set(
+        largest.axes
+    ) <= sharding
     times = f"{measured / explained:.0f}x what" if explained else "far more than"
     said = (
         f"The collectives move {size_text(measured)} per device per step, {times} the "
@@ -402,3 +405,114 @@ def repeated(sizes: dict[str, int], inputs: Plan, flops: int, least: int, batch:
         cause = [f for f in left if _tried(f) & set(axes)]
         return undivided_sentence(axes, sizes, cause, flops, least, devices)
     return repeated_sentence(axes, sizes, flops, least, devices, rule=batch_rule(inputs, batch))
+
+
+#: The logical name of an expert layer's stacked experts (examples/moe.py's; MaxText's
+#: is "exp"), whose mesh axis is the expert axis (new in 0.8).
+EXPERT = "expert"
+
+
+def _expert_rows(inputs: Plan) -> dict[str, list[PlanRow]]:
+    """The arguments named logically with an `EXPERT` dimension, by the mesh axis (of
+    size > 1) that dimension is split over."""
+    sizes = dict(inputs.mesh.shape) if inputs.mesh is not None else {}
+    found: dict[str, list[PlanRow]] = {}
+    for row in inputs.rows:
+        if not row.logical or not row.names or EXPERT not in row.names:
+            continue
+        entry = (
+            row.spec[row.names.index(EXPERT)] if len(row.spec) > row.names.index(EXPERT) else None
+        )
+        for axis in axes_of(entry):
+            if sizes.get(axis, 1) > 1:
+                found.setdefault(axis, []).append(row)
+    return found
+
+
+def _one_layer(row: PlanRow, size: int) -> int:
+    """One layer's expert weight gathered whole over an axis of `size`: the row's
+    shard times `size`, over its leading stacked dimension where the experts are
+    not it."""
+    layers = row.shape[0] if row.names and row.names[0] != EXPERT and row.shape else 1
+    return row.device_bytes * size // max(layers, 1)
+
+
+def _over(collectives: Sequence[Collective], kind: str, axis: str) -> list[Collective]:
+    return [c for c in collectives if c.kind == kind and axis in c.axes]
+
+
+def experts_gathered(
+    collectives: Sequence[Collective], inputs: Plan, *, path: Callable[[str], str] = str
+) -> str | None:
+    """Where the compiler all-gathers the expert weights over their expert axis
+    instead of moving the tokens to them by all-to-all, the sentence that says so:
+    the collectives, the weights and the rule to change (new in 0.8); else None.
+
+    Each device then runs every expert on its own tokens: the expert axis acts as
+    FSDP's, and its all-gathers (and the gradients' reduce-scatters) grow with the
+    experts. The usual cause is the batch also mapped onto that axis (MaxText's
+    Mixtral regression, maxtext PR 4179); a grouped matmul (`jax.lax.ragged_dot`)
+    the compiler partitions alone gathers its weights however the batch is mapped.
+    Said where the all-gathers over the axis move at least one layer's expert weight
+    whole and more than its all-to-alls; `path` writes a row's path as the caller
+    knows it (a step's: ``args[0]/wi``).
+    """
+    sizes = dict(inputs.mesh.shape) if inputs.mesh is not None else {}
+    for axis, rows in _expert_rows(inputs).items():
+        gathers = _over(collectives, "all-gather", axis)
+        gathered = sum(c.bytes for c in gathers)
+        moved = sum(
+            c.bytes for c in collectives if axis in c.axes and CollectiveKind(c.kind).exchanges
+        )
+        if gathered < min(_one_layer(row, sizes[axis]) for row in rows) or gathered <= moved:
+            continue
+        scatters = _over(collectives, "reduce-scatter", axis)
+        return _gathered_sentence(axis, gathers, scatters, [path(r.path) for r in rows], inputs)
+    return None
+
+
+def _gathered_sentence(
+    axis: str,
+    gathers: Sequence[Collective],
+    scatters: Sequence[Collective],
+    paths: Sequence[str],
+    inputs: Plan,
+) -> str:
+    """`experts_gathered`'s sentence."""
+    count = sum(c.count for c in gathers)
+    weights = ", ".join(dict.fromkeys(paths))
+    said = (
+        f"the compiler all-gathers the expert weights over {axis!r} instead of moving the "
+        f"tokens to them by all-to-all: {count} all-gather{'' if count == 1 else 's'} of "
+        f"{size_text(sum(c.bytes for c in gathers))}"
+    )
+    if scatters:
+        said += f" and {sum(c.count for c in scatters)} reduce-scatters of " + size_text(
+            sum(c.bytes for c in scatters)
+        )
+    said += f" per device per step, for {weights}; each device runs every expert. "
+    others = _also_on(inputs, axis)
+    if others:
+        return said + (
+            f"{', '.join(map(repr, others))} {'is' if len(others) == 1 else 'are'} also "
+            f"mapped onto {axis!r}: change that rule to leave {axis!r} to the experts "
+            "(the batch over the data axes alone), or dispatch the tokens by all-to-all "
+            f"under shard_map over {axis!r} (examples/moe.py)"
+        )
+    return said + (
+        "a grouped matmul (jax.lax.ragged_dot) that the compiler partitions itself "
+        "gathers its weights: dispatch the tokens to their experts by all-to-all under "
+        f"shard_map over {axis!r} (examples/moe.py)"
+    )
+
+
+def _also_on(inputs: Plan, axis: str) -> list[str]:
+    """The logical names besides `EXPERT` whose rule maps them onto `axis`."""
+    names: dict[str, None] = {}
+    for row in inputs.rows:
+        if not row.logical or not row.names:
+            continue
+        for name, entry in zip(row.names, row.spec, strict=False):
+            if isinstance(name, str) and name != EXPERT and axis in axes_of(entry):
+                names[name] = None
+    return list(names)

@@ -32,6 +32,7 @@ from spmdtree._src.step.compile import (
     trace,
 )
 from spmdtree._src.step.hw import Hardware
+from spmdtree._src.step.preflight.diagnose import experts_gathered
 from spmdtree._src.step.preflight.step_plan import StepPlan
 from spmdtree._src.text import Located, argument_path
 
@@ -209,13 +210,16 @@ def trace_for(
 def step_plan(traced: Traced, analysis: Analysis, compiler: Compiler) -> StepPlan:
     """The last stage: the `StepPlan` of an analysis, its flash-attention kernels
     counted over the blocks their masks keep (what the trace says: new in 0.7); its
-    flags: the inputs' first, then the step's, then the warnings tracing raised."""
+    flags: the inputs' first, then the step's, then the warnings tracing raised, then
+    expert weights gathered instead of tokens moved (new in 0.8)."""
     analysis = analysis.masked(traced.masks)
     inputs = traced.arguments.plan
     flags: list[str] = [
         Located(argument_path(row.path), flag) for row in inputs.rows for flag in row.flags
     ]
     flags += [*analysis.reading.flags, *compiler.left_out(analysis), *traced.warned]
+    gathered = experts_gathered(analysis.reading.collectives, inputs, path=argument_path)
+    flags += [gathered] if gathered is not None else []
     memory = analysis.memory
     if not memory.host_argument_bytes:  # the CPU (one memory) and XLA GPU count them
         memory = memory.with_host_arguments(inputs.host_bytes)  # as the device's

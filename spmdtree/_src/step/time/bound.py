@@ -264,7 +264,7 @@ def _bytes_per_kind(row: Row, g: Mapping[str, float]) -> dict[str, float]:
     if kind is CollectiveKind.COLLECTIVE_PERMUTE:  # its size, on the slowest link it crosses
         slowest = [k for k in LINKS if g[k] > 1][-1:] or [LinkKind.ICI]
         return {slowest[0]: float(row.bytes)}
-    if kind is CollectiveKind.ALL_TO_ALL:  # that data must cross every kind, not divided
+    if kind.exchanges:  # that data must cross every kind, not divided
         return {k: (g[k] - 1) / g[k] * row.bytes for k in LINKS}
     factor, volume = float(kind.passes), kind.moved(row.bytes, row.group)
     out: dict[str, float] = {}
@@ -393,6 +393,7 @@ _KERNEL_FIELDS: Mapping[str, Callable[[Kernel], bool]] = {
     "flash_forward_efficiency": lambda kernel: bool(kernel.flash),
     "flash_backward_efficiency": lambda kernel: bool(kernel.flash),
     "update_efficiency": lambda kernel: kernel.unfused_update,
+    "grouped_efficiency": lambda kernel: kernel.grouped,
 }
 
 

@@ -93,7 +93,8 @@ def kernel_seconds(kernel: Kernel, costs: Costs, peak: float) -> float:
     the peak x the matmul share x its wave efficiency; a flash-attention kernel's
     over the peak x its published share for its direction, new in 0.6) and its
     memory (bytes over the sustained bandwidth; an unfused update's over the
-    bandwidth x `Costs.update_efficiency`, new in 0.7), plus 5% of the smaller.
+    bandwidth x `Costs.update_efficiency`, new in 0.7; a grouped matmul's FLOPs over
+    the peak x `Costs.grouped_efficiency`, new in 0.8), plus 5% of the smaller.
 
     Example:
         >>> h100 = Costs(3.35e12, 0.9, 794.5 / 989, 132, (128, 128), 1e-6, 5e-6)
@@ -109,7 +110,9 @@ def kernel_seconds(kernel: Kernel, costs: Costs, peak: float) -> float:
     compute = 0.0
     if kernel.flops:
         share = costs.matmul_efficiency * costs.speed(kernel.dtype)
-        if kernel.flash:  # its blocks at the kernel's published share, each way
+        if kernel.grouped:  # its groups' FLOPs, at the chip's measured share
+            share = costs.speed(kernel.dtype) * costs.grouped_efficiency
+        elif kernel.flash:  # its blocks at the kernel's published share, each way
             share = costs.speed(kernel.dtype) * (
                 costs.flash_backward_efficiency
                 if kernel.flash == "backward"

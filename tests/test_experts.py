@@ -1,0 +1,231 @@
+"""Experts, planned (new in 0.8): a grouped matmul counted at its groups' FLOPs and
+timed at the chip's share, the ragged all-to-all read over its axis, and expert
+weights gathered instead of tokens moved, said.
+
+The libtpu tests compile without a TPU (spmdtree[tpu]); the rest run on the CPU.
+"""
+
+import dataclasses
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import AbstractMesh, AxisType
+from jax.sharding import PartitionSpec as P
+from test_targets import has_compiler
+
+import spmdtree as st
+
+# Private: the per-kernel model and the flag's rule have no public names
+from spmdtree._src.step.hlo.schedule import Kernel
+from spmdtree._src.step.hw import Costs
+from spmdtree._src.step.preflight.diagnose import experts_gathered
+from spmdtree._src.step.time.predict import kernel_seconds
+
+LIBTPU = pytest.mark.skipif(not has_compiler("tpu"), reason="needs libtpu (spmdtree[tpu])")
+AUTO = AxisType.Auto
+
+#: An expert layer: experts, width, hidden width, tokens (even groups), top-k.
+EXPERTS, WIDTH, HIDDEN, TOKENS, TOP = 8, 256, 512, 2048, 2
+
+
+def grouped_step(w, x, sizes):
+    """A ragged dot's forward and its weights' gradient."""
+    square = lambda w: jnp.sum(jax.lax.ragged_dot(x, w, sizes).astype(jnp.float32) ** 2)  # noqa: E731
+    return jax.grad(square)(w)
+
+
+def grouped_args(dtype=jnp.float32):
+    return (
+        jax.ShapeDtypeStruct((EXPERTS, WIDTH, HIDDEN), dtype),
+        jax.ShapeDtypeStruct((TOKENS, WIDTH), dtype),
+        jax.ShapeDtypeStruct((EXPERTS,), jnp.int32),
+    )
+
+
+@pytest.mark.parametrize(
+    "target", [None, pytest.param("tpu-v5e", marks=LIBTPU)], ids=["cpu", "libtpu"]
+)
+def test_a_grouped_matmul_counts_the_flops_of_its_groups_never_dense_over_every_expert(target):
+    # 0.7 counted the weights' gradient (jax writes it dense over a new group dimension,
+    # each operand masked to its group's rows) at every expert's FLOPs: 8x its work
+    mesh = AbstractMesh((1,), ("data",), axis_types=(AUTO,))
+    extra = {"target": target} if target else {}
+    step = st.preflight(grouped_step, *grouped_args(), mesh=mesh, **extra)
+    one_pass = 2 * TOKENS * WIDTH * HIDDEN  # every token through its one expert
+    assert step.flops == 2 * one_pass  # the forward and the weights' gradient
+    grouped = [k for k in step.schedule.kernels() if k.grouped]
+    assert grouped and sum(k.flops for k in grouped) == 2 * one_pass
+
+
+def test_a_dense_batched_matmul_is_no_grouped_one():
+    mesh = AbstractMesh((1,), ("data",), axis_types=(AUTO,))
+    w = jax.ShapeDtypeStruct((EXPERTS, WIDTH, HIDDEN), jnp.float32)
+    x = jax.ShapeDtypeStruct((EXPERTS, TOKENS // EXPERTS, WIDTH), jnp.float32)
+    step = st.preflight(lambda w, x: jnp.einsum("etd,edf->etf", x, w), w, x, mesh=mesh)
+    assert step.flops == 2 * TOKENS * WIDTH * HIDDEN
+    assert not any(k.grouped for k in step.schedule.kernels())
+
+
+def test_a_grouped_kernel_runs_at_the_chips_grouped_share():
+    costs = Costs(1.0, 1.0, 0.8, 1, (1, 1), 0.0, 0.0, grouped_efficiency=0.25)
+    dense = Kernel("matmul", 1000, 0)
+    grouped = dense._replace(grouped=True)
+    assert kernel_seconds(dense, costs, 1.0) == pytest.approx(1000 / 0.8)
+    assert kernel_seconds(grouped, costs, 1.0) == pytest.approx(1000 / 0.25)
+
+
+def test_a_prediction_with_a_grouped_kernel_says_the_share_it_took_by_default():
+    mesh = AbstractMesh((1,), ("data",), axis_types=(AUTO,))
+    step = st.preflight(grouped_step, *grouped_args(), mesh=mesh)
+    v5e = st.hardware("tpu-v5e")
+    assert "grouped_efficiency" in v5e.left_out
+    said = step.time(v5e).flags
+    assert any("grouped_efficiency" in flag for flag in said), said
+    slower = step.time(dataclasses.replace(v5e, grouped_efficiency=0.1)).predicted_seconds
+    assert slower > step.time(dataclasses.replace(v5e, grouped_efficiency=0.9)).predicted_seconds
+    # a step with no grouped kernel is not told of it
+    dense = st.preflight(lambda a: a @ a, jax.ShapeDtypeStruct((256, 256), "float32"), mesh=mesh)
+    assert not any("grouped_efficiency" in flag for flag in dense.time(v5e).flags)
+
+
+def test_calibrate_measures_the_grouped_share_and_a_file_before_it_reads_back():
+    calibrated = st.calibrate(seconds=2.0, preset="tpu-v5e")
+    assert 0 < calibrated.grouped_efficiency <= 1
+    assert calibrated.provenance["grouped_efficiency"].startswith("measured")
+    # a Hardware JSON written by 0.7 has no grouped share: it reads back left out
+    data = json.loads(st.hardware("tpu-v5e").to_json())
+    del data["grouped_efficiency"]
+    assert st.Hardware.from_json(json.dumps(data)) == st.hardware("tpu-v5e")
+    chip = pathlib.Path(__file__).parents[1] / "benchmarks" / "chip-2026-12-06" / "chip.json"
+    assert "grouped_efficiency" in st.Hardware.from_json(chip).left_out
+
+
+@LIBTPU
+def test_a_ragged_all_to_all_is_read_over_its_axis_at_its_buffers_size():
+    mesh = AbstractMesh((2, 4), ("data", "expert"), axis_types=(AUTO, AUTO))
+    rows, width = 16, 128
+
+    def local(a):
+        start = jnp.arange(4, dtype=jnp.int32) * (rows // 4)
+        size = jnp.full((4,), rows // 4, jnp.int32)
+        out = jnp.zeros_like(a)
+        return jax.lax.ragged_all_to_all(a, out, start, size, start, size, axis_name="expert")
+
+    def step(a):
+        return jax.shard_map(local, in_specs=P("expert", None), out_specs=P("expert", None))(a)
+
+    x = jax.ShapeDtypeStruct((4 * rows, width), jnp.float32)
+    plan = st.preflight(step, x, mesh=mesh, target="tpu-v5e")
+    (row,) = plan.collectives
+    assert (row.kind, row.axes, row.group, row.count) == ("ragged-all-to-all", ("expert",), 4, 1)
+    assert row.bytes == rows * width * 4  # its output buffer, one device's
+    assert row.wire_bytes == pytest.approx(3 / 4 * row.bytes)
+
+
+# --- expert weights gathered instead of tokens moved -----------------------------------
+
+RULES = [("expert", "expert"), ("embed", None), ("mlp", None)]
+
+
+def moe_params():
+    box = lambda shape, names: st.LogicallyPartitioned(  # noqa: E731
+        jax.ShapeDtypeStruct(shape, jnp.bfloat16), names
+    )
+    return {
+        "router": box((WIDTH, EXPERTS), ("embed", None)),
+        "wi": box((EXPERTS, WIDTH, HIDDEN), ("expert", "embed", "mlp")),
+        "wo": box((EXPERTS, HIDDEN, WIDTH), ("expert", "mlp", "embed")),
+    }
+
+
+def routed(params, x):
+    """A mixture of experts the compiler partitions alone: tokens sorted by their
+    top-k experts, `jax.lax.ragged_dot` over them, and combined back."""
+    tokens = x.reshape(-1, WIDTH)
+    top, chosen = jax.lax.top_k(
+        jax.nn.softmax((tokens @ params["router"]).astype(jnp.float32)), TOP
+    )
+    flat = chosen.reshape(-1)
+    order = jnp.argsort(flat)
+    sorted_tokens = jnp.repeat(tokens, TOP, axis=0)[order]
+    sizes = jnp.bincount(flat, length=EXPERTS).astype(jnp.int32)
+    hidden = jax.nn.relu(jax.lax.ragged_dot(sorted_tokens, params["wi"], sizes))
+    out = jax.lax.ragged_dot(hidden, params["wo"], sizes)
+    back = jnp.zeros_like(out).at[order].set(out).reshape(-1, TOP, WIDTH)
+    return (back * top[..., None].astype(back.dtype)).sum(1).reshape(x.shape)
+
+
+def routed_step(params, x):
+    params, x = st.unbox(params), st.unbox(x)
+    loss = lambda p: jnp.mean(routed(p, x).astype(jnp.float32) ** 2)  # noqa: E731
+    return jax.grad(loss)(params)
+
+
+def tokens_batch():
+    return st.LogicallyPartitioned(
+        jax.ShapeDtypeStruct((16, TOKENS // 16, WIDTH), jnp.bfloat16), ("batch", None, "embed")
+    )
+
+
+@LIBTPU
+@pytest.mark.parametrize("batch", [("data", "expert"), "data"], ids=["batch-on-expert", "data"])
+def test_expert_weights_the_compiler_gathers_over_the_expert_axis_are_said(batch):
+    mesh = AbstractMesh((2, 4), ("data", "expert"), axis_types=(AUTO, AUTO))
+    rules = [("batch", batch), *RULES]
+    step = st.preflight(
+        routed_step, moe_params(), tokens_batch(), mesh=mesh, rules=rules, target="tpu-v5e"
+    )
+    gathers = [c for c in step.collectives if c.kind == "all-gather" and "expert" in c.axes]
+    assert gathers, step.collectives
+    (said,) = [f for f in step.flags if "all-gathers the expert weights" in f]
+    assert "over 'expert'" in said and "args[0]/wi" in said and "args[0]/wo" in said
+    if batch == "data":  # nothing else is on the axis: the grouped matmul gathers them
+        assert "shard_map" in said and "'batch'" not in said
+    else:  # the usual cause, named with its rule
+        assert "'batch' is also mapped onto 'expert'" in said
+
+
+def test_the_flag_is_said_of_gathers_that_move_a_layers_expert_weight_and_no_fewer():
+    mesh = AbstractMesh((2, 4), ("data", "expert"))
+    rules = [("batch", ("data", "expert")), *RULES]
+    inputs = st.plan({"params": moe_params(), "x": tokens_batch()}, mesh, rules=rules)
+    whole = EXPERTS * WIDTH * HIDDEN * 2  # one expert weight, bf16, gathered whole
+    gathered = st.Collective("all-gather", 2, 2 * whole, axes=("expert",), group=4)
+    said = experts_gathered([gathered], inputs)
+    assert said is not None and "2 all-gathers" in said and "params/wi" in said
+    assert "'batch' is also mapped onto 'expert'" in said
+    # gathers of less than one layer's expert weight (the routing's indices) are not
+    small = gathered._replace(bytes=whole // 8)
+    assert experts_gathered([small], inputs) is None
+    # nor gathers over another axis, nor where all-to-alls move more
+    assert experts_gathered([gathered._replace(axes=("data",))], inputs) is None
+    moved = st.Collective("all-to-all", 4, 4 * whole, axes=("expert",), group=4)
+    assert experts_gathered([gathered, moved], inputs) is None
+    # nor where the experts are not split (the expert axis of size 1)
+    alone = st.plan({"params": moe_params()}, AbstractMesh((8, 1), ("data", "expert")), rules=rules)
+    assert experts_gathered([gathered], alone) is None
+
+
+# --- searched ---------------------------------------------------------------------------
+
+
+def test_candidates_leave_out_expert_axes_that_do_not_divide_the_experts():
+    meshes = st.layouts(8, ("expert", "data"))
+    kept = st.candidates(meshes, None, 32, experts=2)
+    assert sorted(dict(c.mesh.shape)["expert"] for c in kept) == [1, 2]
+    assert len(st.candidates(meshes, None, 32)) == len(meshes)  # not checked without it
+    with pytest.raises(ValueError, match=r"the expert axis 8 does not divide 3 experts"):
+        st.candidates(st.layouts(8, ("expert",)), None, 32, experts=3)
+    with pytest.raises(ValueError, match=r"experts is 0; expected an int >= 1"):
+        st.candidates(meshes, None, 32, experts=0)
+
+
+def test_candidates_leave_out_context_axes_that_do_not_divide_the_length():
+    meshes = st.layouts(8, ("context", "data"))
+    kept = st.candidates(meshes, None, 8, length=12)
+    assert sorted(dict(c.mesh.shape)["context"] for c in kept) == [1, 2, 4]
+    with pytest.raises(ValueError, match=r"the context axis 8 does not divide the length 12"):
+        st.candidates(st.layouts(8, ("context",)), None, 8, length=12)
