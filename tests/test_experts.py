@@ -77,6 +77,31 @@ def test_a_grouped_kernel_runs_at_the_chips_grouped_share():
     assert kernel_seconds(grouped, costs, 1.0) == pytest.approx(1000 / 0.25)
 
 
+@pytest.mark.parametrize(
+    "target", [None, pytest.param("tpu-v5e", marks=LIBTPU)], ids=["cpu", "libtpu"]
+)
+def test_a_gather_and_a_scatter_are_timed_by_what_they_move(target):
+    # 0.7 priced a TPU's expert dispatch and combine at 0 (their rows kept on the chip)
+    rows, width = 4096, 256
+    mesh = AbstractMesh((1,), ("data",), axis_types=(AUTO,))
+    extra = {"target": target} if target else {}
+
+    def dispatch_and_combine(x, order):
+        return jnp.zeros_like(x).at[order].add(x[order] * 2)
+
+    x = jax.ShapeDtypeStruct((rows, width), jnp.bfloat16)
+    order = jax.ShapeDtypeStruct((rows,), jnp.int32)
+    step = st.preflight(dispatch_and_combine, x, order, mesh=mesh, **extra)
+    indexed = [k for k in step.schedule.kernels() if k.indexed]
+    block = rows * width * 2
+    # the gather reads and writes its rows, the scatter reads its updates and rows and
+    # writes them: each kernel at least what its part moves
+    assert indexed and sum(k.bytes for k in indexed) >= 2 * block + 3 * block
+    costs = Costs(1.0, 1.0, 1.0, 1, (1, 1), 0.0, 0.0, indexed_efficiency=0.1)
+    (one, *_) = indexed
+    assert kernel_seconds(one, costs, 1.0) == pytest.approx(one.bytes / 0.1, rel=0.06)
+
+
 def test_a_prediction_with_a_grouped_kernel_says_the_share_it_took_by_default():
     mesh = AbstractMesh((1,), ("data",), axis_types=(AUTO,))
     step = st.preflight(grouped_step, *grouped_args(), mesh=mesh)
@@ -91,16 +116,18 @@ def test_a_prediction_with_a_grouped_kernel_says_the_share_it_took_by_default():
     assert not any("grouped_efficiency" in flag for flag in dense.time(v5e).flags)
 
 
-def test_calibrate_measures_the_grouped_share_and_a_file_before_it_reads_back():
+def test_calibrate_measures_the_grouped_and_indexed_shares_and_a_file_before_reads_back():
     calibrated = st.calibrate(seconds=2.0, preset="tpu-v5e")
-    assert 0 < calibrated.grouped_efficiency <= 1
-    assert calibrated.provenance["grouped_efficiency"].startswith("measured")
-    # a Hardware JSON written by 0.7 has no grouped share: it reads back left out
+    for name in ("grouped_efficiency", "indexed_efficiency"):
+        assert 0 < getattr(calibrated, name) <= 1
+        assert calibrated.provenance[name].startswith("measured")
+    # a Hardware JSON written by 0.7 has neither: it reads back with them left out
     data = json.loads(st.hardware("tpu-v5e").to_json())
-    del data["grouped_efficiency"]
+    del data["grouped_efficiency"], data["indexed_efficiency"]
     assert st.Hardware.from_json(json.dumps(data)) == st.hardware("tpu-v5e")
     chip = pathlib.Path(__file__).parents[1] / "benchmarks" / "chip-2026-12-06" / "chip.json"
-    assert "grouped_efficiency" in st.Hardware.from_json(chip).left_out
+    left = st.Hardware.from_json(chip).left_out
+    assert "grouped_efficiency" in left and "indexed_efficiency" in left
 
 
 @LIBTPU

@@ -175,10 +175,10 @@ def _result(ins: Instr) -> Array | None:
     return ins.arrays[0] if ins.arrays else None
 
 
-#: The primitive a grouped matmul's kernel is named by (a TPU runs
-#: `jax.lax.ragged_dot` as a kernel of its own, its op_name ending
-#: ``ragged_dot_general/ragged-dot-none``; new in 0.8).
-GROUPED = "ragged_dot"
+#: What a grouped matmul's kernel is named by (a TPU runs `jax.lax.ragged_dot` as a
+#: kernel of its own, its op_name ending ``ragged_dot_general/ragged-dot-none``, or
+#: ``ragged-dot-none`` alone; new in 0.8).
+GROUPED = ("ragged_dot", "ragged-dot")
 
 
 def _source(mod: Module, comp: str, name: str) -> tuple[str, Instr] | None:
@@ -222,10 +222,9 @@ def groups_of(mod: Module, comp: str, name: str) -> int:
     kept, zeros = (_source(mod, where, n) for n in select.operands[1:])
     if kept is None or zeros is None or kept[1].op != Op.kBroadcast:
         return 1
-    if (
-        zeros[1].op not in (Op.kBroadcast, Op.kConstant)
-        or (zeros[1].op == Op.kBroadcast
-        and (_dims(_operands(mod, zeros[0], zeros[1])[0] if zeros[1].operands else None)))
+    if zeros[1].op not in (Op.kBroadcast, Op.kConstant) or (
+        zeros[1].op == Op.kBroadcast
+        and (_dims(_operands(mod, zeros[0], zeros[1])[0] if zeros[1].operands else None))
     ):
         return 1
     rows = _operands(mod, kept[0], kept[1])[0] if kept[1].operands else None

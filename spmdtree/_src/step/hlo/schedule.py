@@ -163,7 +163,10 @@ class Kernel(NamedTuple):
     held (new in 0.7); `grouped`, True for a grouped matmul (`jax.lax.ragged_dot`
     and its transposes: an expert layer's), its FLOPs those of the groups it
     multiplies (`opcodes.groups_of`), timed at `Hardware.grouped_efficiency` of the
-    peak (new in 0.8)."""
+    peak (new in 0.8); `indexed`, True for a kernel that gathers or scatters rows by
+    index (an expert layer's dispatch and combine): its bytes at least what those move
+    (`moved_by_index`), wherever the compiler keeps them, at
+    `Hardware.indexed_efficiency` of the bandwidth (new in 0.8)."""
 
     kind: KernelClass
     flops: int
@@ -182,6 +185,7 @@ class Kernel(NamedTuple):
     op_name: str = ""
     unfused_update: bool = False
     grouped: bool = False
+    indexed: bool = False
 
     @property
     def unestimable(self) -> bool:
@@ -797,7 +801,7 @@ class _Walker:
         """A kernel: its class, FLOPs, bytes and largest matmul's shape."""
         flops, largest, shape, dtype, named = 0, 0, (0, 0, 0, 0), "", False
         inside = self._inside_kernel(comp, ins)
-        grouped = is_kernel_call(ins) and GROUPED in ins.op_name  # libtpu's own kernel
+        grouped = is_kernel_call(ins) and any(g in ins.op_name for g in GROUPED)  # libtpu's
         for where, dot in _dots(ins, inside):
             f = op_flops(self.mod, where, dot)
             if f > largest:
@@ -818,10 +822,11 @@ class _Walker:
         call = ins.target if ins.target.startswith("__cudnn$") else name
         cycles = estimated_cycles(ins)
         self._doubt(ins, inside, cycles)
+        moved = moved_by_index(self.mod, inside)
         return Kernel(
             kind,
             flops,
-            self._bytes(comp, ins),
+            max(self._bytes(comp, ins), moved),
             *shape,
             dtype if flops else "",
             opaque,
@@ -833,6 +838,7 @@ class _Walker:
             ins.op_name,
             self._unfused_update(comp, ins) is not None,
             grouped and bool(flops),
+            bool(moved),
         )
 
     def _doubt(self, ins: Instr, inside: list[tuple[str, Instr]], cycles: int) -> None:
@@ -957,6 +963,23 @@ def _printed_opcode(op: Op) -> str:
     """
     camel = op.name.removeprefix("k")
     return "".join(f"-{c.lower()}" if c.isupper() else c for c in camel).lstrip("-")
+
+
+def moved_by_index(mod: Module, inside: list[tuple[str, Instr]]) -> int:
+    """The bytes a kernel's gathers and scatters move (new in 0.8): a gather reads the
+    rows it picks and writes them (twice its result), a scatter reads each update and
+    the row it lands on and writes that row (three times its updates), wherever the
+    compiler keeps them (a TPU's on-chip memory too: picking rows by index, not the
+    bandwidth, bounds them; 0.7 priced a TPU's expert dispatch and combine at 0, which
+    took 1.2 to 3.4 ms each on a v5e). 0 for a kernel that does neither."""
+    moved = 0
+    for where, each in inside:
+        if each.op == Op.kGather:
+            moved += 2 * each.tiled_bytes
+        elif each.op == Op.kScatter and len(each.operands) >= 3:
+            updates = mod.by_name[where].get(each.operands[-1])
+            moved += 3 * (updates.tiled_bytes if updates is not None else 0)
+    return moved
 
 
 def _dots(ins: Instr, inside: list[tuple[str, Instr]]) -> list[tuple[str, Instr]]:
@@ -1189,7 +1212,7 @@ def read_schedule(
         >>> schedule.events[0].row
         Collective(kind='all-gather', count=1, bytes=2097152, axes=('data',), group=8, written_as='')
         >>> schedule.events[1]
-        Kernel(kind='matmul', flops=2147483648, bytes=6291456, batch=1, m=1024, n=1024, k=1024, dtype='bf16', opaque='', call='', name='d', estimated_cycles=0, opcode='dot', shape='bf16[1024,1024]{1,0}', op_name='', unfused_update=False, grouped=False)
+        Kernel(kind='matmul', flops=2147483648, bytes=6291456, batch=1, m=1024, n=1024, k=1024, dtype='bf16', opaque='', call='', name='d', estimated_cycles=0, opcode='dot', shape='bf16[1024,1024]{1,0}', op_name='', unfused_update=False, grouped=False, indexed=False)
         >>> Schedule.from_dict(schedule.to_dict()) == schedule
         True
     """

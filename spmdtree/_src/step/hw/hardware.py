@@ -118,6 +118,9 @@ class Costs:
         grouped_efficiency: the share of the peak a grouped matmul reaches
             (`jax.lax.ragged_dot` and its transposes, their FLOPs the groups';
             `Kernel.grouped`; new in 0.8).
+        indexed_efficiency: the share of the bandwidth a kernel that gathers or
+            scatters rows by index sustains over what it moves (`Kernel.indexed`;
+            new in 0.8).
     """
 
     hbm_bytes_per_second: float
@@ -133,6 +136,7 @@ class Costs:
     flash_backward_efficiency: float = 0.5
     update_efficiency: float = 0.23
     grouped_efficiency: float = 0.5
+    indexed_efficiency: float = 0.23
 
     def speed(self, dtype: str) -> float:
         """A matmul's peak over the bf16 one for operands of `dtype`."""
@@ -155,7 +159,7 @@ class Costs:
 #: TPU), unfused updates at a run-time offset into a tiled dimension at 0.23 of the
 #: bandwidth (st.calibrate's update benchmark on a TPU v5e, 2026-12-06: the only chip
 #: measured; new in 0.7), grouped matmuls at half the peak, as an unmeasured flash
-#: kernel (new in 0.8), no launch overhead and no latency per collective beyond the
+#: kernel, and gathers and scatters at an unfused update's share (new in 0.8), no launch overhead and no latency per collective beyond the
 #: links' own.
 DEFAULTS: Mapping[str, float] = {
     "flops_per_byte": 300.0,
@@ -169,6 +173,7 @@ DEFAULTS: Mapping[str, float] = {
     "flash_backward_efficiency": 0.5,
     "update_efficiency": 0.23,
     "grouped_efficiency": 0.5,
+    "indexed_efficiency": 0.23,
     "launch_seconds": 0.0,
     "collective_latency_seconds": 0.0,
 }
@@ -186,6 +191,7 @@ MODEL_FIELDS = (
     "flash_backward_efficiency",
     "update_efficiency",
     "grouped_efficiency",
+    "indexed_efficiency",
     "launch_seconds",
     "collective_latency_seconds",
 )
@@ -237,6 +243,10 @@ class Hardware:
             (`jax.lax.ragged_dot` and its transposes, an expert layer's, their
             FLOPs those of the groups they multiply; `st.calibrate` measures it;
             new in 0.8; 0.5, as an unmeasured flash kernel's).
+        indexed_efficiency: the share of the bandwidth a kernel that gathers or
+            scatters rows by index sustains over what it moves (an expert layer's
+            dispatch and combine; `st.calibrate` measures it; new in 0.8; 0.23, as
+            an unfused update's).
         launch_seconds: the overhead each kernel adds (XLA GPU's 1 us; 0).
         collective_latency_seconds: what each collective adds beyond the links'
             per-hop latency (XLA GPU's 5 us; 0).
@@ -263,7 +273,7 @@ class Hardware:
         >>> gpu.left_out[:2]
         ('hbm_bytes_per_second', 'memory_efficiency')
         >>> dataclasses.replace(st.hardware("h100"), name="mine").left_out  # a preset's figures
-        ('grouped_efficiency',)
+        ('grouped_efficiency', 'indexed_efficiency')
         >>> st.Hardware("bad", 1, 1e15, {"nvlink": (1e9, 0.0)})
         Traceback (most recent call last):
         ...
@@ -287,6 +297,7 @@ class Hardware:
     flash_backward_efficiency: float | None = None
     update_efficiency: float | None = None
     grouped_efficiency: float | None = None
+    indexed_efficiency: float | None = None
     launch_seconds: float | None = None
     collective_latency_seconds: float | None = None
     chip: GpuChip | TpuChip | None = None
@@ -356,9 +367,9 @@ class Hardware:
         Example:
             >>> import spmdtree as st
             >>> st.hardware("h100").left_out  # no grouped matmul's share is published
-            ('grouped_efficiency',)
-            >>> st.hardware("tpu-v5e").left_out  # nor a TPU flash kernel's
-            ('flash_forward_efficiency', 'flash_backward_efficiency', 'grouped_efficiency')
+            ('grouped_efficiency', 'indexed_efficiency')
+            >>> st.hardware("tpu-v5e").left_out[:2]  # nor a TPU flash kernel's
+            ('flash_forward_efficiency', 'flash_backward_efficiency')
         """
         return tuple(what for what in MODEL_FIELDS if getattr(self, what) is None)
 
@@ -438,7 +449,7 @@ class Hardware:
 HARDWARE_SCHEMA = "spmdtree.Hardware/1"
 #: The fields added to that schema since 0.7: a file written before them leaves them
 #: out, and reads back with each left out (at its default).
-ADDED = ("grouped_efficiency",)
+ADDED = ("grouped_efficiency", "indexed_efficiency")
 
 
 def _checked_provenance(provenance: object) -> dict[str, str]:
@@ -488,7 +499,7 @@ def _from_json(source: object) -> Hardware:
             f"the JSON has no field {missing[0]!r}{more}; write it with Hardware.to_json(), "
             "which gives every field.",
         )
-    figures = {name: data.get(name) for name in fields}
+    figures: dict[str, Any] = {name: data.get(name) for name in fields}
     figures["links"] = {kind: tuple(pair) for kind, pair in dict(data["links"]).items()}
     figures["chip"] = _chip_of(data["chip"])
     return Hardware(**figures)

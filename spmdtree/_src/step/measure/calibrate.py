@@ -10,8 +10,9 @@ their rate over the bf16 one), an in-place update at a run-time offset into a
 tiled dimension that the compiler leaves unfused (`update_efficiency`: its
 update's bytes read and written over the data sheet's bandwidth; a TPU's
 only), a grouped matmul (`jax.lax.ragged_dot` and its weights' gradient, their
-groups' FLOPs over their time: `grouped_efficiency`, new in 0.8), and the chip's
-flash-attention kernel
+groups' FLOPs over their time: `grouped_efficiency`, new in 0.8), a gather of
+rows by index and a scatter-add of them back (what they move over their time:
+`indexed_efficiency`, new in 0.8), and the chip's flash-attention kernel
 (splash attention on a TPU, cuDNN's on a GPU), forward and backward, causal,
 run by `measure` (`flash_forward_efficiency`, `flash_backward_efficiency`:
 their FLOPs as the model counts them over their time). Never a step's: the
@@ -58,6 +59,9 @@ UPDATE = {
 #: The grouped matmul's rows, width, hidden width and groups (even ones): an expert
 #: layer's 16,384 routed tokens over 8 experts on an accelerator (new in 0.8).
 GROUPED = {"accelerator": (16384, 1024, 4096, 8), "cpu": (512, 128, 256, 4)}
+#: The rows (bf16) gathered by index and scattered back (added), and their width: an
+#: expert layer's dispatch and combine of 16,384 routed tokens (new in 0.8).
+INDEXED = {"accelerator": (16384, 1024), "cpu": (1024, 128)}
 #: Attention's (batch, heads, length, head width) for the flash kernel.
 ATTENTION = (2, 8, 4096, 128)
 #: Splash attention's blocks, every one of its eight: MaxText's default (its base.yml's
@@ -129,6 +133,9 @@ def calibrate(
     grouped = bench.grouped(*GROUPED[kind])
     if grouped is not None:
         figures["grouped_efficiency"] = grouped / base.flops_per_second
+    indexed = bench.indexed(*INDEXED[kind])
+    if indexed is not None:
+        figures["indexed_efficiency"] = indexed / bandwidth
     flash = _flash_shares(bench, toolchain.flash)
     figures.update(flash or {})
     said = _provenance(device, toolchain.package)
@@ -142,10 +149,12 @@ def calibrate(
             provenance[name] = (
                 f"not measured: no flash-attention kernel timed on {device.device_kind}"
             )
-    if grouped is None:
-        provenance["grouped_efficiency"] = (
-            f"not measured: {device.device_kind}'s compiler ran no grouped matmul"
-        )
+    for name, found, what in (
+        ("grouped_efficiency", grouped, "grouped matmul"),
+        ("indexed_efficiency", indexed, "gather or scatter"),
+    ):
+        if found is None:
+            provenance[name] = f"not measured: {device.device_kind}'s compiler ran no {what}"
     if update is None:
         provenance["update_efficiency"] = (
             f"not measured: {device.device_kind}'s compiler left no update unfused (its "
@@ -269,6 +278,25 @@ class _Bench:
             return None
         spent = sum(op.measured_seconds for op in ops) or m.min_seconds
         return sum(op.flops * op.calls for op in ops) / spent
+
+    def indexed(self, rows: int, width: int) -> float | None:
+        """Bytes per second, as the model counts them (`Kernel.indexed`), of a gather
+        of `rows` bf16 rows of `width` by a permutation and a scatter-add of them
+        back; None where the compiler runs no such kernel."""
+
+        def both(x: jax.Array, order: jax.Array) -> jax.Array:
+            return jnp.zeros_like(x).at[order].add(x[order] * 2)
+
+        x = jax.ShapeDtypeStruct((rows, width), jnp.bfloat16)
+        order = jax.ShapeDtypeStruct((rows,), jnp.int32)
+        m = measure(both, x, order, mesh=self.mesh, hardware=self.base, steps=self.steps, warmup=2)
+        schedule = m.plan.schedule
+        indexed = {k.name for k in schedule.kernels() if k.indexed} if schedule else set()
+        ops = [op for op in m.ops if op.name in indexed]
+        if not ops:
+            return None
+        spent = sum(op.measured_seconds for op in ops) or m.min_seconds
+        return sum(op.bytes * op.calls for op in ops) / spent
 
     def memory(self, elements: int) -> float:
         """Bytes per second of an elementwise pass over an f32 array (read and
