@@ -66,6 +66,8 @@ from spmdtree._src.rules import Rules as Rules
 from spmdtree._src.rules import get_logical_axis_rules as get_logical_axis_rules
 from spmdtree._src.rules import logical_axis_rules as logical_axis_rules
 from spmdtree._src.rules import set_logical_axis_rules as set_logical_axis_rules
+from spmdtree._src.sequences import balanced_order as balanced_order
+from spmdtree._src.sequences import context_attention as context_attention
 from spmdtree._src.specs import RuleProblem as RuleProblem
 from spmdtree._src.specs import get_partition_spec as get_partition_spec
 from spmdtree._src.specs import get_sharding as get_sharding
@@ -159,10 +161,12 @@ __all__ = [
     "accumulate",
     "add_axis",
     "advise",
+    "balanced_order",
     "box",
     "calibrate",
     "candidates",
     "constrain",
+    "context_attention",
     "describe",
     "from_flax",
     "fsdp",

@@ -90,6 +90,7 @@ FLOW = [
     "constraints",
     "transforms",
     "pipeline",
+    "sequences",
     "optim",
     "plan",
     "step.kinds",

@@ -135,6 +135,31 @@ def _common(sub: argparse.ArgumentParser) -> None:
     )
 
 
+def _split_arguments(sub: Any) -> None:
+    """advise's options and counts for the splits at scale: a pipeline's options, the
+    layers the stages divide, the experts the expert axis divides (new in 0.8)."""
+    sub.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="NAME=V1,V2",
+        help="an option make_step reads from candidate.options, and its values (repeatable; "
+        "a pipeline's: microbatches=8,16 and repeats=1,2)",
+    )
+    sub.add_argument(
+        "--layers",
+        type=_positive,
+        help="the model's layers: with a stage axis in --axes, the stages (x repeats) of each "
+        "layout must divide them",
+    )
+    sub.add_argument(
+        "--experts",
+        type=_positive,
+        help="the experts of each expert layer: with an expert axis in --axes, each layout's "
+        "must divide them (a context axis must divide --length)",
+    )
+
+
 def _advise_parser(commands: Any) -> None:
     sub = commands.add_parser(
         "advise",
@@ -158,26 +183,7 @@ def _advise_parser(commands: Any) -> None:
         required=True,
         help="a global batch (repeatable)",
     )
-    sub.add_argument(
-        "--option",
-        action="append",
-        default=[],
-        metavar="NAME=V1,V2",
-        help="an option make_step reads from candidate.options, and its values (repeatable; "
-        "a pipeline's: microbatches=8,16 and repeats=1,2)",
-    )
-    sub.add_argument(
-        "--layers",
-        type=_positive,
-        help="the model's layers: with a stage axis in --axes, the stages (x repeats) of each "
-        "layout must divide them",
-    )
-    sub.add_argument(
-        "--experts",
-        type=_positive,
-        help="the experts of each expert layer: with an expert axis in --axes, each layout's "
-        "must divide them (a context axis must divide --length)",
-    )
+    _split_arguments(sub)
     sub.add_argument(
         "--hardware",
         required=True,

@@ -17,11 +17,12 @@ from jax.sharding import AbstractMesh, AxisType, Mesh
 from spmdtree._src.errors import Mistake, public
 from spmdtree._src.pipeline import STAGE
 from spmdtree._src.rules import AnyMesh, Rules
+from spmdtree._src.sequences import CONTEXT
 from spmdtree._src.step.advise.records import (
     Candidate,
     label_of,
 )
-from spmdtree._src.step.preflight.diagnose import EXPERT
+from spmdtree._src.step.preflight import EXPERT
 
 
 def _sizes_allowed(
@@ -183,8 +184,6 @@ def _hashable(value: object) -> bool:
     return True
 
 
-#: The mesh axis a sequence is split over (`st.context_attention`'s; new in 0.8).
-CONTEXT = "context"
 #: The options `make_step` reads for a pipeline (new in 0.8), which `candidates`
 #: checks against the stage axis (`STAGE`), the layers and the batch.
 MICROBATCHES, REPEATS = "microbatches", "repeats"

@@ -3,6 +3,7 @@
 records mean in words (diagnose).
 """
 
+from spmdtree._src.step.preflight.diagnose import EXPERT as EXPERT
 from spmdtree._src.step.preflight.diagnose import Closest as Closest
 from spmdtree._src.step.preflight.diagnose import nothing_fits as nothing_fits
 from spmdtree._src.step.preflight.diagnose import repeated as repeated
