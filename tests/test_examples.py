@@ -23,6 +23,8 @@ SMALL = {
     "advise.py": ["--quick"],
     "targets.py": ["--quick"],
     "pipeline.py": ["--steps", "10"],
+    # examples/moe.py's own checks are tests/test_moe.py's; this runs its script
+    "moe.py": ["--steps", "3", "--layers", "1"],
 }
 
 

@@ -6,8 +6,10 @@ The libtpu tests compile without a TPU (spmdtree[tpu]); the rest run on the CPU.
 """
 
 import dataclasses
+import functools
 import json
 import pathlib
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -220,17 +222,18 @@ def test_the_flag_is_said_of_gathers_that_move_a_layers_expert_weight_and_no_few
     rules = [("batch", ("data", "expert")), *RULES]
     inputs = st.plan({"params": moe_params(), "x": tokens_batch()}, mesh, rules=rules)
     whole = EXPERTS * WIDTH * HIDDEN * 2  # one expert weight, bf16, gathered whole
-    gathered = st.Collective("all-gather", 2, 2 * whole, axes=("expert",), group=4)
-    said = experts_gathered([gathered], inputs)
-    assert said is not None and "2 all-gathers" in said and "params/wi" in said
+    gathered = st.Collective("all-gather", 1, whole, axes=("expert",), group=4)
+    scattered = st.Collective("reduce-scatter", 1, whole // 4, axes=("expert",), group=4)
+    said = experts_gathered([gathered, gathered, scattered], inputs)
+    assert said is not None and "2 all-gathers of 2.0 MiB or more each" in said
+    assert "and 1 reduce-scatter," in said and "params/wi" in said
     assert "'batch' is also mapped onto 'expert'" in said
-    # gathers of less than one layer's expert weight (the routing's indices) are not
-    small = gathered._replace(bytes=whole // 8)
-    assert experts_gathered([small], inputs) is None
-    # nor gathers over another axis, nor where all-to-alls move more
+    # gathers of less than one layer's expert weight (activations, the routing's
+    # indices), however many, are not
+    small = gathered._replace(bytes=whole // 2)
+    assert experts_gathered([small] * 8, inputs) is None
+    # nor gathers over another axis
     assert experts_gathered([gathered._replace(axes=("data",))], inputs) is None
-    moved = st.Collective("all-to-all", 4, 4 * whole, axes=("expert",), group=4)
-    assert experts_gathered([gathered, moved], inputs) is None
     # nor where the experts are not split (the expert axis of size 1)
     alone = st.plan({"params": moe_params()}, AbstractMesh((8, 1), ("data", "expert")), rules=rules)
     assert experts_gathered([gathered], alone) is None
@@ -256,3 +259,39 @@ def test_candidates_leave_out_context_axes_that_do_not_divide_the_length():
     assert sorted(dict(c.mesh.shape)["context"] for c in kept) == [1, 2, 4]
     with pytest.raises(ValueError, match=r"the context axis 8 does not divide the length 12"):
         st.candidates(st.layouts(8, ("context",)), None, 8, length=12)
+
+
+# --- examples/moe.py, compiled for a TPU -----------------------------------------------
+
+
+def moe_example():
+    sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "examples"))
+    import moe
+
+    return moe
+
+
+@LIBTPU
+def test_the_moe_examples_step_moves_tokens_by_all_to_all_and_is_not_flagged():
+    moe = moe_example()
+    cfg = moe.Config(experts=8, width=128, mlp=256, batch=16, length=64)
+    params = jax.eval_shape(functools.partial(moe.init, cfg=cfg), jax.random.key(0))
+    tokens = st.LogicallyPartitioned(
+        jax.ShapeDtypeStruct((cfg.batch, cfg.length + 1), jnp.int32), ("batch", "length")
+    )
+
+    def step(params, tokens):
+        loss = functools.partial(moe.loss_fn, cfg=cfg, sharded_experts=True)
+        return jax.grad(loss)(params, st.unbox(tokens))
+
+    mesh = AbstractMesh((4, 2), ("expert", "data"), axis_types=(AxisType.Explicit,) * 2)
+    plan = st.preflight(step, params, tokens, mesh=mesh, rules=moe.make_rules(), target="tpu-v5e")
+    kinds = {(str(c.kind), c.axes) for c in plan.collectives}
+    assert ("all-to-all", ("expert",)) in kinds, kinds
+    assert not any("all-gathers the expert weights" in flag for flag in plan.flags), plan.flags
+    # the experts' weights stay split: no all-gather over expert moves a layer's experts
+    whole = cfg.experts * cfg.width * cfg.mlp * 4
+    gathered = [c for c in plan.collectives if c.kind == "all-gather" and "expert" in c.axes]
+    assert all(c.bytes / c.count < whole for c in gathered), gathered
+    grouped = [k for k in plan.schedule.kernels() if k.grouped]
+    assert grouped  # the experts' matmuls, at their groups' FLOPs

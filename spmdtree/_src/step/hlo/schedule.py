@@ -256,7 +256,7 @@ class Branches(NamedTuple):
 
 
 Event = Kernel | Start | Done | Loop | Branches
-E = TypeVar("E", Kernel, Loop)
+E = TypeVar("E", Kernel, Loop, Start)
 
 
 #: A reduction over a dimension that is not its array's minor-most is flagged from
@@ -400,6 +400,17 @@ class Schedule:
         """Every `Kernel` it runs, in loops and in every branch too, once each as
         written (not times its trips)."""
         return _every(self.events, Kernel)
+
+    def collectives(self) -> tuple[Collective, ...]:
+        """Each collective it runs, once each as written, at one run's size (new in
+        0.8: `StepPlan.collectives` sums them by kind and axes).
+
+        Example:
+            >>> gather = Collective("all-gather", 1, 64, ("fsdp",), 4)
+            >>> Schedule((Loop(3, (Start(0, gather, True), Done(0))),), "tpu").collectives()
+            (Collective(kind='all-gather', count=1, bytes=64, axes=('fsdp',), group=4, written_as=''),)
+        """
+        return tuple(start.row for start in _every(self.events, Start))
 
     def compiler_cycles(self) -> int:
         """libtpu's own estimate of the step, in cycles: each kernel's
@@ -817,6 +828,7 @@ class _Walker:
         else:
             kind = KernelClass.MATMUL if flops else KernelClass.MEMORY
         opaque = name if name and not flops and flash_of(name) is None else ""
+        opaque = "" if opaque in BOOKKEEPING else opaque
         if flash_of(name) is not None:  # its blocks run at the kernel's own rate
             shape, dtype = (0, 0, 0, 0), self._flash_dtype(comp, ins)
         call = ins.target if ins.target.startswith("__cudnn$") else name
@@ -963,6 +975,11 @@ def _printed_opcode(op: Op) -> str:
     """
     camel = op.name.removeprefix("k")
     return "".join(f"-{c.lower()}" if c.isupper() else c for c in camel).lstrip("-")
+
+
+#: libtpu's own kernels that compute no FLOPs by design: a ragged dot's group offsets
+#: (new in 0.8), not a hand-written kernel whose cost estimate is missing.
+BOOKKEEPING = frozenset({"ragged-dot-metadata"})
 
 
 def moved_by_index(mod: Module, inside: list[tuple[str, Instr]]) -> int:

@@ -437,12 +437,8 @@ def _one_layer(row: PlanRow, size: int) -> int:
     return row.device_bytes * size // max(layers, 1)
 
 
-def _over(collectives: Sequence[Collective], kind: str, axis: str) -> list[Collective]:
-    return [c for c in collectives if c.kind == kind and axis in c.axes]
-
-
 def experts_gathered(
-    collectives: Sequence[Collective], inputs: Plan, *, path: Callable[[str], str] = str
+    ops: Sequence[Collective], inputs: Plan, *, path: Callable[[str], str] = str
 ) -> str | None:
     """Where the compiler all-gathers the expert weights over their expert axis
     instead of moving the tokens to them by all-to-all, the sentence that says so:
@@ -453,22 +449,24 @@ def experts_gathered(
     experts. The usual cause is the batch also mapped onto that axis (MaxText's
     Mixtral regression, maxtext PR 4179); a grouped matmul (`jax.lax.ragged_dot`)
     the compiler partitions alone gathers its weights however the batch is mapped.
-    Said where the all-gathers over the axis move at least one layer's expert weight
-    whole and more than its all-to-alls; `path` writes a row's path as the caller
-    knows it (a step's: ``args[0]/wi``).
+    Said where an all-gather over the axis moves at least one layer's expert weight
+    whole. `ops`: each collective once, at one run's size (`Schedule.collectives`);
+    `path` writes a row's path as the caller knows it (a step's: ``args[0]/wi``).
     """
     sizes = dict(inputs.mesh.shape) if inputs.mesh is not None else {}
     for axis, rows in _expert_rows(inputs).items():
-        gathers = _over(collectives, "all-gather", axis)
-        gathered = sum(c.bytes for c in gathers)
-        moved = sum(
-            c.bytes for c in collectives if axis in c.axes and CollectiveKind(c.kind).exchanges
-        )
-        if gathered < min(_one_layer(row, sizes[axis]) for row in rows) or gathered <= moved:
-            continue
-        scatters = _over(collectives, "reduce-scatter", axis)
-        return _gathered_sentence(axis, gathers, scatters, [path(r.path) for r in rows], inputs)
+        layer = min(_one_layer(row, sizes[axis]) for row in rows)
+        gathers = [c for c in _over(ops, "all-gather", axis) if c.bytes >= layer]
+        if gathers:
+            scatters = [
+                c for c in _over(ops, "reduce-scatter", axis) if c.bytes * sizes[axis] >= layer
+            ]
+            return _gathered_sentence(axis, gathers, scatters, [path(r.path) for r in rows], inputs)
     return None
+
+
+def _over(collectives: Sequence[Collective], kind: str, axis: str) -> list[Collective]:
+    return [c for c in collectives if c.kind == kind and axis in c.axes]
 
 
 def _gathered_sentence(
@@ -484,13 +482,13 @@ def _gathered_sentence(
     said = (
         f"the compiler all-gathers the expert weights over {axis!r} instead of moving the "
         f"tokens to them by all-to-all: {count} all-gather{'' if count == 1 else 's'} of "
-        f"{size_text(sum(c.bytes for c in gathers))}"
+        f"{size_text(max(c.bytes for c in gathers))} or more each"
     )
     if scatters:
-        said += f" and {sum(c.count for c in scatters)} reduce-scatters of " + size_text(
-            sum(c.bytes for c in scatters)
+        said += f" and {sum(c.count for c in scatters)} reduce-scatter" + (
+            "s" * (len(scatters) > 1)
         )
-    said += f" per device per step, for {weights}; each device runs every expert. "
+    said += f", for {weights}; each device runs every expert. "
     others = _also_on(inputs, axis)
     if others:
         return said + (

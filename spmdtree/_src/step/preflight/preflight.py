@@ -218,7 +218,8 @@ def step_plan(traced: Traced, analysis: Analysis, compiler: Compiler) -> StepPla
         Located(argument_path(row.path), flag) for row in inputs.rows for flag in row.flags
     ]
     flags += [*analysis.reading.flags, *compiler.left_out(analysis), *traced.warned]
-    gathered = experts_gathered(analysis.reading.collectives, inputs, path=argument_path)
+    ops = analysis.schedule.collectives() if analysis.schedule is not None else ()
+    gathered = experts_gathered(ops, inputs, path=argument_path)
     flags += [gathered] if gathered is not None else []
     memory = analysis.memory
     if not memory.host_argument_bytes:  # the CPU (one memory) and XLA GPU count them
