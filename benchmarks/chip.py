@@ -15,7 +15,12 @@
   (``update.json``): which of them libtpu leaves unfused, and how fast each runs
   (`Hardware.update_efficiency`).
 
-Run on the chip: python benchmarks/chip.py --out DIR [fixture calibrate advise update]
+- ``moe``: examples/moe.py's step at a size one chip holds (the experts unsharded),
+  by `st.measure` on the chip's own figures (``chip.json``, where ``calibrate`` ran
+  first) and the preset, with its grouped matmuls and its gathers and scatters
+  measured against their predicted time (``moe.json``; new in 0.8).
+
+Run on the chip: python benchmarks/chip.py --out DIR [fixture calibrate advise update moe]
 Without a chip it says so and exits 0.
 """
 
@@ -192,6 +197,59 @@ def update(out: pathlib.Path) -> None:
     (out / "update.json").write_text(json.dumps({"versions": versions(), **found}, indent=1))
 
 
+#: examples/moe.py's model at a size one chip holds (new in 0.8): 4 layers of width
+#: 1,024, 8 experts of 4,096 hidden units, top-2, 16 sequences of 1,024 tokens.
+MOE_SIZES = dict(vocab=256, length=1024, width=1024, layers=4, heads=8, experts=8, mlp=4096)
+
+
+def moe(out: pathlib.Path) -> None:
+    """examples/moe.py's step on one chip (the experts unsharded: every axis of size
+    1), measured beside its prediction on the chip's own figures (chip.json, where
+    calibrate ran first) and on the preset; its grouped matmuls' and its gathers' and
+    scatters' measured time against their predicted (moe.json)."""
+    import functools
+
+    import optax
+
+    sys.path.insert(0, str(HERE.parent / "examples"))
+    import moe as example
+
+    cfg = example.Config(**MOE_SIZES, batch=16)
+    mesh = jax.make_mesh((1, 1), ("expert", "data"), devices=jax.devices()[:1])
+    rules = example.make_rules()
+    params = example.init_params(jax.random.key(0), cfg, mesh, rules)
+    tx = optax.adamw(1e-4)
+    with jax.set_mesh(mesh):
+        state = jax.jit(tx.init)(params)
+    batch = example.make_batch(jax.random.key(1), cfg, mesh, rules)
+    step = functools.partial(example.train_step, cfg=cfg, tx=tx)
+    hardware = one_chip_hardware(out)
+    m = st.measure(step, params, state, batch, mesh=mesh, rules=rules, hardware=hardware, steps=10)
+    print(m)
+    preset = m.plan.time(st.hardware("tpu-v5e")).predicted_seconds
+    kernels = list(m.plan.schedule.kernels()) if m.plan.schedule else []
+    record: dict[str, Any] = {
+        "versions": versions(),
+        "sizes": {**MOE_SIZES, "batch": cfg.batch, "top_k": cfg.top_k},
+        "hardware": hardware.name,
+        "measured": m.seconds,
+        "predicted": m.predicted_seconds,
+        "predicted_on_the_preset": preset,
+    }
+    for what in ("grouped", "indexed"):
+        names = {k.name for k in kernels if getattr(k, what)}
+        ops = [o for o in m.ops if o.name in names]
+        record[what] = {
+            "measured": sum(o.measured_seconds for o in ops),
+            "predicted": sum(o.predicted_seconds for o in ops),
+            "flops": sum(o.flops * o.calls for o in ops),
+            "bytes": sum(o.bytes * o.calls for o in ops),
+            "ops": len(ops),
+        }
+    print(json.dumps(record, indent=1), flush=True)
+    (out / "moe.json").write_text(json.dumps(record, indent=1))
+
+
 def one_chip_hardware(out: pathlib.Path) -> st.Hardware:
     """The chip calibrate recorded in `out` (or --hardware's), else the preset."""
     path = out / "chip.json"
@@ -216,7 +274,13 @@ def main() -> int:
         print("no TPU here: benchmarks/chip.py records a chip's run")
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
-    jobs = {"fixture": fixture, "calibrate": calibrate, "advise": advise, "update": update}
+    jobs = {
+        "fixture": fixture,
+        "calibrate": calibrate,
+        "advise": advise,
+        "update": update,
+        "moe": moe,
+    }
     for what in args.what:
         jobs[what](args.out)
     return 0

@@ -349,8 +349,9 @@ def test_what_the_splash_kernel_cannot_do_is_said():
         )(*long, jnp.arange(512))
     with pytest.raises(ValueError, match=r"positions that permute range\(512\)"):
         attention(*long, positions=np.zeros(512, int), implementation="splash")
-    with pytest.raises(ValueError, match=r"on the Auto axes \{'data': 2\} the arrays' types"):
-        attention(*long, mesh=make_mesh(kind="auto"), implementation="splash")
+    odd = arrays(length=512, batch=3, heads=2, kv_heads=1)
+    with pytest.raises(ValueError, match=r"on the Auto axes \{'data': 2\} it splits the batch"):
+        attention(*odd, mesh=make_mesh(kind="auto"), implementation="splash")
 
 
 # --- the kernels ------------------------------------------------------------------------
@@ -391,9 +392,9 @@ def test_the_splash_kernel_interpreted_equals_dot_product_attention():
     assert got["balanced"].sharding.spec == P("data", "context", None, None)
 
 
-def kernel_step(implementation, order):
-    """The attention's gradients, bf16, on (data 2, context 4) Explicit axes."""
-    mesh = AbstractMesh((2, 4), ("data", "context"), axis_types=(AxisType.Explicit,) * 2)
+def kernel_step(implementation, order, kind="explicit"):
+    """The attention's gradients, bf16, on (data 2, context 4) axes of `kind`."""
+    mesh = AbstractMesh((2, 4), ("data", "context"), axis_types=(KINDS[kind],) * 2)
     names = ("data", "context", None, None)
     q = st.Partitioned(jax.ShapeDtypeStruct((8, 1024, 8, 128), jnp.bfloat16), names)
     kv = st.Partitioned(jax.ShapeDtypeStruct((8, 1024, 2, 128), jnp.bfloat16), names)
@@ -407,8 +408,11 @@ def kernel_step(implementation, order):
 
 
 @pytest.mark.skipif(not has_compiler("tpu"), reason="needs libtpu (spmdtree[tpu])")
-def test_the_splash_kernel_compiles_for_a_tpu_without_one():
-    step, args, mesh = kernel_step("splash", st.balanced_order(1024, 4))
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_splash_kernel_compiles_for_a_tpu_without_one(kind):
+    # on Auto axes, whose arrays' types say nothing, the kernel splits the batch over
+    # them (new in 0.8: refused before)
+    step, args, mesh = kernel_step("splash", st.balanced_order(1024, 4), kind)
     plan = st.preflight(step, *args, mesh=mesh, target="tpu-v5e")
     calls = {kernel.call for kernel in plan.schedule.kernels() if kernel.flash}
     assert calls == {
@@ -424,8 +428,9 @@ def test_the_splash_kernel_compiles_for_a_tpu_without_one():
     not (has_compiler("cuda") and has_module("nvidia.cudnn")),
     reason="needs XLA GPU and cuDNN (spmdtree[cuda])",
 )
-def test_the_cudnn_kernel_compiles_for_a_gpu_without_one():
-    step, args, mesh = kernel_step("cudnn", st.balanced_order(1024, 4))
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_cudnn_kernel_compiles_for_a_gpu_without_one(kind):
+    step, args, mesh = kernel_step("cudnn", st.balanced_order(1024, 4), kind)
     plan = st.preflight(step, *args, mesh=mesh, target="h100")
     calls = {kernel.call for kernel in plan.schedule.kernels() if kernel.flash}
     assert {"__cudnn$fmhaScaleBiasSoftmax", "__cudnn$fmhaScaleBiasSoftmaxBackward"} <= calls

@@ -139,7 +139,8 @@ def context_attention(
     `axis` alone with the gather inside it gathers the batch over the other axes
     too, jax 0.10.2). A kernel (cuDNN's, splash) runs manual over every axis, since
     neither cuDNN's partitioner nor Mosaic splits one over a shard_map's auto axes:
-    it takes a mesh whose other axes are Explicit or of size 1.
+    on Auto axes, whose arrays' types do not say how they are split, it splits the
+    batch over them (a data split's layout), which they must divide.
 
     The result equals the unsharded attention's to float tolerance, its gradients
     too; it has q's shape and dtype, its length sharded on `axis`. Pure: composes
@@ -164,7 +165,7 @@ def context_attention(
             `balanced_order`'s: each shard puts the gathered K and V back in
             order, and the kernel's mask, built whole and split along the queries
             as MaxText builds it, skips the blocks no query attends). A kernel
-            takes a mesh whose axes but `axis` are Explicit or of size 1.
+            on Auto axes splits the batch over them.
 
     Returns:
         The attention ``[batch, length, heads, head_dim]``, sharded along its length
@@ -352,7 +353,8 @@ def _layout(q: jax.Array, k: jax.Array, v: jax.Array, axis: str, kind: Implement
     (a shard_map manual over `axis` alone with the gather inside gathers them too,
     jax 0.10.2): K and V whole along the length, every other dimension left to the
     compiler, and the shards, manual over `axis` alone, run on them with no
-    collective. A kernel is never split by the compiler, so it needs the first."""
+    collective. A kernel is never split by the compiler: on such axes it splits the
+    batch over them (`_kernel_layout`)."""
     mesh = jax.sharding.get_abstract_mesh()
     spread = {
         name: size
@@ -362,13 +364,7 @@ def _layout(q: jax.Array, k: jax.Array, v: jax.Array, axis: str, kind: Implement
         if name != axis and size > 1 and kind_of != AxisType.Explicit
     }
     if spread and kind != "xla":
-        raise Mistake(
-            ValueError,
-            f"implementation {kind!r} runs its kernel on each device's shard, manual over "
-            f"every mesh axis, and on the Auto axes {spread} the arrays' types do not say "
-            "how they are split. Make the mesh's axes Explicit (jax.make_mesh's default), "
-            "or use implementation='xla'.",
-        )
+        return _kernel_layout(q, k, v, axis, spread, kind)
     if spread:
         free = PartitionSpec.UNCONSTRAINED
         whole = PartitionSpec(free, None, free, free)
@@ -385,6 +381,30 @@ def _layout(q: jax.Array, k: jax.Array, v: jax.Array, axis: str, kind: Implement
     out = PartitionSpec(batch, axis, head, None)
     q, k, v = (_resharded(x, out) for x in (q, k, v))
     return Layout((q, k, v), (out,) * 3, out, frozenset(mesh.axis_names), True, q.shape[2] // split)
+
+
+def _kernel_layout(
+    q: jax.Array, k: jax.Array, v: jax.Array, axis: str, spread: dict[str, int], kind: str
+) -> Layout:
+    """A kernel's shards on a mesh with Auto axes (`spread`, their sizes) whose
+    arrays' types do not say how they are split: the batch over those axes (a data
+    split's layout; new in 0.8), q, K and V constrained to it, manual over every
+    axis, K and V gathered inside."""
+    batch = q.shape[0]
+    if batch % math.prod(spread.values()):
+        raise Mistake(
+            ValueError,
+            f"implementation {kind!r} runs its kernel on each device's shard, manual over "
+            f"every mesh axis: on the Auto axes {spread} it splits the batch, and they do "
+            f"not divide the batch {batch}. Give a batch that {math.prod(spread.values())} "
+            "divides, make the mesh's axes Explicit (jax.make_mesh's default) with the "
+            "arrays laid out as you want them, or use implementation='xla'.",
+        )
+    names = tuple(spread)
+    out = PartitionSpec(names[0] if len(names) == 1 else names, axis, None, None)
+    q, k, v = (jax.lax.with_sharding_constraint(x, out) for x in (q, k, v))
+    manual = frozenset(jax.sharding.get_abstract_mesh().axis_names)
+    return Layout((q, k, v), (out,) * 3, out, manual, True, q.shape[2])
 
 
 def _attention(
