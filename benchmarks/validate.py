@@ -23,7 +23,16 @@ schedule) turned into the published unit:
   TFLOP/s per chip in MaxText's count of that time;
 - MaxText 16B on one TPU v5e-256 (configs/v5e/16b.sh and the v5e README, October-
   December 2023): scale 16, per-device batch 6, sequence 2,048, remat full, FSDP over
-  256; 120 TFLOP/s per chip (61.10% MFU), in the same count.
+  256; 120 TFLOP/s per chip (61.10% MFU), in the same count;
+- torchtitan, Llama 3.1 8B on 8 H100s as FSDP x CP (benchmarks/
+  llama3_h100_202412_torchtitan.md, Table 2: local batch 1, full activation
+  checkpointing, 262,144 tokens a step): 2,540, 1,071 and 548 tokens/s per GPU at
+  CP 2, 4 and 8, the sequence over a "context" axis in `st.balanced_order` and
+  `st.context_attention(..., implementation="cudnn")` (new in 0.8). Those rows ran
+  torchao's Float8 linears; the step here is bf16 (docs/planning.md says why);
+- MaxText's Mixtral 8x22B on a v6e-256 as FSDP 64 x EP 4 (`mixtral_8x22b_dropped`,
+  tpu-recipes' Mixtral-8x22B-MaxText): per-device batch 8, sequence 4,096, capacity
+  factor 1.25, MaxText's dropping MoE path; 1,326.3 tokens/s per chip (new in 0.8).
 
 The TPU runs write their attention in blocks (`blocked_attention`: an online softmax
 over key blocks, the masked-out blocks skipped, the backward recomputing each block's
@@ -32,7 +41,7 @@ for libtpu without the hardware, but its block mask is a constant the compiled m
 does not print, so its FLOPs are counted as if it kept every block (twice a causal
 kernel's), where the blocked step's are its own.
 
-Run: python benchmarks/validate.py [--quick] [--only torchtitan maxtext]
+Run: python benchmarks/validate.py [--quick] [--only torchtitan maxtext cp mixtral]
 Exit status 1 if a ratio is outside +-20% (never with --quick: tiny models,
 checking that each run compiles, predicts and prints).
 """
@@ -216,9 +225,12 @@ def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, block: int) -> j
 # --- the steps ---------------------------------------------------------------------------
 
 
-def _boxed(shape: tuple[int, ...], names: tuple[str, ...]) -> st.LogicallyPartitioned:
-    """An fp32 master weight (both published runs keep fp32 params, compute in bf16)."""
-    return st.LogicallyPartitioned(jax.ShapeDtypeStruct(shape, jnp.float32), names)
+def _boxed(
+    shape: tuple[int, ...], names: tuple[str, ...], dtype: Any = jnp.float32
+) -> st.LogicallyPartitioned:
+    """A master weight: fp32 where the run keeps fp32 params and computes in bf16 (the
+    dense runs), bf16 where it keeps bf16 weights (MaxText's weight_dtype)."""
+    return st.LogicallyPartitioned(jax.ShapeDtypeStruct(shape, dtype), names)
 
 
 def rms_norm(x: jax.Array, scale: jax.Array) -> jax.Array:
@@ -227,11 +239,13 @@ def rms_norm(x: jax.Array, scale: jax.Array) -> jax.Array:
     return (normed * scale).astype(x.dtype)
 
 
-def rotary(x: jax.Array) -> jax.Array:
-    """Rotary position embedding over (batch, length, ..., head dim), theta 500,000."""
+def rotary(x: jax.Array, positions: Any = None) -> jax.Array:
+    """Rotary position embedding over (batch, length, ..., head dim), theta 500,000, at
+    each token's position (its index, or `positions` for tokens reordered)."""
     d, n = x.shape[-1], x.shape[1]
     freq = 1.0 / (500_000.0 ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
-    angle = jnp.arange(n, dtype=jnp.float32)[:, None] * freq
+    at = jnp.arange(n) if positions is None else jnp.asarray(positions)
+    angle = at.astype(jnp.float32)[:, None] * freq
     shape = (1, n) + (1,) * (x.ndim - 3) + (d // 2,)
     cos, sin = jnp.cos(angle).reshape(shape), jnp.sin(angle).reshape(shape)
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
@@ -240,6 +254,37 @@ def rotary(x: jax.Array) -> jax.Array:
 
 def constrain(x: jax.Array, *names: str) -> jax.Array:
     return st.with_logical_constraint(x, names)
+
+
+def sharded_splash(q: jax.Array, k: jax.Array, v: jax.Array, block: int) -> jax.Array:
+    """Splash attention as MaxText runs it on a mesh (new in 0.8): each device on its own
+    sequences under shard_map (a hand-written kernel the compiler cannot split), over
+    (batch, heads, length, head dim), its query blocks `block` long (the recipe's
+    sa_block_q*), the rest MaxText's 512."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+
+    spec = st.logical_to_mesh_axes(("batch", "q_heads", "length", "kv"))
+    heads, length = q.shape[1], q.shape[2]
+
+    def local(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        mask = sm.MultiHeadMask([sm.CausalMask((length, length)) for _ in range(heads)])
+        q_block, rest = min(block, length), min(512, length)
+        blocks = sk.BlockSizes(
+            block_q=q_block,
+            block_kv_compute=rest,
+            block_kv=rest,
+            block_q_dkv=q_block,
+            block_kv_dkv=rest,
+            block_kv_dkv_compute=rest,
+            block_q_dq=q_block,
+            block_kv_dq=rest,
+        )
+        kernel = sk.make_splash_mha(mask, block_sizes=blocks, head_shards=1, q_seq_shards=1)
+        return jax.vmap(kernel)(q, k, v)
+
+    mapped = jax.shard_map(local, in_specs=(spec,) * 3, out_specs=spec, check_vma=False)
+    return mapped(q, k, v)
 
 
 def _splash(heads: int, length: int) -> Callable[..., jax.Array]:
@@ -297,6 +342,12 @@ def pallas_flash(q: jax.Array, k: jax.Array, v: jax.Array, recipe: str) -> jax.A
     return mapped(q, k, v)
 
 
+#: What MaxText's "custom" remat of the Mixtral 8x22B recipe offloads to the host: the
+#: layer's input and the attention's projections (decoder_layer_input, query_proj,
+#: key_proj, value_proj, out_proj: "offload"); the rest is recomputed.
+OFFLOADED = ("decoder_layer_input", "query_proj", "key_proj", "value_proj", "out_proj")
+
+
 def _op_policy(prim: Any, *_: Any, **params: Any) -> bool:
     """torchtitan's "op" checkpointing: the values named "saved", and cuDNN's attention
     forward whole (its output and softmax statistics: torchtitan's list saves the flash
@@ -331,6 +382,21 @@ class Model:
     #: the layers as a pipeline of this many microbatches over the mesh's "stage" axis
     #: (`st.pipeline`; their boxes restaged by `staged`); 0: scanned (new in 0.8)
     microbatches: int = 0
+    #: each MLP a mixture of this many experts (SwiGLU each), MaxText's dropping path:
+    #: top-k routing, each sequence's tokens over capacity dropped, dispatched and
+    #: combined by GShard's einsums under MaxText's constraints; 0: a dense MLP (new in
+    #: 0.8)
+    experts: int = 0
+    top_k: int = 2
+    capacity_factor: float = 1.25
+    #: the master weights' dtype (MaxText's weight_dtype; new in 0.8)
+    weights: Any = jnp.float32
+    #: splash's query blocks (the recipe's sa_block_q*), kernel "splash-mesh" (new in 0.8)
+    splash_block: int = 512
+    #: the sequence split over the mesh's "context" axis this many ways, its tokens in
+    #: `st.balanced_order`, attention by `st.context_attention` (kernel
+    #: "cudnn-context"); 1: not split (new in 0.8)
+    context: int = 1
 
     def params(self) -> dict[str, Any]:
         e, h, kv, d, m, n = (
@@ -341,24 +407,63 @@ class Model:
             self.mlp,
             self.layers,
         )
+        box = functools.partial(_boxed, dtype=self.weights)
         layer = {
-            "attention_norm": _boxed((n, e), ("layers", "norm")),
-            "query": _boxed((n, e, h, d), ("layers", "embed", "q_heads", "kv")),
-            "key": _boxed((n, e, kv, d), ("layers", "embed", "kv_heads", "kv")),
-            "value": _boxed((n, e, kv, d), ("layers", "embed", "kv_heads", "kv")),
-            "out": _boxed((n, h, d, e), ("layers", "q_heads", "kv", "embed")),
-            "wi_0": _boxed((n, e, m), ("layers", "embed", "mlp")),
-            "wo": _boxed((n, m, e), ("layers", "mlp", "embed")),
+            "attention_norm": box((n, e), ("layers", "norm")),
+            "query": box((n, e, h, d), ("layers", "embed", "q_heads", "kv")),
+            "key": box((n, e, kv, d), ("layers", "embed", "kv_heads", "kv")),
+            "value": box((n, e, kv, d), ("layers", "embed", "kv_heads", "kv")),
+            "out": box((n, h, d, e), ("layers", "q_heads", "kv", "embed")),
+            "wi_0": box((n, e, m), ("layers", "embed", "mlp")),
+            "wo": box((n, m, e), ("layers", "mlp", "embed")),
         }
         tree = {
-            "embed": _boxed((self.vocab, e), ("vocab", "embed")),
-            "final_norm": _boxed((e,), ("norm",)),
+            "embed": box((self.vocab, e), ("vocab", "embed")),
+            "final_norm": box((e,), ("norm",)),
         }
         if self.style == "llama":
-            layer["mlp_norm"] = _boxed((n, e), ("layers", "norm"))
-            layer["wi_1"] = _boxed((n, e, m), ("layers", "embed", "mlp"))
-            tree["output"] = _boxed((e, self.vocab), ("embed", "vocab"))
+            layer["mlp_norm"] = box((n, e), ("layers", "norm"))
+            layer["wi_1"] = box((n, e, m), ("layers", "embed", "mlp"))
+            tree["output"] = box((e, self.vocab), ("embed", "vocab"))
+        if self.experts:  # MaxText's kernel axes: the experts on "exp", embed not on it
+            x = self.experts
+            layer["gate"] = box((n, e, x), ("layers", "embed", None))
+            for name in ("wi_0", "wi_1"):
+                layer[name] = box((n, x, e, m), ("layers", "exp", "embed_no_exp", "mlp"))
+            layer["wo"] = box((n, x, m, e), ("layers", "exp", "mlp", "embed_no_exp"))
         return {**tree, "layers": layer}
+
+    def mixture(self, h: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
+        """A mixture of SwiGLU experts over the normed input `h` (batch, length, embed)
+        by MaxText's dropping path (`dense_matmul`, tpu-recipes-v0.1.2): top-k routing
+        with the top-k's softmax as weights, each sequence's tokens past an expert's
+        capacity dropped, dispatched and combined by GShard's einsums, the dispatched
+        tokens constrained to the experts' axis ("BSM,BSEC -> EBCM")."""
+        b, s, _ = h.shape
+        count, k = self.experts, self.top_k
+        top, chosen = jax.lax.top_k(h @ p["gate"], k)
+        weights = jax.nn.softmax(top.astype(jnp.float32), axis=-1).astype(h.dtype)
+        mask = jax.nn.one_hot(chosen, count, dtype=jnp.int32)  # b s k e
+        filled = jnp.cumsum(mask.reshape(b, s * k, count), axis=1).reshape(mask.shape)
+        capacity = int(max(math.ceil(s * k / count) * self.capacity_factor, self.capacity_factor))
+        slot = jnp.where((mask > 0) & (filled <= capacity), filled - 1, -1)
+        combine = jnp.einsum(
+            "bsk,bskec->bsec", weights, jax.nn.one_hot(slot, capacity, dtype=h.dtype)
+        )
+        combine = constrain(combine, "batch", "length", None, None)
+        dispatch = (combine > 0).astype(h.dtype)
+        tokens = jnp.einsum("bsm,bsec->ebcm", h, dispatch)
+        tokens = constrain(tokens, "activation_exp", "batch_no_exp", None, "activation_embed")
+        gate = jnp.einsum("ebcm,emh->ebch", tokens, p["wi_0"])
+        hidden = jax.nn.silu(gate) * jnp.einsum("ebcm,emh->ebch", tokens, p["wi_1"])
+        hidden = constrain(hidden, "activation_exp", "batch_no_exp", None, "mlp")
+        out = jnp.einsum("ebch,ehm->ebcm", hidden, p["wo"])
+        out = constrain(out, "activation_exp", "batch_no_exp", None, "activation_embed")
+        return jnp.einsum("ebcm,bsec->bsm", out, combine)
+
+    def positions(self) -> Any:
+        """The tokens' positions: `st.balanced_order`'s where the sequence is split."""
+        return st.balanced_order(self.length, self.context) if self.context > 1 else None
 
     def attention(self, h: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
         """Self-attention of the normed input `h`; torchtitan's "op" checkpointing saves
@@ -368,14 +473,32 @@ class Model:
         k = jnp.einsum("ble,ehd->blhd", h, p["key"])
         v = save(jnp.einsum("ble,ehd->blhd", h, p["value"]), "saved")
         if self.style == "llama":
-            q, k = rotary(q), rotary(k)
+            q, k = rotary(q, self.positions()), rotary(k, self.positions())
         q = constrain(q, "batch", "length", "q_heads", "kv")
+        if self.kernel == "cudnn-context":  # each shard's queries against K, V gathered
+            with jax.named_scope("attention"):
+                attended = st.context_attention(
+                    q, k, v, implementation="cudnn", positions=self.positions()
+                )
+            return jnp.einsum("blhd,hde->ble", save(attended, "saved"), p["out"])
         if self.kernel == "cudnn":  # grouped queries as cuDNN takes them: (b, l, heads, d)
             with jax.named_scope("attention"):
                 attended = jax.nn.dot_product_attention(
                     q, k, v, is_causal=True, implementation="cudnn"
                 )
             return jnp.einsum("blhd,hde->ble", save(attended, "saved"), p["out"])
+        if self.kernel == "splash-mesh":  # MaxText's offloaded projections, named
+            q, k, v = (
+                checkpoint_name(a, n) for a, n in zip((q, k, v), OFFLOADED[1:4], strict=True)
+            )
+            heads_first = lambda a: jnp.swapaxes(a, 1, 2)  # noqa: E731
+            groups = self.heads // self.kv_heads
+            k, v = (jnp.repeat(a, groups, axis=2) for a in (k, v))
+            scaled = q / math.sqrt(self.head_dim)
+            with jax.named_scope("attention"):
+                attended = sharded_splash(*map(heads_first, (scaled, k, v)), self.splash_block)
+            out = jnp.einsum("bhld,hde->ble", attended, p["out"])
+            return checkpoint_name(out, OFFLOADED[4])
         if self.kernel in ("xla", "splash", "pallas"):
             with jax.named_scope("attention"):
                 attended = save(self.whole_attention(q, k, v), "saved")
@@ -410,6 +533,9 @@ class Model:
             x = x + self.attention(rms_norm(x, p["attention_norm"]), p)
             x = constrain(x, "batch", "length", "activation_embed")
             h = rms_norm(x, p["mlp_norm"])
+            if self.experts:
+                x = x + self.mixture(h, p)
+                return constrain(x, "batch", "length", "activation_embed"), None
             gate = save(h @ p["wi_0"], "saved")  # w1: the 5th matmul, saved
             gated = jax.nn.silu(gate) * (h @ p["wi_1"])  # w3: the 6th, recomputed
             gated = constrain(gated, "batch", "length", "mlp")
@@ -426,6 +552,15 @@ class Model:
         x = constrain(x, "batch", "length", "activation_embed")
         if self.remat == "op":
             body = jax.checkpoint(self.layer, policy=_op_policy, prevent_cse=False)
+        elif self.remat == "offload":  # MaxText's "custom": these to the host, the rest again
+            policy = jax.checkpoint_policies.save_and_offload_only_these_names(
+                names_which_can_be_saved=[],
+                names_which_can_be_offloaded=list(OFFLOADED),
+                offload_src="device",
+                offload_dst="pinned_host",
+            )
+            named = lambda x, p: self.layer(checkpoint_name(x, OFFLOADED[0]), p)  # noqa: E731
+            body = jax.checkpoint(named, policy=policy, prevent_cse=False)
         elif self.remat == "minimal":  # MaxText's of 2023: the weights' matmuls kept
             policy = jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims
             body = jax.checkpoint(self.layer, policy=policy, prevent_cse=False)
@@ -483,7 +618,9 @@ class Run:
     others: tuple[tuple[str, float], ...] = ()
     env: tuple[tuple[str, str], ...] = ()
     tensor: int = 1  # tensor parallelism: the mesh is fsdp x tensor
-    rules: tuple[tuple[str, str | None], ...] = ()
+    rules: tuple[tuple[str, Any], ...] = ()
+    #: a second axis in place of tensor's (new in 0.8): ("expert", 4) for fsdp x expert
+    split: tuple[str, int] | None = None
 
     def preflight(self) -> st.StepPlan:
         params = self.model.params()
@@ -492,8 +629,10 @@ class Run:
         tokens = st.LogicallyPartitioned(
             jax.ShapeDtypeStruct((batch, self.model.length + 1), jnp.int32), ("batch", "length")
         )
-        sizes = (self.chips // self.tensor, self.tensor)
-        mesh = AbstractMesh(sizes, ("fsdp", "tensor"), axis_types=(AxisType.Auto,) * 2)
+        name, size = self.split or ("tensor", self.tensor)
+        mesh = AbstractMesh(
+            (self.chips // size, size), ("fsdp", name), axis_types=(AxisType.Auto,) * 2
+        )
         for key, value in self.env:
             os.environ[key] = value
         return st.preflight(
@@ -538,6 +677,33 @@ TP_RULES = (
 )
 
 
+#: torchtitan's FSDP x CP (benchmarks/llama3_h100_202412_torchtitan.md, Table 2): the
+#: sequence split over "context", the params sharded over every rank (FSDP over the
+#: data and context ranks together), one sequence per data rank.
+CP_RULES = (
+    ("batch", "fsdp"),
+    ("length", "context"),
+    ("embed", ("fsdp", "context")),
+    *[(n, None) for n in ("vocab", "mlp", "q_heads", "kv_heads", "kv", "norm", "layers")],
+    ("activation_embed", None),
+)
+
+#: MaxText's rules for an expert layer (base.yml at tpu-recipes-v0.1.2) on fsdp x
+#: expert: the batch over both (the expert axis is FSDP's outside the expert layers), the
+#: experts' weights on "expert" and their width on fsdp alone, the dispatched tokens on
+#: "expert" and their sequences on fsdp alone (activation_exp, activation_batch_no_exp).
+MOE_RULES = (
+    ("batch", ("fsdp", "expert")),
+    ("embed", ("fsdp", "expert")),
+    ("exp", "expert"),
+    ("embed_no_exp", "fsdp"),
+    ("activation_exp", "expert"),
+    ("batch_no_exp", "fsdp"),
+    *[(n, None) for n in ("vocab", "mlp", "q_heads", "kv_heads", "kv", "length", "norm")],
+    *[(n, None) for n in ("layers", "activation_embed")],
+)
+
+
 def tokens_per_second(run: Run, seconds: float) -> float:
     """Tokens per second per GPU: the batch's tokens over the step, over the GPUs."""
     return run.per_device_batch * run.model.length / seconds
@@ -578,6 +744,32 @@ MAXTEXT_16B = dataclasses.replace(
 MAXTEXT_128B = Model(
     32768, 10240, 64, 64, 64, 256, 65536, 2048, 512, "maxtext-2023", "minimal", "pallas"
 )
+#: Mixtral 8x22B (MaxText's configs/models/mixtral-8x22b.yml): width 6,144, 48 heads and
+#: 8 kv heads of 128, experts' MLP 16,384 (SwiGLU), 56 layers, vocabulary 32,768, 8
+#: experts, top-2; as mixtral_8x22b_dropped runs it (benchmarks/
+#: maxtext_trillium_model_configs.py): capacity factor 1.25, bf16 weights, splash
+#: attention in query blocks of 2,048, the "custom" remat offloading the layer's input
+#: and the attention's projections, sequence 4,096.
+MIXTRAL_8X22B = Model(
+    32768,
+    6144,
+    56,
+    48,
+    8,
+    128,
+    16384,
+    4096,
+    512,
+    "llama",
+    "offload",
+    "splash-mesh",
+    experts=8,
+    weights=BF16,
+    splash_block=2048,
+)
+#: The recipe's LIBTPU_INIT_ARGS (benchmarks/xla_flags_library.py): MoE's VMEM limit,
+#: the collectives fused into compute, the data-parallel overlap.
+MIXTRAL_LIBTPU_ARGS = "--xla_tpu_scoped_vmem_limit_kib=81920 " + MAXTEXT_LIBTPU_ARGS
 TINY_LLAMA = Model(512, 256, 2, 8, 8, 32, 512, 256, 64, "llama", "op")
 TINY_MAXTEXT = Model(512, 256, 2, 4, 4, 128, 1024, 256, 64, "maxtext-2023", "full", "pallas")
 
@@ -632,6 +824,47 @@ def runs(quick: bool) -> list[Run]:
             env=(("LIBTPU_INIT_ARGS", MAXTEXT_LIBTPU_ARGS),),
         ),
     ]
+    for fsdp, length, published in ((4, 65536, 2540.0), (2, 131072, 1071.0), (1, 262144, 548.0)):
+        context = 8 // fsdp
+        model = TINY_LLAMA if quick else LLAMA_8B
+        found.append(
+            Run(
+                f"torchtitan Llama 3.1 8B, 8 x H100, FSDP {fsdp} x CP {context}",
+                dataclasses.replace(
+                    model,
+                    length=1024 if quick else length,
+                    kernel="cudnn-context",
+                    remat="full",
+                    context=context,
+                ),
+                TORCHTITAN_H100,
+                8,
+                fsdp / 8,  # one sequence per data rank
+                published,
+                "tokens/s/GPU",
+                tokens_per_second,
+                rules=CP_RULES,
+                split=("context", context),
+            )
+        )
+    tiny_moe = dataclasses.replace(
+        TINY_LLAMA, remat="offload", kernel="splash-mesh", experts=4, weights=BF16
+    )
+    found.append(
+        Run(
+            "MaxText Mixtral 8x22B, v6e-256, FSDP 64 x EP 4",
+            tiny_moe if quick else MIXTRAL_8X22B,
+            "tpu-v6e",
+            8 if quick else 256,
+            8,
+            1326.3,
+            "tokens/s/chip",
+            tokens_per_second,
+            env=(("LIBTPU_INIT_ARGS", MIXTRAL_LIBTPU_ARGS),),
+            rules=MOE_RULES,
+            split=("expert", 2 if quick else 4),
+        )
+    )
     if quick:
         found = [dataclasses.replace(run, name=f"{run.name.split(',')[0]}, tiny") for run in found]
     return found
@@ -640,7 +873,7 @@ def runs(quick: bool) -> list[Run]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny models: checks that it runs")
-    parser.add_argument("--only", nargs="+", choices=["torchtitan", "maxtext"])
+    parser.add_argument("--only", nargs="+", choices=["torchtitan", "maxtext", "mixtral", "cp"])
     args = parser.parse_args()
     print(
         f"jax {jax.__version__}; predicted with spmdtree {st.__version__}; "

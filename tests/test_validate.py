@@ -96,3 +96,32 @@ def test_maxtexts_flash_kernels_run_as_their_recipes_ran_them():
     for kernel in ("flash_attention", "flash_mha_bwd_dkv"):  # the matmuls' 3 of 4, and
         assert causal[kernel] == pytest.approx(0.75 * whole[kernel], rel=0.01)  # the rest
     assert causal["flash_mha_bwd_dq"] == whole["flash_mha_bwd_dq"]
+
+
+def test_the_mixtral_steps_experts_are_their_top_k_mixture():
+    # MaxText's dropping path (new in 0.8): with room for every token, each token's
+    # output is its top-2 experts' SwiGLU outputs weighted by the top-2's softmax
+    model = dataclasses.replace(validate.TINY_LLAMA, experts=4, capacity_factor=2.0)
+    keys = jax.random.split(jax.random.key(0), 5)
+    e, m, n = 16, 32, model.experts
+    p = {
+        "gate": jax.random.normal(keys[0], (e, n)),
+        "wi_0": jax.random.normal(keys[1], (n, e, m)) / 4,
+        "wi_1": jax.random.normal(keys[2], (n, e, m)) / 4,
+        "wo": jax.random.normal(keys[3], (n, m, e)) / 4,
+    }
+    h = jax.random.normal(keys[4], (2, 8, e))
+    top, chosen = jax.lax.top_k(h @ p["gate"], 2)
+    weights = jax.nn.softmax(top, axis=-1)
+    experts = [
+        (jax.nn.silu(h @ p["wi_0"][i]) * (h @ p["wi_1"][i])) @ p["wo"][i] for i in range(n)
+    ]
+    want = sum(
+        jnp.where(chosen[..., j, None] == i, weights[..., j, None] * experts[i], 0.0)
+        for i in range(n)
+        for j in range(2)
+    )
+    np.testing.assert_allclose(model.mixture(h, p), want, rtol=1e-5, atol=1e-5)
+    # with no room, every token is dropped and the mixture adds nothing
+    none = dataclasses.replace(model, capacity_factor=0.01)
+    np.testing.assert_array_equal(none.mixture(h, p), jnp.zeros_like(h))
