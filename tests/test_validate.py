@@ -113,9 +113,7 @@ def test_the_mixtral_steps_experts_are_their_top_k_mixture():
     h = jax.random.normal(keys[4], (2, 8, e))
     top, chosen = jax.lax.top_k(h @ p["gate"], 2)
     weights = jax.nn.softmax(top, axis=-1)
-    experts = [
-        (jax.nn.silu(h @ p["wi_0"][i]) * (h @ p["wi_1"][i])) @ p["wo"][i] for i in range(n)
-    ]
+    experts = [(jax.nn.silu(h @ p["wi_0"][i]) * (h @ p["wi_1"][i])) @ p["wo"][i] for i in range(n)]
     want = sum(
         jnp.where(chosen[..., j, None] == i, weights[..., j, None] * experts[i], 0.0)
         for i in range(n)
