@@ -225,13 +225,13 @@ def test_the_flag_is_said_of_gathers_that_move_a_layers_expert_weight_and_no_few
     gathered = st.Collective("all-gather", 1, whole, axes=("expert",), group=4)
     scattered = st.Collective("reduce-scatter", 1, whole // 4, axes=("expert",), group=4)
     said = experts_gathered([gathered, gathered, scattered], inputs)
-    assert said is not None and "2 all-gathers of 2.0 MiB or more each" in said
+    assert said is not None and "2 all-gathers of 2.0 MiB each" in said
     assert "and 1 reduce-scatter," in said and "params/wi" in said
     assert "'batch' is also mapped onto 'expert'" in said
-    # gathers of less than one layer's expert weight (activations, the routing's
+    # gathers of another size than an expert weight's (activations, the routing's
     # indices), however many, are not
-    small = gathered._replace(bytes=whole // 2)
-    assert experts_gathered([small] * 8, inputs) is None
+    for other in (whole // 2, whole * 2):
+        assert experts_gathered([gathered._replace(bytes=other)] * 8, inputs) is None
     # nor gathers over another axis
     assert experts_gathered([gathered._replace(axes=("data",))], inputs) is None
     # nor where the experts are not split (the expert axis of size 1)
@@ -295,3 +295,36 @@ def test_the_moe_examples_step_moves_tokens_by_all_to_all_and_is_not_flagged():
     assert all(c.bytes / c.count < whole for c in gathered), gathered
     grouped = [k for k in plan.schedule.kernels() if k.grouped]
     assert grouped  # the experts' matmuls, at their groups' FLOPs
+
+
+def test_advise_ranks_examples_moe_over_expert_and_data_axes():
+    # the search over an expert layer's layouts: expert axes the experts divide, each
+    # row compiled, its all-to-alls over expert where the experts are split
+    moe = moe_example()
+    # (no activation of the sizes of an expert weight: those would be taken for one)
+    cfg = moe.Config(experts=4, width=32, mlp=96, batch=16, length=16, layers=1)
+    params = jax.eval_shape(functools.partial(moe.init, cfg=cfg), jax.random.key(0))
+
+    def make_step(candidate):
+        tokens = st.LogicallyPartitioned(
+            jax.ShapeDtypeStruct((candidate.batch, cfg.length + 1), jnp.int32),
+            ("batch", "length"),
+        )
+
+        def step(params, tokens):
+            loss = functools.partial(moe.loss_fn, cfg=cfg, sharded_experts=True)
+            return jax.grad(loss)(params, st.unbox(tokens))
+
+        return step, (params, tokens), {}
+
+    meshes = st.layouts(8, ("expert", "data"), axis_types=AxisType.Explicit)
+    found = st.candidates(meshes, moe.make_rules(), 16, experts=cfg.experts)
+    assert sorted(dict(c.mesh.shape)["expert"] for c in found) == [1, 2, 4]  # not 8
+    advice = st.advise(make_step, found, hardware=st.hardware("h100"), progress=False)
+    assert len(advice.rows) == 3 and all(row.verdict == "fits" for row in advice.rows)
+    for row in advice.rows:
+        split = dict(row.candidate.mesh.shape)["expert"]
+        moved = {c.kind for c in row.step.collectives if "expert" in c.axes}
+        assert ("all-to-all" in moved) == (split > 1), (split, moved)
+        said = [f for f in row.flags if "all-gathers the expert weights" in f]
+        assert not said, (split, said, row.step.collectives)

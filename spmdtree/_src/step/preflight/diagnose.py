@@ -429,12 +429,13 @@ def _expert_rows(inputs: Plan) -> dict[str, list[PlanRow]]:
     return found
 
 
-def _one_layer(row: PlanRow, size: int) -> int:
-    """One layer's expert weight gathered whole over an axis of `size`: the row's
-    shard times `size`, over its leading stacked dimension where the experts are
-    not it."""
+def _whole(row: PlanRow, size: int) -> set[int]:
+    """The sizes an expert weight gathered whole over an axis of `size` has: all its
+    layers at once, or one layer of its leading stacked dimension (where the experts
+    are not it)."""
+    every = row.device_bytes * size
     layers = row.shape[0] if row.names and row.names[0] != EXPERT and row.shape else 1
-    return row.device_bytes * size // max(layers, 1)
+    return {every, every // max(layers, 1)}
 
 
 def experts_gathered(
@@ -449,17 +450,19 @@ def experts_gathered(
     experts. The usual cause is the batch also mapped onto that axis (MaxText's
     Mixtral regression, maxtext PR 4179); a grouped matmul (`jax.lax.ragged_dot`)
     the compiler partitions alone gathers its weights however the batch is mapped.
-    Said where an all-gather over the axis moves at least one layer's expert weight
-    whole. `ops`: each collective once, at one run's size (`Schedule.collectives`);
+    Said where an all-gather over the axis has the size of an expert weight gathered
+    whole (one layer's, or all layers'): the collectives name no arrays, so an
+    activation of just that size would be taken for one. `ops`: each collective
+    once, at one run's size (`Schedule.collectives`);
     `path` writes a row's path as the caller knows it (a step's: ``args[0]/wi``).
     """
     sizes = dict(inputs.mesh.shape) if inputs.mesh is not None else {}
     for axis, rows in _expert_rows(inputs).items():
-        layer = min(_one_layer(row, sizes[axis]) for row in rows)
-        gathers = [c for c in _over(ops, "all-gather", axis) if c.bytes >= layer]
+        whole = set().union(*(_whole(row, sizes[axis]) for row in rows))
+        gathers = [c for c in _over(ops, "all-gather", axis) if c.bytes in whole]
         if gathers:
             scatters = [
-                c for c in _over(ops, "reduce-scatter", axis) if c.bytes * sizes[axis] >= layer
+                c for c in _over(ops, "reduce-scatter", axis) if c.bytes * sizes[axis] in whole
             ]
             return _gathered_sentence(axis, gathers, scatters, [path(r.path) for r in rows], inputs)
     return None
@@ -482,7 +485,7 @@ def _gathered_sentence(
     said = (
         f"the compiler all-gathers the expert weights over {axis!r} instead of moving the "
         f"tokens to them by all-to-all: {count} all-gather{'' if count == 1 else 's'} of "
-        f"{size_text(max(c.bytes for c in gathers))} or more each"
+        f"{_sizes(gathers)}"
     )
     if scatters:
         said += f" and {sum(c.count for c in scatters)} reduce-scatter" + (
@@ -502,6 +505,12 @@ def _gathered_sentence(
         "gathers its weights: dispatch the tokens to their experts by all-to-all under "
         f"shard_map over {axis!r} (examples/moe.py)"
     )
+
+
+def _sizes(ops: Sequence[Collective]) -> str:
+    """``4.0 MiB each``, or ``2.0 MiB to 4.0 MiB`` where they differ."""
+    low, high = min(c.bytes for c in ops), max(c.bytes for c in ops)
+    return f"{size_text(low)} each" if low == high else f"{size_text(low)} to {size_text(high)}"
 
 
 def _also_on(inputs: Plan, axis: str) -> list[str]:
