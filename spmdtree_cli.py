@@ -48,13 +48,29 @@ def _quiet_stderr() -> Iterator[None]:
             os.close(saved)
 
 
-def main() -> int:
-    """Runs ``spmdtree`` with `sys.argv`."""
-    argv = sys.argv[1:]
+@contextlib.contextmanager
+def started_quietly(argv: list[str]) -> Iterator[None]:
+    """jax started for the command `argv` (its arguments, the subcommand first): where
+    it compiles, with the plugins' start-up log kept out, and on its CPU backend alone
+    where it names no GPU; else as it is. The ``spmdtree`` script starts so, and
+    ``python -m spmdtree`` too (new in 0.8: the package's import, which starts jax
+    before the module runs, asks for it).
+
+    Example:
+        >>> with started_quietly(["--help"]):  # not a compiling command: as it is
+        ...     pass
+    """
     quiet = bool(argv) and argv[0] in COMPILING
     if quiet and _cpu_only(argv):
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
     with _quiet_stderr() if quiet else contextlib.nullcontext():
+        yield
+
+
+def main() -> int:
+    """Runs ``spmdtree`` with `sys.argv`."""
+    argv = sys.argv[1:]
+    with started_quietly(argv):
         from spmdtree._src import cli
     return cli.main(argv)
 

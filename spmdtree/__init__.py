@@ -24,6 +24,17 @@ Example:
     P('data', None)
 """
 
+import sys as _sys
+
+if _sys.argv[:1] == ["-m"]:
+    # ``python -m spmdtree advise ...`` imports the package before its __main__ runs
+    # (Python says "-m" in sys.argv[0] while it locates that module): jax starts as
+    # the spmdtree script starts it (new in 0.8: the CUDA plugin's log came first)
+    from spmdtree_cli import started_quietly as _started_quietly
+
+    with _started_quietly(_sys.argv[1:]):
+        import jax as _jax  # noqa: F401  (jax's plugins start here)
+
 from spmdtree._src.boxes import PARTITION_NAME as PARTITION_NAME
 from spmdtree._src.boxes import AxisMetadata as AxisMetadata
 from spmdtree._src.boxes import LogicallyPartitioned as LogicallyPartitioned

@@ -330,16 +330,19 @@ def test_the_chips_mistakes_are_one_line_too(tmp_path, args, says):
 
 
 @pytest.mark.skipif(not cuda_installed(), reason="needs the CUDA plugin (spmdtree[cuda])")
-def test_the_command_keeps_the_plugins_start_up_log_out(tmp_path):
+@pytest.mark.parametrize("form", ["script", "module"])
+def test_the_command_keeps_the_plugins_start_up_log_out(tmp_path, form):
     """With the CUDA plugin installed and no GPU, importing jax logs six lines; the
     spmdtree command's advise and preflight start jax's CPU backend alone and keep
-    them out: a mistake is one line, unfiltered."""
+    them out: a mistake is one line, unfiltered. ``python -m spmdtree`` too (new in
+    0.8: the package's import started jax first, and the six lines came out)."""
     script = pathlib.Path(sys.executable).parent / "spmdtree"
+    command = [str(script)] if form == "script" else [sys.executable, "-m", "spmdtree"]
     env = {
         k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "TF_CPP_MIN_LOG_LEVEL")
     }
     done = subprocess.run(
-        [script, "preflight", "nosuch:make_step", "--mesh", "data=2", "--batch", "8"],
+        [*command, "preflight", "nosuch:make_step", "--mesh", "data=2", "--batch", "8"],
         capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env,
     )  # fmt: skip
     assert done.returncode == 2
