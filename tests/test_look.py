@@ -14,7 +14,7 @@ from test_targets import needs, targeted
 import spmdtree as st
 
 # Private: the pictures' own functions, drawn from plain figures
-from spmdtree._src import pictures
+from spmdtree._src.step.pictures import draw as pictures
 
 H100 = st.hardware("h100")
 LAYERS = 8

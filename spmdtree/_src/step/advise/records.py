@@ -18,11 +18,11 @@ import numpy as np
 from jax.sharding import Mesh
 
 from spmdtree._src.errors import Mistake, public
-from spmdtree._src.pictures import Point, advice_picture, saved
 from spmdtree._src.rules import AnyMesh, Rules
 from spmdtree._src.step.compile import TOOLCHAINS, Toolchain, target_for
 from spmdtree._src.step.hw import Hardware
 from spmdtree._src.step.kinds import Backend, Verdict
+from spmdtree._src.step.pictures import Point, advice_picture, saved
 from spmdtree._src.step.preflight import StepPlan
 from spmdtree._src.step.time import Measurement, StepTime, ranked_seconds, time_json
 from spmdtree._src.text import JSON_VERSION, flags_summary, mesh_json, seconds_text, size_text

@@ -16,7 +16,6 @@ from typing import Any
 import numpy as np
 
 from spmdtree._src.errors import Mistake, public
-from spmdtree._src.pictures import saved, time_picture
 from spmdtree._src.plan import Plan
 from spmdtree._src.rules import AnyMesh
 from spmdtree._src.specs import RuleProblem
@@ -24,6 +23,7 @@ from spmdtree._src.step.compile import TOOLCHAINS, Memory
 from spmdtree._src.step.hlo import Collective, Schedule
 from spmdtree._src.step.hw import Hardware, timed_on
 from spmdtree._src.step.kinds import Backend
+from spmdtree._src.step.pictures import saved, time_picture
 from spmdtree._src.step.preflight.diagnose import (
     Closest,
     Traffic,
