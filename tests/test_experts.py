@@ -57,9 +57,40 @@ def test_a_grouped_matmul_counts_the_flops_of_its_groups_never_dense_over_every_
     extra = {"target": target} if target else {}
     step = st.preflight(grouped_step, *grouped_args(), mesh=mesh, **extra)
     one_pass = 2 * TOKENS * WIDTH * HIDDEN  # every token through its one expert
-    assert step.flops == 2 * one_pass  # the forward and the weights' gradient
     grouped = [k for k in step.schedule.kernels() if k.grouped]
-    assert grouped and sum(k.flops for k in grouped) == 2 * one_pass
+    if target:  # libtpu's own ragged-dot kernel forward, the weights' gradient grouped
+        assert step.flops == 2 * one_pass
+        assert sum(k.flops for k in grouped) == 2 * one_pass
+    else:  # XLA CPU runs the forward dense over every group (one operand masked)
+        assert step.flops == EXPERTS * one_pass + one_pass
+        assert sum(k.flops for k in grouped) == one_pass
+
+
+def test_ordinary_masked_matmuls_are_no_grouped_ones():
+    # a causal sum by a lower-triangular matmul (a masked scalar broadcast), and a
+    # masked broadcast on one side alone: each counted dense, as it runs
+    mesh = AbstractMesh((1,), ("data",), axis_types=(AUTO,))
+    s, b, d = 128, 4, 64
+
+    def tril(x):
+        return jnp.sum(jnp.einsum("st,btd->bsd", jnp.tril(jnp.ones((s, s))), x) ** 2)
+
+    def padded(mask, w):
+        rows = jnp.arange(s * d, dtype=jnp.float32).reshape(s, d)
+        x = jnp.where(mask[..., None], jnp.broadcast_to(rows[None], (b, s, d)), 0.0)
+        return jnp.sum(x @ w)
+
+    causal = st.preflight(jax.grad(tril), jax.ShapeDtypeStruct((b, s, d), "float32"), mesh=mesh)
+    assert causal.flops == 2 * 2 * b * s * s * d  # the forward and its transpose
+    one_side = st.preflight(
+        jax.grad(padded, 1),
+        jax.ShapeDtypeStruct((b, s), "bool"),
+        jax.ShapeDtypeStruct((d, d), "float32"),
+        mesh=mesh,
+    )
+    assert one_side.flops == 2 * b * s * d * d
+    for step in (causal, one_side):
+        assert not any(k.grouped for k in step.schedule.kernels())
 
 
 def test_a_dense_batched_matmul_is_no_grouped_one():
@@ -91,17 +122,41 @@ def test_a_gather_and_a_scatter_are_timed_by_what_they_move(target):
     def dispatch_and_combine(x, order):
         return jnp.zeros_like(x).at[order].add(x[order] * 2)
 
-    x = jax.ShapeDtypeStruct((rows, width), jnp.bfloat16)
+    x = jax.ShapeDtypeStruct((rows, width), jnp.float32)
     order = jax.ShapeDtypeStruct((rows,), jnp.int32)
     step = st.preflight(dispatch_and_combine, x, order, mesh=mesh, **extra)
     indexed = [k for k in step.schedule.kernels() if k.indexed]
-    block = rows * width * 2
-    # the gather reads and writes its rows, the scatter reads its updates and rows and
-    # writes them: each kernel at least what its part moves
-    assert indexed and sum(k.bytes for k in indexed) >= 2 * block + 3 * block
+    block = rows * width * 4
+    # the gather reads and writes its rows, the scatter-add reads its updates and the
+    # rows they land on and writes them
+    assert sum(k.indexed for k in indexed) == 2 * block + 3 * block
+    assert all(k.bytes >= k.indexed for k in indexed)
+    # what they move by index at the indexed share, the rest at the memory share
     costs = Costs(1.0, 1.0, 1.0, 1, (1, 1), 0.0, 0.0, indexed_efficiency=0.1)
-    (one, *_) = indexed
-    assert kernel_seconds(one, costs, 1.0) == pytest.approx(one.bytes / 0.1, rel=0.06)
+    for k in indexed:
+        assert kernel_seconds(k, costs, 1.0) == pytest.approx(
+            (k.bytes - k.indexed) + k.indexed / 0.1
+        )
+
+
+def test_a_scatter_that_sets_moves_its_rows_twice_one_that_adds_three_times():
+    mesh = AbstractMesh((1,), ("data",), axis_types=(AUTO,))
+    rows = jax.ShapeDtypeStruct((1024, 128), jnp.float32)
+    order = jax.ShapeDtypeStruct((1024,), jnp.int32)
+
+    def moved(step):
+        plan = st.preflight(step, rows, rows, order, mesh=mesh)
+        return sum(k.indexed for k in plan.schedule.kernels())
+
+    block = 1024 * 128 * 4
+    assert moved(lambda x, u, i: x.at[i].set(u)) == 2 * block
+    assert moved(lambda x, u, i: x.at[i].add(u)) == 3 * block
+
+
+def test_rows_moved_by_index_on_a_chip_that_leaves_out_their_share_run_at_its_memory_share():
+    v5e = st.hardware("tpu-v5e")
+    assert v5e.indexed_efficiency is None
+    assert v5e.costs().indexed_efficiency == v5e.costs().memory_efficiency
 
 
 def test_a_prediction_with_a_grouped_kernel_says_the_share_it_took_by_default():
@@ -159,9 +214,9 @@ def test_a_ragged_all_to_all_is_read_over_its_axis_at_its_buffers_size():
 RULES = [("expert", "expert"), ("embed", None), ("mlp", None)]
 
 
-def moe_params():
+def moe_params(dtype=jnp.bfloat16):
     box = lambda shape, names: st.LogicallyPartitioned(  # noqa: E731
-        jax.ShapeDtypeStruct(shape, jnp.bfloat16), names
+        jax.ShapeDtypeStruct(shape, dtype), names
     )
     return {
         "router": box((WIDTH, EXPERTS), ("embed", None)),
@@ -234,6 +289,9 @@ def test_the_flag_is_said_of_gathers_that_move_a_layers_expert_weight_and_no_few
         assert experts_gathered([gathered._replace(bytes=other)] * 8, inputs) is None
     # nor gathers over another axis
     assert experts_gathered([gathered._replace(axes=("data",))], inputs) is None
+    # but a weight gathered over its expert axis and another together is one
+    both = gathered._replace(bytes=2 * whole, axes=("data", "expert"), group=8)
+    assert experts_gathered([both], inputs) is not None
     # nor where the experts are not split (the expert axis of size 1)
     alone = st.plan({"params": moe_params()}, AbstractMesh((8, 1), ("data", "expert")), rules=rules)
     assert experts_gathered([gathered], alone) is None

@@ -94,6 +94,21 @@ def test_a_measurement_reads_as_a_table_a_trace_and_json(tmp_path):
     assert data == m.to_dict() | {"ops": data["ops"]}
     assert data["schema"] == "spmdtree.Measurement/1" and data["times"] == list(m.times)
     assert [op["name"] for op in data["ops"]] == [op.name for op in m.ops]
+    # misses summed per instruction, so that those that cancel count (new in 0.8)
+    missed = sum(abs(op.predicted_seconds - op.measured_seconds) for op in m.ops)
+    assert data["op_error"] == m.op_error == pytest.approx(missed / m.seconds)
+    assert f"sums to {m.op_error:.0%} of the step" in text
+
+
+def test_the_op_error_counts_misses_that_cancel_in_the_ratio():
+    ops = (
+        st.OpTime("a", "memory", 1, predicted_seconds=3e-3, measured_seconds=1e-3),
+        st.OpTime("b", "matmul", 1, predicted_seconds=1e-3, measured_seconds=3e-3),
+    )
+    m = st.Measurement(None, None, (4e-3,), 4e-3, ops, 1.0, 4e-3, "cpu:0")
+    assert m.ratio == 1.0 and m.op_error == pytest.approx(1.0)
+    right = st.Measurement(None, None, (4e-3,), 4e-3, ops[:1] * 0, 1.0, 4e-3, "cpu:0")
+    assert right.op_error == 0.0
 
 
 def test_the_share_the_join_could_not_place_is_flagged():

@@ -375,10 +375,6 @@ def test_every_cost_model_figure_is_the_docs_table_and_its_source(name):
 # Private: the chips' one table, which the presets are built from
 from spmdtree._src.step.hw.chips import CHIPS  # noqa: E402
 
-#: The presets whose grouped matmul's and gather's shares were measured (st.calibrate on
-#: the chip).
-MEASURED_GROUPED: frozenset[str] = frozenset()
-
 
 @pytest.mark.parametrize("name", list(PRESET_TABLE))
 def test_every_table_says_what_the_chips_table_says(name):
@@ -394,11 +390,11 @@ def test_every_table_says_what_the_chips_table_says(name):
     assert set(hardware.provenance) == set(figures)
     # every figure given, but a flash kernel's share on a TPU (none is published), an
     # unfused update's on a TPU but the v5e (0.7: measured on a v5e only), and a grouped
-    # matmul's and a gather's but the v5e's (0.8: measured on a v5e only)
+    # matmul's and rows moved by index's on every chip (0.8: none measured yet)
     gpu = isinstance(figures["chip"], st.GpuChip)
     flash = ("flash_forward_efficiency", "flash_backward_efficiency")
     update = () if name == "tpu-v5e" else ("update_efficiency",)
-    grouped = () if name in MEASURED_GROUPED else ("grouped_efficiency", "indexed_efficiency")
+    grouped = ("grouped_efficiency", "indexed_efficiency")
     assert hardware.left_out == (grouped if gpu else flash + update + grouped)
     assert costs.hbm_bytes_per_second == figures["hbm_bytes_per_second"]
     assert costs.matmul_efficiency == figures["matmul_efficiency"]

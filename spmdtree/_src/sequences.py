@@ -198,7 +198,11 @@ def context_attention(
         ValueError: context_attention: q's length is 15, which the context axis 'context' (4 devices) does not divide. Pad the sequence to a multiple of 4 (16).
     """
     if not isinstance(axis, str):
-        raise Mistake(TypeError, f"axis is {axis!r}; expected the context mesh axis's name.")
+        raise Mistake(
+            TypeError,
+            f"axis is {axis!r}; expected the context mesh axis's name, a str. Pass the "
+            "name the mesh gives it (axis='context').",
+        )
     kind = _implementation(implementation)
     _check_arrays(q, k, v, kind)
     shards = _context_shards(axis)
@@ -303,7 +307,11 @@ def _positions(positions: object, length: int) -> jax.Array | np.ndarray | None:
             "token, as q's length dimension (dimension 1) holds them.",
         )
     if not jnp.issubdtype(dtype, jnp.integer):
-        raise Mistake(TypeError, f"positions has dtype {dtype}; expected integers.")
+        raise Mistake(
+            TypeError,
+            f"positions has dtype {dtype}; expected integers, each token's position. Pass "
+            "integer positions, such as st.balanced_order's.",
+        )
     if isinstance(positions, np.ndarray):
         return positions.astype(np.int32)
     return jnp.asarray(positions, jnp.int32)

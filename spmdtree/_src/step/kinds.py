@@ -78,7 +78,13 @@ class CollectiveKind(_Named):
     def exchanges(self) -> bool:
         """Whether each device sends a part of its buffer to every other one (an
         all-to-all, ragged or not; a ragged one timed at its output buffer's size,
-        which bounds what it moves; new in 0.8)."""
+        which bounds what it moves; new in 0.8).
+
+        Example:
+            >>> import spmdtree as st
+            >>> st.CollectiveKind("ragged-all-to-all").exchanges, st.CollectiveKind("all-gather").exchanges
+            (True, False)
+        """
         return self in (CollectiveKind.ALL_TO_ALL, CollectiveKind.RAGGED_ALL_TO_ALL)
 
     @property

@@ -221,7 +221,8 @@ def candidates(
         rules: the rules for every candidate.
         batches: a global batch, or several.
         length: the sequence length (for tokens per second), which each
-            candidate's context axis must divide (new in 0.8).
+            candidate's context axis must divide (new in 0.8); None: not
+            checked.
         layers: the model's layers, which the stages (x repeats) of each
             candidate must divide (new in 0.8); None: not checked.
         experts: the experts of each expert layer, which each candidate's

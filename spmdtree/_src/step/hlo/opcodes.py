@@ -211,31 +211,44 @@ def groups_of(mod: Module, comp: str, name: str) -> int:
 
     jax writes a ragged dot's transposes (`jax.lax.ragged_dot`'s gradients, the expert
     weights' among them) as dense dots over a new group dimension: each operand is
-    ``select(mask, broadcast(rows), 0)``, the rows repeated once per group and each
-    group keeping its own (every backend: libtpu fuses it into a convolution). Each
-    row is in one group, so the dot does 1/groups of its dense FLOPs' work.
+    ``select(mask, broadcast(rows), 0)``, the rows (an array, not a scalar) repeated
+    once along one new dimension, one per group, and each group keeping its own
+    (every backend: libtpu fuses it into a convolution). Each row is in one group,
+    so such a dot does 1/groups of its dense FLOPs' work.
     """
     found = _source(mod, comp, name)
     if found is None or found[1].op != Op.kSelect or len(found[1].operands) != 3:
         return 1
     where, select = found
     kept, zeros = (_source(mod, where, n) for n in select.operands[1:])
-    if kept is None or zeros is None or kept[1].op != Op.kBroadcast:
+    if kept is None or zeros is None or kept[1].op != Op.kBroadcast or not kept[1].operands:
         return 1
-    if zeros[1].op not in (Op.kBroadcast, Op.kConstant) or (
-        zeros[1].op == Op.kBroadcast
-        and (_dims(_operands(mod, zeros[0], zeros[1])[0] if zeros[1].operands else None))
-    ):
+    if not _zero(mod, *zeros):
         return 1
-    rows = _operands(mod, kept[0], kept[1])[0] if kept[1].operands else None
-    whole, part = math.prod(_dims(_result(kept[1]))), math.prod(_dims(rows))
-    return whole // part if rows is not None and part and whole % part == 0 else 1
+    rows = _dims(_operands(mod, kept[0], kept[1])[0])
+    whole = _dims(_result(kept[1]))
+    if not rows or len(whole) != len(rows) + 1 or not math.prod(rows):
+        return 1
+    return math.prod(whole) // math.prod(rows)
+
+
+def _zero(mod: Module, comp: str, ins: Instr) -> bool:
+    """Whether `ins` is a literal zero: a zero constant, or one broadcast."""
+    if ins.op == Op.kBroadcast and ins.operands:
+        scalar = _source(mod, comp, ins.operands[0])
+        return scalar is not None and _zero(mod, *scalar)
+    return ins.op == Op.kConstant and ins.literal.strip() in ("0", "0.0", "-0", "false")
 
 
 def dot_groups(mod: Module, comp: str, ins: Instr) -> int:
-    """The groups of a dot's or convolution's masked operands (`groups_of`): 1 for
-    any other matmul."""
-    return max((groups_of(mod, comp, name) for name in ins.operands[:2]), default=1)
+    """The groups of a grouped matmul (`groups_of`): both its operands masked over
+    the same groups (a ragged dot's transpose to its weights: each row of both in one
+    group); 1 for any other matmul (one operand masked alone is an ordinary masked
+    matmul: a padded or a causal one)."""
+    if len(ins.operands) < 2:
+        return 1
+    lhs, rhs = (groups_of(mod, comp, name) for name in ins.operands[:2])
+    return lhs if lhs == rhs else 1
 
 
 def dot_flops(mod: Module, comp: str, ins: Instr) -> int:

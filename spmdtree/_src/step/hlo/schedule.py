@@ -163,10 +163,11 @@ class Kernel(NamedTuple):
     held (new in 0.7); `grouped`, True for a grouped matmul (`jax.lax.ragged_dot`
     and its transposes: an expert layer's), its FLOPs those of the groups it
     multiplies (`opcodes.groups_of`), timed at `Hardware.grouped_efficiency` of the
-    peak (new in 0.8); `indexed`, True for a kernel that gathers or scatters rows by
-    index (an expert layer's dispatch and combine): its bytes at least what those move
-    (`moved_by_index`), wherever the compiler keeps them, at
-    `Hardware.indexed_efficiency` of the bandwidth (new in 0.8)."""
+    peak (new in 0.8); `indexed`, the bytes a kernel's gathers and scatters of rows by
+    index move (an expert layer's dispatch and combine; `moved_by_index`), wherever
+    the compiler keeps them, counted among its bytes and moved at
+    `Hardware.indexed_efficiency` of the bandwidth, the rest at the memory share
+    (new in 0.8)."""
 
     kind: KernelClass
     flops: int
@@ -185,7 +186,7 @@ class Kernel(NamedTuple):
     op_name: str = ""
     unfused_update: bool = False
     grouped: bool = False
-    indexed: bool = False
+    indexed: int = 0
 
     @property
     def unestimable(self) -> bool:
@@ -850,7 +851,7 @@ class _Walker:
             ins.op_name,
             self._unfused_update(comp, ins) is not None,
             grouped and bool(flops),
-            bool(moved),
+            moved,
         )
 
     def _doubt(self, ins: Instr, inside: list[tuple[str, Instr]], cycles: int) -> None:
@@ -985,18 +986,28 @@ BOOKKEEPING = frozenset({"ragged-dot-metadata"})
 def moved_by_index(mod: Module, inside: list[tuple[str, Instr]]) -> int:
     """The bytes a kernel's gathers and scatters move (new in 0.8): a gather reads the
     rows it picks and writes them (twice its result), a scatter reads each update and
-    the row it lands on and writes that row (three times its updates), wherever the
-    compiler keeps them (a TPU's on-chip memory too: picking rows by index, not the
-    bandwidth, bounds them; 0.7 priced a TPU's expert dispatch and combine at 0, which
-    took 1.2 to 3.4 ms each on a v5e). 0 for a kernel that does neither."""
+    writes the row it lands on, reading that row first where it combines (an add:
+    three times its updates; a set: twice), wherever the compiler keeps them (a
+    TPU's on-chip memory too: 0.7 priced a TPU's expert dispatch and combine at 0 when
+    their rows sat there). 0 for a kernel that does neither."""
     moved = 0
     for where, each in inside:
         if each.op == Op.kGather:
             moved += 2 * each.tiled_bytes
         elif each.op == Op.kScatter and len(each.operands) >= 3:
-            updates = mod.by_name[where].get(each.operands[-1])
-            moved += 3 * (updates.tiled_bytes if updates is not None else 0)
+            arrays = (len(each.operands) - 1) // 2  # inputs, indices, then the updates
+            given = [mod.by_name[where].get(u) for u in each.operands[arrays + 1 :]]
+            updates = sum(u.tiled_bytes for u in given if u is not None)
+            moved += (3 if _combines(mod, each) else 2) * updates
     return moved
+
+
+def _combines(mod: Module, scatter: Instr) -> bool:
+    """Whether a scatter combines each update with the row it lands on (its
+    computation reads both: an add), rather than setting it (returns the update)."""
+    combiner = dict(scatter.callees).get("to_apply", "")
+    root = mod.root(combiner)
+    return root is None or root.op != Op.kParameter
 
 
 def _dots(ins: Instr, inside: list[tuple[str, Instr]]) -> list[tuple[str, Instr]]:
@@ -1229,7 +1240,7 @@ def read_schedule(
         >>> schedule.events[0].row
         Collective(kind='all-gather', count=1, bytes=2097152, axes=('data',), group=8, written_as='')
         >>> schedule.events[1]
-        Kernel(kind='matmul', flops=2147483648, bytes=6291456, batch=1, m=1024, n=1024, k=1024, dtype='bf16', opaque='', call='', name='d', estimated_cycles=0, opcode='dot', shape='bf16[1024,1024]{1,0}', op_name='', unfused_update=False, grouped=False, indexed=False)
+        Kernel(kind='matmul', flops=2147483648, bytes=6291456, batch=1, m=1024, n=1024, k=1024, dtype='bf16', opaque='', call='', name='d', estimated_cycles=0, opcode='dot', shape='bf16[1024,1024]{1,0}', op_name='', unfused_update=False, grouped=False, indexed=0)
         >>> Schedule.from_dict(schedule.to_dict()) == schedule
         True
     """

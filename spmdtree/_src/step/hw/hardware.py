@@ -136,7 +136,7 @@ class Costs:
     flash_backward_efficiency: float = 0.5
     update_efficiency: float = 0.23
     grouped_efficiency: float = 0.5
-    indexed_efficiency: float = 0.23
+    indexed_efficiency: float = 0.9
 
     def speed(self, dtype: str) -> float:
         """A matmul's peak over the bf16 one for operands of `dtype`."""
@@ -159,7 +159,8 @@ class Costs:
 #: TPU), unfused updates at a run-time offset into a tiled dimension at 0.23 of the
 #: bandwidth (st.calibrate's update benchmark on a TPU v5e, 2026-12-06: the only chip
 #: measured; new in 0.7), grouped matmuls at half the peak, as an unmeasured flash
-#: kernel, and gathers and scatters at an unfused update's share (new in 0.8), no launch overhead and no latency per collective beyond the
+#: kernel, and rows gathered and scattered by index at the memory kernels' share (the
+#: hardware's own where it gives one; new in 0.8), no launch overhead and no latency per collective beyond the
 #: links' own.
 DEFAULTS: Mapping[str, float] = {
     "flops_per_byte": 300.0,
@@ -173,7 +174,7 @@ DEFAULTS: Mapping[str, float] = {
     "flash_backward_efficiency": 0.5,
     "update_efficiency": 0.23,
     "grouped_efficiency": 0.5,
-    "indexed_efficiency": 0.23,
+    "indexed_efficiency": 0.9,
     "launch_seconds": 0.0,
     "collective_latency_seconds": 0.0,
 }
@@ -245,8 +246,8 @@ class Hardware:
             new in 0.8; 0.5, as an unmeasured flash kernel's).
         indexed_efficiency: the share of the bandwidth a kernel that gathers or
             scatters rows by index sustains over what it moves (an expert layer's
-            dispatch and combine; `st.calibrate` measures it; new in 0.8; 0.23, as
-            an unfused update's).
+            dispatch and combine; `st.calibrate` measures it; new in 0.8; left out,
+            the memory kernels' share, `memory_efficiency`).
         launch_seconds: the overhead each kernel adds (XLA GPU's 1 us; 0).
         collective_latency_seconds: what each collective adds beyond the links'
             per-hop latency (XLA GPU's 5 us; 0).
@@ -375,11 +376,13 @@ class Hardware:
 
     def costs(self) -> Costs:
         """The per-kernel model's figures (`Costs`), each left-out one at its
-        default."""
+        default (rows moved by index, left out, at the memory kernels' share)."""
         figure = {
             what: DEFAULTS[what] if getattr(self, what) is None else getattr(self, what)
             for what in MODEL_FIELDS[1:]
         }
+        if self.indexed_efficiency is None:
+            figure["indexed_efficiency"] = figure["memory_efficiency"]
         hbm = self.hbm_bytes_per_second or self.flops_per_second / DEFAULTS["flops_per_byte"]
         tile = int(figure.pop("tile"))
         return Costs(

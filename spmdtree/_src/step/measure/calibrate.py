@@ -280,9 +280,9 @@ class _Bench:
         return sum(op.flops * op.calls for op in ops) / spent
 
     def indexed(self, rows: int, width: int) -> float | None:
-        """Bytes per second, as the model counts them (`Kernel.indexed`), of a gather
-        of `rows` bf16 rows of `width` by a permutation and a scatter-add of them
-        back; None where the compiler runs no such kernel."""
+        """Bytes per second of the rows a gather of `rows` bf16 rows of `width` by a
+        permutation and a scatter-add of them back move, as the model counts them
+        (`Kernel.indexed`); None where the compiler runs no such kernel."""
 
         def both(x: jax.Array, order: jax.Array) -> jax.Array:
             return jnp.zeros_like(x).at[order].add(x[order] * 2)
@@ -291,12 +291,12 @@ class _Bench:
         order = jax.ShapeDtypeStruct((rows,), jnp.int32)
         m = measure(both, x, order, mesh=self.mesh, hardware=self.base, steps=self.steps, warmup=2)
         schedule = m.plan.schedule
-        indexed = {k.name for k in schedule.kernels() if k.indexed} if schedule else set()
-        ops = [op for op in m.ops if op.name in indexed]
+        moved = {k.name: k.indexed for k in schedule.kernels() if k.indexed} if schedule else {}
+        ops = [op for op in m.ops if op.name in moved]
         if not ops:
             return None
         spent = sum(op.measured_seconds for op in ops) or m.min_seconds
-        return sum(op.bytes * op.calls for op in ops) / spent
+        return sum(moved[op.name] * op.calls for op in ops) / spent
 
     def memory(self, elements: int) -> float:
         """Bytes per second of an elementwise pass over an f32 array (read and

@@ -429,13 +429,18 @@ def _expert_rows(inputs: Plan) -> dict[str, list[PlanRow]]:
     return found
 
 
-def _whole(row: PlanRow, size: int) -> set[int]:
-    """The sizes an expert weight gathered whole over an axis of `size` has: all its
-    layers at once, or one layer of its leading stacked dimension (where the experts
-    are not it)."""
-    every = row.device_bytes * size
-    layers = row.shape[0] if row.names and row.names[0] != EXPERT and row.shape else 1
-    return {every, every // max(layers, 1)}
+def _a_weight(gather: Collective, rows: Sequence[PlanRow]) -> bool:
+    """Whether an all-gather has the size of one of `rows` gathered whole over its
+    group: all its layers at once, or one layer of its leading stacked dimension
+    (where the experts are not it). At the row's own width: a weight cast narrower
+    before its gather (f32 params gathered in bf16) is not recognised, since an
+    activation of that size would be taken for it too."""
+    for row in rows:
+        layers = row.shape[0] if row.names and row.names[0] != EXPERT and row.shape else 1
+        whole = row.device_bytes * gather.group
+        if any(gather.bytes * stacked == whole for stacked in {1, max(layers, 1)}):
+            return True
+    return False
 
 
 def experts_gathered(
@@ -451,20 +456,22 @@ def experts_gathered(
     Mixtral regression, maxtext PR 4179); a grouped matmul (`jax.lax.ragged_dot`)
     the compiler partitions alone gathers its weights however the batch is mapped.
     Said where an all-gather over the axis has the size of an expert weight gathered
-    whole (one layer's, or all layers'): the collectives name no arrays, so an
-    activation of just that size would be taken for one. `ops`: each collective
-    once, at one run's size (`Schedule.collectives`);
-    `path` writes a row's path as the caller knows it (a step's: ``args[0]/wi``).
+    whole over its group (one layer's, or all layers', at its own width): the
+    collectives name no arrays, so an activation of just that size would be taken
+    for one, and a weight cast narrower before its gather is missed. `ops`: each collective once, at one run's size
+    (`Schedule.collectives`); `path` writes a row's path as the caller knows it (a
+    step's: ``args[0]/wi``).
     """
-    sizes = dict(inputs.mesh.shape) if inputs.mesh is not None else {}
     for axis, rows in _expert_rows(inputs).items():
-        whole = set().union(*(_whole(row, sizes[axis]) for row in rows))
-        gathers = [c for c in _over(ops, "all-gather", axis) if c.bytes in whole]
+        gathers = [c for c in _over(ops, "all-gather", axis) if _a_weight(c, rows)]
         if gathers:
             scatters = [
-                c for c in _over(ops, "reduce-scatter", axis) if c.bytes * sizes[axis] in whole
+                c
+                for c in _over(ops, "reduce-scatter", axis)
+                if _a_weight(c._replace(bytes=c.bytes * c.group), rows)
             ]
-            return _gathered_sentence(axis, gathers, scatters, [path(r.path) for r in rows], inputs)
+            paths = [path(r.path) for r in rows]
+            return _gathered_sentence(axis, gathers, scatters, paths, inputs)
     return None
 
 

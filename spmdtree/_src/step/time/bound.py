@@ -394,7 +394,7 @@ _KERNEL_FIELDS: Mapping[str, Callable[[Kernel], bool]] = {
     "flash_backward_efficiency": lambda kernel: bool(kernel.flash),
     "update_efficiency": lambda kernel: kernel.unfused_update,
     "grouped_efficiency": lambda kernel: kernel.grouped,
-    "indexed_efficiency": lambda kernel: kernel.indexed,
+    "indexed_efficiency": lambda kernel: bool(kernel.indexed),
 }
 
 

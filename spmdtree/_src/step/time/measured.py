@@ -174,6 +174,21 @@ class Measurement:
         """Predicted over measured (the median): below 1, the model is fast."""
         return self.predicted_seconds / self.seconds
 
+    @property
+    def op_error(self) -> float:
+        """The sum over instructions of |predicted - measured|, over the measured step
+        (the median): misses that cancel in `ratio` count twice here (new in 0.8).
+
+        Example:
+            >>> import spmdtree as st
+            >>> ops = (st.OpTime("a", "memory", 1, 2e-3, 1e-3), st.OpTime("b", "matmul", 1, 1e-3, 2e-3))
+            >>> m = st.Measurement(None, None, (3e-3,), 3e-3, ops, 1.0, 3e-3, "cpu:0")
+            >>> m.ratio, round(m.op_error, 6)  # the step right, each instruction not
+            (1.0, 0.666667)
+        """
+        missed = sum(abs(op.predicted_seconds - op.measured_seconds) for op in self.ops)
+        return missed / self.seconds
+
     def misses(self, k: int = 10) -> tuple[OpTime, ...]:
         """The `k` instructions whose predicted and measured times differ most per
         step, largest first.
@@ -202,6 +217,7 @@ class Measurement:
             "min_seconds": self.min_seconds,
             "predicted_seconds": self.predicted_seconds,
             "ratio": self.ratio,
+            "op_error": self.op_error,
             "profiled_seconds": self.profiled_seconds,
             "joined_share": self.joined_share,
             "ops": [_op_json(op) for op in self.ops],
@@ -410,7 +426,8 @@ def _table(m: Measurement, most: int = 10) -> str:
         f"{len(m.times)} steps, median {seconds_text(m.seconds)} (fastest "
         f"{seconds_text(m.min_seconds)}); profiled {seconds_text(m.profiled_seconds)}",
         f"predicted on {m.hardware.name}: {seconds_text(m.predicted_seconds)}, "
-        f"{m.ratio:.2f} of measured",
+        f"{m.ratio:.2f} of measured; per instruction, |predicted - measured| sums to "
+        f"{m.op_error:.0%} of the step",
         f"joined {m.joined_share:.1%} of the device time to {len(m.ops)} instructions",
         "the largest misses, per step:",
         f"  {'instruction':<28}{'class':<13}{'calls':>7}{'predicted':>12}{'measured':>12}"

@@ -94,8 +94,8 @@ def kernel_seconds(kernel: Kernel, costs: Costs, peak: float) -> float:
     over the peak x its published share for its direction, new in 0.6) and its
     memory (bytes over the sustained bandwidth; an unfused update's over the
     bandwidth x `Costs.update_efficiency`, new in 0.7; a grouped matmul's FLOPs over
-    the peak x `Costs.grouped_efficiency`, and a gather's or scatter's bytes over the
-    bandwidth x `Costs.indexed_efficiency`, new in 0.8), plus 5% of the smaller.
+    the peak x `Costs.grouped_efficiency`, and what its gathers and scatters move over
+    the bandwidth x `Costs.indexed_efficiency`, new in 0.8), plus 5% of the smaller.
 
     Example:
         >>> h100 = Costs(3.35e12, 0.9, 794.5 / 989, 132, (128, 128), 1e-6, 5e-6)
@@ -107,8 +107,9 @@ def kernel_seconds(kernel: Kernel, costs: Costs, peak: float) -> float:
         True
     """
     share = costs.update_efficiency if kernel.unfused_update else costs.memory_efficiency
-    share = costs.indexed_efficiency if kernel.indexed else share
-    memory = kernel.bytes / (costs.hbm_bytes_per_second * share)
+    bandwidth = costs.hbm_bytes_per_second
+    memory = (kernel.bytes - kernel.indexed) / (bandwidth * share)
+    memory += kernel.indexed / (bandwidth * costs.indexed_efficiency)
     compute = 0.0
     if kernel.flops:
         share = costs.matmul_efficiency * costs.speed(kernel.dtype)
