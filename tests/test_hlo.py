@@ -475,3 +475,19 @@ def test_the_cpu_estimates_volumes_are_the_closed_forms(layout, dtype):
         # the whole gradient all-reduced, however the compiler combines it
         assert by_kind.pop("all-reduce")[1] == weights * weight
     assert by_kind == {}  # and nothing else moves
+
+
+def test_a_custom_call_that_only_allocates_a_buffer_runs_no_kernel():
+    # XLA's AllocateBuffer (new in 0.8: 0.7 timed its result as memory traffic)
+    from spmdtree._src.step.hlo.schedule import Kernel, read_schedule
+
+    text = """HloModule m, is_scheduled=true
+
+ENTRY %main (p: f32[1024,1024]) -> f32[1024,1024] {
+  %p = f32[1024,1024]{1,0} parameter(0)
+  %buffer = f32[1024,1024]{1,0} custom-call(), custom_call_target="AllocateBuffer"
+  ROOT %sum = f32[1024,1024]{1,0} add(%p, %buffer)
+}
+"""
+    kernels = [e for e in read_schedule(text, platform="tpu").events if isinstance(e, Kernel)]
+    assert [k.name for k in kernels] == ["sum"]

@@ -567,6 +567,10 @@ _MEGASCALE_KINDS = {
 }
 
 
+#: Custom calls that only allocate a buffer (XLA's ``AllocateBuffer``: a scratch buffer,
+#: jax's empty arrays): they run no kernel and move nothing (new in 0.8: 0.7 timed
+#: their results as memory traffic, where a device's profile shows none).
+ALLOCATIONS = frozenset({"AllocateBuffer"})
 #: Ops that run no kernel: bookkeeping the runtime resolves (a bitcast is a view).
 _FREE = frozenset(
     {
@@ -629,7 +633,7 @@ class _Walker:
             return self._starts(comp, ins, [self._across_slices(ins)], sync=False)
         if ins.op == Op.kSendDone:
             return self._dones(comp, ins)
-        if ins.op in _FREE:
+        if ins.op in _FREE or ins.op == Op.kCustomCall and ins.target in ALLOCATIONS:
             return []
         if ins.op == Op.kWhile:
             trips = trip_count(self.mod, comp, ins)
