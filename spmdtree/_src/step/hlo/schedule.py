@@ -633,7 +633,7 @@ class _Walker:
             return self._starts(comp, ins, [self._across_slices(ins)], sync=False)
         if ins.op == Op.kSendDone:
             return self._dones(comp, ins)
-        if ins.op in _FREE or ins.op == Op.kCustomCall and ins.target in ALLOCATIONS:
+        if ins.op in _FREE or (ins.op == Op.kCustomCall and ins.target in ALLOCATIONS):
             return []
         if ins.op == Op.kWhile:
             trips = trip_count(self.mod, comp, ins)
