@@ -479,6 +479,7 @@ def test_the_cpu_estimates_volumes_are_the_closed_forms(layout, dtype):
 
 def test_a_custom_call_that_only_allocates_a_buffer_runs_no_kernel():
     # XLA's AllocateBuffer (new in 0.8: 0.7 timed its result as memory traffic)
+    # Private: the schedule's reader and its records have no public names
     from spmdtree._src.step.hlo.schedule import Kernel, read_schedule
 
     text = """HloModule m, is_scheduled=true
@@ -497,6 +498,7 @@ def test_an_op_run_asynchronously_is_timed_once_under_its_dones_name():
     # a device's profile times libtpu's slice-start at about 0 and its slice-done with
     # the op's time (new in 0.8: 0.7 named the kernel after the slice it wraps, which
     # no profile event has)
+    # Private: the schedule's reader and its records have no public names
     from spmdtree._src.step.hlo.schedule import Kernel, read_schedule
 
     text = """HloModule m, is_scheduled=true
