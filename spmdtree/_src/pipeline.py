@@ -39,7 +39,7 @@ from spmdtree._src.boxes import LogicallyPartitioned, Partitioned
 from spmdtree._src.errors import Mistake, at, public, raise_collected, user_level
 from spmdtree._src.resolve import axes_of
 from spmdtree._src.rules import PyTree
-from spmdtree._src.specs import context_mesh
+from spmdtree._src.specs import context_axis
 from spmdtree._src.transforms import (
     check_count,
     check_microbatches,
@@ -316,26 +316,6 @@ def _check_stage_names(staged: PyTree, axis: str) -> None:
         )
 
 
-def _stage_axis(axis: str) -> int:
-    """The size of the stage axis of the mesh in context."""
-    mesh = context_mesh()
-    if mesh is None:
-        raise Mistake(
-            ValueError,
-            f"no mesh is in context; the pipeline runs its stages along the mesh axis "
-            f"{axis!r} of the mesh set with jax.set_mesh. Call it under "
-            "`with jax.set_mesh(mesh):` (a `with mesh:` block sets none).",
-        )
-    if axis not in mesh.axis_names:
-        raise Mistake(
-            ValueError,
-            f"the mesh in context has axes {dict(mesh.shape)}, no stage axis {axis!r}. Build "
-            f"the mesh with an axis {axis!r} (jax.make_mesh), or pass the stage axis's name "
-            "as axis=.",
-        )
-    return int(mesh.shape[axis])
-
-
 def _check_stages(stages: int, size: int, axis: str) -> None:
     """The staged layers' stages are the stage axis's devices."""
     if stages != size:
@@ -522,7 +502,7 @@ def pipeline(
         )
     if not isinstance(axis, str):
         raise Mistake(TypeError, f"axis is {axis!r}; expected the stage mesh axis's name.")
-    size = _stage_axis(axis)
+    size = context_axis(axis, "stage", "the pipeline runs its stages")
     _unstaged(staged, size)
     repeats, count = _one_size(
         _leading(staged, "staged", 3),

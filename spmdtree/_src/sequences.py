@@ -29,7 +29,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 from spmdtree._src.errors import Mistake, public
 from spmdtree._src.resolve import axes_of
 from spmdtree._src.rules import AxisName
-from spmdtree._src.specs import context_mesh
+from spmdtree._src.specs import context_axis
 from spmdtree._src.transforms import check_count
 
 #: The context mesh axis's name, unless told otherwise.
@@ -205,7 +205,7 @@ def context_attention(
         )
     kind = _implementation(implementation)
     _check_arrays(q, k, v, kind)
-    shards = _context_shards(axis)
+    shards = context_axis(axis, "context", "the sequence is sharded")
     length = q.shape[1]
     if length % shards:
         raise Mistake(
@@ -269,26 +269,6 @@ def _check_arrays(q: jax.Array, k: jax.Array, v: jax.Array, kind: Implementation
             f"implementation 'cudnn' takes float16 or bfloat16 arrays (cuDNN's fused "
             f"attention), not {q.dtype}. Cast them, or use implementation='xla'.",
         )
-
-
-def _context_shards(axis: str) -> int:
-    """The size of the context axis of the mesh in context."""
-    mesh = context_mesh()
-    if mesh is None:
-        raise Mistake(
-            ValueError,
-            f"no mesh is in context; the sequence is sharded along the mesh axis {axis!r} "
-            "of the mesh set with jax.set_mesh. Call it under `with jax.set_mesh(mesh):` "
-            "(a `with mesh:` block sets none).",
-        )
-    if axis not in mesh.axis_names:
-        raise Mistake(
-            ValueError,
-            f"the mesh in context has axes {dict(mesh.shape)}, no context axis {axis!r}. "
-            f"Build the mesh with an axis {axis!r} (jax.make_mesh), or pass the context "
-            "axis's name as axis=.",
-        )
-    return int(mesh.shape[axis])
 
 
 def _positions(positions: object, length: int) -> jax.Array | np.ndarray | None:

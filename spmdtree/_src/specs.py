@@ -68,6 +68,28 @@ def context_mesh() -> AnyMesh | None:
     return None if mesh.empty else mesh
 
 
+def context_axis(axis: str, kind: str, runs: str) -> int:
+    """The size of the mesh axis `axis` of the mesh in context, which the caller `runs`
+    along as its `kind` axis (``"stage"``: the pipeline's; ``"context"``: a sequence's;
+    new in 0.8); a `Mistake` where no mesh is in context or it has no such axis."""
+    mesh = context_mesh()
+    if mesh is None:
+        raise Mistake(
+            ValueError,
+            f"no mesh is in context; {runs} along the mesh axis {axis!r} of the mesh set with "
+            "jax.set_mesh. Call it under `with jax.set_mesh(mesh):` (a `with mesh:` block "
+            "sets none).",
+        )
+    if axis not in mesh.axis_names:
+        raise Mistake(
+            ValueError,
+            f"the mesh in context has axes {dict(mesh.shape)}, no {kind} axis {axis!r}. Build "
+            f"the mesh with an axis {axis!r} (jax.make_mesh), or pass the {kind} axis's name "
+            "as axis=.",
+        )
+    return int(mesh.shape[axis])
+
+
 @dataclasses.dataclass(frozen=True)
 class Walk:
     """A tree's leaves (boxes as leaves) with what each resolved to: a
