@@ -270,14 +270,7 @@ class _Bench:
         bf16 = jnp.bfloat16
         x = jax.ShapeDtypeStruct((rows, width), bf16)
         w = jax.ShapeDtypeStruct((groups, width, hidden), bf16)
-        m = measure(both, x, w, mesh=self.mesh, hardware=self.base, steps=self.steps, warmup=2)
-        schedule = m.plan.schedule
-        grouped = {k.name for k in schedule.kernels() if k.grouped} if schedule else set()
-        ops = [op for op in m.ops if op.name in grouped]
-        if not ops:
-            return None
-        spent = sum(op.measured_seconds for op in ops) or m.min_seconds
-        return sum(op.flops * op.calls for op in ops) / spent
+        return self.kernels_rate(both, (x, w), lambda k: k.flops if k.grouped else 0)
 
     def indexed(self, rows: int, width: int) -> float | None:
         """Bytes per second of the rows a gather of `rows` bf16 rows of `width` by a
@@ -289,14 +282,23 @@ class _Bench:
 
         x = jax.ShapeDtypeStruct((rows, width), jnp.bfloat16)
         order = jax.ShapeDtypeStruct((rows,), jnp.int32)
-        m = measure(both, x, order, mesh=self.mesh, hardware=self.base, steps=self.steps, warmup=2)
+        return self.kernels_rate(both, (x, order), lambda k: k.indexed)
+
+    def kernels_rate(
+        self, fn: Callable[..., Any], specs: tuple[Any, ...], work: Callable[[Kernel], int]
+    ) -> float | None:
+        """The work per second (`work` of each kernel: its FLOPs, its bytes) of the
+        kernels of `fn`'s schedule that do some, over their time in the device's
+        profile (the step's fastest where the profile gave none); None where no
+        kernel does any (new in 0.8)."""
+        m = measure(fn, *specs, mesh=self.mesh, hardware=self.base, steps=self.steps, warmup=2)
         schedule = m.plan.schedule
-        moved = {k.name: k.indexed for k in schedule.kernels() if k.indexed} if schedule else {}
-        ops = [op for op in m.ops if op.name in moved]
+        done = {k.name: work(k) for k in schedule.kernels() if work(k)} if schedule else {}
+        ops = [op for op in m.ops if op.name in done]
         if not ops:
             return None
         spent = sum(op.measured_seconds for op in ops) or m.min_seconds
-        return sum(moved[op.name] * op.calls for op in ops) / spent
+        return sum(done[op.name] * op.calls for op in ops) / spent
 
     def memory(self, elements: int) -> float:
         """Bytes per second of an elementwise pass over an f32 array (read and
