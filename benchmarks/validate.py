@@ -261,42 +261,37 @@ def sharded_splash(q: jax.Array, k: jax.Array, v: jax.Array, block: int) -> jax.
     sequences under shard_map (a hand-written kernel the compiler cannot split), over
     (batch, heads, length, head dim), its query blocks `block` long (the recipe's
     sa_block_q*), the rest MaxText's 512."""
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
-
     spec = st.logical_to_mesh_axes(("batch", "q_heads", "length", "kv"))
     heads, length = q.shape[1], q.shape[2]
 
     def local(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-        mask = sm.MultiHeadMask([sm.CausalMask((length, length)) for _ in range(heads)])
-        q_block, rest = min(block, length), min(512, length)
-        blocks = sk.BlockSizes(
-            block_q=q_block,
-            block_kv_compute=rest,
-            block_kv=rest,
-            block_q_dkv=q_block,
-            block_kv_dkv=rest,
-            block_kv_dkv_compute=rest,
-            block_q_dq=q_block,
-            block_kv_dq=rest,
-        )
-        kernel = sk.make_splash_mha(mask, block_sizes=blocks, head_shards=1, q_seq_shards=1)
-        return jax.vmap(kernel)(q, k, v)
+        return jax.vmap(_splash(heads, length, block))(q, k, v)
 
     mapped = jax.shard_map(local, in_specs=(spec,) * 3, out_specs=spec, check_vma=False)
     return mapped(q, k, v)
 
 
-def _splash(heads: int, length: int) -> Callable[..., jax.Array]:
+def _splash(heads: int, length: int, q_block: int = 512) -> Callable[..., jax.Array]:
     """Splash attention's causal kernel for `heads` heads of `length` (0.7), built anew
     for each step traced: on the chip, a kernel kept from an earlier step's trace
     made the next step's compile ask for more inputs than it was given ("compiled
-    for 43 inputs but called with 38")."""
+    for 43 inputs but called with 38"). Its query blocks `q_block` long (a recipe's
+    sa_block_q*; new in 0.8), the rest MaxText's sa_block_* defaults, 512."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
     mask = sm.MultiHeadMask([sm.CausalMask((length, length)) for _ in range(heads)])
-    blocks = sk.BlockSizes(*(min(512, length),) * 8)  # MaxText's sa_block_* defaults
+    queries, rest = min(q_block, length), min(512, length)
+    blocks = sk.BlockSizes(
+        block_q=queries,
+        block_kv_compute=rest,
+        block_kv=rest,
+        block_q_dkv=queries,
+        block_kv_dkv=rest,
+        block_kv_dkv_compute=rest,
+        block_q_dq=queries,
+        block_kv_dq=rest,
+    )
     return sk.make_splash_mha(mask, block_sizes=blocks, head_shards=1, q_seq_shards=1)
 
 

@@ -418,12 +418,8 @@ def _expert_rows(inputs: Plan) -> dict[str, list[PlanRow]]:
     sizes = dict(inputs.mesh.shape) if inputs.mesh is not None else {}
     found: dict[str, list[PlanRow]] = {}
     for row in inputs.rows:
-        if not row.logical or not row.names or EXPERT not in row.names:
-            continue
-        entry = (
-            row.spec[row.names.index(EXPERT)] if len(row.spec) > row.names.index(EXPERT) else None
-        )
-        for axis in axes_of(entry):
+        named = zip(row.names or (), row.spec, strict=False) if row.logical else ()
+        for axis in {a for name, entry in named if name == EXPERT for a in axes_of(entry)}:
             if sizes.get(axis, 1) > 1:
                 found.setdefault(axis, []).append(row)
     return found
@@ -458,9 +454,9 @@ def experts_gathered(
     Said where an all-gather over the axis has the size of an expert weight gathered
     whole over its group (one layer's, or all layers', at its own width): the
     collectives name no arrays, so an activation of just that size would be taken
-    for one, and a weight cast narrower before its gather is missed. `ops`: each collective once, at one run's size
-    (`Schedule.collectives`); `path` writes a row's path as the caller knows it (a
-    step's: ``args[0]/wi``).
+    for one, and a weight cast narrower before its gather is missed. `ops`: each
+    collective once, at one run's size (`Schedule.collectives`); `path` writes a
+    row's path as the caller knows it (a step's: ``args[0]/wi``).
     """
     for axis, rows in _expert_rows(inputs).items():
         gathers = [c for c in _over(ops, "all-gather", axis) if _a_weight(c, rows)]
