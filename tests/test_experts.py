@@ -282,6 +282,8 @@ def test_the_flag_is_said_of_gathers_that_move_a_layers_expert_weight_and_no_few
     said = experts_gathered([gathered, gathered, scattered], inputs)
     assert said is not None and "2 all-gathers of 2.0 MiB each" in said
     assert "and 1 reduce-scatter," in said and "params/wi" in said
+    twice = experts_gathered([gathered, scattered._replace(count=2)], inputs)
+    assert "and 2 reduce-scatters," in twice
     assert "'batch' is also mapped onto 'expert'" in said
     # gathers of another size than an expert weight's (activations, the routing's
     # indices), however many, are not

@@ -491,9 +491,8 @@ def _gathered_sentence(
         f"{_sizes(gathers)}"
     )
     if scatters:
-        said += f" and {sum(c.count for c in scatters)} reduce-scatter" + (
-            "s" * (len(scatters) > 1)
-        )
+        scattered = sum(c.count for c in scatters)
+        said += f" and {scattered} reduce-scatter{'' if scattered == 1 else 's'}"
     said += f", for {weights}; each device runs every expert. "
     others = _also_on(inputs, axis)
     if others:
