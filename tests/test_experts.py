@@ -21,7 +21,7 @@ from test_targets import has_compiler
 import spmdtree as st
 
 # Private: the per-kernel model and the flag's rule have no public names
-from spmdtree._src.step.hlo.schedule import Kernel
+from spmdtree._src.step.hlo.schedule import Kernel, read_schedule
 from spmdtree._src.step.hw import Costs
 from spmdtree._src.step.preflight.diagnose import experts_gathered
 from spmdtree._src.step.time.predict import kernel_seconds
@@ -388,3 +388,39 @@ def test_advise_ranks_examples_moe_over_expert_and_data_axes():
         assert ("all-to-all" in moved) == (split > 1), (split, moved)
         said = [f for f in row.flags if "all-gathers the expert weights" in f]
         assert not said, (split, said, row.step.collectives)
+
+
+#: A combine as libtpu fuses it (a v5e's MoE step): its updates transposed inside the
+#: fusion into a layout whose minor-most dimension holds 2 of 128 lanes.
+COMBINE = """HloModule m, is_scheduled=true
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %c = f32[] add(%a, %b)
+}
+
+%combine (p0: f32[10240,1024], p1: s32[8184], p2: f32[8184,1024]) -> f32[10240,1024] {
+  %p0 = f32[10240,1024]{1,0:T(8,128)} parameter(0)
+  %p1 = s32[8184]{0:T(1024)} parameter(1)
+  %i = s32[4,1023,2]{2,1,0:T(8,128)} reshape(%p1)
+  %p2 = f32[8184,1024]{1,0:T(8,128)} parameter(2)
+  %r = f32[4,1023,2,1024]{3,2,1,0:T(2,128)} reshape(%p2)
+  %u = f32[4,1023,2,1024]{2,3,1,0:T(8,128)} transpose(%r), dimensions={0,1,2,3}
+  ROOT %s = f32[10240,1024]{1,0:T(8,128)} scatter(%p0, %i, %u), update_window_dims={3}, inserted_window_dims={0}, scatter_dims_to_operand_dims={0}, index_vector_dim=3, to_apply=%add
+}
+
+ENTRY %main (b: f32[10240,1024], i: s32[8184], u: f32[8184,1024]) -> f32[10240,1024] {
+  %b = f32[10240,1024]{1,0:T(8,128)} parameter(0)
+  %i = s32[8184]{0:T(1024)} parameter(1)
+  %u = f32[8184,1024]{1,0:T(8,128)} parameter(2)
+  ROOT %f = f32[10240,1024]{1,0:T(8,128)} fusion(%b, %i, %u), kind=kCustom, calls=%combine
+}
+"""
+
+
+def test_a_scatters_rows_are_counted_at_their_own_bytes_not_its_updates_tiles():
+    # the updates' tiles in that layout are 64 times their rows: 0.8.0 counted them so
+    # and priced the combine at 14 ms, where a v5e ran it in 232 us
+    (kernel,) = read_schedule(COMBINE, platform="tpu").events
+    assert kernel.indexed == 3 * 8184 * 1024 * 4

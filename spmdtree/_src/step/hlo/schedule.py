@@ -1001,15 +1001,21 @@ def moved_by_index(mod: Module, inside: list[tuple[str, Instr]]) -> int:
     writes the row it lands on, reading that row first where it combines (an add:
     three times its updates; a set: twice), wherever the compiler keeps them (a
     TPU's on-chip memory too: 0.7 priced a TPU's expert dispatch and combine at 0 when
-    their rows sat there). 0 for a kernel that does neither."""
+    their rows sat there). 0 for a kernel that does neither.
+
+    The rows are counted at their own bytes, not as a layout's tiles hold them: a
+    fusion's updates are values it computes, whose layout inside it no memory holds
+    (libtpu lays a combine's updates out as ``f32[4,1023,2,1024]{2,3,1,0:T(2,128)}``,
+    2 of 128 lanes minor-most: its tiles 64 times its rows; the scatter ran at its
+    rows' time on a v5e)."""
     moved = 0
     for where, each in inside:
         if each.op == Op.kGather:
-            moved += 2 * each.tiled_bytes
+            moved += 2 * each.bytes
         elif each.op == Op.kScatter and len(each.operands) >= 3:
             arrays = (len(each.operands) - 1) // 2  # inputs, indices, then the updates
             given = [mod.by_name[where].get(u) for u in each.operands[arrays + 1 :]]
-            updates = sum(u.tiled_bytes for u in given if u is not None)
+            updates = sum(u.bytes for u in given if u is not None)
             moved += (3 if _combines(mod, each) else 2) * updates
     return moved
 
