@@ -1139,8 +1139,13 @@ def _read(mod: Module, comp: str, name: str, whole: int) -> int:
     fusions: the collective's traffic, timed on the links) or passed straight to the
     result (a buffer the fusion carries in place); what a nested fusion reads of
     it, and no more of an elementwise one than the slices its result is read as;
-    else the whole. Bitcasts are followed."""
-    total = 0
+    else the whole. Bitcasts are followed; a value that is its computation's result
+    (a nested fusion that only bitcasts its operand: libtpu wraps a matmul's
+    operands so) is read whole, as far as its own users read it (new in 0.8: 0.7
+    counted none of it, and a v5e's matmul of bf16[32768,4096] by bf16[4096,32] read
+    nothing of its 268 MB)."""
+    root = mod.root(comp)
+    total = whole if root is not None and root.name == name else 0
     for user, j in mod.users[comp].get(name, []):
         if user.op == Op.kBitcast:
             total += _read(mod, comp, user.name, whole)
