@@ -17,6 +17,9 @@ from test_targets import has_compiler
 
 import spmdtree as st
 
+# Private: the per-kernel model has no public name
+from spmdtree._src.step.hw import grid_share
+
 DATA = pathlib.Path(__file__).parent / "data"
 #: A CPU's own figures are no preset's: a hardware to time the prediction on.
 CPU = st.Hardware("cpu", 2**34, 1e11, {"ici": (1e10, 0.0)})
@@ -266,20 +269,21 @@ def test_a_calibrated_chip_predicts_what_its_figures_give():
     assert calibrated.update_efficiency == st.hardware("tpu-v5e").update_efficiency
     assert calibrated.provenance["update_efficiency"].startswith("not measured: cpu's compiler")
     assert st.Hardware.from_json(calibrated.to_json()) == calibrated
-    # a matmul's time is what the measured figures give it: its FLOPs at the measured
-    # share (at f32's rate: the CPU compile widens bf16) beside its bytes at the
-    # measured bandwidth, overlapped as the model overlaps them
+    # a matmul's time is what the measured figures give it: its FLOPs at the share
+    # measured for its shape (0.8: read from the grid; at f32's rate, the CPU compile
+    # widens bf16) beside its bytes at the measured bandwidth, overlapped as the model
+    # overlaps them
     x = jax.ShapeDtypeStruct((1024, 2048), jnp.float32)
     w = jax.ShapeDtypeStruct((2048, 4096), jnp.float32)
     plan = st.preflight(jnp.matmul, x, w, mesh=jax.sharding.AbstractMesh((1,), ("data",)))
     (dot,) = [k for k in plan.schedule.kernels() if k.flops]
-    compute = dot.flops / (
-        calibrated.flops_per_second * calibrated.matmul_efficiency * calibrated.f32_speed
-    )
+    share = grid_share(calibrated.matmul_grid, 1024, 2048, 4096, calibrated.tile)
+    compute = dot.flops / (calibrated.flops_per_second * share * calibrated.f32_speed)
     memory = dot.bytes / (calibrated.hbm_bytes_per_second * calibrated.memory_efficiency)
     expected = max(compute, memory) + 0.05 * min(compute, memory)
     assert plan.time(calibrated).predicted_by_class["matmul"] == pytest.approx(expected, rel=1e-9)
-    slower = dataclasses.replace(calibrated, matmul_efficiency=calibrated.matmul_efficiency / 2)
+    halved = tuple((m, k, n, share / 2) for m, k, n, share in calibrated.matmul_grid)
+    slower = dataclasses.replace(calibrated, matmul_grid=halved)
     assert (
         plan.time(slower).predicted_by_class["matmul"]
         > plan.time(calibrated).predicted_by_class["matmul"]

@@ -103,6 +103,7 @@ FLOW = [
     "step.hlo.schedule",
     "step.hlo.reading",
     "step.hw.chips",
+    "step.hw.grid",
     "step.hw.hardware",
     "step.compile.tracing",
     "step.compile.backends",

@@ -8,6 +8,7 @@ from spmdtree._src.step.hw.chips import slice_dims as slice_dims
 from spmdtree._src.step.hw.chips import torus_links as torus_links
 from spmdtree._src.step.hw.chips import tpu_clock_ghz as tpu_clock_ghz
 from spmdtree._src.step.hw.chips import wrapped as wrapped
+from spmdtree._src.step.hw.grid import grid_share as grid_share
 from spmdtree._src.step.hw.hardware import LINKS as LINKS
 from spmdtree._src.step.hw.hardware import PRESETS as PRESETS
 from spmdtree._src.step.hw.hardware import Costs as Costs

@@ -98,7 +98,8 @@ def _gpu(**facts: Any) -> dict[str, Any]:
     """An NVIDIA GPU's figures in nodes of 8 (NVLink within, InfiniBand across, unless
     given): cuBLAS's 128 x 128 tile over its SMs, XLA GPU's launch overheads, memory
     kernels at 0.9 of the bandwidth (an in-place update too: no GPU layout is tiled,
-    so none is an unfused TPU update), f32 matmuls as TF32 at half the bf16 rate."""
+    so none is an unfused TPU update), f32 matmuls as TF32 at half the bf16 rate,
+    8-bit ones at twice it (each data sheet's; `CHIPS` cites them)."""
     return {
         "links": _GPU_LINKS,
         "devices_per_node": 8,
@@ -108,6 +109,7 @@ def _gpu(**facts: Any) -> dict[str, Any]:
         "launch_seconds": 1e-6,
         "collective_latency_seconds": 5e-6,
         "f32_speed": 0.5,
+        "eight_bit_speed": 2.0,
         **facts,
     }
 
@@ -115,7 +117,8 @@ def _gpu(**facts: Any) -> dict[str, Any]:
 def _tpu(**facts: Any) -> dict[str, Any]:
     """A TPU generation's figures: one slice unless told, its MXU's tile stream (one
     core, no launch), no public matmul share (1.0), f32 in one bf16 pass (six at the
-    highest precision)."""
+    highest precision), int8 at twice the bf16 rate (each data sheet's; `CHIPS` cites
+    them)."""
     return {
         "devices_per_node": None,
         "matmul_efficiency": 1.0,
@@ -125,6 +128,7 @@ def _tpu(**facts: Any) -> dict[str, Any]:
         "collective_latency_seconds": 0.0,
         "f32_speed": 1.0,
         "f32_highest_speed": 1 / 6,
+        "eight_bit_speed": 2.0,
         **facts,
     }
 
@@ -170,6 +174,11 @@ def _tpu(**facts: Any) -> dict[str, Any]:
 #: in-place update at a run-time offset into a tiled dimension (`Kernel.unfused_update`):
 #: v5e's share measured by st.calibrate's update benchmark on a v5e (2026-12-06, jax
 #: 0.10.2, libtpu 0.0.42.1); v5p's and v6e's are not measured (the default is said).
+#: 8-bit matmuls over bf16 (new in 0.8), each data sheet's dense figures: A100 int8
+#: 624 TOPS of 312 (it has no fp8), H100 SXM and H200 fp8 1,979 TFLOPS of 989, B200 fp8
+#: 4.5 PFLOPS of 2.25, TPU v5e int8 394 TOPS of 197, v5p 918 of 459, v6e 1,836 of 918
+#: (Google Cloud's system-architecture pages): 2 on each; st.calibrate measured a v5e's
+#: int8 4,096^3 at 383 TOPS, 2.0 of its bf16 (2026-12-07).
 #: docs/planning.md lists each figure with its source.
 CHIPS: dict[str, Mapping[str, Any]] = {
     "a100": _gpu(

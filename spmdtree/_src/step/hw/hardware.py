@@ -23,6 +23,7 @@ import numpy as np
 
 from spmdtree._src.errors import Mistake, public
 from spmdtree._src.step.hw.chips import CHIPS, GpuChip, TpuChip
+from spmdtree._src.step.hw.grid import Point, checked_grid
 from spmdtree._src.step.kinds import LinkKind, bits
 
 #: The link kinds, fastest first: within a node or slice, then across.
@@ -121,6 +122,11 @@ class Costs:
         indexed_efficiency: the share of the bandwidth a kernel that gathers or
             scatters rows by index sustains over what it moves (`Kernel.indexed`;
             new in 0.8).
+        eight_bit_speed: an 8-bit matmul's rate over the bf16 one (int8 on a TPU,
+            fp8 on a GPU; new in 0.8).
+        matmul_grid: the shares of the bf16 peak measured by shape, ``(m, k, n,
+            share)`` (`grid.grid_share` reads a matmul's; empty: the largest share
+            times the wave efficiency; new in 0.8).
     """
 
     hbm_bytes_per_second: float
@@ -137,12 +143,14 @@ class Costs:
     update_efficiency: float = 0.23
     grouped_efficiency: float = 0.5
     indexed_efficiency: float = 0.9
+    eight_bit_speed: float = 2.0
+    matmul_grid: tuple[Point, ...] = ()
 
     def speed(self, dtype: str) -> float:
         """A matmul's peak over the bf16 one for operands of `dtype`."""
         width = bits(dtype.partition("/")[0]) if dtype else 16
         if width <= 8:
-            return 2.0
+            return self.eight_bit_speed
         if width >= 32:
             return self.f32_highest_speed if dtype.endswith("/highest") else self.f32_speed
         return 1.0
@@ -159,9 +167,10 @@ class Costs:
 #: TPU), unfused updates at a run-time offset into a tiled dimension at 0.23 of the
 #: bandwidth (st.calibrate's update benchmark on a TPU v5e, 2026-12-06: the only chip
 #: measured; new in 0.7), grouped matmuls at half the peak, as an unmeasured flash
-#: kernel, and rows gathered and scattered by index at the memory kernels' share (the
-#: hardware's own where it gives one; new in 0.8), no launch overhead and no latency per collective beyond the
-#: links' own.
+#: kernel, rows gathered and scattered by index at the memory kernels' share (the
+#: hardware's own where it gives one; new in 0.8), 8-bit matmuls at twice the bf16
+#: rate (every preset's data sheet says so; new in 0.8), no launch overhead and no
+#: latency per collective beyond the links' own.
 DEFAULTS: Mapping[str, float] = {
     "flops_per_byte": 300.0,
     "memory_efficiency": 0.9,
@@ -175,6 +184,7 @@ DEFAULTS: Mapping[str, float] = {
     "update_efficiency": 0.23,
     "grouped_efficiency": 0.5,
     "indexed_efficiency": 0.9,
+    "eight_bit_speed": 2.0,
     "launch_seconds": 0.0,
     "collective_latency_seconds": 0.0,
 }
@@ -193,6 +203,7 @@ MODEL_FIELDS = (
     "update_efficiency",
     "grouped_efficiency",
     "indexed_efficiency",
+    "eight_bit_speed",
     "launch_seconds",
     "collective_latency_seconds",
 )
@@ -248,6 +259,17 @@ class Hardware:
             scatters rows by index sustains over what it moves (an expert layer's
             dispatch and combine; `st.calibrate` measures it; new in 0.8; left out,
             the memory kernels' share, `memory_efficiency`).
+        eight_bit_speed: an 8-bit matmul's rate over the bf16 one: int8 on a TPU,
+            fp8 (or int8) on a GPU (`st.calibrate` measures it; every preset's
+            data sheet says 2; new in 0.8; 2.0, and a step that runs one on a
+            chip that leaves it out is told so).
+        matmul_grid: the share of the bf16 peak matmuls reach by shape, as
+            ``(m, k, n, share)`` points of a full grid ((m, k) x (k, n); a
+            convolution's output positions, window x input features, output
+            features): `st.calibrate` measures it. A matmul's share is then read
+            by its shape, each dimension padded to `tile`, log-linear between the
+            grid's points; None: `matmul_efficiency` for every shape, times the
+            wave efficiency (new in 0.8).
         launch_seconds: the overhead each kernel adds (XLA GPU's 1 us; 0).
         collective_latency_seconds: what each collective adds beyond the links'
             per-hop latency (XLA GPU's 5 us; 0).
@@ -299,6 +321,8 @@ class Hardware:
     update_efficiency: float | None = None
     grouped_efficiency: float | None = None
     indexed_efficiency: float | None = None
+    eight_bit_speed: float | None = None
+    matmul_grid: tuple[Point, ...] | None = None
     launch_seconds: float | None = None
     collective_latency_seconds: float | None = None
     chip: GpuChip | TpuChip | None = None
@@ -335,6 +359,8 @@ class Hardware:
         if self.devices_per_node is not None:
             check_devices_per_node(self.devices_per_node, "devices_per_node")
         self._check_model()
+        if self.matmul_grid is not None:
+            object.__setattr__(self, "matmul_grid", checked_grid(self.matmul_grid))
         if self.chip is not None and not isinstance(self.chip, (GpuChip, TpuChip)):
             raise Mistake(
                 TypeError,
@@ -389,6 +415,7 @@ class Hardware:
             hbm_bytes_per_second=float(hbm),
             cores=int(figure.pop("cores")),
             tile=(tile, tile),
+            matmul_grid=self.matmul_grid or (),
             **figure,
         )
 
@@ -452,7 +479,7 @@ class Hardware:
 HARDWARE_SCHEMA = "spmdtree.Hardware/1"
 #: The fields added to that schema since 0.7: a file written before them leaves them
 #: out, and reads back with each left out (at its default).
-ADDED = ("grouped_efficiency", "indexed_efficiency")
+ADDED = ("grouped_efficiency", "indexed_efficiency", "eight_bit_speed", "matmul_grid")
 
 
 def _checked_provenance(provenance: object) -> dict[str, str]:

@@ -2,11 +2,13 @@
 device and gives a `Hardware` whose per-kernel model figures are its own.
 
 Each figure comes from a kernel of its own kind, run by `measure` and timed by
-the device's own profile (so no dispatch is counted): bf16 matmuls of a few shapes (`matmul_efficiency`, the
-largest share of the peak they reach), a large elementwise pass
+the device's own profile (so no dispatch is counted): bf16 matmuls over a grid of
+shapes, small and narrow ones among them (`matmul_grid`, each one's share of the
+peak, new in 0.8; `matmul_efficiency`, the largest), a large elementwise pass
 (`memory_efficiency`, its bytes over the data sheet's bandwidth), f32 matmuls
-at the default and the highest precision (`f32_speed`, `f32_highest_speed`,
-their rate over the bf16 one), an in-place update at a run-time offset into a
+at the default and the highest precision and 8-bit ones (int8; fp8 on a GPU) of
+one shape (`f32_speed`, `f32_highest_speed`, `eight_bit_speed`: their rate over the
+bf16 one at that shape), an in-place update at a run-time offset into a
 tiled dimension that the compiler leaves unfused (`update_efficiency`: its
 update's bytes read and written over the data sheet's bandwidth; a TPU's
 only), a grouped matmul (`jax.lax.ragged_dot` and its weights' gradient, their
@@ -25,8 +27,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
-import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from importlib import metadata
 from typing import Any
 
@@ -41,12 +42,15 @@ from spmdtree._src.step.hw import PRESETS, Hardware, hardware, preset_in
 from spmdtree._src.step.kinds import Backend, KernelClass
 from spmdtree._src.step.measure.measure import measure
 
-#: bf16 matmul shapes (m, k, n) timed for the largest share: square ones of an
-#: accelerator's usual sizes, and a wide one; a CPU's are small (a test's).
-MATMULS: dict[str, tuple[tuple[int, int, int], ...]] = {
-    "accelerator": ((4096, 4096, 4096), (8192, 8192, 8192), (4096, 8192, 16384)),
-    "cpu": ((256, 256, 256), (512, 512, 512)),
+#: The grid of bf16 matmul shapes (m, k) x (k, n) timed for their shares (new in 0.8):
+#: every m of the first by every k and n of the second, small and narrow ones among
+#: them (a CNN's 128 channels, a decode step's 128 rows); a CPU's small (a test's).
+GRID: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {
+    "accelerator": ((128, 512, 2048, 8192, 32768), (128, 256, 512, 1024, 2048, 4096)),
+    "cpu": ((64, 256), (64, 128)),
 }
+#: The shape at which f32's and 8-bit matmuls are set beside bf16's.
+REFERENCE = {"accelerator": (4096, 4096, 4096), "cpu": (256, 256, 256)}
 #: The elementwise pass's elements (f32): 1 GiB on an accelerator.
 ELEMENTS = {"accelerator": 2**28, "cpu": 2**22}
 #: The unfused update's buffer and update (f32): a blocked attention's output of
@@ -117,52 +121,60 @@ def calibrate(
     if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not seconds > 0:
         raise Mistake(ValueError, f"seconds is {seconds!r}; expected a number > 0.")
     toolchain = TOOLCHAINS[Backend.of(device.platform)]
-    kind = "cpu" if toolchain.backend.estimates else "accelerator"
     bench = _Bench(device, base, max(2, min(10, int(seconds / 8))))
-    figures: dict[str, float] = {}
-    bf16 = max(bench.matmul(shape, jnp.bfloat16) for shape in MATMULS[kind])
-    figures["matmul_efficiency"] = bf16 / base.flops_per_second
-    shape = MATMULS[kind][0]
-    figures["f32_speed"] = bench.matmul(shape, jnp.float32) / bf16
-    figures["f32_highest_speed"] = bench.matmul(shape, jnp.float32, "highest") / bf16
-    bandwidth = base.costs().hbm_bytes_per_second  # the preset's, or its default's
-    figures["memory_efficiency"] = bench.memory(ELEMENTS[kind]) / bandwidth
-    update = bench.update(*UPDATE[kind])
-    if update is not None:
-        figures["update_efficiency"] = update / bandwidth
-    grouped = bench.grouped(*GROUPED[kind])
-    if grouped is not None:
-        figures["grouped_efficiency"] = grouped / base.flops_per_second
-    indexed = bench.indexed(*INDEXED[kind])
-    if indexed is not None:
-        figures["indexed_efficiency"] = indexed / bandwidth
-    flash = _flash_shares(bench, toolchain.flash)
-    figures.update(flash or {})
+    figures = _figures(bench, toolchain)
     said = _provenance(device, toolchain.package)
-    measured: dict[str, Any] = {name: min(value, 1.0) for name, value in figures.items()}
     provenance = dict(base.provenance)
+    measured: dict[str, Any] = {}
     for name, value in figures.items():
-        over = f" ({value:.3g} of the preset's figure, above it: kept at 1)" if value > 1 else ""
-        provenance[name] = said + over
-    if flash is None:
-        for name in ("flash_forward_efficiency", "flash_backward_efficiency"):
-            provenance[name] = (
-                f"not measured: no flash-attention kernel timed on {device.device_kind}"
-            )
-    for name, found, what in (
-        ("grouped_efficiency", grouped, "grouped matmul"),
-        ("indexed_efficiency", indexed, "gather or scatter"),
-    ):
-        if found is None:
-            provenance[name] = f"not measured: {device.device_kind}'s compiler ran no {what}"
-    if update is None:
-        provenance["update_efficiency"] = (
-            f"not measured: {device.device_kind}'s compiler left no update unfused (its "
-            "layouts are not tiled), so no kernel reads it; the preset's figure kept"
-        )
+        over = isinstance(value, float) and value > 1 and name != "eight_bit_speed"
+        measured[name] = 1.0 if over else value
+        kept = f" ({value:.3g} of the preset's figure, above it: kept at 1)" if over else ""
+        provenance[name] = said + kept
+    for name, why in NOT_MEASURED.items():
+        if name not in figures:
+            provenance[name] = "not measured: " + why.format(device=device.device_kind)
     return dataclasses.replace(
         base, name=f"{base.name}, calibrated", provenance=provenance, **measured
     )
+
+
+#: Why a figure went unmeasured, where the device ran no kernel of its kind.
+NOT_MEASURED = {
+    "matmul_grid": "{device}'s profile timed not every matmul of the grid",
+    "flash_forward_efficiency": "no flash-attention kernel timed on {device}",
+    "flash_backward_efficiency": "no flash-attention kernel timed on {device}",
+    "grouped_efficiency": "{device}'s compiler ran no grouped matmul",
+    "indexed_efficiency": "{device}'s compiler ran no gather or scatter",
+    "update_efficiency": (
+        "{device}'s compiler left no update unfused (its layouts are not tiled), so no "
+        "kernel reads it; the preset's figure kept"
+    ),
+}
+
+
+def _figures(bench: _Bench, toolchain: Any) -> dict[str, Any]:
+    """Every figure the benchmarks on `bench`'s device measured, by field name: shares
+    as measured (above 1 where the chip beat its preset), the grid's points."""
+    kind = "cpu" if toolchain.backend.estimates else "accelerator"
+    peak = bench.base.flops_per_second
+    grid = _grid(bench, *GRID[kind])
+    rates = _speeds(bench, REFERENCE[kind], toolchain.backend)
+    bf16 = rates.pop("bf16")
+    figures: dict[str, Any] = {"matmul_efficiency": max(bf16, *(p[3] for p in grid or ())) / peak}
+    figures.update({name: rate / bf16 for name, rate in rates.items()})
+    if grid is not None:
+        figures["matmul_grid"] = tuple((m, k, n, min(r / peak, 1.0)) for m, k, n, r in grid)
+    bandwidth = bench.base.costs().hbm_bytes_per_second  # the preset's, or its default's
+    figures["memory_efficiency"] = bench.memory(ELEMENTS[kind]) / bandwidth
+    shares = {
+        "update_efficiency": (bench.update(*UPDATE[kind]), bandwidth),
+        "grouped_efficiency": (bench.grouped(*GROUPED[kind]), peak),
+        "indexed_efficiency": (bench.indexed(*INDEXED[kind]), bandwidth),
+    }
+    figures.update({name: rate / per for name, (rate, per) in shares.items() if rate is not None})
+    figures.update(_flash_shares(bench, toolchain.flash) or {})
+    return figures
 
 
 def _device(device: object) -> jax.Device:
@@ -223,14 +235,32 @@ class _Bench:
         spent = sum(op.measured_seconds for op in ops) or m.min_seconds
         return work / spent
 
-    def matmul(
-        self, shape: tuple[int, int, int], dtype: Any, precision: str | None = None
-    ) -> float:
-        """FLOP/s of an (m, k) x (k, n) matmul of `dtype`."""
-        m, k, n = shape
-        fn = functools.partial(jnp.matmul, precision=precision)
-        x, w = jax.ShapeDtypeStruct((m, k), dtype), jax.ShapeDtypeStruct((k, n), dtype)
-        return self.rate(fn, "matmul", x, w)
+    def matmuls(self, shapes: Sequence[Matmul]) -> dict[Matmul, float]:
+        """FLOP/s of each matmul of `shapes`, run side by side in one program, each on
+        operands of its own (none shares one, which the compiler would merge);
+        the ones the device's profile timed (new in 0.8)."""
+
+        def each(*pairs: tuple[jax.Array, jax.Array]) -> list[jax.Array]:
+            out = []
+            for i, ((x, w), shape) in enumerate(zip(pairs, shapes, strict=True)):
+                with jax.named_scope(f"{SCOPE}{i}"):  # its kernel's op_name says which
+                    out.append(_product(x, w, shape))
+            return out
+
+        specs = [
+            (jax.ShapeDtypeStruct((m, k), dtype), jax.ShapeDtypeStruct((k, n), dtype))
+            for m, k, n, dtype, _ in shapes
+        ]
+        m = measure(each, *specs, mesh=self.mesh, hardware=self.base, steps=self.steps, warmup=2)
+        schedule = m.plan.schedule
+        kernels = {k.name: k for k in schedule.kernels()} if schedule else {}
+        found: dict[Matmul, float] = {}
+        for op in m.ops:
+            kernel = kernels.get(op.name)
+            i = _scope_of(kernel.op_name) if kernel is not None and op.flops else None
+            if i is not None and op.measured_seconds:
+                found[shapes[i]] = op.flops * op.calls / op.measured_seconds
+        return found
 
     def update(self, buffer: tuple[int, ...], block: tuple[int, ...]) -> float | None:
         """Bytes per second an unfused in-place update moves (`Kernel.unfused_update`:
@@ -306,6 +336,73 @@ class _Bench:
         return self.rate(
             lambda x: x * 0.5 + 1.0, "memory", jax.ShapeDtypeStruct((elements,), jnp.float32)
         )
+
+
+#: One matmul of a calibration: (m, k, n), its operands' element type and precision.
+Matmul = tuple[int, int, int, Any, "str | None"]
+
+
+def _product(x: jax.Array, w: jax.Array, shape: Matmul) -> jax.Array:
+    """`x` @ `w` at `shape`'s precision, integers accumulated in int32."""
+    integer = jnp.issubdtype(x.dtype, jnp.integer)
+    return jax.lax.dot(
+        x, w, precision=shape[4], preferred_element_type=jnp.int32 if integer else None
+    )
+
+
+#: The named scope of each matmul of a calibration program, its index after it.
+SCOPE = "spmdtree_calibrate_"
+
+
+def _scope_of(op_name: str) -> int | None:
+    """The index of the calibration matmul a kernel's op_name names, if any.
+
+    Example:
+        >>> _scope_of("jit(each)/spmdtree_calibrate_12/dot_general"), _scope_of("jit(f)/dot")
+        (12, None)
+    """
+    _, found, rest = op_name.partition(SCOPE)
+    index = rest.split("/")[0]
+    return int(index) if found and index.isdigit() else None
+
+
+def _grid(
+    bench: _Bench, rows: Sequence[int], sizes: Sequence[int]
+) -> tuple[tuple[int, int, int, float], ...] | None:
+    """The FLOP/s of bf16 matmuls of every (m, k, n) of `rows` x `sizes` x `sizes`, one
+    program per m (each holds its operands and results); None where the profile
+    timed not every one (new in 0.8)."""
+    found: list[tuple[int, int, int, float]] = []
+    for m in rows:
+        shapes = [(m, k, n, jnp.bfloat16, None) for k in sizes for n in sizes]
+        rates = bench.matmuls(shapes)
+        if len(rates) != len(shapes):
+            return None
+        found += [(m, k, n, rates[m, k, n, dtype, p]) for m, k, n, dtype, p in shapes]
+    return tuple(found)
+
+
+def _speeds(bench: _Bench, shape: tuple[int, int, int], backend: Backend) -> dict[str, float]:
+    """FLOP/s of matmuls of `shape` in bf16 (``"bf16"``), in f32 at the default and
+    the highest precision and in 8 bits (int8; fp8 on a GPU), by the figure each
+    gives (``"f32_speed"``, ...)."""
+    eight = jnp.float8_e4m3fn if backend == Backend.GPU else jnp.int8
+    kinds = {
+        "bf16": (jnp.bfloat16, None),
+        "f32_speed": (jnp.float32, None),
+        "f32_highest_speed": (jnp.float32, "highest"),
+        "eight_bit_speed": (eight, None),
+    }
+    shapes = {name: (*shape, dtype, precision) for name, (dtype, precision) in kinds.items()}
+    rates = bench.matmuls(list(shapes.values()))
+    missing = [name for name, s in shapes.items() if s not in rates]
+    if missing:
+        raise Mistake(
+            ValueError,
+            f"the device's profile timed no kernel of the {', '.join(missing)} matmul "
+            f"{shape}; run calibrate again, or pass seconds= larger.",
+        )
+    return {name: rates[s] for name, s in shapes.items()}
 
 
 def _flash_shares(bench: _Bench, flash: str) -> dict[str, float] | None:

@@ -31,7 +31,7 @@ from spmdtree._src.step.hw import (
     torus_links,
     wrapped,
 )
-from spmdtree._src.step.kinds import CollectiveKind, LinkKind
+from spmdtree._src.step.kinds import CollectiveKind, LinkKind, bits
 from spmdtree._src.step.time.predict import Span, predict
 
 
@@ -395,7 +395,13 @@ _KERNEL_FIELDS: Mapping[str, Callable[[Kernel], bool]] = {
     "update_efficiency": lambda kernel: kernel.unfused_update,
     "grouped_efficiency": lambda kernel: kernel.grouped,
     "indexed_efficiency": lambda kernel: bool(kernel.indexed),
+    "eight_bit_speed": lambda kernel: bool(kernel.flops) and _eight_bit(kernel.dtype),
 }
+
+
+def _eight_bit(dtype: str) -> bool:
+    """Whether a matmul's operands are 8-bit (int8, fp8; new in 0.8)."""
+    return bool(dtype) and bits(dtype.partition("/")[0]) <= 8
 
 
 def _defaults_said(hardware: Hardware, schedule: Schedule) -> Iterator[str]:

@@ -51,7 +51,7 @@ from spmdtree._src.step.hlo import (
     Schedule,
     Start,
 )
-from spmdtree._src.step.hw import Costs
+from spmdtree._src.step.hw import Costs, grid_share
 from spmdtree._src.step.kinds import KernelClass
 
 #: A collective's mesh axes.
@@ -95,7 +95,9 @@ def kernel_seconds(kernel: Kernel, costs: Costs, peak: float) -> float:
     memory (bytes over the sustained bandwidth; an unfused update's over the
     bandwidth x `Costs.update_efficiency`, new in 0.7; a grouped matmul's FLOPs over
     the peak x `Costs.grouped_efficiency`, and what its gathers and scatters move over
-    the bandwidth x `Costs.indexed_efficiency`, new in 0.8), plus 5% of the smaller.
+    the bandwidth x `Costs.indexed_efficiency`, new in 0.8; a matmul's share read by
+    its shape from `Costs.matmul_grid` where the chip has one, new in 0.8), plus 5% of
+    the smaller.
 
     Example:
         >>> h100 = Costs(3.35e12, 0.9, 794.5 / 989, 132, (128, 128), 1e-6, 5e-6)
@@ -120,6 +122,11 @@ def kernel_seconds(kernel: Kernel, costs: Costs, peak: float) -> float:
                 costs.flash_backward_efficiency
                 if kernel.flash == "backward"
                 else costs.flash_forward_efficiency
+            )
+        elif kernel.m and kernel.n and costs.matmul_grid:  # its shape's measured share
+            rows = (kernel.batch or 1) * kernel.m
+            share = costs.speed(kernel.dtype) * grid_share(
+                costs.matmul_grid, rows, kernel.k or 1, kernel.n, costs.tile[1]
             )
         elif kernel.m and kernel.n:
             share *= wave_efficiency(kernel.batch or 1, kernel.m, kernel.n, costs)
