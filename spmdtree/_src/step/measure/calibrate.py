@@ -41,6 +41,7 @@ from spmdtree._src.step.hlo import Kernel
 from spmdtree._src.step.hw import PRESETS, Hardware, hardware, preset_in
 from spmdtree._src.step.kinds import Backend, KernelClass
 from spmdtree._src.step.measure.measure import measure
+from spmdtree._src.step.time import Measurement
 
 #: The grid of bf16 matmul shapes (m, k) x (k, n) timed for their shares (new in 0.8):
 #: every m of the first by every k and n of the second, small and narrow ones among
@@ -49,6 +50,9 @@ GRID: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {
     "accelerator": ((128, 512, 2048, 8192, 32768), (128, 256, 512, 1024, 2048, 4096)),
     "cpu": ((64, 256), (64, 128)),
 }
+#: The most bytes of operands and results (at 4 bytes an element) one program of
+#: matmuls holds: the grid's run side by side in as few as hold them (new in 0.8).
+PROGRAM_BYTES = 4 * 2**30
 #: The shape at which f32's and 8-bit matmuls are set beside bf16's.
 REFERENCE = {"accelerator": (4096, 4096, 4096), "cpu": (256, 256, 256)}
 #: The elementwise pass's elements (f32): 1 GiB on an accelerator.
@@ -158,8 +162,17 @@ def _figures(bench: _Bench, toolchain: Any) -> dict[str, Any]:
     as measured (above 1 where the chip beat its preset), the grid's points."""
     kind = "cpu" if toolchain.backend.estimates else "accelerator"
     peak = bench.base.flops_per_second
-    grid = _grid(bench, *GRID[kind])
-    rates = _speeds(bench, REFERENCE[kind], toolchain.backend)
+    reference = _reference_shapes(REFERENCE[kind], toolchain.backend)
+    measured = _rates(bench, [*reference.values(), *_grid_shapes(*GRID[kind])])
+    missing = [name for name, shape in reference.items() if shape not in measured]
+    if missing:
+        raise Mistake(
+            ValueError,
+            f"the device's profile timed no kernel of the {', '.join(missing)} matmul "
+            f"{REFERENCE[kind]}; run calibrate again, or pass seconds= larger.",
+        )
+    rates = {name: measured[shape] for name, shape in reference.items()}
+    grid = _grid(measured, *GRID[kind])
     bf16 = rates.pop("bf16")
     figures: dict[str, Any] = {"matmul_efficiency": max(bf16, *(p[3] for p in grid or ())) / peak}
     figures.update({name: rate / bf16 for name, rate in rates.items()})
@@ -167,10 +180,11 @@ def _figures(bench: _Bench, toolchain: Any) -> dict[str, Any]:
         figures["matmul_grid"] = tuple((m, k, n, min(r / peak, 1.0)) for m, k, n, r in grid)
     bandwidth = bench.base.costs().hbm_bytes_per_second  # the preset's, or its default's
     figures["memory_efficiency"] = bench.memory(ELEMENTS[kind]) / bandwidth
+    grouped, indexed = bench.experts(GROUPED[kind], INDEXED[kind])
     shares = {
         "update_efficiency": (bench.update(*UPDATE[kind]), bandwidth),
-        "grouped_efficiency": (bench.grouped(*GROUPED[kind]), peak),
-        "indexed_efficiency": (bench.indexed(*INDEXED[kind]), bandwidth),
+        "grouped_efficiency": (grouped, peak),
+        "indexed_efficiency": (indexed, bandwidth),
     }
     figures.update({name: rate / per for name, (rate, per) in shares.items() if rate is not None})
     figures.update(_flash_shares(bench, toolchain.flash) or {})
@@ -286,49 +300,35 @@ class _Bench:
             return None
         return sum(op.bytes * op.calls for op in ops) / sum(op.measured_seconds for op in ops)
 
-    def grouped(self, rows: int, width: int, hidden: int, groups: int) -> float | None:
-        """FLOP/s of the grouped matmuls (`Kernel.grouped`, their groups' FLOPs) of a
+    def experts(
+        self, grouped: tuple[int, int, int, int], indexed: tuple[int, int]
+    ) -> tuple[float | None, float | None]:
+        """An expert layer's kernels, side by side in one program (new in 0.8): FLOP/s
+        of the grouped matmuls (`Kernel.grouped`, their groups' FLOPs) of a
         `jax.lax.ragged_dot` of `rows` bf16 rows of `width` in `groups` even groups by
-        (groups, width, hidden) weights, and its weights' gradient; None where the
-        compiler runs none."""
+        (groups, width, hidden) weights and of its weights' gradient (`grouped`:
+        rows, width, hidden, groups); bytes per second of the rows a gather by a
+        permutation and a scatter-add of them back move, as the model counts them
+        (`Kernel.indexed`; `indexed`: rows, width). Each None where the compiler
+        runs no such kernel."""
+        rows, width, hidden, groups = grouped
 
-        def both(x: jax.Array, w: jax.Array) -> jax.Array:
+        def both(x: jax.Array, w: jax.Array, y: jax.Array, order: jax.Array) -> Any:
             sizes = jnp.full((groups,), rows // groups, jnp.int32)
             square = lambda w: jnp.sum(jax.lax.ragged_dot(x, w, sizes).astype(jnp.float32) ** 2)  # noqa: E731
-            return jax.grad(square)(w)
+            return jax.grad(square)(w), jnp.zeros_like(y).at[order].add(y[order] * 2)
 
         bf16 = jnp.bfloat16
-        x = jax.ShapeDtypeStruct((rows, width), bf16)
-        w = jax.ShapeDtypeStruct((groups, width, hidden), bf16)
-        return self.kernels_rate(both, (x, w), lambda k: k.flops if k.grouped else 0)
-
-    def indexed(self, rows: int, width: int) -> float | None:
-        """Bytes per second of the rows a gather of `rows` bf16 rows of `width` by a
-        permutation and a scatter-add of them back move, as the model counts them
-        (`Kernel.indexed`); None where the compiler runs no such kernel."""
-
-        def both(x: jax.Array, order: jax.Array) -> jax.Array:
-            return jnp.zeros_like(x).at[order].add(x[order] * 2)
-
-        x = jax.ShapeDtypeStruct((rows, width), jnp.bfloat16)
-        order = jax.ShapeDtypeStruct((rows,), jnp.int32)
-        return self.kernels_rate(both, (x, order), lambda k: k.indexed)
-
-    def kernels_rate(
-        self, fn: Callable[..., Any], specs: tuple[Any, ...], work: Callable[[Kernel], int]
-    ) -> float | None:
-        """The work per second (`work` of each kernel: its FLOPs, its bytes) of the
-        kernels of `fn`'s schedule that do some, over their time in the device's
-        profile (the step's fastest where the profile gave none); None where no
-        kernel does any (new in 0.8)."""
-        m = measure(fn, *specs, mesh=self.mesh, hardware=self.base, steps=self.steps, warmup=2)
-        schedule = m.plan.schedule
-        done = {k.name: work(k) for k in schedule.kernels() if work(k)} if schedule else {}
-        ops = [op for op in m.ops if op.name in done]
-        if not ops:
-            return None
-        spent = sum(op.measured_seconds for op in ops) or m.min_seconds
-        return sum(done[op.name] * op.calls for op in ops) / spent
+        specs = (
+            jax.ShapeDtypeStruct((rows, width), bf16),
+            jax.ShapeDtypeStruct((groups, width, hidden), bf16),
+            jax.ShapeDtypeStruct(indexed, bf16),
+            jax.ShapeDtypeStruct(indexed[:1], jnp.int32),
+        )
+        m = measure(both, *specs, mesh=self.mesh, hardware=self.base, steps=self.steps, warmup=2)
+        return _work_rate(m, lambda k: k.flops if k.grouped else 0), _work_rate(
+            m, lambda k: k.indexed
+        )
 
     def memory(self, elements: int) -> float:
         """Bytes per second of an elementwise pass over an f32 array (read and
@@ -336,6 +336,20 @@ class _Bench:
         return self.rate(
             lambda x: x * 0.5 + 1.0, "memory", jax.ShapeDtypeStruct((elements,), jnp.float32)
         )
+
+
+def _work_rate(m: Measurement, work: Callable[[Kernel], int]) -> float | None:
+    """The work per second (`work` of each kernel: its FLOPs, its bytes) of the
+    kernels of a measured schedule that do some, over their time in the device's
+    profile (the step's fastest where the profile gave none); None where no kernel
+    does any (new in 0.8)."""
+    schedule = m.plan.schedule
+    done = {k.name: work(k) for k in schedule.kernels() if work(k)} if schedule else {}
+    ops = [op for op in m.ops if op.name in done]
+    if not ops:
+        return None
+    spent = sum(op.measured_seconds for op in ops) or m.min_seconds
+    return sum(done[op.name] * op.calls for op in ops) / spent
 
 
 #: One matmul of a calibration: (m, k, n), its operands' element type and precision.
@@ -367,25 +381,24 @@ def _scope_of(op_name: str) -> int | None:
 
 
 def _grid(
-    bench: _Bench, rows: Sequence[int], sizes: Sequence[int]
+    rates: dict[Matmul, float], rows: Sequence[int], sizes: Sequence[int]
 ) -> tuple[tuple[int, int, int, float], ...] | None:
-    """The FLOP/s of bf16 matmuls of every (m, k, n) of `rows` x `sizes` x `sizes`, one
-    program per m (each holds its operands and results); None where the profile
-    timed not every one (new in 0.8)."""
-    found: list[tuple[int, int, int, float]] = []
-    for m in rows:
-        shapes = [(m, k, n, jnp.bfloat16, None) for k in sizes for n in sizes]
-        rates = bench.matmuls(shapes)
-        if len(rates) != len(shapes):
-            return None
-        found += [(m, k, n, rates[m, k, n, dtype, p]) for m, k, n, dtype, p in shapes]
-    return tuple(found)
+    """The FLOP/s `rates` holds of bf16 matmuls of every (m, k, n) of `rows` x `sizes` x
+    `sizes`; None where the profile timed not every one (new in 0.8)."""
+    shapes = _grid_shapes(rows, sizes)
+    if any(shape not in rates for shape in shapes):
+        return None
+    return tuple((m, k, n, rates[m, k, n, dtype, p]) for m, k, n, dtype, p in shapes)
 
 
-def _speeds(bench: _Bench, shape: tuple[int, int, int], backend: Backend) -> dict[str, float]:
-    """FLOP/s of matmuls of `shape` in bf16 (``"bf16"``), in f32 at the default and
-    the highest precision and in 8 bits (int8; fp8 on a GPU), by the figure each
-    gives (``"f32_speed"``, ...)."""
+def _grid_shapes(rows: Sequence[int], sizes: Sequence[int]) -> list[Matmul]:
+    """The grid's bf16 matmuls: every m of `rows` by every k and n of `sizes`."""
+    return [(m, k, n, jnp.bfloat16, None) for m in rows for k in sizes for n in sizes]
+
+
+def _reference_shapes(shape: tuple[int, int, int], backend: Backend) -> dict[str, Matmul]:
+    """Matmuls of `shape` in bf16 (``"bf16"``), in f32 at the default and the highest
+    precision and in 8 bits (int8; fp8 on a GPU), by the figure each gives."""
     eight = jnp.float8_e4m3fn if backend == Backend.GPU else jnp.int8
     kinds = {
         "bf16": (jnp.bfloat16, None),
@@ -393,16 +406,25 @@ def _speeds(bench: _Bench, shape: tuple[int, int, int], backend: Backend) -> dic
         "f32_highest_speed": (jnp.float32, "highest"),
         "eight_bit_speed": (eight, None),
     }
-    shapes = {name: (*shape, dtype, precision) for name, (dtype, precision) in kinds.items()}
-    rates = bench.matmuls(list(shapes.values()))
-    missing = [name for name, s in shapes.items() if s not in rates]
-    if missing:
-        raise Mistake(
-            ValueError,
-            f"the device's profile timed no kernel of the {', '.join(missing)} matmul "
-            f"{shape}; run calibrate again, or pass seconds= larger.",
-        )
-    return {name: rates[s] for name, s in shapes.items()}
+    return {name: (*shape, dtype, precision) for name, (dtype, precision) in kinds.items()}
+
+
+def _rates(bench: _Bench, shapes: Sequence[Matmul]) -> dict[Matmul, float]:
+    """The FLOP/s of each of `shapes` the profile timed, run in as few programs as hold
+    their operands and results in `PROGRAM_BYTES` each (smallest first)."""
+    found: dict[Matmul, float] = {}
+    chunk: list[Matmul] = []
+    held = 0
+    for shape in sorted(shapes, key=lambda s: s[0] * (s[1] + s[2])):
+        m, k, n, dtype, _ = shape
+        size = (m * k + k * n) * jnp.dtype(dtype).itemsize + m * n * 4
+        if chunk and held + size > PROGRAM_BYTES:
+            found.update(bench.matmuls(chunk))
+            chunk, held = [], 0
+        chunk.append(shape)
+        held += size
+    found.update(bench.matmuls(chunk) if chunk else {})
+    return found
 
 
 def _flash_shares(bench: _Bench, flash: str) -> dict[str, float] | None:
