@@ -130,6 +130,18 @@ def test_recorded_prints_the_table_and_exits_1_where_the_goal_is_missed(
         assert words in line
 
 
+def test_recorded_joins_a_run_made_in_parts(tmp_path, capsys):
+    paths = [tmp_path / "a.json", tmp_path / "b.json"]
+    first, second = recorded((1.0, 0.05)), recorded((1.02, 0.05))
+    second["families"][0]["family"] = "f9"
+    for path, record in zip(paths, (first, second), strict=True):
+        path.write_text(json.dumps(record))
+    assert corpus.main(["--recorded", *map(str, paths)]) == 0
+    out = capsys.readouterr().out
+    assert "| f0 | 20.0 ms | 20.0 ms | 1.00 |" in out and "| f9 | 20.0 ms | 20.4 ms | 1.02 |" in out
+    assert "mean |ratio - 1| 1.0%, largest 2.0%" in out
+
+
 def test_without_a_tpu_it_says_so_and_exits_0(capsys):
     assert corpus.main([]) == 0
     assert capsys.readouterr().out.startswith("no TPU here: benchmarks/corpus.py measures")
