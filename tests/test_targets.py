@@ -268,7 +268,9 @@ def test_a_users_own_compile_on_target_mesh_is_preflights(preset):
 
 def test_target_mesh_mistakes_are_said():
     mesh = abstract(SHAPES["h100"])
-    with pytest.raises(TypeError, match=r"^target_mesh: target is 3; expected a preset's name"):
+    with pytest.raises(
+        TypeError, match=r"^target_mesh: target is 3; expected a st.Hardware, a preset's name"
+    ):
         st.target_mesh(mesh, 3)
     with pytest.raises(TypeError, match=r"^target_mesh: "):
         st.target_mesh("not a mesh", "h100")

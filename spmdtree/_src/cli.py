@@ -32,7 +32,7 @@ from jax.sharding import AxisType
 from spmdtree._src.errors import Mistake
 from spmdtree._src.rules import normalize_rules
 from spmdtree._src.step.advise import Candidate, advise, candidates, layouts, step_call
-from spmdtree._src.step.hw import Hardware, hardware
+from spmdtree._src.step.hw import Hardware, hardware_of
 from spmdtree._src.step.measure import calibrate, measure
 from spmdtree._src.step.preflight import Keywords, preflight
 from spmdtree._src.text import seconds_text
@@ -292,9 +292,7 @@ def _calibrate_parser(commands: Any) -> None:
 
 def _chip(text: str) -> Hardware:
     """--hardware and --target: a preset's name, or a JSON file `Hardware.to_json` wrote."""
-    if text.endswith(".json") or os.path.sep in text:
-        return Hardware.from_json(pathlib.Path(text))
-    return hardware(text)
+    return hardware_of(text, "the hardware")
 
 
 def _measure(args: argparse.Namespace) -> int:

@@ -63,7 +63,7 @@ from spmdtree._src.step.compile import (
     compile_child,
     compiler_for,
 )
-from spmdtree._src.step.hw import PRESETS, Hardware, check_devices_per_node
+from spmdtree._src.step.hw import Hardware, check_devices_per_node, hardware_of
 from spmdtree._src.step.kinds import Verdict
 from spmdtree._src.step.measure import check_here
 from spmdtree._src.step.measure import measure as run_step
@@ -412,7 +412,7 @@ def advise(
     make_step: Callable[[Candidate], tuple[Callable[..., Any], Sequence[Any], Mapping[str, Any]]],
     candidates: Iterable[Candidate],
     *,
-    hardware: Hardware,
+    hardware: Hardware | str | os.PathLike[str],
     devices_per_node: int | None = None,
     budget_bytes: int | None = None,
     jobs: int | None = None,
@@ -470,7 +470,8 @@ def advise(
             ``preflight(fn, *args, mesh=candidate.mesh, rules=candidate.rules,
             **kwargs)`` takes (kwargs without mesh or rules).
         candidates: the `Candidate` layouts, all over one device count.
-        hardware: the `Hardware` to time on (``st.hardware("h100")``).
+        hardware: the `Hardware` to time on (``st.hardware("h100")``), a preset's name
+            or the path of a file `Hardware.to_json` wrote (new in 0.8).
         devices_per_node: overrides the hardware's.
         budget_bytes: memory per device, an int > 0; None: the hardware's.
         jobs: how many compiles run at once; None: the CPU count, fewer where
@@ -532,6 +533,7 @@ def advise(
         (3, 3, True)
     """
     candidates = checked_candidates(candidates)
+    hardware = hardware_of(hardware)  # a preset's name or a file's too (new in 0.8)
     _check_arguments(hardware, jobs, devices_per_node, confirm, screen)
     _check_measure(measure, candidates)
     budget = budget_per_device(budget_bytes, hardware)
@@ -567,13 +569,6 @@ def _check_arguments(
     hardware: object, jobs: object, devices_per_node: object, confirm: object, screen: object
 ) -> None:
     """Refuses advise's arguments of the wrong kind or value, before any step runs."""
-    if not isinstance(hardware, Hardware):
-        fix = (
-            f"Pass st.hardware({hardware!r}), the preset of that name"
-            if isinstance(hardware, str) and hardware in PRESETS
-            else "such as st.hardware('h100'), or a st.Hardware of your own"
-        )
-        raise Mistake(TypeError, f"hardware is {hardware!r}; expected a st.Hardware. {fix}.")
     if not count_or_none(jobs):
         raise Mistake(ValueError, f"jobs is {jobs!r}; expected an int >= 1 (or None).")
     if devices_per_node is not None:

@@ -42,7 +42,7 @@ from spmdtree._src.step.compile.backends import (
     target_for,
 )
 from spmdtree._src.step.compile.tracing import Lowered, Site, Traced
-from spmdtree._src.step.hw import PRESETS, Hardware, check_devices_per_node
+from spmdtree._src.step.hw import PRESETS, Hardware, check_devices_per_node, hardware_of
 from spmdtree._src.step.kinds import Backend
 
 #: How long a compile subprocess may take before it is stopped.
@@ -437,15 +437,9 @@ def target_of(
 ) -> tuple[Target, int | None]:
     """The compiler target of a `Hardware` (the one it carries) or a preset's name,
     and its devices per node."""
-    if not isinstance(target, (Hardware, str)):
-        raise Mistake(
-            TypeError,
-            f"target is {target!r}; expected a preset's name ({', '.join(map(repr, PRESETS))}) "
-            "or a st.Hardware with a chip.",
-        )
-    hardware = target if isinstance(target, Hardware) else PRESETS.get(target)
-    found = target_for(hardware, toolchain) if hardware is not None else None
-    if found is None or hardware is None:
+    hardware = hardware_of(target, "target")  # a preset's name or a file's too (new in 0.8)
+    found = target_for(hardware, toolchain)
+    if found is None:
         raise Mistake(
             ValueError,
             f"target is {target!r}, whose compiler spmdtree does not know; the targets are "

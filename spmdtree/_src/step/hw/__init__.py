@@ -16,6 +16,7 @@ from spmdtree._src.step.hw.hardware import Frozen as Frozen
 from spmdtree._src.step.hw.hardware import Hardware as Hardware
 from spmdtree._src.step.hw.hardware import check_devices_per_node as check_devices_per_node
 from spmdtree._src.step.hw.hardware import hardware as hardware
+from spmdtree._src.step.hw.hardware import hardware_of as hardware_of
 from spmdtree._src.step.hw.hardware import positive as positive
 from spmdtree._src.step.hw.hardware import preset_in as preset_in
 from spmdtree._src.step.hw.hardware import timed_on as timed_on

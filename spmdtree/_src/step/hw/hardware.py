@@ -501,9 +501,8 @@ def _checked_provenance(provenance: object) -> dict[str, str]:
     return dict(provenance)
 
 
-@functools.partial(public, name="Hardware.from_json")
-def _from_json(source: object) -> Hardware:
-    """`Hardware.from_json`, below its boundary."""
+def _read_json(source: object) -> Hardware:
+    """`Hardware.from_json`, below its boundary: a `Mistake` where it refuses."""
     data = _json_of(source)
     if not isinstance(data, dict) or data.get("schema") != HARDWARE_SCHEMA:
         schema = data.get("schema") if isinstance(data, dict) else None
@@ -533,6 +532,9 @@ def _from_json(source: object) -> Hardware:
     figures["links"] = {kind: tuple(pair) for kind, pair in dict(data["links"]).items()}
     figures["chip"] = _chip_of(data["chip"])
     return Hardware(**figures)
+
+
+_from_json = functools.partial(public, name="Hardware.from_json")(_read_json)
 
 
 def _json_of(source: object) -> Any:
@@ -622,17 +624,46 @@ def preset_in(text: str) -> Hardware | None:
     return PRESETS[names[found[-1]]] if found else None
 
 
+def hardware_of(value: object, name: str = "hardware") -> Hardware:
+    """`value` as a `Hardware` (new in 0.8): a `Hardware` itself, a preset's name, or
+    the path of a file `Hardware.to_json` wrote (an ``os.PathLike``, or a str that
+    ends in ``.json`` or names a folder); `name` is the argument's, for the message.
+
+    Example:
+        >>> import spmdtree as st
+        >>> hardware_of("tpu-v5e") == st.hardware("tpu-v5e")
+        True
+    """
+    if isinstance(value, Hardware):
+        return value
+    named = isinstance(value, str) and (value.endswith(".json") or os.sep in value)
+    if isinstance(value, (str, os.PathLike)) and (named or not isinstance(value, str)):
+        try:
+            return _read_json(value)
+        except Mistake as e:
+            raise Mistake(e.kind, f"{name} {str(value)!r}: {e.message}") from None
+    presets = ", ".join(map(repr, PRESETS))
+    if isinstance(value, str):
+        if value in PRESETS:
+            return PRESETS[value]
+        raise Mistake(
+            ValueError,
+            f"{name} is {value!r}, which is no preset; pass a preset's name ({presets}), the "
+            "path of a file Hardware.to_json() wrote (chip.json), or a st.Hardware.",
+        )
+    raise Mistake(
+        TypeError,
+        f"{name} is {value!r}; expected a st.Hardware, a preset's name ({presets}) or the "
+        "path of a file Hardware.to_json() wrote.",
+    )
+
+
 def timed_on(hardware: object, compiled_for: str) -> Hardware:
     """The hardware a step's prediction is timed on (new in 0.7): `hardware` where
-    given, else the preset that `compiled_for` (a step's description) names;
-    refused where it is no `Hardware`, or none can be told."""
-    if hardware is not None and not isinstance(hardware, Hardware):
-        raise Mistake(
-            TypeError,
-            f"hardware is {hardware!r}; expected a st.Hardware (st.hardware('tpu-v5e'), or "
-            "st.calibrate()'s).",
-        )
-    chosen = hardware or preset_in(compiled_for)
+    given (a `Hardware`, a preset's name or a file's path: `hardware_of`; new in
+    0.8), else the preset that `compiled_for` (a step's description) names;
+    refused where none can be told."""
+    chosen = hardware_of(hardware) if hardware is not None else preset_in(compiled_for)
     if chosen is None:
         raise Mistake(
             ValueError,

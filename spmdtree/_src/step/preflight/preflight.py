@@ -15,6 +15,7 @@ preflight refuses, in the same words.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -31,7 +32,7 @@ from spmdtree._src.step.compile import (
     compiler_for,
     trace,
 )
-from spmdtree._src.step.hw import Hardware
+from spmdtree._src.step.hw import Hardware, hardware_of
 from spmdtree._src.step.preflight.diagnose import experts_gathered
 from spmdtree._src.step.preflight.step_plan import StepPlan
 from spmdtree._src.text import Located, argument_path
@@ -47,7 +48,7 @@ def preflight(
     donate_argnums: int | Sequence[int] = (),
     static_argnums: int | Sequence[int] = (),
     out_shardings: PyTree = None,
-    target: Hardware | str | None = None,
+    target: Hardware | str | os.PathLike[str] | None = None,
     devices_per_node: int | None = None,
     compiler_options: Mapping[str, Any] | None = None,
 ) -> StepPlan:
@@ -103,8 +104,10 @@ def preflight(
         target: compile with an accelerator's own compiler, without the
             accelerator (new in 0.4): a preset's name (``"a100"``, ``"h100"``,
             ``"h200"``, ``"b200"``: XLA GPU; ``"tpu-v5e"``, ``"tpu-v5p"``, ``"tpu-v6e"``:
-            libtpu) or a `Hardware` with a `chip` (0.6: its own, not looked up
-            by its name). Needs ``pip install 'spmdtree[cuda]'`` or
+            libtpu), a `Hardware` with a `chip` (0.6: its own, not looked up
+            by its name), or the path of a file `Hardware.to_json` wrote (a
+            calibrated chip's; new in 0.8). The `StepPlan` keeps it
+            (`target_hardware`): ``time()`` and ``fits()`` need no argument. Needs ``pip install 'spmdtree[cuda]'`` or
             ``'spmdtree[tpu]'``. None: the mesh's own devices, or the CPU estimate
             for an `AbstractMesh`.
         devices_per_node: with `target`, GPUs per node (the hardware's: 8) or
@@ -146,11 +149,13 @@ def preflight(
 
     keywords = Keywords(params, donate_argnums, static_argnums, out_shardings)
     planned = plan_arguments(args, mesh, rules, keywords)
+    chip = hardware_of(target, "target") if target is not None else None
     compiler = compiler_for(
-        mesh, target, devices_per_node, compiler_options=check_compiler_options(compiler_options)
+        mesh, chip, devices_per_node, compiler_options=check_compiler_options(compiler_options)
     )
     traced = trace_for(fn, planned, mesh, rules, keywords, (compiler,))
-    return step_plan(traced, compiler.compile(traced), compiler)
+    plan = step_plan(traced, compiler.compile(traced), compiler)
+    return dataclasses.replace(plan, target_hardware=chip)  # time() and fits() on it
 
 
 # --- the stages preflight and advise share ------------------------------------------------

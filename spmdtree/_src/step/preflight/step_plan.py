@@ -21,7 +21,7 @@ from spmdtree._src.rules import AnyMesh
 from spmdtree._src.specs import RuleProblem
 from spmdtree._src.step.compile import TOOLCHAINS, Memory
 from spmdtree._src.step.hlo import Collective, Schedule
-from spmdtree._src.step.hw import Hardware, timed_on
+from spmdtree._src.step.hw import Hardware, hardware_of, timed_on
 from spmdtree._src.step.kinds import Backend
 from spmdtree._src.step.pictures import saved, time_picture
 from spmdtree._src.step.preflight.diagnose import (
@@ -171,6 +171,7 @@ class StepPlan:
     schedule: Schedule | None = dataclasses.field(default=None, repr=False, compare=False)
     compiler_seconds: float = 0.0
     read_seconds: float = 0.0
+    target_hardware: Hardware | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def argument_bytes(self) -> int:
@@ -322,11 +323,15 @@ class StepPlan:
         return None
 
     @public
-    def fits(self, budget_bytes: int) -> bool:
+    def fits(self, budget_bytes: int | None = None) -> bool:
         """Whether the step's peak on one device fits in `budget_bytes`: on TPU
         libtpu's own peak, which libtpu checks as it compiles (0.7: the summed
         `peak_bytes`, which the chip does not use), elsewhere `peak_bytes`
-        (`judged_bytes`).
+        (`judged_bytes`). None: the memory of the chip it was compiled for
+        (`target_hardware`; new in 0.8).
+
+        Raises:
+            ValueError: for no budget on a step compiled for no target.
 
         Example:
             >>> import jax, jax.numpy as jnp, spmdtree as st
@@ -335,12 +340,31 @@ class StepPlan:
             >>> step.fits(step.peak_bytes), step.fits(step.peak_bytes - 1)
             (True, False)
         """
+        if budget_bytes is None:
+            budget_bytes = self._target("fits", "budget_bytes").memory_bytes
         if not isinstance(budget_bytes, (int, np.integer)) or isinstance(budget_bytes, bool):
             raise Mistake(TypeError, f"budget_bytes is {budget_bytes!r}; expected an int of bytes.")
         return self.judged_bytes <= budget_bytes
 
+    def _target(self, what: str, argument: str) -> Hardware:
+        """The chip this step was compiled for, which `what` takes in place of its
+        `argument`; refused for a step compiled for none (new in 0.8)."""
+        if self.target_hardware is None:
+            raise Mistake(
+                ValueError,
+                f"this step was compiled for no target ({self.target}), so {what} needs "
+                f"{argument}=: pass it, or preflight with target= (a preset's name, a "
+                "chip.json that Hardware.to_json() wrote, or a st.Hardware).",
+            )
+        return self.target_hardware
+
     @public
-    def time(self, hardware: Hardware, *, devices_per_node: int | None = None) -> StepTime:
+    def time(
+        self,
+        hardware: Hardware | str | os.PathLike[str] | None = None,
+        *,
+        devices_per_node: int | None = None,
+    ) -> StepTime:
         """This step's time on `hardware`: a roofline bound (its FLOPs at the peak,
         its collectives at the links' bandwidth, perfect overlap; new in 0.3) and,
         from the compiled schedule, the predicted time (each kernel timed by the
@@ -352,7 +376,9 @@ class StepPlan:
         and time").
 
         Args:
-            hardware: a `Hardware` (e.g. ``st.hardware("h100")``).
+            hardware: a `Hardware` (e.g. ``st.hardware("h100")``), a preset's name
+                or the path of a file `Hardware.to_json` wrote (new in 0.8); None:
+                the chip the step was compiled for (`target_hardware`, new in 0.8).
             devices_per_node: overrides the hardware's (the slice size of a
                 multi-slice TPU job; 1 puts every device on its own node); None:
                 as the step was compiled for a target, else the hardware's.
@@ -361,8 +387,10 @@ class StepPlan:
             The `StepTime`.
 
         Raises:
-            ValueError: for `devices_per_node` < 1, or a collective that needs
-                a link kind the hardware does not have.
+            ValueError: for `devices_per_node` < 1, a collective that needs a link
+                kind the hardware does not have, a name no preset has or a file
+                that is no Hardware JSON, or no hardware for a step compiled for
+                no target.
 
         Example:
             >>> import jax, jax.numpy as jnp, spmdtree as st
@@ -376,9 +404,10 @@ class StepPlan:
             >>> t.bound_seconds == max(t.compute_seconds, t.comm_seconds)
             True
         """
+        chosen = self._target("time", "hardware") if hardware is None else hardware_of(hardware)
         per_node = self.devices_per_node if devices_per_node is None else devices_per_node
         return step_time(
-            self.collectives, self.flops, self.mesh.shape, hardware, per_node, self.schedule
+            self.collectives, self.flops, self.mesh.shape, chosen, per_node, self.schedule
         )
 
     @public
