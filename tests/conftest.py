@@ -45,6 +45,15 @@ def _no_leftover_rules():
     st.set_logical_axis_rules(())
 
 
+@pytest.fixture(scope="session")
+def cpu_calibration():
+    """`st.calibrate` on this process's CPU, a v5e's peak kept: run once per worker
+    (each run compiles its grid, about 20 s) for the tests that read it."""
+    import spmdtree as st
+
+    return st.calibrate(seconds=2.0, preset="tpu-v5e")
+
+
 #: Files whose tests compile with XLA GPU or libtpu where they are installed: every
 #: test in them is a target test, so that ``pytest -m target`` runs them all.
 TARGET_FILES = frozenset(

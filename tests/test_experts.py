@@ -173,8 +173,10 @@ def test_a_prediction_with_a_grouped_kernel_says_the_share_it_took_by_default():
     assert not any("grouped_efficiency" in flag for flag in dense.time(v5e).flags)
 
 
-def test_calibrate_measures_the_grouped_and_indexed_shares_and_a_file_before_reads_back():
-    calibrated = st.calibrate(seconds=2.0, preset="tpu-v5e")
+def test_calibrate_measures_the_grouped_and_indexed_shares_and_a_file_before_reads_back(
+    cpu_calibration,
+):
+    calibrated = cpu_calibration
     for name in ("grouped_efficiency", "indexed_efficiency"):
         assert 0 < getattr(calibrated, name) <= 1
         assert calibrated.provenance[name].startswith("measured")

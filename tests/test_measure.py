@@ -255,8 +255,8 @@ def test_hardware_json_names_what_is_missing_or_unknown(tmp_path):
         st.Hardware("x", 1, 1.0, {"ici": (1.0, 0.0)}, provenance={"speed": "fast"})
 
 
-def test_a_calibrated_chip_predicts_what_its_figures_give():
-    calibrated = st.calibrate(seconds=2.0, preset="tpu-v5e")
+def test_a_calibrated_chip_predicts_what_its_figures_give(cpu_calibration):
+    calibrated = cpu_calibration
     assert calibrated.name == "tpu-v5e, calibrated"
     for figure in ("matmul_efficiency", "memory_efficiency", "f32_speed", "f32_highest_speed"):
         assert 0 < getattr(calibrated, figure) <= 1

@@ -173,8 +173,8 @@ def test_a_malformed_grid_is_a_value_error_naming_the_field(grid, said):
         st.Hardware.from_json(json.dumps(data))
 
 
-def test_calibrate_measures_the_grid_and_the_8_bit_rate():
-    calibrated = st.calibrate(seconds=2.0, preset="tpu-v5e")
+def test_calibrate_measures_the_grid_and_the_8_bit_rate(cpu_calibration):
+    calibrated = cpu_calibration
     grid = calibrated.matmul_grid
     assert grid is not None and len(grid) == 2 * 2 * 2  # a CPU's: (64, 256) x (64, 128)^2
     assert {p[:3] for p in grid} == {
