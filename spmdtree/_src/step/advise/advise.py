@@ -534,7 +534,7 @@ def advise(
     """
     candidates = checked_candidates(candidates)
     hardware = hardware_of(hardware)  # a preset's name or a file's too (new in 0.8)
-    _check_arguments(hardware, jobs, devices_per_node, confirm, screen)
+    _check_arguments(jobs, devices_per_node, confirm, screen)
     _check_measure(measure, candidates)
     budget = budget_per_device(budget_bytes, hardware)
     workers = jobs or default_jobs()
@@ -566,7 +566,7 @@ def advise(
 
 
 def _check_arguments(
-    hardware: object, jobs: object, devices_per_node: object, confirm: object, screen: object
+    jobs: object, devices_per_node: object, confirm: object, screen: object
 ) -> None:
     """Refuses advise's arguments of the wrong kind or value, before any step runs."""
     if not count_or_none(jobs):

@@ -240,10 +240,16 @@ class _Bench:
         self.mesh = jax.sharding.Mesh(np.array([device]), ("data",))
         self.base, self.steps = base, steps
 
+    def run(self, fn: Callable[..., Any], *specs: Any, **keywords: Any) -> Measurement:
+        """`fn` on `specs` run by `measure` on this device: 2 steps of warm-up, then
+        `steps` timed (`keywords` are measure's others, or replace these)."""
+        settled = dict(mesh=self.mesh, hardware=self.base, steps=self.steps, warmup=2)
+        return measure(fn, *specs, **{**settled, **keywords})
+
     def rate(self, fn: Callable[..., Any], kind: str, *specs: Any) -> float:
         """The FLOPs (matmuls) or bytes (memory kernels) per second the kernels of
         `kind` in `fn` run at."""
-        m = measure(fn, *specs, mesh=self.mesh, hardware=self.base, steps=self.steps, warmup=2)
+        m = self.run(fn, *specs)
         ops = [op for op in m.ops if op.kind == kind]
         work = sum((op.flops if kind != "memory" else op.bytes) * op.calls for op in ops)
         spent = sum(op.measured_seconds for op in ops) or m.min_seconds
@@ -265,7 +271,7 @@ class _Bench:
             (jax.ShapeDtypeStruct((m, k), dtype), jax.ShapeDtypeStruct((k, n), dtype))
             for m, k, n, dtype, _ in shapes
         ]
-        m = measure(each, *specs, mesh=self.mesh, hardware=self.base, steps=self.steps, warmup=2)
+        m = self.run(each, *specs)
         schedule = m.plan.schedule
         kernels = {k.name: k for k in schedule.kernels()} if schedule else {}
         found: dict[Matmul, float] = {}
@@ -282,15 +288,11 @@ class _Bench:
         the second-minor dimension given when it runs; None where the compiler
         runs no such kernel (a CPU's, a GPU's: no tiled layout)."""
         f32 = jnp.float32
-        m = measure(
+        m = self.run(
             lambda x, u, at: jax.lax.dynamic_update_slice_in_dim(x, u, at, axis=len(buffer) - 2),
             jax.ShapeDtypeStruct(buffer, f32),
             jax.ShapeDtypeStruct(block, f32),
             jnp.asarray(buffer[-2] // 4, jnp.int32),
-            mesh=self.mesh,
-            hardware=self.base,
-            steps=self.steps,
-            warmup=2,
             donate_argnums=0,
         )
         schedule = m.plan.schedule
@@ -325,7 +327,7 @@ class _Bench:
             jax.ShapeDtypeStruct(indexed, bf16),
             jax.ShapeDtypeStruct(indexed[:1], jnp.int32),
         )
-        m = measure(both, *specs, mesh=self.mesh, hardware=self.base, steps=self.steps, warmup=2)
+        m = self.run(both, *specs)
         return _work_rate(m, lambda k: k.flops if k.grouped else 0), _work_rate(
             m, lambda k: k.indexed
         )
@@ -440,7 +442,7 @@ def _flash_shares(bench: _Bench, flash: str) -> dict[str, float] | None:
         loss = lambda q, k, v: jnp.sum(attention(q, k, v).astype(jnp.float32))  # noqa: E731
         return jax.grad(loss, (0, 1, 2))(q, k, v)
 
-    m = measure(both, spec, spec, spec, mesh=bench.mesh, hardware=bench.base, steps=bench.steps)
+    m = bench.run(both, spec, spec, spec, warmup=3)
     shares = {}
     for direction in ("forward", "backward"):
         ops = [op for op in m.ops if _direction(op.call) == direction]
