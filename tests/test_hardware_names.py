@@ -113,3 +113,16 @@ def test_a_file_of_another_schema_names_the_file_and_the_field(tmp_path):
         st.preflight(step, *arguments(), mesh=MESH, target=str(path))
     with pytest.raises(ValueError, match=r"^preflight: target is 'h900', which is no preset"):
         st.preflight(step, *arguments(), mesh=MESH, target="h900")
+
+
+@LIBTPU
+def test_compare_times_a_target_steps_prediction_on_its_own_chip(chip_file):
+    # as time() does: the file's figures, not the preset of the chip's kind
+    path, chip = chip_file
+    plan = st.preflight(step, *arguments(), mesh=MESH, target=str(path))
+    (kernel, *_) = [k.name for k in plan.schedule.kernels() if k.flops]
+    ops = [{"ph": "X", "pid": 1, "tid": 1, "name": kernel, "ts": 0, "dur": 4,
+            "args": {"hlo_op": kernel, "hlo_module": "jit_step", "run_id": "1"}}]  # fmt: skip
+    profile = {"traceEvents": ops}
+    assert plan.compare(profile).hardware == chip
+    assert plan.compare(profile, hardware="tpu-v5e").hardware == st.hardware("tpu-v5e")

@@ -580,7 +580,7 @@ class StepPlan:
         self,
         profile: str | os.PathLike[str] | dict[str, Any],
         *,
-        hardware: Hardware | None = None,
+        hardware: Hardware | str | os.PathLike[str] | None = None,
         module: str | None = None,
     ) -> Measurement:
         """This step's prediction held against a profile taken elsewhere, without
@@ -600,8 +600,10 @@ class StepPlan:
         Args:
             profile: the trace (``.json`` or ``.json.gz``), the folder the
                 profiler wrote (its newest Perfetto trace), or the parsed JSON.
-            hardware: what to time the prediction on; None: the preset the
-                step was compiled for (its target, or its devices' kind).
+            hardware: what to time the prediction on (a `Hardware`, a preset's
+                name or a Hardware JSON's path); None: the chip the step was
+                compiled for (`target_hardware`, new in 0.8), else the preset of
+                its target's or its devices' kind.
             module: the compiled module's name in the profile (``jit_step``);
                 None: the module whose steps took the most device time.
 
@@ -625,7 +627,8 @@ class StepPlan:
             >>> m.joined_share, m.seconds, [op.measured_seconds for op in m.ops]
             (1.0, 4e-06, [4e-06])
         """
-        chosen = timed_on(hardware, self.target)  # said before the profile is read
+        given = hardware if hardware is not None else self.target_hardware
+        chosen = timed_on(given, self.target)  # said before the profile is read
         return compare(self, read_profile(profile, module), chosen)
 
     @public
