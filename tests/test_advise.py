@@ -89,6 +89,26 @@ def test_layouts_respect_sizes_and_types():
     assert [tuple(m.shape.values()) for m in st.layouts(1, ("a", "b"))] == [(1, 1)]
 
 
+def test_layouts_over_devices_are_meshes_of_those_devices():
+    """Given the devices (new in 0.8), the same shapes as their count gives, each a real
+    Mesh over exactly those devices, of the axis types asked."""
+    devices = jax.devices()[:4]
+    meshes = st.layouts(devices, ("data", "tensor"), axis_types=AxisType.Explicit)
+    assert [tuple(m.shape.values()) for m in meshes] == [
+        tuple(m.shape.values()) for m in st.layouts(4, ("data", "tensor"))
+    ]
+    for mesh in meshes:
+        assert isinstance(mesh, jax.sharding.Mesh)
+        assert sorted(d.id for d in mesh.devices.flat) == sorted(d.id for d in devices)
+        assert mesh.axis_types == (AxisType.Explicit, AxisType.Explicit)
+    with pytest.raises(ValueError, match=r"^layouts: devices is empty; expected jax devices"):
+        st.layouts([])
+    with pytest.raises(TypeError, match=r"^layouts: devices is \['cpu:0'\]; expected how many"):
+        st.layouts(["cpu:0"])
+    with pytest.raises(TypeError, match=r"^layouts: devices is 8.0; expected how many"):
+        st.layouts(8.0)
+
+
 @pytest.mark.parametrize(
     "call, said",
     [

@@ -317,11 +317,18 @@ def test_calibrate_writes_the_chips_json_that_hardware_takes(tmp_path):
     "args, says",
     [
         (["calibrate", "--seconds", "2"], "calibrate: no preset matches the device 'cpu'"),
+        (["calibrate", "--preset", "tpu-v5e", "--flash-blocks", "512"],
+         "calibrate: flash_blocks is 512, but they are splash attention's blocks"),
         ([*ADVISE, "--batch", "8", "--hardware", "nowhere.json"], "cannot read 'nowhere.json'"),
         (["measure", "mystep:make_step", "--mesh", "data=2,fsdp=2,tensor=2", "--batch", "8"],
          "no preset matches what the step was compiled for"),
     ],
-    ids=["calibrate-without-preset", "hardware-file-missing", "measure-without-hardware"],
+    ids=[
+        "calibrate-without-preset",
+        "calibrate-flash-blocks-on-a-cpu",
+        "hardware-file-missing",
+        "measure-without-hardware",
+    ],
 )  # fmt: skip
 def test_the_chips_mistakes_are_one_line_too(tmp_path, args, says):
     done, said = run(tmp_path, *args)

@@ -293,6 +293,57 @@ def test_a_calibrated_chip_predicts_what_its_figures_give(cpu_calibration):
     )
 
 
+def test_calibrate_measures_each_kernels_fixed_cost_and_reads_the_grid_net_of_it(
+    cpu_calibration,
+):
+    """launch_seconds is measured (a loop of tiny kernels, new in 0.8), said so, and each
+    kernel of a step pays it; the grid's shares are read net of it, so a small matmul's
+    share is above what its time whole would give."""
+    calibrated = cpu_calibration
+    assert calibrated.launch_seconds > 0
+    assert calibrated.provenance["launch_seconds"].startswith("measured 20")
+    x = jax.ShapeDtypeStruct((64, 64), jnp.float32)
+    plan = st.preflight(jnp.tanh, x, mesh=jax.sharding.AbstractMesh((1,), ("data",)))
+    kernels = len(list(plan.schedule.kernels()))
+    assert plan.time(calibrated).predicted_by_class["launch"] == pytest.approx(
+        kernels * calibrated.launch_seconds
+    )
+    free = dataclasses.replace(calibrated, launch_seconds=0.0)
+    assert plan.time(free).predicted_seconds < plan.time(calibrated).predicted_seconds
+
+
+def test_calibrate_takes_splash_blocks_and_refuses_ones_the_kernel_cannot_run():
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel
+
+    # Private: the blocks' reading has no public name of its own
+    from spmdtree._src.step.measure.calibrate import splash_blocks
+
+    assert splash_blocks(None) == splash_attention_kernel.BlockSizes(*(512,) * 8)
+    assert splash_blocks(1024).block_kv_dq == 1024
+    given = splash_attention_kernel.BlockSizes(block_q=256, block_kv=1024)
+    assert splash_blocks(given) is given
+    mixed = splash_blocks({"block_q": 2048, "block_kv_dq": 256})
+    assert (mixed.block_q, mixed.block_kv, mixed.block_kv_dq) == (2048, 512, 256)
+    cases = [
+        (100, ValueError, r"calibrate: flash_blocks sets block_q to 100; expected a multiple of 128 that divides the benchmark's 4096 positions \(128, 256, 512, 1024, 2048 or 4096\)"),
+        (8192, ValueError, r"flash_blocks sets block_q to 8192"),
+        ({"block_kv": 384}, ValueError, r"flash_blocks sets block_kv to 384"),
+        ({"block_x": 512}, ValueError, r"flash_blocks names 'block_x'; expected splash's blocks: block_q, block_kv"),
+        ("512", TypeError, r"calibrate: flash_blocks is '512'; expected one block size \(512\)"),
+        (True, TypeError, r"flash_blocks is True"),
+    ]  # fmt: skip
+    for blocks, error, says in cases:
+        with pytest.raises(error, match=says):
+            st.calibrate(seconds=1.0, preset="tpu-v5e", flash_blocks=blocks)
+    # a device whose flash kernel is not splash: the blocks are refused, not dropped
+    with pytest.raises(
+        ValueError,
+        match=r"calibrate: flash_blocks is 256, but they are splash attention's blocks \(a "
+        r"TPU's kernel\) and cpu's flash kernel is none; leave flash_blocks out",
+    ):
+        st.calibrate(seconds=1.0, preset="tpu-v5e", flash_blocks=256)
+
+
 def test_calibrate_refuses_a_device_no_preset_matches():
     with pytest.raises(
         ValueError, match=r"calibrate: no preset matches the device 'cpu'; pass preset="
@@ -314,10 +365,7 @@ def make_step(candidate):
 
 def test_advise_measures_the_best_rows_and_ranks_them_by_what_they_took():
     rules = [("batch", "data"), ("mlp", "tensor")]
-    meshes = [
-        jax.make_mesh(tuple(m.shape.values()), tuple(m.shape), axis_types=(AxisType.Auto,) * 2)
-        for m in st.layouts(8, ("data", "tensor"))
-    ]
+    meshes = st.layouts(jax.devices(), ("data", "tensor"))  # real meshes, new in 0.8
     candidates = [st.Candidate(m, rules, batch=64, length=16) for m in meshes]
     advice = st.advise(make_step, candidates, hardware=CPU, progress=False, measure=2)
     measured = [row for row in advice.rows if row.measured is not None]

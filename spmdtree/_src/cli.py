@@ -286,6 +286,13 @@ def _calibrate_parser(commands: Any) -> None:
     sub.add_argument("--seconds", type=_positive, default=60, help="about how long (default 60)")
     sub.add_argument("--preset", help="the preset whose peak, memory and links are kept")
     sub.add_argument(
+        "--flash-blocks",
+        type=_positive,
+        metavar="N",
+        help="splash attention's blocks (all eight) the flash figures are measured at: "
+        "the ones your step runs (a TPU's; default 512)",
+    )
+    sub.add_argument(
         "--traceback", action="store_true", help="on an error, print the whole traceback"
     )
 
@@ -319,7 +326,8 @@ def _measure(args: argparse.Namespace) -> int:
 def _calibrate(args: argparse.Namespace) -> int:
     if args.json not in (None, "-"):
         _check_paths(args.json, None)
-    calibrated = calibrate(seconds=float(args.seconds), preset=args.preset)
+    blocks = None if args.flash_blocks is None else int(args.flash_blocks)
+    calibrated = calibrate(seconds=float(args.seconds), preset=args.preset, flash_blocks=blocks)
     said = sys.stderr if args.json == "-" else sys.stdout
     for name, why in calibrated.provenance.items():
         if why.startswith(("measured", "not measured")):

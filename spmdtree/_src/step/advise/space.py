@@ -10,8 +10,9 @@ import math
 import numbers
 import sys
 from collections.abc import Hashable, Iterable, Mapping, Sequence
-from typing import cast
+from typing import cast, overload
 
+import jax
 from jax.sharding import AbstractMesh, AxisType, Mesh
 
 from spmdtree._src.errors import Mistake, public
@@ -59,20 +60,44 @@ def _factorizations(devices: int, count: int) -> Iterable[tuple[int, ...]]:
                 yield (first, *rest)
 
 
-@public
+@overload
 def layouts(
     devices: int,
+    axes: Sequence[str] = ...,
+    *,
+    sizes: Mapping[str, int | tuple[int, int]] | None = ...,
+    axis_types: AxisType | Sequence[AxisType] | None = ...,
+) -> list[AbstractMesh]: ...
+
+
+@overload
+def layouts(
+    devices: Sequence[jax.Device],
+    axes: Sequence[str] = ...,
+    *,
+    sizes: Mapping[str, int | tuple[int, int]] | None = ...,
+    axis_types: AxisType | Sequence[AxisType] | None = ...,
+) -> list[Mesh]: ...
+
+
+@public
+def layouts(
+    devices: int | Sequence[jax.Device],
     axes: Sequence[str] = ("data", "fsdp", "tensor"),
     *,
     sizes: Mapping[str, int | tuple[int, int]] | None = None,
     axis_types: AxisType | Sequence[AxisType] | None = None,
-) -> list[AbstractMesh]:
-    """Every way to lay `devices` out as a product over `axes`, as abstract meshes.
+) -> list[AbstractMesh] | list[Mesh]:
+    """Every way to lay `devices` out as a product over `axes`: abstract meshes for a
+    count, real ones over the devices given (new in 0.8: what `advise(measure=k)`
+    runs its best candidates on).
 
     In lexicographic order of the axis sizes (the first axis smallest first).
 
     Args:
-        devices: how many devices.
+        devices: how many devices (abstract meshes, to plan with), or the devices
+            themselves, e.g. ``jax.devices()`` (`Mesh`es over them, laid out by
+            `jax.make_mesh`, to run on).
         axes: the mesh axis names, in mesh order.
         sizes: per axis an int (fixed) or ``(lo, hi)`` (inclusive bounds), e.g.
             ``{"tensor": (1, 8)}``.
@@ -83,16 +108,22 @@ def layouts(
         The meshes.
 
     Raises:
-        ValueError: for devices < 1, repeated axes, a size naming no axis,
-            bad bounds, or bounds that no factorization meets.
+        ValueError: for devices < 1 (or no devices), repeated axes, a size naming
+            no axis, bad bounds, or bounds that no factorization meets.
+        TypeError: for devices that are neither a count nor jax devices.
 
     Example:
-        >>> import spmdtree as st
+        >>> import jax, spmdtree as st
         >>> [tuple(m.shape.values()) for m in st.layouts(8, ("data", "tensor"), sizes={"tensor": (2, 4)})]
         [(2, 4), (4, 2)]
+        >>> real = st.layouts(jax.devices(), ("data", "tensor"), sizes={"tensor": 1})
+        >>> [(type(m).__name__, m.devices.size == jax.device_count()) for m in real]
+        [('Mesh', True)]
     """
-    if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
-        raise Mistake(ValueError, f"devices is {devices!r}; expected an int >= 1.")
+    given = _devices(devices)
+    count = len(given) if given is not None else devices
+    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+        raise Mistake(ValueError, f"devices is {devices!r}; expected an int >= 1 or jax devices.")
     axes = tuple(axes)
     if not axes or len(set(axes)) != len(axes) or not all(isinstance(a, str) for a in axes):
         raise Mistake(ValueError, f"axes is {axes!r}; expected distinct axis names.")
@@ -103,16 +134,35 @@ def layouts(
         raise Mistake(ValueError, f"axis_types is {axis_types!r}; expected one per axis {axes}.")
     shapes = [
         shape
-        for shape in _factorizations(devices, len(axes))
+        for shape in _factorizations(count, len(axes))
         if all(lo <= n <= hi for n, (lo, hi) in zip(shape, allowed.values(), strict=True))
     ]
     if not shapes:
         raise Mistake(
             ValueError,
-            f"no way to write {devices} devices as a product over {axes} meets the sizes "
+            f"no way to write {count} devices as a product over {axes} meets the sizes "
             f"{dict(sizes or {})}. Widen the bounds.",
         )
-    return [AbstractMesh(shape, axes, axis_types=types) for shape in shapes]
+    if given is None:
+        return [AbstractMesh(shape, axes, axis_types=types) for shape in shapes]
+    return [jax.make_mesh(shape, axes, types, devices=given) for shape in shapes]
+
+
+def _devices(devices: object) -> list[jax.Device] | None:
+    """`layouts`' devices as a list where they are jax devices; None for a count."""
+    if isinstance(devices, numbers.Integral):
+        return None
+    if isinstance(devices, Sequence) and not isinstance(devices, str):
+        listed = list(devices)
+        if listed and all(isinstance(d, jax.Device) for d in listed):
+            return listed
+        if not listed:
+            raise Mistake(ValueError, "devices is empty; expected jax devices (jax.devices()).")
+    raise Mistake(
+        TypeError,
+        f"devices is {devices!r}; expected how many (an int >= 1) or the devices "
+        "themselves (jax.devices()).",
+    )
 
 
 def count_or_none(value: object) -> bool:

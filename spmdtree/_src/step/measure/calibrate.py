@@ -14,12 +14,13 @@ update's bytes read and written over the data sheet's bandwidth; a TPU's
 only), a grouped matmul (`jax.lax.ragged_dot` and its weights' gradient, their
 groups' FLOPs over their time: `grouped_efficiency`, new in 0.8), a gather of
 rows by index and a scatter-add of them back (what they move over their time:
-`indexed_efficiency`, new in 0.8), and the chip's flash-attention kernel
-(splash attention on a TPU, cuDNN's on a GPU), forward and backward, causal,
-run by `measure` (`flash_forward_efficiency`, `flash_backward_efficiency`:
-their FLOPs as the model counts them over their time). Never a step's: the
-figures belong to the chip. The rest (memory, links, the chip) is the matching
-preset's.
+`indexed_efficiency`, new in 0.8), a loop of tiny kernels (`launch_seconds`: what
+each costs beyond its work, new in 0.8; the grid's shares are read net of it), and
+the chip's flash-attention kernel (splash attention on a TPU, at the blocks a user
+gives, new in 0.8; cuDNN's on a GPU), forward and backward, causal, run by
+`measure` (`flash_forward_efficiency`, `flash_backward_efficiency`: their FLOPs as
+the model counts them over their time). Never a step's: the figures belong to the
+chip. The rest (memory, links and collectives, the chip) is the matching preset's.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from importlib import metadata
 from typing import Any
 
@@ -41,13 +42,13 @@ from spmdtree._src.step.hlo import Kernel
 from spmdtree._src.step.hw import PRESETS, Hardware, hardware, preset_in
 from spmdtree._src.step.kinds import Backend, KernelClass
 from spmdtree._src.step.measure.measure import measure
-from spmdtree._src.step.time import Measurement
+from spmdtree._src.step.time import Measurement, kernel_seconds
 
 #: The grid of bf16 matmul shapes (m, k) x (k, n) timed for their shares (new in 0.8):
 #: every m of the first by every k and n of the second, small and narrow ones among
 #: them (a CNN's 128 channels, a decode step's 128 rows); a CPU's small (a test's).
 GRID: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {
-    "accelerator": ((128, 512, 2048, 8192, 32768), (128, 256, 512, 1024, 2048, 4096)),
+    "accelerator": ((128, 512, 2048, 8192), (128, 256, 512, 1024, 2048, 4096)),
     "cpu": ((64, 256), (64, 128)),
 }
 #: The most bytes of operands and results (at 4 bytes an element) one program of
@@ -70,11 +71,28 @@ GROUPED = {"accelerator": (16384, 1024, 4096, 8), "cpu": (512, 128, 256, 4)}
 #: The rows (bf16) gathered by index and scattered back (added), and their width: an
 #: expert layer's dispatch and combine of 16,384 routed tokens (new in 0.8).
 INDEXED = {"accelerator": (16384, 1024), "cpu": (1024, 128)}
+#: The loop of tiny kernels timed for each kernel's fixed cost (new in 0.8): its
+#: iterations, and the rows of the (rows, 128) f32 array each one updates.
+LAUNCH = {"accelerator": (4096, 8), "cpu": (256, 8)}
 #: Attention's (batch, heads, length, head width) for the flash kernel.
 ATTENTION = (2, 8, 4096, 128)
-#: Splash attention's blocks, every one of its eight: MaxText's default (its base.yml's
-#: sa_block_*); the kernel's own default (128) runs at about a tenth of the share.
+#: Splash attention's blocks where calibrate is given none, every one of its eight:
+#: MaxText's default (its base.yml's sa_block_*); the kernel's own default (128) ran
+#: at about a tenth of the share on a TPU v5e.
 SPLASH_BLOCK = 512
+#: Splash attention's blocks (`BlockSizes`' fields), forward and backward.
+SPLASH_FIELDS = (
+    "block_q",
+    "block_kv",
+    "block_kv_compute",
+    "block_q_dkv",
+    "block_kv_dkv",
+    "block_kv_dkv_compute",
+    "block_q_dq",
+    "block_kv_dq",
+)
+#: What a splash block must be a multiple of: a TPU's 128 lanes.
+LANES = 128
 
 
 @public
@@ -83,6 +101,7 @@ def calibrate(
     *,
     seconds: float = 60.0,
     preset: Hardware | str | None = None,
+    flash_blocks: int | Mapping[str, int] | Any | None = None,
 ) -> Hardware:
     """Measures the chip present: a `Hardware` whose per-kernel model figures are
     its own, each with its provenance (new in 0.7).
@@ -95,9 +114,12 @@ def calibrate(
     when it runs (a TPU's, `Kernel.unfused_update`; new in 0.7; elsewhere the
     preset's, said as not measured), and the flash-attention kernel's shares
     forward and backward with causal FLOPs as the model counts them (splash on a
-    TPU, cuDNN's on a GPU; none on a CPU, whose figures stay left out). Memory,
-    links and the chip are the preset's. Save it with `Hardware.to_json` and time
-    a pod's steps on it from any machine (``--hardware chip.json``).
+    TPU, at `flash_blocks`; cuDNN's on a GPU; none on a CPU, whose figures stay
+    left out), and what each kernel costs beyond its work (`launch_seconds`, from
+    a loop of tiny kernels; new in 0.8). Memory, links and collectives, and the
+    chip are the preset's: a calibration on one chip measures no link. Save it
+    with `Hardware.to_json` and time a pod's steps on it from any machine
+    (``hardware="chip.json"``, ``--hardware chip.json``).
 
     Args:
         device: the device to measure; None: the first of jax's default backend.
@@ -105,14 +127,22 @@ def calibrate(
             (at least one timed run each).
         preset: the preset whose peak, memory, links and chip are kept (a name
             or a `Hardware`); None: the one of the device's kind.
+        flash_blocks: splash attention's blocks to measure the flash shares at,
+            the ones your step runs (new in 0.8): one size for all eight, a
+            mapping of `BlockSizes`' fields (``block_q``, ``block_kv``, ...; the
+            rest 512), or splash's own `BlockSizes`; each a multiple of 128 that
+            divides the benchmark's 4,096 positions. None: 512 each, MaxText's.
+            The flash fields' provenance says the blocks. A TPU's only: cuDNN's
+            kernel has no blocks.
 
     Returns:
         The calibrated `Hardware`, named ``"<preset>, calibrated"``.
 
     Raises:
-        ValueError: for a device no preset matches (pass `preset`), or
-            `seconds` <= 0.
-        TypeError: for a device or preset of the wrong kind.
+        ValueError: for a device no preset matches (pass `preset`),
+            `seconds` <= 0, or flash blocks the kernel refuses (or given for a
+            device whose flash kernel is not splash).
+        TypeError: for a device, preset or flash blocks of the wrong kind.
 
     Example:
         >>> import spmdtree as st
@@ -124,17 +154,27 @@ def calibrate(
     base = _preset(preset, device)
     if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not seconds > 0:
         raise Mistake(ValueError, f"seconds is {seconds!r}; expected a number > 0.")
+    blocks = splash_blocks(flash_blocks)
     toolchain = TOOLCHAINS[Backend.of(device.platform)]
+    if flash_blocks is not None and toolchain.flash != "splash":
+        kernel = "cuDNN's flash attention, which has no blocks" if toolchain.flash else "none"
+        raise Mistake(
+            ValueError,
+            f"flash_blocks is {flash_blocks!r}, but they are splash attention's blocks (a "
+            f"TPU's kernel) and {device.device_kind}'s flash kernel is {kernel}; leave "
+            "flash_blocks out.",
+        )
     bench = _Bench(device, base, max(2, min(10, int(seconds / 8))))
-    figures = _figures(bench, toolchain)
+    figures = _figures(bench, toolchain, blocks)
     said = _provenance(device, toolchain.package)
     provenance = dict(base.provenance)
     measured: dict[str, Any] = {}
     for name, value in figures.items():
-        over = isinstance(value, float) and value > 1 and name != "eight_bit_speed"
+        over = isinstance(value, float) and value > 1 and name in SHARES
         measured[name] = 1.0 if over else value
         kept = f" ({value:.3g} of the preset's figure, above it: kept at 1)" if over else ""
-        provenance[name] = said + kept
+        flash = f", splash blocks {_said_blocks(blocks)}" if name.startswith("flash_") else ""
+        provenance[name] = said + flash + kept
     for name, why in NOT_MEASURED.items():
         if name not in figures:
             provenance[name] = "not measured: " + why.format(device=device.device_kind)
@@ -143,8 +183,23 @@ def calibrate(
     )
 
 
+#: The figures that are shares of a preset's figure: one above 1 is kept at 1.
+SHARES = frozenset(
+    {
+        "matmul_efficiency",
+        "memory_efficiency",
+        "f32_speed",
+        "f32_highest_speed",
+        "update_efficiency",
+        "grouped_efficiency",
+        "indexed_efficiency",
+        "flash_forward_efficiency",
+        "flash_backward_efficiency",
+    }
+)
 #: Why a figure went unmeasured, where the device ran no kernel of its kind.
 NOT_MEASURED = {
+    "launch_seconds": "{device}'s profile timed no kernel of the loop",
     "matmul_grid": "{device}'s profile timed not every matmul of the grid",
     "flash_forward_efficiency": "no flash-attention kernel timed on {device}",
     "flash_backward_efficiency": "no flash-attention kernel timed on {device}",
@@ -157,13 +212,16 @@ NOT_MEASURED = {
 }
 
 
-def _figures(bench: _Bench, toolchain: Any) -> dict[str, Any]:
+def _figures(bench: _Bench, toolchain: Any, blocks: Any) -> dict[str, Any]:
     """Every figure the benchmarks on `bench`'s device measured, by field name: shares
-    as measured (above 1 where the chip beat its preset), the grid's points."""
+    as measured (above 1 where the chip beat its preset), the grid's points (net of
+    each kernel's fixed cost), the flash kernel's at splash's `blocks`."""
     kind = "cpu" if toolchain.backend.estimates else "accelerator"
     peak = bench.base.flops_per_second
+    launch = bench.launch(*LAUNCH[kind])
     reference = _reference_shapes(REFERENCE[kind], toolchain.backend)
-    measured = _rates(bench, [*reference.values(), *_grid_shapes(*GRID[kind])])
+    shapes = [*reference.values(), *_grid_shapes(*GRID[kind])]
+    measured = _rates(bench, shapes, launch or 0.0)
     missing = [name for name, shape in reference.items() if shape not in measured]
     if missing:
         raise Mistake(
@@ -187,7 +245,8 @@ def _figures(bench: _Bench, toolchain: Any) -> dict[str, Any]:
         "indexed_efficiency": (indexed, bandwidth),
     }
     figures.update({name: rate / per for name, (rate, per) in shares.items() if rate is not None})
-    figures.update(_flash_shares(bench, toolchain.flash) or {})
+    figures.update(_flash_shares(bench, toolchain.flash, blocks) or {})
+    figures.update({"launch_seconds": launch} if launch is not None else {})
     return figures
 
 
@@ -255,10 +314,11 @@ class _Bench:
         spent = sum(op.measured_seconds for op in ops) or m.min_seconds
         return work / spent
 
-    def matmuls(self, shapes: Sequence[Matmul]) -> dict[Matmul, float]:
+    def matmuls(self, shapes: Sequence[Matmul], launch: float = 0.0) -> dict[Matmul, float]:
         """FLOP/s of each matmul of `shapes`, run side by side in one program, each on
-        operands of its own (none shares one, which the compiler would merge);
-        the ones the device's profile timed (new in 0.8)."""
+        operands of its own (none shares one, which the compiler would merge), its
+        time net of `launch` seconds a call; the ones the device's profile timed
+        (new in 0.8)."""
 
         def each(*pairs: tuple[jax.Array, jax.Array]) -> list[jax.Array]:
             out = []
@@ -278,9 +338,36 @@ class _Bench:
         for op in m.ops:
             kernel = kernels.get(op.name)
             i = _scope_of(kernel.op_name) if kernel is not None and op.flops else None
-            if i is not None and op.measured_seconds:
-                found[shapes[i]] = op.flops * op.calls / op.measured_seconds
+            worked = op.measured_seconds - launch * op.calls
+            if i is not None and worked > 0:
+                found[shapes[i]] = op.flops * op.calls / worked
         return found
+
+    def launch(self, iterations: int, rows: int) -> float | None:
+        """Seconds each kernel costs beyond its work (new in 0.8): the kernels of a
+        loop of `iterations` tiny updates of a (`rows`, 128) f32 array, each call's
+        measured time less the model's time for its work, the median of them;
+        None where the profile timed none of them."""
+
+        def loop(x: jax.Array, w: jax.Array) -> jax.Array:
+            step = lambda i, x: jnp.tanh(x @ w) * 0.5 + i.astype(x.dtype)  # noqa: E731
+            return jax.lax.fori_loop(0, iterations, step, x)
+
+        f32 = jnp.float32
+        m = self.run(
+            loop,
+            jax.ShapeDtypeStruct((rows, LANES), f32),
+            jax.ShapeDtypeStruct((LANES, LANES), f32),
+        )
+        schedule = m.plan.schedule
+        kernels = {k.name: k for k in schedule.kernels()} if schedule else {}
+        costs, peak = self.base.costs(), self.base.flops_per_second
+        each = [
+            op.measured_seconds / op.calls - kernel_seconds(kernels[op.name], costs, peak)
+            for op in m.ops
+            if op.name in kernels and op.calls == iterations and op.measured_seconds
+        ]
+        return max(0.0, float(np.median(each))) if each else None
 
     def update(self, buffer: tuple[int, ...], block: tuple[int, ...]) -> float | None:
         """Bytes per second an unfused in-place update moves (`Kernel.unfused_update`:
@@ -411,9 +498,10 @@ def _reference_shapes(shape: tuple[int, int, int], backend: Backend) -> dict[str
     return {name: (*shape, dtype, precision) for name, (dtype, precision) in kinds.items()}
 
 
-def _rates(bench: _Bench, shapes: Sequence[Matmul]) -> dict[Matmul, float]:
-    """The FLOP/s of each of `shapes` the profile timed, run in as few programs as hold
-    their operands and results in `PROGRAM_BYTES` each (smallest first)."""
+def _rates(bench: _Bench, shapes: Sequence[Matmul], launch: float) -> dict[Matmul, float]:
+    """The FLOP/s of each of `shapes` the profile timed (net of `launch` seconds a
+    call), run in as few programs as hold their operands and results in
+    `PROGRAM_BYTES` each (smallest first)."""
     found: dict[Matmul, float] = {}
     chunk: list[Matmul] = []
     held = 0
@@ -421,19 +509,20 @@ def _rates(bench: _Bench, shapes: Sequence[Matmul]) -> dict[Matmul, float]:
         m, k, n, dtype, _ = shape
         size = (m * k + k * n) * jnp.dtype(dtype).itemsize + m * n * 4
         if chunk and held + size > PROGRAM_BYTES:
-            found.update(bench.matmuls(chunk))
+            found.update(bench.matmuls(chunk, launch))
             chunk, held = [], 0
         chunk.append(shape)
         held += size
-    found.update(bench.matmuls(chunk) if chunk else {})
+    found.update(bench.matmuls(chunk, launch) if chunk else {})
     return found
 
 
-def _flash_shares(bench: _Bench, flash: str) -> dict[str, float] | None:
-    """The flash kernel's shares of the peak, forward and backward, causal: each
-    direction's FLOPs as the model counts them over their time in the device's
-    profile; None where the device has no flash kernel, or the profile timed none."""
-    attention = _attention(flash)
+def _flash_shares(bench: _Bench, flash: str, blocks: Any) -> dict[str, float] | None:
+    """The flash kernel's shares of the peak, forward and backward, causal (splash's at
+    `blocks`): each direction's FLOPs as the model counts them over their time in the
+    device's profile; None where the device has no flash kernel, or the profile timed
+    none."""
+    attention = _attention(flash, blocks)
     if attention is None:
         return None
     spec = jax.ShapeDtypeStruct(ATTENTION, jnp.bfloat16)
@@ -458,8 +547,9 @@ def _direction(call: str) -> str:
     return Kernel(KernelClass.ATTENTION, 0, 0, call=call).flash if call else ""
 
 
-def _attention(flash: str) -> Callable[..., jax.Array] | None:
-    """The `flash` kernel's causal attention over (batch, heads, length, width)."""
+def _attention(flash: str, blocks: Any = None) -> Callable[..., jax.Array] | None:
+    """The `flash` kernel's causal attention over (batch, heads, length, width), splash's
+    at `blocks` (its `BlockSizes`; None: `SPLASH_BLOCK` each)."""
     if flash == "splash":
         from jax.experimental.pallas.ops.tpu.splash_attention import (
             splash_attention_kernel as kernel,
@@ -470,7 +560,7 @@ def _attention(flash: str) -> Callable[..., jax.Array] | None:
 
         _, heads, length, _ = ATTENTION
         mask = masks.MultiHeadMask([masks.CausalMask((length, length)) for _ in range(heads)])
-        blocks = kernel.BlockSizes(*(SPLASH_BLOCK,) * 8)  # MaxText's: 512 each way
+        blocks = blocks or splash_blocks(None)
         splash = kernel.make_splash_mha(mask, block_sizes=blocks, head_shards=1, q_seq_shards=1)
         return jax.vmap(splash)
     if flash == "cudnn":
@@ -484,3 +574,65 @@ def _attention(flash: str) -> Callable[..., jax.Array] | None:
 
         return cudnn
     return None
+
+
+def splash_blocks(given: object) -> Any:
+    """Splash attention's `BlockSizes` for calibrate's ``flash_blocks`` (new in 0.8):
+    one size for all eight blocks, a mapping of some of `SPLASH_FIELDS` (the rest
+    `SPLASH_BLOCK`), or a `BlockSizes` as given; each block checked against the
+    benchmark's attention: a multiple of 128 that divides its length.
+
+    Example:
+        >>> splash_blocks(256).block_q, splash_blocks({"block_q": 1024}).block_kv
+        (256, 512)
+    """
+    from jax.experimental.pallas.ops.tpu.splash_attention import (
+        splash_attention_kernel as kernel,
+    )
+
+    if isinstance(given, kernel.BlockSizes):
+        sizes = {name: getattr(given, name) for name in SPLASH_FIELDS}
+    elif given is None or (isinstance(given, int) and not isinstance(given, bool)):
+        sizes = dict.fromkeys(SPLASH_FIELDS, SPLASH_BLOCK if given is None else given)
+    elif isinstance(given, Mapping):
+        unknown = [name for name in given if name not in SPLASH_FIELDS]
+        if unknown:
+            raise Mistake(
+                ValueError,
+                f"flash_blocks names {unknown[0]!r}; expected splash's blocks: "
+                f"{', '.join(SPLASH_FIELDS)}.",
+            )
+        sizes = {**dict.fromkeys(SPLASH_FIELDS, SPLASH_BLOCK), **given}
+    else:
+        raise Mistake(
+            TypeError,
+            f"flash_blocks is {given!r}; expected one block size (512), a mapping of "
+            "splash's BlockSizes fields ({'block_q': 512, ...}), a BlockSizes or None.",
+        )
+    length = ATTENTION[2]
+    for name, size in sizes.items():
+        fits = isinstance(size, int) and not isinstance(size, bool) and size > 0
+        if size is not None and not (fits and size % LANES == 0 and length % size == 0):
+            divisors = [b for b in range(LANES, length + 1, LANES) if length % b == 0]
+            raise Mistake(
+                ValueError,
+                f"flash_blocks sets {name} to {size!r}; expected a multiple of {LANES} that "
+                f"divides the benchmark's {length} positions "
+                f"({', '.join(map(str, divisors[:-1]))} or {divisors[-1]}).",
+            )
+    if isinstance(given, kernel.BlockSizes):
+        return given
+    return kernel.BlockSizes(**sizes)
+
+
+def _said_blocks(blocks: Any) -> str:
+    """Splash's `blocks` in a provenance: ``of 512`` where all are, else each set one.
+
+    Example:
+        >>> _said_blocks(splash_blocks(512)), _said_blocks(splash_blocks({"block_q": 1024}))[:26]
+        ('of 512', 'block_q 1024, block_kv 512')
+    """
+    sizes = {name: getattr(blocks, name) for name in SPLASH_FIELDS}
+    if len(set(sizes.values())) == 1:
+        return f"of {sizes['block_q']}"
+    return ", ".join(f"{name} {size}" for name, size in sizes.items() if size is not None)

@@ -145,8 +145,9 @@ def check_here(mesh: object) -> Mesh:
         raise Mistake(
             ValueError,
             f"mesh is an AbstractMesh {dict(mesh.shape)}, whose devices cannot run a step; "
-            "measure runs on a jax.sharding.Mesh of this process's devices. Plan devices "
-            "you don't have with st.preflight(..., target=...).",
+            "measure runs on a jax.sharding.Mesh of this process's devices "
+            "(st.layouts(jax.devices(), axes) gives them). Plan devices you don't have "
+            "with st.preflight(..., target=...).",
         )
     if not isinstance(mesh, Mesh):
         raise Mistake(
