@@ -102,7 +102,8 @@ class Costs:
         cores: the units a matmul's tiles are spread over (SMs; 1 on a TPU,
             whose MXUs work on one tile stream).
         tile: a matmul tile's (m, n) on that chip.
-        launch_seconds: the overhead each kernel adds (0 on a TPU: one program).
+        launch_seconds: the fixed cost each kernel adds beyond its work (a TPU
+            preset's 0: one program; `st.calibrate` measures it, new in 0.8).
         collective_latency_seconds: the latency each collective adds beyond
             the links' per-hop latency.
         f32_speed: an f32 matmul's peak over the bf16 one at the default
@@ -270,7 +271,8 @@ class Hardware:
             by its shape, each dimension padded to `tile`, log-linear between the
             grid's points; None: `matmul_efficiency` for every shape, times the
             wave efficiency (new in 0.8).
-        launch_seconds: the overhead each kernel adds (XLA GPU's 1 us; 0).
+        launch_seconds: the fixed cost each kernel adds beyond its work (XLA
+            GPU's 1 us; 0; `st.calibrate` measures it, new in 0.8).
         collective_latency_seconds: what each collective adds beyond the links'
             per-hop latency (XLA GPU's 5 us; 0).
         chip: what its compiler is told, for ``preflight(..., target=)``: a
