@@ -20,7 +20,12 @@
   first) and the preset, with its grouped matmuls and its gathers and scatters
   measured against their predicted time (``moe.json``; new in 0.8).
 
-Run on the chip: python benchmarks/chip.py --out DIR [fixture calibrate advise update moe]
+- ``recipe``: docs/planning.md's "One chip and a laptop", its VM half as the page
+  writes it (new in 0.8): ``spmdtree calibrate --json chip.json`` in DIR, timed (its
+  figures, and each benchmark's time), then the page's Python
+  blocks for the VM, run in DIR.
+
+Run on the chip: python benchmarks/chip.py --out DIR [fixture calibrate advise update moe recipe]
 Without a chip it says so and exits 0.
 """
 
@@ -30,8 +35,11 @@ import argparse
 import collections
 import gzip
 import json
+import os
 import pathlib
+import re
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -264,6 +272,63 @@ def moe(out: pathlib.Path) -> None:
     (out / "moe_measured.json").write_text(m.to_json())  # every instruction's times
 
 
+#: The recipe's heading in docs/planning.md.
+RECIPE = "### One chip and a laptop (new in 0.8)"
+
+
+def recipe_blocks() -> list[str]:
+    """The Python blocks of docs/planning.md's recipe that run on the VM, in order: its
+    shared definitions and the blocks whose first line says "on the TPU VM" (the
+    laptop's, "on the laptop", left out)."""
+    page = (HERE.parent / "docs" / "planning.md").read_text()
+    section = page.split(RECIPE, 1)[1].split("\n## ", 1)[0].split("\n### ", 1)[0]
+    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+    return [block for block in blocks if "on the laptop" not in block.splitlines()[0]]
+
+
+#: ``spmdtree calibrate``'s own main, each benchmark's time said on stderr as it ends.
+TIMED = """
+import importlib, sys, time
+calibrate = importlib.import_module("spmdtree._src.step.measure.calibrate")
+run = calibrate._Bench.run
+def timed(self, fn, *specs, **keywords):
+    start = time.perf_counter()
+    try:
+        return run(self, fn, *specs, **keywords)
+    finally:
+        name = getattr(fn, "__qualname__", fn)
+        print(f"  {name}: {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+calibrate._Bench.run = timed
+from spmdtree._src.cli import main
+sys.exit(main())
+"""
+
+
+def recipe_calibrate(out: pathlib.Path) -> None:
+    """The recipe's first command on the VM, timed, in its own process (which holds
+    the chip until it ends): ``spmdtree calibrate --json chip.json``, its main run
+    with each benchmark's time said as it ends (where the time went)."""
+    out.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-c", TIMED, "calibrate", "--json", "chip.json"]
+    start = time.perf_counter()
+    if subprocess.run(command, cwd=out).returncode:
+        return  # no chip: it said why
+    print(f"spmdtree calibrate --json chip.json in {time.perf_counter() - start:.1f} s", flush=True)
+
+
+def recipe(out: pathlib.Path) -> None:
+    """The recipe's Python blocks for the VM, as the page writes them, run in `out`
+    (where ``chip.json`` is)."""
+    here = os.getcwd()
+    os.chdir(out)
+    try:
+        namespace: dict[str, Any] = {}
+        for block in recipe_blocks():
+            exec(compile(block, "docs/planning.md", "exec"), namespace)
+    finally:
+        os.chdir(here)
+
+
 def one_chip_hardware(out: pathlib.Path) -> st.Hardware:
     """The chip calibrate recorded in `out` (or --hardware's), else the preset."""
     path = out / "chip.json"
@@ -284,6 +349,8 @@ def main() -> int:
     parser.add_argument("--out", type=pathlib.Path, required=True)
     parser.add_argument("what", nargs="*", default=["fixture", "calibrate", "advise"])
     args = parser.parse_args()
+    if "recipe" in args.what:
+        recipe_calibrate(args.out)  # before this process takes the chip
     if jax.devices()[0].platform != "tpu":
         print("no TPU here: benchmarks/chip.py records a chip's run")
         return 0
@@ -294,6 +361,7 @@ def main() -> int:
         "advise": advise,
         "update": update,
         "moe": moe,
+        "recipe": recipe,
     }
     for what in args.what:
         jobs[what](args.out)
