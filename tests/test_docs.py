@@ -10,6 +10,12 @@ example too, as ``python -m spmdtree``). A block after
 ``<!-- measured: ... -->`` is a record of timings from one run of that command
 (timings vary, so it is not compared); the command must exist. No other text
 block may stand unchecked.
+
+Two kinds of Python block run elsewhere (new in 0.8): one whose first line says
+"on the TPU VM" needs the chip, and benchmarks/chip.py's ``recipe`` runs it there
+(its output recorded after a ``measured:`` marker); one whose first line says
+"needs spmdtree[tpu]" compiles with libtpu, and runs where libtpu is installed (a
+target test), with the blocks it continues.
 """
 
 import doctest
@@ -23,6 +29,7 @@ import subprocess
 import sys
 
 import pytest
+from test_targets import has_compiler
 
 import spmdtree
 
@@ -65,18 +72,68 @@ def _id(page):
     return str(page.relative_to(ROOT))
 
 
-@pytest.mark.parametrize("page", PAGES, ids=_id)
-def test_page_runs_and_shows_what_it_prints(page, capsys):
+#: What a block's first line says where it runs elsewhere: on the chip, or with libtpu.
+ON_THE_CHIP, NEEDS_LIBTPU = "on the TPU VM", "needs spmdtree[tpu]"
+
+
+def _runs_here(code, libtpu):
+    first = code.splitlines()[0]
+    return ON_THE_CHIP not in first and (libtpu or NEEDS_LIBTPU not in first)
+
+
+def run_page(page, capsys, libtpu, only=None):
+    """Runs `page`'s blocks that run here, in order (`only`: those indices alone, and
+    the blocks they continue), each output shown checked."""
     namespace: dict = {}
     for i, (code, expected) in enumerate(scripts(page)):
         if not code.startswith("# continues"):
             namespace = {}
         elif i == 0:
             pytest.fail(f"{_id(page)}: its first block cannot continue another")
+        needed = only is None or any(j >= i and _chain(page, i, j) for j in only)
+        if not _runs_here(code, libtpu) or not needed:
+            continue
         exec(compile(code, str(page), "exec"), namespace)
         got = capsys.readouterr().out
         if expected is not None:
             assert _same(expected, got), f"{_id(page)} block {i} printed:\n{got}\nnot:\n{expected}"
+
+
+def _chain(page, i, j):
+    """Whether block `j` of `page` continues block `i` (through the ones between)."""
+    codes = [code for code, _ in scripts(page)]
+    return all(code.startswith("# continues") for code in codes[i + 1 : j + 1])
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_id)
+def test_page_runs_and_shows_what_it_prints(page, capsys):
+    run_page(page, capsys, libtpu=False)
+
+
+LIBTPU_BLOCKS = {
+    page: [i for i, (code, _) in enumerate(scripts(page)) if NEEDS_LIBTPU in code.splitlines()[0]]
+    for page in PAGES
+}
+
+
+@pytest.mark.skipif(not has_compiler("tpu"), reason="needs pip install 'spmdtree[tpu]'")
+@pytest.mark.parametrize("page", [p for p in PAGES if LIBTPU_BLOCKS[p]], ids=_id)
+def test_blocks_that_compile_with_libtpu_run_and_show_what_they_print(page, capsys):
+    run_page(page, capsys, libtpu=True, only=LIBTPU_BLOCKS[page])
+
+
+def test_the_chips_blocks_are_the_ones_benchmarks_chip_runs():
+    """The recipe's blocks for the VM are what benchmarks/chip.py's ``recipe`` runs on
+    the chip: the page's shared definitions and its blocks "on the TPU VM"."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import chip
+
+    page = ROOT / "docs" / "planning.md"
+    codes = [code for code, _ in scripts(page)]
+    on_chip = [code for code in codes if ON_THE_CHIP in code.splitlines()[0]]
+    assert on_chip and all(code in chip.recipe_blocks() for code in on_chip)
+    assert all(code in codes for code in chip.recipe_blocks())
+    assert not any("on the laptop" in code.splitlines()[0] for code in chip.recipe_blocks())
 
 
 @pytest.mark.parametrize("page", PAGES, ids=_id)
