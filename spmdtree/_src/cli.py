@@ -331,7 +331,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     said = sys.stderr if args.json == "-" else sys.stdout
     for name, why in calibrated.provenance.items():
         if why.startswith(("measured", "not measured")):
-            print(f"{name:<27}{getattr(calibrated, name)!s:<22}{why}", file=said)
+            print(f"{name:<26} {getattr(calibrated, name)!s:<21} {why}", file=said)
     if args.json == "-":
         print(calibrated.to_json())
     elif args.json:
