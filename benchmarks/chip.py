@@ -274,16 +274,19 @@ def moe(out: pathlib.Path) -> None:
 
 #: The recipe's heading in docs/planning.md.
 RECIPE = "### One chip and a laptop (new in 0.8)"
+#: What a docs block's first line says where it runs on the chip, or compiles with
+#: libtpu on a laptop (tests/test_docs.py reads the same).
+ON_THE_CHIP, NEEDS_LIBTPU = "on the TPU VM", "needs spmdtree[tpu]"
 
 
 def recipe_blocks() -> list[str]:
     """The Python blocks of docs/planning.md's recipe that run on the VM, in order: its
-    shared definitions and the blocks whose first line says "on the TPU VM" (the
-    laptop's, "on the laptop", left out)."""
+    shared definitions and the blocks whose first line says `ON_THE_CHIP` (the
+    laptop's, `NEEDS_LIBTPU`, left out)."""
     page = (HERE.parent / "docs" / "planning.md").read_text()
     section = page.split(RECIPE, 1)[1].split("\n## ", 1)[0].split("\n### ", 1)[0]
     blocks = re.findall(r"```python\n(.*?)```", section, re.S)
-    return [block for block in blocks if "on the laptop" not in block.splitlines()[0]]
+    return [block for block in blocks if NEEDS_LIBTPU not in block.splitlines()[0]]
 
 
 #: ``spmdtree calibrate``'s own main, each benchmark's time said on stderr as it ends.

@@ -13,6 +13,7 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.sharding import AxisType
 
@@ -101,8 +102,13 @@ def test_layouts_over_devices_are_meshes_of_those_devices():
         assert isinstance(mesh, jax.sharding.Mesh)
         assert sorted(d.id for d in mesh.devices.flat) == sorted(d.id for d in devices)
         assert mesh.axis_types == (AxisType.Explicit, AxisType.Explicit)
+    # an array of them (a Mesh's devices) and a numpy count are taken as well
+    assert [m.devices.size for m in st.layouts(np.array(devices), ("data",))] == [4]
+    assert len(st.layouts(np.int64(4), ("data", "tensor"))) == len(meshes)
     with pytest.raises(ValueError, match=r"^layouts: devices is empty; expected jax devices"):
         st.layouts([])
+    with pytest.raises(ValueError, match=r"^layouts: devices lists .* more than once; give each"):
+        st.layouts([devices[0], devices[0]], ("data",))
     with pytest.raises(TypeError, match=r"^layouts: devices is \['cpu:0'\]; expected how many"):
         st.layouts(["cpu:0"])
     with pytest.raises(TypeError, match=r"^layouts: devices is 8.0; expected how many"):

@@ -72,8 +72,13 @@ def _id(page):
     return str(page.relative_to(ROOT))
 
 
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import chip  # noqa: E402  benchmarks/chip.py: it runs the blocks on the chip
+
 #: What a block's first line says where it runs elsewhere: on the chip, or with libtpu.
-ON_THE_CHIP, NEEDS_LIBTPU = "on the TPU VM", "needs spmdtree[tpu]"
+ON_THE_CHIP, NEEDS_LIBTPU = chip.ON_THE_CHIP, chip.NEEDS_LIBTPU
+#: The files a page's blocks that compile with libtpu read, as the chip recorded them.
+RECORDED = {"planning.md": {"chip.json": ROOT / "benchmarks/chip-2026-12-07/recipe/chip.json"}}
 
 
 def _runs_here(code, libtpu):
@@ -92,6 +97,7 @@ def run_page(page, capsys, libtpu, only=None):
             pytest.fail(f"{_id(page)}: its first block cannot continue another")
         needed = only is None or any(j >= i and _chain(page, i, j) for j in only)
         if not _runs_here(code, libtpu) or not needed:
+            compile(code, str(page), "exec")  # run elsewhere: its syntax checked here
             continue
         exec(compile(code, str(page), "exec"), namespace)
         got = capsys.readouterr().out
@@ -118,22 +124,31 @@ LIBTPU_BLOCKS = {
 
 @pytest.mark.skipif(not has_compiler("tpu"), reason="needs pip install 'spmdtree[tpu]'")
 @pytest.mark.parametrize("page", [p for p in PAGES if LIBTPU_BLOCKS[p]], ids=_id)
-def test_blocks_that_compile_with_libtpu_run_and_show_what_they_print(page, capsys):
+def test_blocks_that_compile_with_libtpu_run_and_show_what_they_print(
+    page, capsys, tmp_path, monkeypatch
+):
+    """Where the blocks read a file the chip wrote (the VM's chip.json), they read the
+    one it recorded, copied into a folder of their own."""
+    for name, recorded in RECORDED.get(page.name, {}).items():
+        (tmp_path / name).write_bytes(recorded.read_bytes())
+    monkeypatch.chdir(tmp_path)
     run_page(page, capsys, libtpu=True, only=LIBTPU_BLOCKS[page])
 
 
 def test_the_chips_blocks_are_the_ones_benchmarks_chip_runs():
-    """The recipe's blocks for the VM are what benchmarks/chip.py's ``recipe`` runs on
-    the chip: the page's shared definitions and its blocks "on the TPU VM"."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import chip
-
-    page = ROOT / "docs" / "planning.md"
-    codes = [code for code, _ in scripts(page)]
-    on_chip = [code for code in codes if ON_THE_CHIP in code.splitlines()[0]]
-    assert on_chip and all(code in chip.recipe_blocks() for code in on_chip)
-    assert all(code in codes for code in chip.recipe_blocks())
-    assert not any("on the laptop" in code.splitlines()[0] for code in chip.recipe_blocks())
+    """Every block "on the TPU VM", on every page, is one benchmarks/chip.py's
+    ``recipe`` runs on the chip (the page's recipe: its shared definitions and those
+    blocks); no block is marked both for the chip and for a laptop's libtpu."""
+    ran = chip.recipe_blocks()
+    on_chip = []
+    for page in PAGES:
+        for code, _ in scripts(page):
+            first = code.splitlines()[0]
+            assert not (ON_THE_CHIP in first and NEEDS_LIBTPU in first), first
+            on_chip += [code] if ON_THE_CHIP in first else []
+    assert on_chip and all(code in ran for code in on_chip)
+    codes = [code for code, _ in scripts(ROOT / "docs" / "planning.md")]
+    assert all(code in codes and NEEDS_LIBTPU not in code.splitlines()[0] for code in ran)
 
 
 @pytest.mark.parametrize("page", PAGES, ids=_id)

@@ -217,6 +217,35 @@ FIGURES = [
         ],
     ),
     Figure(
+        "a TPU v5e kernel's fixed cost, as calibrate measured it",
+        False,
+        [
+            (r"0\.\d+ us on a TPU v5e", lambda m: m.group(0).split()[0]),
+            (r"\| `launch_seconds` \| (\S+) us \|", group()),
+            (r"each ran (\S+) us beyond its work", group()),
+        ],
+    ),
+    Figure(
+        "how long st.calibrate takes",
+        False,
+        [
+            (r"own figures in about a\s+(minute and a half)", group()),
+            (r"### A chip calibrated in a (minute and a half)", group()),
+            (r"Calibrate \(about a (minute and a half)\)", group()),
+        ],
+    ),
+    Figure(
+        "calibrate's grid's row counts and their range",
+        False,
+        [
+            (
+                r"measures it \((\d+) row counts, (128 to \d{1,3}(?:,\d{3})*)",
+                lambda m: f"{m.group(1)}, {m.group(2)}",
+            ),
+            (r"The grid is every m of \(128, 512, 2,048, 8,192\)", lambda m: "4, 128 to 8,192"),
+        ],
+    ),
+    Figure(
         "a deviceless XLA GPU compile's peak against a real H200's",
         False,
         [

@@ -313,35 +313,50 @@ def test_calibrate_measures_each_kernels_fixed_cost_and_reads_the_grid_net_of_it
 
 
 def test_calibrate_takes_splash_blocks_and_refuses_ones_the_kernel_cannot_run():
+    """flash_blocks (new in 0.8): one size, a mapping (a compute block left out is its
+    parent's) or splash's own BlockSizes; blocks the benchmark's splash cannot run are
+    refused before anything runs, each naming the block and what to give."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel
 
     # Private: the blocks' reading has no public name of its own
+    from spmdtree._src.errors import Mistake
     from spmdtree._src.step.measure.calibrate import splash_blocks
 
-    assert splash_blocks(None) == splash_attention_kernel.BlockSizes(*(512,) * 8)
+    blocks = splash_attention_kernel.BlockSizes
+    assert splash_blocks(None) == blocks(*(512,) * 8)
     assert splash_blocks(1024).block_kv_dq == 1024
-    given = splash_attention_kernel.BlockSizes(block_q=256, block_kv=1024)
+    given = blocks(*(256,) * 8)
     assert splash_blocks(given) is given
-    mixed = splash_blocks({"block_q": 2048, "block_kv_dq": 256})
-    assert (mixed.block_q, mixed.block_kv, mixed.block_kv_dq) == (2048, 512, 256)
+    mixed = splash_blocks({"block_q": 2048, "block_kv_dq": 256, "block_kv": 256})
+    assert (mixed.block_q, mixed.block_kv, mixed.block_kv_compute, mixed.block_kv_dq) == (
+        2048, 256, 256, 256,
+    )  # fmt: skip
+    fused = blocks(*(512,) * 6, use_fused_bwd_kernel=True)  # no dq blocks: none needed
+    assert splash_blocks(fused) is fused
     cases = [
         (100, ValueError, r"calibrate: flash_blocks sets block_q to 100; expected a multiple of 128 that divides the benchmark's 4096 positions \(128, 256, 512, 1024, 2048 or 4096\)"),
         (8192, ValueError, r"flash_blocks sets block_q to 8192"),
         ({"block_kv": 384}, ValueError, r"flash_blocks sets block_kv to 384"),
+        ({"block_q": None}, ValueError, r"flash_blocks sets block_q to None; .* every block is set"),
+        ({"block_kv": 256, "block_kv_compute": 512}, ValueError, r"flash_blocks sets block_kv to 256 and block_kv_compute to 512; expected block_kv a multiple of block_kv_compute"),
+        (blocks(block_q=256, block_kv=1024), ValueError, r"flash_blocks sets block_q_dkv to None"),
         ({"block_x": 512}, ValueError, r"flash_blocks names 'block_x'; expected splash's blocks: block_q, block_kv"),
         ("512", TypeError, r"calibrate: flash_blocks is '512'; expected one block size \(512\)"),
         (True, TypeError, r"flash_blocks is True"),
     ]  # fmt: skip
-    for blocks, error, says in cases:
+    for given, error, says in cases:
+        with pytest.raises(Mistake) as raised:
+            splash_blocks(given)
         with pytest.raises(error, match=says):
-            st.calibrate(seconds=1.0, preset="tpu-v5e", flash_blocks=blocks)
-    # a device whose flash kernel is not splash: the blocks are refused, not dropped
-    with pytest.raises(
-        ValueError,
-        match=r"calibrate: flash_blocks is 256, but they are splash attention's blocks \(a "
-        r"TPU's kernel\) and cpu's flash kernel is none; leave flash_blocks out",
-    ):
-        st.calibrate(seconds=1.0, preset="tpu-v5e", flash_blocks=256)
+            raise raised.value.error("calibrate")
+    # a device whose flash kernel is not splash: the blocks are refused first, not dropped
+    for given in (256, 100):
+        with pytest.raises(
+            ValueError,
+            match=rf"calibrate: flash_blocks is {given}, but they are splash attention's "
+            r"blocks \(a TPU's kernel\) and cpu's flash kernel is none; leave flash_blocks out",
+        ):
+            st.calibrate(seconds=1.0, preset="tpu-v5e", flash_blocks=given)
 
 
 def test_calibrate_refuses_a_device_no_preset_matches():

@@ -283,7 +283,13 @@ def _calibrate_parser(commands: Any) -> None:
     )
     sub.set_defaults(run=_calibrate)
     sub.add_argument("--json", metavar="PATH", help="write the hardware's JSON (- for stdout)")
-    sub.add_argument("--seconds", type=_positive, default=60, help="about how long (default 60)")
+    sub.add_argument(
+        "--seconds",
+        type=_positive,
+        default=60,
+        help="how long the timed runs may take, compiles apart (default 60; ~96 s in all "
+        "on a TPU v5e)",
+    )
     sub.add_argument("--preset", help="the preset whose peak, memory and links are kept")
     sub.add_argument(
         "--flash-blocks",

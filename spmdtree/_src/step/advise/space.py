@@ -13,9 +13,10 @@ from collections.abc import Hashable, Iterable, Mapping, Sequence
 from typing import cast, overload
 
 import jax
+import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh
 
-from spmdtree._src.errors import Mistake, public
+from spmdtree._src.errors import Mistake, fmt, public
 from spmdtree._src.pipeline import STAGE
 from spmdtree._src.rules import AnyMesh, Rules
 from spmdtree._src.sequences import CONTEXT
@@ -96,8 +97,9 @@ def layouts(
 
     Args:
         devices: how many devices (abstract meshes, to plan with), or the devices
-            themselves, e.g. ``jax.devices()`` (`Mesh`es over them, laid out by
-            `jax.make_mesh`, to run on).
+            themselves, a list, tuple or array of them, e.g. ``jax.local_devices()``
+            (`Mesh`es over them to run on, laid out by `jax.make_mesh` where their
+            topology takes the shape, else in the order given).
         axes: the mesh axis names, in mesh order.
         sizes: per axis an int (fixed) or ``(lo, hi)`` (inclusive bounds), e.g.
             ``{"tensor": (1, 8)}``.
@@ -108,8 +110,9 @@ def layouts(
         The meshes.
 
     Raises:
-        ValueError: for devices < 1 (or no devices), repeated axes, a size naming
-            no axis, bad bounds, or bounds that no factorization meets.
+        ValueError: for devices < 1 (no devices, a device twice, devices of two
+            platforms), repeated axes, a size naming no axis, bad bounds, or bounds
+            that no factorization meets.
         TypeError: for devices that are neither a count nor jax devices.
 
     Example:
@@ -121,8 +124,8 @@ def layouts(
         [('Mesh', True)]
     """
     given = _devices(devices)
-    count = len(given) if given is not None else devices
-    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+    count = len(given) if given is not None else int(cast(int, devices))
+    if count < 1:
         raise Mistake(ValueError, f"devices is {devices!r}; expected an int >= 1 or jax devices.")
     axes = tuple(axes)
     if not axes or len(set(axes)) != len(axes) or not all(isinstance(a, str) for a in axes):
@@ -145,24 +148,61 @@ def layouts(
         )
     if given is None:
         return [AbstractMesh(shape, axes, axis_types=types) for shape in shapes]
-    return [jax.make_mesh(shape, axes, types, devices=given) for shape in shapes]
+    return [_mesh_over(given, shape, axes, types) for shape in shapes]
 
 
 def _devices(devices: object) -> list[jax.Device] | None:
-    """`layouts`' devices as a list where they are jax devices; None for a count."""
-    if isinstance(devices, numbers.Integral):
+    """`layouts`' devices as a list where they are jax devices (a list, a tuple, or an
+    array of them, a `Mesh`'s ``devices``), each once and of one platform; None for a
+    count."""
+    if isinstance(devices, numbers.Integral) and not isinstance(devices, bool):
         return None
+    if isinstance(devices, np.ndarray):
+        devices = list(devices.flat)
     if isinstance(devices, Sequence) and not isinstance(devices, str):
         listed = list(devices)
-        if listed and all(isinstance(d, jax.Device) for d in listed):
-            return listed
         if not listed:
             raise Mistake(ValueError, "devices is empty; expected jax devices (jax.devices()).")
+        if all(isinstance(d, jax.Device) for d in listed):
+            _check_distinct(listed)
+            return listed
     raise Mistake(
         TypeError,
-        f"devices is {devices!r}; expected how many (an int >= 1) or the devices "
-        "themselves (jax.devices()).",
+        f"devices is {fmt(devices)}; expected how many (an int >= 1) or the devices "
+        "themselves, a list or tuple of jax devices (jax.local_devices()).",
     )
+
+
+def _check_distinct(devices: Sequence[jax.Device]) -> None:
+    """Refuses devices listed twice, or of more than one platform."""
+    seen = {d.id for d in devices}
+    if len(seen) != len(devices):
+        twice = next(d for d in devices if sum(e.id == d.id for e in devices) > 1)
+        raise Mistake(
+            ValueError,
+            f"devices lists {twice} more than once; give each device once (jax.local_devices()).",
+        )
+    platforms = sorted({d.platform for d in devices})
+    if len(platforms) > 1:
+        raise Mistake(
+            ValueError,
+            f"devices are of the platforms {', '.join(platforms)}; give devices of one "
+            "platform (jax.local_devices(backend=...)).",
+        )
+
+
+def _mesh_over(
+    devices: Sequence[jax.Device],
+    shape: tuple[int, ...],
+    axes: tuple[str, ...],
+    types: tuple[AxisType, ...],
+) -> Mesh:
+    """A `Mesh` of `shape` over `devices`: as `jax.make_mesh` lays them out for the
+    chips' links where it can, else in the order given."""
+    try:
+        return jax.make_mesh(shape, axes, types, devices=devices)
+    except (ValueError, NotImplementedError, AssertionError):  # a shape its topology refuses
+        return Mesh(np.array(devices, dtype=object).reshape(shape), axes, axis_types=types)
 
 
 def count_or_none(value: object) -> bool:

@@ -30,7 +30,7 @@ import dataclasses
 import datetime
 from collections.abc import Callable, Mapping, Sequence
 from importlib import metadata
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -43,6 +43,11 @@ from spmdtree._src.step.hw import PRESETS, Hardware, hardware, preset_in
 from spmdtree._src.step.kinds import Backend, KernelClass
 from spmdtree._src.step.measure.measure import measure
 from spmdtree._src.step.time import Measurement, kernel_seconds
+
+if TYPE_CHECKING:  # splash's own blocks; imported where calibrate runs it
+    from jax.experimental.pallas.ops.tpu.splash_attention.splash_attention_kernel import (
+        BlockSizes,
+    )
 
 #: The grid of bf16 matmul shapes (m, k) x (k, n) timed for their shares (new in 0.8):
 #: every m of the first by every k and n of the second, small and narrow ones among
@@ -101,7 +106,7 @@ def calibrate(
     *,
     seconds: float = 60.0,
     preset: Hardware | str | None = None,
-    flash_blocks: int | Mapping[str, int] | Any | None = None,
+    flash_blocks: int | Mapping[str, int] | BlockSizes | None = None,
 ) -> Hardware:
     """Measures the chip present: a `Hardware` whose per-kernel model figures are
     its own, each with its provenance (new in 0.7).
@@ -123,8 +128,9 @@ def calibrate(
 
     Args:
         device: the device to measure; None: the first of jax's default backend.
-        seconds: about how long to spend; each benchmark's repeats shrink to fit
-            (at least one timed run each).
+        seconds: how long the benchmarks' timed runs may take; each one's
+            repeats shrink to fit (at least two timed runs each). Their compiles and
+            profiles come on top: on a TPU v5e the default took 96 s in all.
         preset: the preset whose peak, memory, links and chip are kept (a name
             or a `Hardware`); None: the one of the device's kind.
         flash_blocks: splash attention's blocks to measure the flash shares at,
@@ -154,9 +160,9 @@ def calibrate(
     base = _preset(preset, device)
     if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not seconds > 0:
         raise Mistake(ValueError, f"seconds is {seconds!r}; expected a number > 0.")
-    blocks = splash_blocks(flash_blocks)
     toolchain = TOOLCHAINS[Backend.of(device.platform)]
-    if flash_blocks is not None and toolchain.flash != "splash":
+    splash = toolchain.flash == "splash"
+    if flash_blocks is not None and not splash:
         kernel = "cuDNN's flash attention, which has no blocks" if toolchain.flash else "none"
         raise Mistake(
             ValueError,
@@ -164,6 +170,7 @@ def calibrate(
             f"TPU's kernel) and {device.device_kind}'s flash kernel is {kernel}; leave "
             "flash_blocks out.",
         )
+    blocks = splash_blocks(flash_blocks) if splash else None
     bench = _Bench(device, base, max(2, min(10, int(seconds / 8))))
     figures = _figures(bench, toolchain, blocks)
     said = _provenance(device, toolchain.package)
@@ -173,7 +180,11 @@ def calibrate(
         over = isinstance(value, float) and value > 1 and name in SHARES
         measured[name] = 1.0 if over else value
         kept = f" ({value:.3g} of the preset's figure, above it: kept at 1)" if over else ""
-        flash = f", splash blocks {_said_blocks(blocks)}" if name.startswith("flash_") else ""
+        flash = (
+            f", splash blocks {_said_blocks(blocks)}"
+            if name.startswith("flash_") and splash
+            else ""
+        )
         provenance[name] = said + flash + kept
     for name, why in NOT_MEASURED.items():
         if name not in figures:
@@ -342,6 +353,7 @@ class _Bench:
             kernel = kernels.get(op.name)
             i = _scope_of(kernel.op_name) if kernel is not None and op.flops else None
             worked = op.measured_seconds - launch * op.calls
+            worked = worked if worked > 0 else op.measured_seconds  # a fixed cost no less
             if i is not None and worked > 0:
                 found[shapes[i]] = op.flops * op.calls / worked
         return found
@@ -588,19 +600,26 @@ def _attention(flash: str, blocks: Any = None) -> Callable[..., jax.Array] | Non
 def splash_blocks(given: object) -> Any:
     """Splash attention's `BlockSizes` for calibrate's ``flash_blocks`` (new in 0.8):
     one size for all eight blocks, a mapping of some of `SPLASH_FIELDS` (the rest
-    `SPLASH_BLOCK`), or a `BlockSizes` as given; each block checked against the
-    benchmark's attention: a multiple of 128 that divides its length.
+    `SPLASH_BLOCK`; a ``*_compute`` block left out is its parent's), or a
+    `BlockSizes` as given; checked against what the benchmark runs: every block set
+    (it runs the backward too; the dq ones may be left out of a fused backward),
+    each a multiple of 128 that divides its attention's length, and a key block a
+    multiple of the block it is computed in.
 
     Example:
         >>> splash_blocks(256).block_q, splash_blocks({"block_q": 1024}).block_kv
         (256, 512)
+        >>> splash_blocks({"block_kv": 256}).block_kv_compute
+        256
     """
     from jax.experimental.pallas.ops.tpu.splash_attention import (
         splash_attention_kernel as kernel,
     )
 
+    fused = False
     if isinstance(given, kernel.BlockSizes):
         sizes = {name: getattr(given, name) for name in SPLASH_FIELDS}
+        fused = given.use_fused_bwd_kernel
     elif given is None or (isinstance(given, int) and not isinstance(given, bool)):
         sizes = dict.fromkeys(SPLASH_FIELDS, SPLASH_BLOCK if given is None else given)
     elif isinstance(given, Mapping):
@@ -612,26 +631,46 @@ def splash_blocks(given: object) -> Any:
                 f"{', '.join(SPLASH_FIELDS)}.",
             )
         sizes = {**dict.fromkeys(SPLASH_FIELDS, SPLASH_BLOCK), **given}
+        for compute, parent in _COMPUTED_IN:
+            sizes[compute] = given.get(compute, sizes[parent])
     else:
         raise Mistake(
             TypeError,
             f"flash_blocks is {given!r}; expected one block size (512), a mapping of "
             "splash's BlockSizes fields ({'block_q': 512, ...}), a BlockSizes or None.",
         )
+    _check_blocks(sizes, fused)
+    return given if isinstance(given, kernel.BlockSizes) else kernel.BlockSizes(**sizes)
+
+
+#: Splash's key blocks and the blocks each is computed in.
+_COMPUTED_IN = (("block_kv_compute", "block_kv"), ("block_kv_dkv_compute", "block_kv_dkv"))
+
+
+def _check_blocks(sizes: Mapping[str, object], fused: bool) -> None:
+    """Refuses blocks the benchmark's splash kernel cannot run (`splash_blocks`)."""
     length = ATTENTION[2]
+    divisors = [b for b in range(LANES, length + 1, LANES) if length % b == 0]
     for name, size in sizes.items():
-        fits = isinstance(size, int) and not isinstance(size, bool) and size > 0
-        if size is not None and not (fits and size % LANES == 0 and length % size == 0):
-            divisors = [b for b in range(LANES, length + 1, LANES) if length % b == 0]
+        if size is None and fused and name in ("block_q_dq", "block_kv_dq"):
+            continue  # a fused backward has no dq kernel
+        whole = isinstance(size, int) and not isinstance(size, bool) and size > 0
+        if not (whole and size % LANES == 0 and length % size == 0):  # type: ignore[operator]
             raise Mistake(
                 ValueError,
                 f"flash_blocks sets {name} to {size!r}; expected a multiple of {LANES} that "
                 f"divides the benchmark's {length} positions "
-                f"({', '.join(map(str, divisors[:-1]))} or {divisors[-1]}).",
+                f"({', '.join(map(str, divisors[:-1]))} or {divisors[-1]}): calibrate runs "
+                "splash forward and backward, so every block is set.",
             )
-    if isinstance(given, kernel.BlockSizes):
-        return given
-    return kernel.BlockSizes(**sizes)
+    for compute, parent in _COMPUTED_IN:
+        if sizes[parent] % sizes[compute]:  # type: ignore[operator]
+            raise Mistake(
+                ValueError,
+                f"flash_blocks sets {parent} to {sizes[parent]} and {compute} to "
+                f"{sizes[compute]}; expected {parent} a multiple of {compute} (splash "
+                "computes each key block in parts of that size).",
+            )
 
 
 def _said_blocks(blocks: Any) -> str:

@@ -55,7 +55,7 @@ def measure(
     static_argnums: int | Sequence[int] = (),
     out_shardings: PyTree = None,
     compiler_options: Mapping[str, Any] | None = None,
-    hardware: Hardware | None = None,
+    hardware: Hardware | str | os.PathLike[str] | None = None,
     steps: int = 10,
     warmup: int = 3,
     fill: Fill | None = None,
@@ -87,8 +87,9 @@ def measure(
         static_argnums: as for `preflight`.
         out_shardings: as for `preflight`.
         compiler_options: the job's XLA options, as for `preflight`.
-        hardware: what to time the prediction on; None: the preset of the
-            devices' kind (``TPU v5 lite``: ``tpu-v5e``), or `st.calibrate()`'s.
+        hardware: what to time the prediction on: a `Hardware`, a preset's name
+            or the path of a `Hardware.to_json` file (``"chip.json"``, new in 0.8);
+            None: the preset of the devices' kind (``TPU v5 lite``: ``tpu-v5e``).
         steps: timed steps (>= 1).
         warmup: untimed steps before them (>= 0).
         fill: ``fill(key, leaf) -> array`` for each `jax.ShapeDtypeStruct`
@@ -146,8 +147,8 @@ def check_here(mesh: object) -> Mesh:
             ValueError,
             f"mesh is an AbstractMesh {dict(mesh.shape)}, whose devices cannot run a step; "
             "measure runs on a jax.sharding.Mesh of this process's devices "
-            "(st.layouts(jax.devices(), axes) gives them). Plan devices you don't have "
-            "with st.preflight(..., target=...).",
+            "(st.layouts(jax.local_devices(), axes) gives them). Plan devices you don't "
+            "have with st.preflight(..., target=...).",
         )
     if not isinstance(mesh, Mesh):
         raise Mistake(
