@@ -30,7 +30,7 @@ import dataclasses
 import datetime
 from collections.abc import Callable, Mapping, Sequence
 from importlib import metadata
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -43,11 +43,6 @@ from spmdtree._src.step.hw import PRESETS, Hardware, hardware, preset_in
 from spmdtree._src.step.kinds import Backend, KernelClass
 from spmdtree._src.step.measure.measure import measure
 from spmdtree._src.step.time import Measurement, kernel_seconds
-
-if TYPE_CHECKING:  # splash's own blocks; imported where calibrate runs it
-    from jax.experimental.pallas.ops.tpu.splash_attention.splash_attention_kernel import (
-        BlockSizes,
-    )
 
 #: The grid of bf16 matmul shapes (m, k) x (k, n) timed for their shares (new in 0.8):
 #: every m of the first by every k and n of the second, small and narrow ones among
@@ -106,7 +101,7 @@ def calibrate(
     *,
     seconds: float = 60.0,
     preset: Hardware | str | None = None,
-    flash_blocks: int | Mapping[str, int] | BlockSizes | None = None,
+    flash_blocks: int | Mapping[str, int] | Any | None = None,  # Any: splash's BlockSizes
 ) -> Hardware:
     """Measures the chip present: a `Hardware` whose per-kernel model figures are
     its own, each with its provenance (new in 0.7).
