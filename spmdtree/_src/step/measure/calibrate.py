@@ -131,8 +131,10 @@ def calibrate(
         flash_blocks: splash attention's blocks to measure the flash shares at,
             the ones your step runs (new in 0.8): one size for all eight, a
             mapping of `BlockSizes`' fields (``block_q``, ``block_kv``, ...; the
-            rest 512), or splash's own `BlockSizes`; each a multiple of 128 that
-            divides the benchmark's 4,096 positions. None: 512 each, MaxText's.
+            rest 512, a compute block left out its parent's), or splash's own
+            `BlockSizes`; every block set, each a multiple of 128 that divides the
+            benchmark's 4,096 positions, a key block a multiple of its compute
+            block. None: 512 each, MaxText's.
             The flash fields' provenance says the blocks. A TPU's only: cuDNN's
             kernel has no blocks.
 
