@@ -90,12 +90,14 @@ def run_page(page, capsys, libtpu, only=None):
     """Runs `page`'s blocks that run here, in order (`only`: those indices alone, and
     the blocks they continue), each output shown checked."""
     namespace: dict = {}
-    for i, (code, expected) in enumerate(scripts(page)):
+    blocks = scripts(page)
+    codes = [code for code, _ in blocks]
+    for i, (code, expected) in enumerate(blocks):
         if not code.startswith("# continues"):
             namespace = {}
         elif i == 0:
             pytest.fail(f"{_id(page)}: its first block cannot continue another")
-        needed = only is None or any(j >= i and _chain(page, i, j) for j in only)
+        needed = only is None or any(j >= i and _chain(codes, i, j) for j in only)
         if not _runs_here(code, libtpu) or not needed:
             compile(code, str(page), "exec")  # run elsewhere: its syntax checked here
             continue
@@ -105,9 +107,9 @@ def run_page(page, capsys, libtpu, only=None):
             assert _same(expected, got), f"{_id(page)} block {i} printed:\n{got}\nnot:\n{expected}"
 
 
-def _chain(page, i, j):
-    """Whether block `j` of `page` continues block `i` (through the ones between)."""
-    codes = [code for code, _ in scripts(page)]
+def _chain(codes, i, j):
+    """Whether block `j` of a page's `codes` continues block `i` (through the ones
+    between)."""
     return all(code.startswith("# continues") for code in codes[i + 1 : j + 1])
 
 

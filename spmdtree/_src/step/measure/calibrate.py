@@ -343,8 +343,7 @@ class _Bench:
             for m, k, n, dtype, _ in shapes
         ]
         m = self.run(each, *specs)
-        schedule = m.plan.schedule
-        kernels = {k.name: k for k in schedule.kernels()} if schedule else {}
+        kernels = _kernels(m)
         found: dict[Matmul, float] = {}
         for op in m.ops:
             kernel = kernels.get(op.name)
@@ -371,8 +370,7 @@ class _Bench:
             jax.ShapeDtypeStruct((rows, LANES), f32),
             jax.ShapeDtypeStruct((LANES, LANES), f32),
         )
-        schedule = m.plan.schedule
-        kernels = {k.name: k for k in schedule.kernels()} if schedule else {}
+        kernels = _kernels(m)
         costs, peak = self.base.costs(), self.base.flops_per_second
         each = [
             op.measured_seconds / op.calls - kernel_seconds(kernels[op.name], costs, peak)
@@ -400,8 +398,7 @@ class _Bench:
             jnp.asarray(buffer[-2] // 4, jnp.int32),
             donate_argnums=0,
         )
-        schedule = m.plan.schedule
-        unfused = {k.name for k in schedule.kernels() if k.unfused_update} if schedule else set()
+        unfused = {name for name, k in _kernels(m).items() if k.unfused_update}
         ops = [op for op in m.ops if op.name in unfused and op.measured_seconds]
         if not ops:
             return None
@@ -445,13 +442,18 @@ class _Bench:
         )
 
 
+def _kernels(m: Measurement) -> dict[str, Kernel]:
+    """The kernels of a measured step's schedule by name (none where it has none)."""
+    schedule = m.plan.schedule
+    return {k.name: k for k in schedule.kernels()} if schedule else {}
+
+
 def _work_rate(m: Measurement, work: Callable[[Kernel], int]) -> float | None:
     """The work per second (`work` of each kernel: its FLOPs, its bytes) of the
     kernels of a measured schedule that do some, over their time in the device's
     profile (the step's fastest where the profile gave none); None where no kernel
     does any (new in 0.8)."""
-    schedule = m.plan.schedule
-    done = {k.name: work(k) for k in schedule.kernels() if work(k)} if schedule else {}
+    done = {name: work(k) for name, k in _kernels(m).items() if work(k)}
     ops = [op for op in m.ops if op.name in done]
     if not ops:
         return None
