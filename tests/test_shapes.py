@@ -75,11 +75,27 @@ def test_a_dimension_is_padded_to_the_matrix_unit():
     assert grid_share(GRID, 8192, 8192, 64, 128) == pytest.approx(
         grid_share(GRID, 8192, 8192, 128, 128) / 2
     )
-    # v6e's matrix unit is 256 wide
-    assert grid_share(GRID, 8192, 8192, 128, 256) == pytest.approx(
-        grid_share(GRID, 8192, 8192, 256, 256) / 2
+    # v6e's matrix unit is 256 wide: on a grid measured from 256 up, 128 columns are
+    # padded to it
+    wide = tuple((m * 2, k * 2, n * 2, share) for m, k, n, share in GRID)
+    assert grid_share(wide, 16384, 16384, 128, 256) == pytest.approx(
+        grid_share(wide, 16384, 16384, 256, 256) / 2
     )
     assert costs.tile == (128, 128)
+
+
+def test_a_dimension_narrower_than_the_matrix_unit_that_the_grid_measured_is_read_as_measured():
+    # a grid measured at 64 says what 64 columns cost: padding is in its share already
+    narrow = tuple((m // 2, k // 2, n // 2, share) for m, k, n, share in GRID)
+    share = dict(((p[0], p[1], p[2]), p[3]) for p in narrow)[4096, 4096, 64]
+    assert grid_share(narrow, 4096, 4096, 64, 128) == pytest.approx(share)
+    # one narrower still is padded to the grid's smallest; one between to the tile
+    assert grid_share(narrow, 4096, 4096, 32, 128) == pytest.approx(share / 2)
+    assert grid_share(narrow, 4096, 4096, 96, 128) == pytest.approx(
+        grid_share(narrow, 4096, 4096, 128, 128) * 96 / 128
+    )
+    # on the grid that starts at the tile, 64 columns still take half of it
+    assert grid_share(GRID, 8192, 8192, 64, 128) < share
 
 
 def test_between_the_grids_points_the_share_lies_between_theirs():

@@ -34,7 +34,7 @@ from spmdtree._src.step.hlo.forms import (
     parts,
 )
 from spmdtree._src.step.hlo.groups import collective_axes, group_axes
-from spmdtree._src.step.hlo.instructions import Array, Instr, Module, Op, config_field
+from spmdtree._src.step.hlo.instructions import ON_CHIP, Array, Instr, Module, Op, config_field
 from spmdtree._src.step.hlo.loops import trip_count
 from spmdtree._src.step.hlo.opcodes import (
     DONES,
@@ -167,7 +167,9 @@ class Kernel(NamedTuple):
     index move (an expert layer's dispatch and combine; `moved_by_index`), wherever
     the compiler keeps them, counted among its bytes and moved at
     `Hardware.indexed_efficiency` of the bandwidth, the rest at the memory share
-    (new in 0.8)."""
+    (new in 0.8); `in_hbm`, True where it reads or writes an array (not a scalar)
+    that its layout leaves in HBM, not in the chip's own memory (``S(1)``): it waits
+    for the memory's first access, `Hardware.access_seconds` (new in 0.8)."""
 
     kind: KernelClass
     flops: int
@@ -187,6 +189,7 @@ class Kernel(NamedTuple):
     unfused_update: bool = False
     grouped: bool = False
     indexed: int = 0
+    in_hbm: bool = False
 
     @property
     def unestimable(self) -> bool:
@@ -864,7 +867,17 @@ class _Walker:
             self._unfused_update(comp, ins) is not None,
             grouped and bool(flops),
             moved,
+            self._in_hbm(comp, ins),
         )
+
+    def _in_hbm(self, comp: str, ins: Instr) -> bool:
+        """Whether kernel `ins` reads or writes an array of one dimension or more that
+        its layout leaves in HBM (`Kernel.in_hbm`): a scalar is the scalar unit's, an
+        ``S(1)`` array the chip's own memory's."""
+        held = self.mod.by_name[comp]
+        given = [held[o] for o in ins.operands if o in held]
+        arrays = [a for g in given for a in g.arrays] + list(ins.arrays)
+        return any(a.dims and a.space != ON_CHIP for a in arrays)
 
     def _doubt(self, ins: Instr, inside: list[tuple[str, Instr]], cycles: int) -> None:
         """Keeps a `Doubt` of kernel `ins` where libtpu cannot estimate it (`cycles`),
@@ -1263,7 +1276,7 @@ def read_schedule(
         >>> schedule.events[0].row
         Collective(kind='all-gather', count=1, bytes=2097152, axes=('data',), group=8, written_as='')
         >>> schedule.events[1]
-        Kernel(kind='matmul', flops=2147483648, bytes=6291456, batch=1, m=1024, n=1024, k=1024, dtype='bf16', opaque='', call='', name='d', estimated_cycles=0, opcode='dot', shape='bf16[1024,1024]{1,0}', op_name='', unfused_update=False, grouped=False, indexed=0)
+        Kernel(kind='matmul', flops=2147483648, bytes=6291456, batch=1, m=1024, n=1024, k=1024, dtype='bf16', opaque='', call='', name='d', estimated_cycles=0, opcode='dot', shape='bf16[1024,1024]{1,0}', op_name='', unfused_update=False, grouped=False, indexed=0, in_hbm=True)
         >>> Schedule.from_dict(schedule.to_dict()) == schedule
         True
     """

@@ -99,7 +99,8 @@ def _gpu(**facts: Any) -> dict[str, Any]:
     given): cuBLAS's 128 x 128 tile over its SMs, XLA GPU's launch overheads, memory
     kernels at 0.9 of the bandwidth (an in-place update too: no GPU layout is tiled,
     so none is an unfused TPU update), f32 matmuls as TF32 at half the bf16 rate,
-    8-bit ones at twice it (each data sheet's; `CHIPS` cites them)."""
+    8-bit ones at twice it (each data sheet's; `CHIPS` cites them); no wait for the
+    memory's first access beyond the launch (none is published)."""
     return {
         "links": _GPU_LINKS,
         "devices_per_node": 8,
@@ -107,6 +108,7 @@ def _gpu(**facts: Any) -> dict[str, Any]:
         "memory_efficiency": 0.9,
         "update_efficiency": 0.9,
         "launch_seconds": 1e-6,
+        "access_seconds": 0.0,
         "collective_latency_seconds": 5e-6,
         "f32_speed": 0.5,
         "eight_bit_speed": 2.0,
@@ -118,13 +120,15 @@ def _tpu(**facts: Any) -> dict[str, Any]:
     """A TPU generation's figures: one slice unless told, its MXU's tile stream (one
     core, no launch), no public matmul share (1.0), f32 in one bf16 pass (six at the
     highest precision), int8 at twice the bf16 rate (each data sheet's; `CHIPS` cites
-    them)."""
+    them); no wait for the memory's first access (none is published: `st.calibrate`
+    measures it)."""
     return {
         "devices_per_node": None,
         "matmul_efficiency": 1.0,
         "cores": 1,
         "memory_efficiency": 0.9,
         "launch_seconds": 0.0,
+        "access_seconds": 0.0,
         "collective_latency_seconds": 0.0,
         "f32_speed": 1.0,
         "f32_highest_speed": 1 / 6,

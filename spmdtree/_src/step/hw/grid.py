@@ -89,11 +89,28 @@ def padded(size: int, tile: int) -> int:
     return -(-size // tile) * tile
 
 
+def run_as(size: int, tile: int, least: int) -> int:
+    """A matmul's dimension as the chip runs it: padded to whole tiles of the matrix
+    unit; one narrower than a tile, to whole multiples of the grid's smallest
+    measured size `least` where that is narrower (new in 0.8: a TPU v5e ran
+    (8,192 x 64) by (64 x 64) at 0.31 of the peak, where a 128-wide tile a quarter
+    used would reach 0.19).
+
+    Example:
+        >>> run_as(64, 128, 128), run_as(64, 128, 64), run_as(96, 128, 64), run_as(576, 128, 64)
+        (128, 64, 128, 640)
+    """
+    if size >= tile or least >= tile:
+        return padded(size, tile)
+    return min(padded(size, least), tile)
+
+
 def grid_share(grid: Sequence[Point], m: int, k: int, n: int, tile: int) -> float:
     """The share of the bf16 peak a matmul of (m, k) x (k, n) reaches: each dimension
-    padded to the matrix unit's `tile`, the padded shape's share interpolated from
-    `grid` (log-linear in each dimension, the grid's edge beyond it), times the
-    share of the padded work that is the matmul's own.
+    padded as the chip runs it (`run_as`: to the matrix unit's `tile`; one narrower
+    than the tile, to the grid's smallest measured size, new in 0.8), the padded
+    shape's share interpolated from `grid` (log-linear in each dimension, the grid's
+    edge beyond it), times the share of the padded work that is the matmul's own.
 
     Example:
         >>> grid = [(m, k, n, 0.4 if 128 in (m, k, n) else 0.9)
@@ -105,10 +122,14 @@ def grid_share(grid: Sequence[Point], m: int, k: int, n: int, tile: int) -> floa
         0.2
         >>> 0.4 < share(4096, 4096, 768) < 0.9  # between 128 and 4,096
         True
+        >>> narrow = [(m, k, n, 0.3 if 64 in (m, k, n) else 0.9)
+        ...           for m in (64, 4096) for k in (64, 4096) for n in (64, 4096)]
+        >>> round(grid_share(narrow, 4096, 4096, 64, 128), 6)  # measured at 64: its own
+        0.3
     """
-    shape = (padded(m, tile), padded(k, tile), padded(n, tile))
-    own = m * k * n / math.prod(shape)
     axes = _axes(grid)
+    shape = tuple(run_as(size, tile, axis[0]) for size, axis in zip((m, k, n), axes, strict=True))
+    own = m * k * n / math.prod(shape)
     table = {p[:3]: p[3] for p in grid}
     brackets = [_bracket(axis, size) for axis, size in zip(axes, shape, strict=True)]
     log_share = 0.0

@@ -104,6 +104,9 @@ class Costs:
         tile: a matmul tile's (m, n) on that chip.
         launch_seconds: the fixed cost each kernel adds beyond its work (a TPU
             preset's 0: one program; `st.calibrate` measures it, new in 0.8).
+        access_seconds: what a kernel that reads or writes an array in HBM
+            (`Kernel.in_hbm`) adds beyond that: the memory's first access (0 where
+            left out; `st.calibrate` measures it, new in 0.8).
         collective_latency_seconds: the latency each collective adds beyond
             the links' per-hop latency.
         f32_speed: an f32 matmul's peak over the bf16 one at the default
@@ -146,6 +149,7 @@ class Costs:
     indexed_efficiency: float = 0.9
     eight_bit_speed: float = 2.0
     matmul_grid: tuple[Point, ...] = ()
+    access_seconds: float = 0.0
 
     def speed(self, dtype: str) -> float:
         """A matmul's peak over the bf16 one for operands of `dtype`."""
@@ -170,8 +174,9 @@ class Costs:
 #: measured; new in 0.7), grouped matmuls at half the peak, as an unmeasured flash
 #: kernel, rows gathered and scattered by index at the memory kernels' share (the
 #: hardware's own where it gives one; new in 0.8), 8-bit matmuls at twice the bf16
-#: rate (every preset's data sheet says so; new in 0.8), no launch overhead and no
-#: latency per collective beyond the links' own.
+#: rate (every preset's data sheet says so; new in 0.8), no launch overhead, no
+#: wait for the memory's first access (none is published; new in 0.8) and no latency
+#: per collective beyond the links' own.
 DEFAULTS: Mapping[str, float] = {
     "flops_per_byte": 300.0,
     "memory_efficiency": 0.9,
@@ -187,6 +192,7 @@ DEFAULTS: Mapping[str, float] = {
     "indexed_efficiency": 0.9,
     "eight_bit_speed": 2.0,
     "launch_seconds": 0.0,
+    "access_seconds": 0.0,
     "collective_latency_seconds": 0.0,
 }
 
@@ -206,6 +212,7 @@ MODEL_FIELDS = (
     "indexed_efficiency",
     "eight_bit_speed",
     "launch_seconds",
+    "access_seconds",
     "collective_latency_seconds",
 )
 
@@ -273,6 +280,11 @@ class Hardware:
             wave efficiency (new in 0.8).
         launch_seconds: the fixed cost each kernel adds beyond its work (XLA
             GPU's 1 us; 0; `st.calibrate` measures it, new in 0.8).
+        access_seconds: what a kernel that reads or writes an array in HBM adds
+            beyond its launch: the memory's first access, which a large kernel
+            hides behind its work and a tiny one waits for (a TPU's scalar loops:
+            an index read, a row updated; `st.calibrate` measures it; no data
+            sheet gives it; 0; new in 0.8).
         collective_latency_seconds: what each collective adds beyond the links'
             per-hop latency (XLA GPU's 5 us; 0).
         chip: what its compiler is told, for ``preflight(..., target=)``: a
@@ -326,6 +338,7 @@ class Hardware:
     eight_bit_speed: float | None = None
     matmul_grid: tuple[Point, ...] | None = None
     launch_seconds: float | None = None
+    access_seconds: float | None = None
     collective_latency_seconds: float | None = None
     chip: GpuChip | TpuChip | None = None
     provenance: Mapping[str, str] = dataclasses.field(default_factory=dict, hash=False)
@@ -481,7 +494,13 @@ class Hardware:
 HARDWARE_SCHEMA = "spmdtree.Hardware/1"
 #: The fields added to that schema since 0.7: a file written before them leaves them
 #: out, and reads back with each left out (at its default).
-ADDED = ("grouped_efficiency", "indexed_efficiency", "eight_bit_speed", "matmul_grid")
+ADDED = (
+    "grouped_efficiency",
+    "indexed_efficiency",
+    "eight_bit_speed",
+    "matmul_grid",
+    "access_seconds",
+)
 
 
 def _checked_provenance(provenance: object) -> dict[str, str]:

@@ -28,6 +28,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import functools
+import math
 from collections.abc import Callable, Mapping, Sequence
 from importlib import metadata
 from typing import Any
@@ -41,14 +43,16 @@ from spmdtree._src.step.compile import TOOLCHAINS
 from spmdtree._src.step.hlo import Kernel
 from spmdtree._src.step.hw import PRESETS, Hardware, hardware, preset_in
 from spmdtree._src.step.kinds import Backend, KernelClass
-from spmdtree._src.step.measure.measure import measure
+from spmdtree._src.step.measure.measure import SCALE, measure
 from spmdtree._src.step.time import Measurement, kernel_seconds
 
 #: The grid of bf16 matmul shapes (m, k) x (k, n) timed for their shares (new in 0.8):
 #: every m of the first by every k and n of the second, small and narrow ones among
-#: them (a CNN's 128 channels, a decode step's 128 rows); a CPU's small (a test's).
+#: them (a CNN's 64 and 128 channels, an attention head's 64, a decode step's 64 and
+#: 128 rows: narrower than a TPU's 128-wide matrix unit, new in 0.8); a CPU's small (a
+#: test's).
 GRID: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {
-    "accelerator": ((128, 512, 2048, 8192), (128, 256, 512, 1024, 4096)),
+    "accelerator": ((64, 128, 512, 2048, 8192), (64, 128, 256, 512, 1024, 4096)),
     "cpu": ((64, 256), (64, 128)),
 }
 #: The most bytes of operands and results (at 4 bytes an element) one program of
@@ -74,6 +78,16 @@ INDEXED = {"accelerator": (16384, 1024), "cpu": (1024, 128)}
 #: The loop of tiny kernels timed for each kernel's fixed cost (new in 0.8): its
 #: iterations, and the rows of the (rows, 128) f32 array each one updates.
 LAUNCH = {"accelerator": (1024, 8), "cpu": (256, 8)}
+#: The loop of tiny kernels that each read rows of a table in HBM, timed for the wait
+#: for the memory's first access (new in 0.8): its iterations, and the table's rows of
+#: 128 f32 (1 GiB on an accelerator, beyond a TPU's own memory, so that it stays in
+#: HBM), 8 read by each iteration at an offset known only when it runs.
+ACCESS = {"accelerator": (1024, 2**21), "cpu": (256, 2**14)}
+#: The normal floats (of measure's scale, `measure.SCALE`) drawn once on the host and
+#: tiled to each benchmark's operands on the device (new in 0.8): measure's own fill
+#: compiles a random-number program for each shape, which libtpu took 4 to 15 s for
+#: each of the benchmarks' on a TPU v5e.
+BLOCK = 2**16
 #: Attention's (batch, heads, length, head width) for the flash kernel.
 ATTENTION = (2, 8, 4096, 128)
 #: Splash attention's blocks where calibrate is given none, every one of its eight:
@@ -208,6 +222,7 @@ SHARES = frozenset(
 #: Why a figure went unmeasured, where the device ran no kernel of its kind.
 NOT_MEASURED = {
     "launch_seconds": "{device}'s profile timed no kernel of the loop",
+    "access_seconds": "{device}'s profile timed no kernel of the loop that reads HBM",
     "matmul_grid": "{device}'s profile timed not every matmul of the grid",
     "flash_forward_efficiency": "no flash-attention kernel timed on {device}",
     "flash_backward_efficiency": "no flash-attention kernel timed on {device}",
@@ -227,9 +242,10 @@ def _figures(bench: _Bench, toolchain: Any, blocks: Any) -> dict[str, Any]:
     kind = "cpu" if toolchain.backend.estimates else "accelerator"
     peak = bench.base.flops_per_second
     launch = bench.launch(*LAUNCH[kind])
+    access = bench.access(*ACCESS[kind], launch or 0.0)
     reference = _reference_shapes(REFERENCE[kind], toolchain.backend)
     shapes = [*reference.values(), *_grid_shapes(*GRID[kind])]
-    measured = _rates(bench, shapes, launch or 0.0)
+    measured = _rates(bench, shapes, (launch or 0.0) + (access or 0.0))
     missing = [name for name, shape in reference.items() if shape not in measured]
     if missing:
         raise Mistake(
@@ -254,7 +270,8 @@ def _figures(bench: _Bench, toolchain: Any, blocks: Any) -> dict[str, Any]:
     }
     figures.update({name: rate / per for name, (rate, per) in shares.items() if rate is not None})
     figures.update(_flash_shares(bench, toolchain.flash, blocks) or {})
-    figures.update({"launch_seconds": launch} if launch is not None else {})
+    fixed = {"launch_seconds": launch, "access_seconds": access}
+    figures.update({name: value for name, value in fixed.items() if value is not None})
     return figures
 
 
@@ -306,12 +323,22 @@ class _Bench:
     def __init__(self, device: jax.Device, base: Hardware, steps: int) -> None:
         self.mesh = jax.sharding.Mesh(np.array([device]), ("data",))
         self.base, self.steps = base, steps
+        drawn = np.random.default_rng(0).standard_normal(BLOCK, np.float32) * SCALE
+        self.block = jax.device_put(drawn, device)
 
     def run(self, fn: Callable[..., Any], *specs: Any, **keywords: Any) -> Measurement:
         """`fn` on `specs` run by `measure` on this device: 2 steps of warm-up, then
-        `steps` timed (`keywords` are measure's others, or replace these)."""
-        settled = dict(mesh=self.mesh, hardware=self.base, steps=self.steps, warmup=2)
+        `steps` timed, each operand filled from `BLOCK` normal floats (`keywords` are
+        measure's others, or replace these)."""
+        settled = dict(
+            mesh=self.mesh, hardware=self.base, steps=self.steps, warmup=2, fill=self.fill
+        )
         return measure(fn, *specs, **{**settled, **keywords})
+
+    def fill(self, key: jax.Array, leaf: jax.ShapeDtypeStruct) -> jax.Array:
+        """One operand (measure's `fill`): this bench's normal floats tiled to its
+        shape, zeros where it holds integers (as measure's own fill)."""
+        return _tiler(leaf.shape, leaf.dtype, leaf.sharding)(self.block)
 
     def rate(self, fn: Callable[..., Any], kind: str, *specs: Any) -> float:
         """The FLOPs (matmuls) or bytes (memory kernels) per second the kernels of
@@ -370,12 +397,45 @@ class _Bench:
             jax.ShapeDtypeStruct((rows, LANES), f32),
             jax.ShapeDtypeStruct((LANES, LANES), f32),
         )
+        return self._beyond_work(m, iterations, lambda kernel: True)
+
+    def access(self, iterations: int, rows: int, launch: float) -> float | None:
+        """Seconds a kernel that reads HBM waits for the memory's first access, beyond
+        its work and its `launch` (new in 0.8): the kernels of a loop of `iterations`
+        tiny sums, each of 8 rows of a (`rows`, 128) f32 table in HBM at an offset
+        known only when it runs (`Kernel.in_hbm`), each call's measured time less the
+        model's for its work and the launch, the median of them; None where the
+        profile timed none of them."""
+
+        def loop(table: jax.Array, total: jax.Array) -> jax.Array:
+            def add(i: jax.Array, total: jax.Array) -> jax.Array:
+                at = i * 7919 % (rows - 8)  # a prime's multiples: never the rows before
+                return total + jax.lax.dynamic_slice_in_dim(table, at, 8, 0)
+
+            return jax.lax.fori_loop(0, iterations, add, total)
+
+        f32 = jnp.float32
+        m = self.run(
+            loop, jax.ShapeDtypeStruct((rows, LANES), f32), jax.ShapeDtypeStruct((8, LANES), f32)
+        )
+        each = self._beyond_work(m, iterations, lambda kernel: kernel.in_hbm)
+        return None if each is None else max(0.0, each - launch)
+
+    def _beyond_work(
+        self, m: Measurement, iterations: int, which: Callable[[Kernel], bool]
+    ) -> float | None:
+        """The median, over the kernels of `m` (those `which` keeps) that ran once each
+        of a loop's `iterations` and took time, of each call's measured time less the
+        model's for its work; None where there are none."""
         kernels = _kernels(m)
         costs, peak = self.base.costs(), self.base.flops_per_second
         each = [
             op.measured_seconds / op.calls - kernel_seconds(kernels[op.name], costs, peak)
             for op in m.ops
-            if op.name in kernels and op.calls == iterations and op.measured_seconds
+            if op.name in kernels
+            and which(kernels[op.name])
+            and op.calls == iterations
+            and op.measured_seconds
         ]
         return max(0.0, float(np.median(each))) if each else None
 
@@ -440,6 +500,21 @@ class _Bench:
         return self.rate(
             lambda x: x * 0.5 + 1.0, "memory", jax.ShapeDtypeStruct((elements,), jnp.float32)
         )
+
+
+@functools.cache
+def _tiler(shape: tuple[int, ...], dtype: Any, sharding: Any) -> Callable[[jax.Array], jax.Array]:
+    """A block of floats tiled to `shape` (`dtype`, on `sharding`), zeros for an
+    integer `dtype`: one small program for each kind of operand, compiled once."""
+    size = math.prod(shape)
+
+    def tiled(block: jax.Array) -> jax.Array:
+        if not jnp.issubdtype(dtype, jnp.floating):
+            return jnp.zeros(shape, dtype)
+        whole = jnp.tile(block, -(-size // block.size))[:size]
+        return whole.reshape(shape).astype(dtype)
+
+    return jax.jit(tiled, out_shardings=sharding)
 
 
 def _kernels(m: Measurement) -> dict[str, Kernel]:

@@ -34,7 +34,7 @@ from spmdtree._src.step.hlo import (
 )
 from spmdtree._src.step.hw import Hardware
 from spmdtree._src.step.time.bound import StepTime, collective_seconds, step_spans
-from spmdtree._src.step.time.predict import Span, kernel_seconds
+from spmdtree._src.step.time.predict import Span, fixed_seconds, kernel_seconds
 from spmdtree._src.step.time.profile import Profile
 from spmdtree._src.step.time.timeline import trace_events
 from spmdtree._src.text import JSON_VERSION, mesh_json, seconds_text
@@ -311,7 +311,7 @@ def instruction_seconds(
     def walk(events: Sequence[Event], times: int) -> None:
         for event in events:
             if isinstance(event, Kernel):
-                seconds = kernel_seconds(event, costs, peak) + costs.launch_seconds
+                seconds = kernel_seconds(event, costs, peak) + fixed_seconds(event, costs)
                 add(event.name or event.call, event.kind, times, seconds, event)
             elif isinstance(event, Start):
                 seconds = comm(event.row) + costs.collective_latency_seconds

@@ -134,6 +134,21 @@ def kernel_seconds(kernel: Kernel, costs: Costs, peak: float) -> float:
     return max(compute, memory) + (1 - _PARALLELISM) * min(compute, memory)
 
 
+def fixed_seconds(kernel: Kernel, costs: Costs) -> float:
+    """What a kernel costs beyond its work: its launch, and the wait for the memory's
+    first access where it reads or writes an array in HBM (`Kernel.in_hbm`; new in
+    0.8).
+
+    Example:
+        >>> tpu = Costs(819e9, 0.8, 0.96, 1, (128, 128), 5e-8, 0.0, access_seconds=3e-7)
+        >>> fixed_seconds(Kernel("memory", 0, 4096, in_hbm=True), tpu) == 5e-8 + 3e-7
+        True
+        >>> fixed_seconds(Kernel("memory", 0, 0), tpu)  # its arrays on the chip
+        5e-08
+    """
+    return costs.launch_seconds + (costs.access_seconds if kernel.in_hbm else 0.0)
+
+
 # --- the walk ---------------------------------------------------------------------------
 
 
@@ -177,7 +192,8 @@ class Prediction:
         exposed_comm_seconds: the compute stream waiting for collectives
             (synchronous ones whole; an async one where the compute between
             its start and done does not cover it).
-        launch_seconds: the kernels' launch overheads.
+        launch_seconds: the kernels' fixed costs: launches, and the waits for the
+            memory's first access (`fixed_seconds`; new in 0.8).
         comm_seconds: every collective's time, hidden or not.
         kernels: how many kernels run per step.
         exposed_by_axes: `exposed_comm_seconds` by the mesh axes of the
@@ -310,20 +326,21 @@ class _Walk:
     def step(self, event: Event, clock: _Clock) -> _Clock:
         if isinstance(event, Kernel):
             seconds = kernel_seconds(event, self.costs, self.peak)
+            fixed = fixed_seconds(event, self.costs)
             if clock.spans is not None:  # recorded: its args built only then (a hot path)
                 clock.record(
                     "compute",
                     event.name or event.call or event.kind,
                     clock.compute,
-                    seconds + self.costs.launch_seconds,
+                    seconds + fixed,
                     event.kind,
                     flops=event.flops,
                     bytes=event.bytes,
                     **({"call": event.call} if event.call else {}),
                 )
             clock.spent[event.kind] += seconds
-            clock.spent[KernelClass.LAUNCH] += self.costs.launch_seconds
-            clock.compute += seconds + self.costs.launch_seconds
+            clock.spent[KernelClass.LAUNCH] += fixed
+            clock.compute += seconds + fixed
             clock.kernels += 1
         elif isinstance(event, Start):
             seconds = self.comm(event.row) + self.costs.collective_latency_seconds
