@@ -226,12 +226,21 @@ FIGURES = [
         ],
     ),
     Figure(
+        "the wait for HBM's first access on a TPU v5e, as calibrate measured it",
+        False,
+        [
+            (r"a TPU v5e's (\d\.\d+) us", group()),
+            (r"\| `access_seconds` \| (\S+) us \|", group()),
+            (r"each took (\S+) us beyond its work and launch", group()),
+        ],
+    ),
+    Figure(
         "how long st.calibrate takes",
         False,
         [
-            (r"own figures in about a\s+(minute and a half)", group()),
-            (r"### A chip calibrated in a (minute and a half)", group()),
-            (r"Calibrate \(about a (minute and a half)\)", group()),
+            (r"own figures in about a\s+(minute)\.", group()),
+            (r"### A chip calibrated in a (minute)", group()),
+            (r"Calibrate \(about a (minute)\)", group()),
         ],
     ),
     Figure(
@@ -239,10 +248,13 @@ FIGURES = [
         False,
         [
             (
-                r"measures it \((\d+) row counts, (128 to \d{1,3}(?:,\d{3})*)",
+                r"measures it \((\d+) row\s+counts, (64 to \d{1,3}(?:,\d{3})*)",
                 lambda m: f"{m.group(1)}, {m.group(2)}",
             ),
-            (r"The grid is every m of \(128, 512, 2,048, 8,192\)", lambda m: "4, 128 to 8,192"),
+            (
+                r"The grid is every m of \(64, 128, 512, 2,048, 8,192\)",
+                lambda m: "5, 64 to 8,192",
+            ),
         ],
     ),
     Figure(

@@ -15,7 +15,7 @@ import spmdtree as st
 # Private: the per-kernel model and the schedule's reading have no public names
 from spmdtree._src.step.hlo.schedule import read_schedule
 from spmdtree._src.step.hw import PRESETS, grid_share
-from spmdtree._src.step.time.predict import kernel_seconds
+from spmdtree._src.step.time.predict import fixed_seconds, kernel_seconds
 
 LIBTPU = pytest.mark.skipif(not has_compiler("tpu"), reason="needs libtpu (spmdtree[tpu])")
 MESH = AbstractMesh((1,), ("data",), axis_types=(AxisType.Auto,))
@@ -96,6 +96,66 @@ def test_a_dimension_narrower_than_the_matrix_unit_that_the_grid_measured_is_rea
     )
     # on the grid that starts at the tile, 64 columns still take half of it
     assert grid_share(GRID, 8192, 8192, 64, 128) < share
+
+
+#: A loop's tiny kernels as libtpu schedules them, hand-written: a row read from an index
+#: array the chip leaves in HBM, and the same row read from its own memory (``S(1)``).
+TINY = """HloModule m, is_scheduled=true
+
+%read {{
+  %t = s32[8192,2]{{1,0:T(8,128){t}}} parameter(0)
+  %i = s32[]{{:T(128)S(6)}} parameter(1)
+  %z = s32[] constant(0)
+  ROOT %r = s32[1,2]{{1,0:T(1,128)S(1)}} dynamic-slice(%t, %i, %z), dynamic_slice_sizes={{1,2}}
+}}
+
+ENTRY %main (t: s32[8192,2], i: s32[], p: pred[]) -> (s32[1,2], pred[]) {{
+  %t = s32[8192,2]{{1,0:T(8,128){t}}} parameter(0)
+  %i = s32[]{{:T(128)S(6)}} parameter(1)
+  %p = pred[]{{:T(512)}} parameter(2)
+  %row = s32[1,2]{{1,0:T(1,128)S(1)}} fusion(%t, %i), kind=kLoop, calls=%read
+  %not = pred[]{{:T(512)}} not(%p)
+  ROOT %out = (s32[1,2]{{1,0:T(1,128)S(1)}}, pred[]{{:T(512)}}) tuple(%row, %not)
+}}
+"""
+
+
+@pytest.mark.parametrize("space, in_hbm", [("", True), ("S(1)", False)], ids=["hbm", "on-chip"])
+def test_a_kernel_that_reads_an_array_in_hbm_waits_for_its_first_access(space, in_hbm):
+    row, scalar = read_schedule(TINY.format(t=space), platform="tpu").events
+    assert (row.in_hbm, scalar.in_hbm) == (in_hbm, False)  # a scalar is the scalar unit's
+    chip = dataclasses.replace(st.hardware("tpu-v5e"), launch_seconds=5e-8, access_seconds=3e-7)
+    costs = chip.costs()
+    assert fixed_seconds(row, costs) == pytest.approx(5e-8 + (3e-7 if in_hbm else 0.0))
+    assert fixed_seconds(scalar, costs) == pytest.approx(5e-8)
+
+
+def test_access_seconds_goes_to_json_and_back_and_a_file_without_it_reads():
+    chip = dataclasses.replace(st.hardware("tpu-v5e"), access_seconds=3e-7)
+    assert st.Hardware.from_json(chip.to_json()) == chip
+    older = json.loads(chip.to_json())  # written before 0.8 added it
+    del older["access_seconds"]
+    read = st.Hardware.from_json(json.dumps(older))
+    assert read.access_seconds is None and read.costs().access_seconds == 0.0
+    with pytest.raises(ValueError, match="access_seconds"):
+        dataclasses.replace(chip, access_seconds=-1.0)
+
+
+def test_calibrates_fill_is_normal_floats_tiled_to_each_operand_and_integer_zeros():
+    # Private: calibrate's benchmarks have no public name
+    from spmdtree._src.step.measure.calibrate import BLOCK, _Bench
+
+    bench = _Bench(jax.devices()[0], st.hardware("tpu-v5e"), 2)
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    leaf = jax.ShapeDtypeStruct((3, BLOCK // 2 + 5), jnp.bfloat16, sharding=sharding)
+    filled = bench.fill(jax.random.key(0), leaf)
+    assert filled.shape == leaf.shape and filled.dtype == jnp.bfloat16
+    assert filled.sharding == sharding
+    values = jnp.asarray(filled, jnp.float32)
+    assert 0.015 < float(jnp.std(values)) < 0.025  # measure's scale, 0.02
+    assert float(values.ravel()[BLOCK]) == float(values.ravel()[0])  # the block, tiled
+    ints = bench.fill(jax.random.key(0), jax.ShapeDtypeStruct((4, 8), jnp.int32, sharding=sharding))
+    assert ints.dtype == jnp.int32 and not jnp.any(ints)
 
 
 def test_between_the_grids_points_the_share_lies_between_theirs():

@@ -287,7 +287,7 @@ def _calibrate_parser(commands: Any) -> None:
         "--seconds",
         type=_positive,
         default=60,
-        help="how long the timed runs may take, compiles apart (default 60; ~96 s in all "
+        help="how long the timed runs may take, compiles apart (default 60; ~51 s in all "
         "on a TPU v5e)",
     )
     sub.add_argument("--preset", help="the preset whose peak, memory and links are kept")

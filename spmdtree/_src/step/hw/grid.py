@@ -5,7 +5,10 @@ On a TPU v5e (2026-12-07, jax 0.10.2, libtpu 0.0.42.1), bf16 matmuls reached 0.9
 of the peak at 4,096^3 but 0.69 at 1,024^3, 0.38 at 512^3 and 0.13 at 256^3 (a fixed
 cost each kernel pays); one of (32,768 x 4,096) by (4,096 x 32) ran no faster than
 by (4,096 x 128): its 32 columns take the 128 lanes of the matrix unit. One share for
-every shape (`Hardware.matmul_efficiency`, 0.7's model) cannot say either.
+every shape (`Hardware.matmul_efficiency`, 0.7's model) cannot say either. Nor can
+padding alone say what a dimension narrower than the unit costs: (8,192 x 64) by
+(64 x 64) ran at 0.42 of the peak, where a 128-wide tile a quarter used says 0.23,
+so the grid measures 64-wide points too and reads such a dimension as measured.
 """
 
 from __future__ import annotations

@@ -275,8 +275,9 @@ class Hardware:
             ``(m, k, n, share)`` points of a full grid ((m, k) x (k, n); a
             convolution's output positions, window x input features, output
             features): `st.calibrate` measures it. A matmul's share is then read
-            by its shape, each dimension padded to `tile`, log-linear between the
-            grid's points; None: `matmul_efficiency` for every shape, times the
+            by its shape, each dimension padded to `tile` (one narrower, where
+            the grid measured that narrow, read as measured), log-linear between
+            the grid's points; None: `matmul_efficiency` for every shape, times the
             wave efficiency (new in 0.8).
         launch_seconds: the fixed cost each kernel adds beyond its work (XLA
             GPU's 1 us; 0; `st.calibrate` measures it, new in 0.8).

@@ -139,7 +139,7 @@ def calibrate(
         device: the device to measure; None: the first of jax's default backend.
         seconds: how long the benchmarks' timed runs may take; each one's
             repeats shrink to fit (at least two timed runs each). Their compiles and
-            profiles come on top: on a TPU v5e the default took 96 s in all.
+            profiles come on top: on a TPU v5e the default took 51 s in all.
         preset: the preset whose peak, memory, links and chip are kept (a name
             or a `Hardware`); None: the one of the device's kind.
         flash_blocks: splash attention's blocks to measure the flash shares at,
