@@ -33,8 +33,9 @@ from spmdtree._src.step.hw.hardware import Costs
 from spmdtree._src.step.time import predict
 
 #: A small chip for the drawn schedules: 4 cores of 8 x 8 tiles, 1 TB/s at half
-#: efficiency, 80% of a 100 TFLOP/s peak, 1 us a kernel, 2 us a collective.
-CHIP = Costs(1e12, 0.5, 0.8, 4, (8, 8), 1e-6, 2e-6)
+#: efficiency, 80% of a 100 TFLOP/s peak, 1 us a kernel, 2 us a collective, 3 us more a
+#: kernel that reads or writes HBM.
+CHIP = Costs(1e12, 0.5, 0.8, 4, (8, 8), 1e-6, 2e-6, access_seconds=3e-6)
 PEAK = 1e14
 LINK = 1e10  # the drawn collectives' bytes per second
 
@@ -91,8 +92,9 @@ def simulate(events, s):
         if isinstance(e, Kernel):
             t = kernel_time(e)
             s.by_kind[e.kind] = s.by_kind.get(e.kind, 0.0) + t
-            s.by_kind["launch"] = s.by_kind.get("launch", 0.0) + CHIP.launch_seconds
-            s.compute += t + CHIP.launch_seconds
+            fixed = CHIP.launch_seconds + (CHIP.access_seconds if e.in_hbm else 0.0)
+            s.by_kind["launch"] = s.by_kind.get("launch", 0.0) + fixed
+            s.compute += t + fixed
             s.kernels += 1
         elif isinstance(e, Start):
             took = comm(e.row) + CHIP.collective_latency_seconds
@@ -127,11 +129,12 @@ def wait(s, until):
 def kernels(draw):
     kind = draw(hs.sampled_from(["matmul", "attention", "memory"]))
     size = draw(hs.integers(0, 10**8))
+    in_hbm = draw(hs.booleans())
     if kind == "memory":
-        return Kernel(kind, 0, size)
+        return Kernel(kind, 0, size, in_hbm=in_hbm)
     batch, m, n = draw(hs.integers(1, 3)), draw(hs.integers(1, 40)), draw(hs.integers(1, 40))
     flops = draw(hs.integers(1, 10**11))
-    return Kernel(kind, flops, size, batch, m, n, 8, "bf16")
+    return Kernel(kind, flops, size, batch, m, n, 8, "bf16", in_hbm=in_hbm)
 
 
 @hs.composite

@@ -118,7 +118,8 @@ class CollectiveKind(_Named):
 class KernelClass(_Named):
     """The classes a predicted step's time is split into (`StepTime.predicted_by_class`'s
     keys; new in 0.6): a device kernel's class (``matmul``, ``attention``,
-    ``memory``), the collectives' exposed time, and kernel launches.
+    ``memory``), the collectives' exposed time, and kernels' fixed costs (launches,
+    and waits for HBM's first access: `launch`).
 
     Example:
         >>> import spmdtree as st

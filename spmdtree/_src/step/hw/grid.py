@@ -96,8 +96,8 @@ def run_as(size: int, tile: int, least: int) -> int:
     """A matmul's dimension as the chip runs it: padded to whole tiles of the matrix
     unit; one narrower than a tile, to whole multiples of the grid's smallest
     measured size `least` where that is narrower (new in 0.8: a TPU v5e ran
-    (8,192 x 64) by (64 x 64) at 0.31 of the peak, where a 128-wide tile a quarter
-    used would reach 0.19).
+    (8,192 x 64) by (64 x 64) at 0.42 of the peak, where a 128-wide tile a quarter
+    used would reach 0.23).
 
     Example:
         >>> run_as(64, 128, 128), run_as(64, 128, 64), run_as(96, 128, 64), run_as(576, 128, 64)

@@ -281,11 +281,12 @@ class Hardware:
             wave efficiency (new in 0.8).
         launch_seconds: the fixed cost each kernel adds beyond its work (XLA
             GPU's 1 us; 0; `st.calibrate` measures it, new in 0.8).
-        access_seconds: what a kernel that reads or writes an array in HBM adds
-            beyond its launch: the memory's first access, which a large kernel
-            hides behind its work and a tiny one waits for (a TPU's scalar loops:
-            an index read, a row updated; `st.calibrate` measures it; no data
-            sheet gives it; 0; new in 0.8).
+        access_seconds: what a kernel that reads or writes an array in HBM (not
+            in the chip's own memory, a TPU's ``S(1)``) adds beyond its launch,
+            whatever its size: the wait for the memory's first access, most of a
+            tiny kernel's time (a TPU's scalar loops: an index read, a row
+            updated) and next to none of a large one's (`st.calibrate` measures
+            it on a TPU; no data sheet gives it; 0; new in 0.8).
         collective_latency_seconds: what each collective adds beyond the links'
             per-hop latency (XLA GPU's 5 us; 0).
         chip: what its compiler is told, for ``preflight(..., target=)``: a

@@ -15,7 +15,10 @@ only), a grouped matmul (`jax.lax.ragged_dot` and its weights' gradient, their
 groups' FLOPs over their time: `grouped_efficiency`, new in 0.8), a gather of
 rows by index and a scatter-add of them back (what they move over their time:
 `indexed_efficiency`, new in 0.8), a loop of tiny kernels (`launch_seconds`: what
-each costs beyond its work, new in 0.8; the grid's shares are read net of it), and
+each costs beyond its work, new in 0.8), a loop of tiny kernels each reading rows of
+a table in HBM (`access_seconds`: what such a kernel waits for the memory's first
+access beyond that, new in 0.8; a TPU's only, the one device that keeps arrays in a
+memory of its own; the grid's shares are read net of both), and
 the chip's flash-attention kernel (splash attention on a TPU, at the blocks a user
 gives, new in 0.8; cuDNN's on a GPU), forward and backward, causal, run by
 `measure` (`flash_forward_efficiency`, `flash_backward_efficiency`: their FLOPs as
@@ -41,10 +44,11 @@ import numpy as np
 from spmdtree._src.errors import Mistake, public
 from spmdtree._src.step.compile import TOOLCHAINS
 from spmdtree._src.step.hlo import Kernel
-from spmdtree._src.step.hw import PRESETS, Hardware, hardware, preset_in
+from spmdtree._src.step.hw import PRESETS, Costs, Hardware, hardware, preset_in
 from spmdtree._src.step.kinds import Backend, KernelClass
 from spmdtree._src.step.measure.measure import SCALE, measure
 from spmdtree._src.step.time import Measurement, kernel_seconds
+from spmdtree._src.step.time.predict import fixed_seconds
 
 #: The grid of bf16 matmul shapes (m, k) x (k, n) timed for their shares (new in 0.8):
 #: every m of the first by every k and n of the second, small and narrow ones among
@@ -129,8 +133,10 @@ def calibrate(
     preset's, said as not measured), and the flash-attention kernel's shares
     forward and backward with causal FLOPs as the model counts them (splash on a
     TPU, at `flash_blocks`; cuDNN's on a GPU; none on a CPU, whose figures stay
-    left out), and what each kernel costs beyond its work (`launch_seconds`, from
-    a loop of tiny kernels; new in 0.8). Memory, links and collectives, and the
+    left out), what each kernel costs beyond its work (`launch_seconds`, from
+    a loop of tiny kernels; new in 0.8), and what a kernel that reads or writes an
+    array in HBM waits for its first access (`access_seconds`, from a loop of tiny
+    kernels reading a table there; a TPU's only; new in 0.8). Memory, links and collectives, and the
     chip are the preset's: a calibration on one chip measures no link. Save it
     with `Hardware.to_json` and time a pod's steps on it from any machine
     (``hardware="chip.json"``, ``--hardware chip.json``).
@@ -222,7 +228,11 @@ SHARES = frozenset(
 #: Why a figure went unmeasured, where the device ran no kernel of its kind.
 NOT_MEASURED = {
     "launch_seconds": "{device}'s profile timed no kernel of the loop",
-    "access_seconds": "{device}'s profile timed no kernel of the loop that reads HBM",
+    "access_seconds": (
+        "{device} keeps no array in a memory of its own apart from HBM (a TPU's S(1)), so "
+        "no kernel is told apart by reading HBM; or its profile timed no kernel of the "
+        "loop that reads it"
+    ),
     "matmul_grid": "{device}'s profile timed not every matmul of the grid",
     "flash_forward_efficiency": "no flash-attention kernel timed on {device}",
     "flash_backward_efficiency": "no flash-attention kernel timed on {device}",
@@ -242,10 +252,17 @@ def _figures(bench: _Bench, toolchain: Any, blocks: Any) -> dict[str, Any]:
     kind = "cpu" if toolchain.backend.estimates else "accelerator"
     peak = bench.base.flops_per_second
     launch = bench.launch(*LAUNCH[kind])
-    access = bench.access(*ACCESS[kind], launch or 0.0)
+    # only a TPU keeps arrays in a memory of its own (S(1)), so only there is a kernel
+    # that reads HBM told apart from one that does not (Kernel.in_hbm)
+    access = (
+        bench.access(*ACCESS[kind], launch or 0.0) if toolchain.backend is Backend.TPU else None
+    )
     reference = _reference_shapes(REFERENCE[kind], toolchain.backend)
     shapes = [*reference.values(), *_grid_shapes(*GRID[kind])]
-    measured = _rates(bench, shapes, (launch or 0.0) + (access or 0.0))
+    fixed = dataclasses.replace(
+        bench.base.costs(), launch_seconds=launch or 0.0, access_seconds=access or 0.0
+    )
+    measured = _rates(bench, shapes, fixed)
     missing = [name for name, shape in reference.items() if shape not in measured]
     if missing:
         raise Mistake(
@@ -270,8 +287,8 @@ def _figures(bench: _Bench, toolchain: Any, blocks: Any) -> dict[str, Any]:
     }
     figures.update({name: rate / per for name, (rate, per) in shares.items() if rate is not None})
     figures.update(_flash_shares(bench, toolchain.flash, blocks) or {})
-    fixed = {"launch_seconds": launch, "access_seconds": access}
-    figures.update({name: value for name, value in fixed.items() if value is not None})
+    beyond = {"launch_seconds": launch, "access_seconds": access}
+    figures.update({name: value for name, value in beyond.items() if value is not None})
     return figures
 
 
@@ -349,10 +366,11 @@ class _Bench:
         spent = sum(op.measured_seconds for op in ops) or m.min_seconds
         return work / spent
 
-    def matmuls(self, shapes: Sequence[Matmul], launch: float = 0.0) -> dict[Matmul, float]:
+    def matmuls(self, shapes: Sequence[Matmul], fixed: Costs | None = None) -> dict[Matmul, float]:
         """FLOP/s of each matmul of `shapes`, run side by side in one program, each on
         operands of its own (none shares one, which the compiler would merge), its
-        time net of `launch` seconds a call; the ones the device's profile timed
+        time net of what each call costs beyond its work on `fixed`'s figures
+        (`fixed_seconds`: the launch, the wait for HBM); the ones the device's profile timed
         (new in 0.8). Each product is reduced to its rows' largest, which a TPU's
         compiler does in the matmul's own kernel (as it does a softmax's): what it
         writes is one value a row, so its time is the matrix unit's, not that of
@@ -375,7 +393,8 @@ class _Bench:
         for op in m.ops:
             kernel = kernels.get(op.name)
             i = _scope_of(kernel.op_name) if kernel is not None and op.flops else None
-            worked = op.measured_seconds - launch * op.calls
+            beyond = fixed_seconds(kernel, fixed) if kernel is not None and fixed else 0.0
+            worked = op.measured_seconds - beyond * op.calls
             worked = worked if worked > 0 else op.measured_seconds  # a fixed cost no less
             if i is not None and worked > 0:
                 found[shapes[i]] = op.flops * op.calls / worked
@@ -593,9 +612,9 @@ def _reference_shapes(shape: tuple[int, int, int], backend: Backend) -> dict[str
     return {name: (*shape, dtype, precision) for name, (dtype, precision) in kinds.items()}
 
 
-def _rates(bench: _Bench, shapes: Sequence[Matmul], launch: float) -> dict[Matmul, float]:
-    """The FLOP/s of each of `shapes` the profile timed (net of `launch` seconds a
-    call), run in as few programs as hold their operands and results in
+def _rates(bench: _Bench, shapes: Sequence[Matmul], fixed: Costs) -> dict[Matmul, float]:
+    """The FLOP/s of each of `shapes` the profile timed (net of what each call costs
+    beyond its work on `fixed`'s figures), run in as few programs as hold their operands and results in
     `PROGRAM_BYTES` each (smallest first)."""
     found: dict[Matmul, float] = {}
     chunk: list[Matmul] = []
@@ -604,11 +623,11 @@ def _rates(bench: _Bench, shapes: Sequence[Matmul], launch: float) -> dict[Matmu
         m, k, n, dtype, _ = shape
         size = (m * k + k * n) * jnp.dtype(dtype).itemsize + m * n * 4
         if chunk and held + size > PROGRAM_BYTES:
-            found.update(bench.matmuls(chunk, launch))
+            found.update(bench.matmuls(chunk, fixed))
             chunk, held = [], 0
         chunk.append(shape)
         held += size
-    found.update(bench.matmuls(chunk, launch) if chunk else {})
+    found.update(bench.matmuls(chunk, fixed) if chunk else {})
     return found
 
 

@@ -73,7 +73,7 @@ class StepTime:
             None likewise (new in 0.5).
         predicted_by_class: the predicted time split by class: ``matmul``,
             ``attention``, ``memory`` (memory-bound kernels), ``collectives``
-            (exposed) and ``launch`` (kernel launches), summing to
+            (exposed) and ``launch`` (kernels' fixed costs: launches, waits for HBM), summing to
             `predicted_seconds`; a read-only dict, or None likewise (new in 0.5).
         flags: what the prediction rests on beyond the compiled schedule: the
             model's defaults it took for figures the hardware leaves out, loops
@@ -396,6 +396,7 @@ _KERNEL_FIELDS: Mapping[str, Callable[[Kernel], bool]] = {
     "grouped_efficiency": lambda kernel: kernel.grouped,
     "indexed_efficiency": lambda kernel: bool(kernel.indexed),
     "eight_bit_speed": lambda kernel: bool(kernel.flops) and _eight_bit(kernel.dtype),
+    "access_seconds": lambda kernel: kernel.in_hbm,
 }
 
 
