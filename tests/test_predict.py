@@ -151,7 +151,8 @@ def test_a_memory_bound_fusion_is_timed_by_its_bytes():
     text = compiled(lambda x: jnp.exp(x) * 2 + 1, ((8 * 2**20,), jnp.float32, P("data")))
     schedule, timed = predicted(text)
     (kernel,) = schedule.events
-    expected = schedule_.Kernel("memory", 0, 2 * 2**20 * 4, name=kernel.name)  # read + write
+    # read + write, both in HBM (no memory space of its own on a CPU)
+    expected = schedule_.Kernel("memory", 0, 2 * 2**20 * 4, name=kernel.name, in_hbm=True)
     assert kernel._replace(opcode="", shape="", op_name="") == expected
     assert kernel.opcode == "fusion" and kernel.shape == "f32[1048576]{0}"
     assert kernel.name.startswith(("fusion", "loop_")), kernel.name  # as the module names it

@@ -47,8 +47,7 @@ from spmdtree._src.step.hlo import Kernel
 from spmdtree._src.step.hw import PRESETS, Costs, Hardware, hardware, preset_in
 from spmdtree._src.step.kinds import Backend, KernelClass
 from spmdtree._src.step.measure.measure import SCALE, measure
-from spmdtree._src.step.time import Measurement, kernel_seconds
-from spmdtree._src.step.time.predict import fixed_seconds
+from spmdtree._src.step.time import Measurement, fixed_seconds, kernel_seconds
 
 #: The grid of bf16 matmul shapes (m, k) x (k, n) timed for their shares (new in 0.8):
 #: every m of the first by every k and n of the second, small and narrow ones among
