@@ -82,10 +82,10 @@ INDEXED = {"accelerator": (16384, 1024), "cpu": (1024, 128)}
 #: iterations, and the rows of the (rows, 128) f32 array each one updates.
 LAUNCH = {"accelerator": (1024, 8), "cpu": (256, 8)}
 #: The loop of tiny kernels that each read rows of a table in HBM, timed for the wait
-#: for the memory's first access (new in 0.8): its iterations, and the table's rows of
-#: 128 f32 (1 GiB on an accelerator, beyond a TPU's own memory, so that it stays in
-#: HBM), 8 read by each iteration at an offset known only when it runs.
-ACCESS = {"accelerator": (1024, 2**21), "cpu": (256, 2**14)}
+#: for the memory's first access on a TPU (new in 0.8): its iterations, and the table's
+#: rows of 128 f32 (1 GiB, beyond a TPU's own memory, so that it stays in HBM), 8 read
+#: by each iteration at an offset known only when it runs.
+ACCESS = (1024, 2**21)
 #: The normal floats (of measure's scale, `measure.SCALE`) drawn once on the host and
 #: tiled to each benchmark's operands on the device (new in 0.8): measure's own fill
 #: compiles a random-number program for each shape, which libtpu took 4 to 15 s for
@@ -135,10 +135,10 @@ def calibrate(
     left out), what each kernel costs beyond its work (`launch_seconds`, from
     a loop of tiny kernels; new in 0.8), and what a kernel that reads or writes an
     array in HBM waits for its first access (`access_seconds`, from a loop of tiny
-    kernels reading a table there; a TPU's only; new in 0.8). Memory, links and collectives, and the
-    chip are the preset's: a calibration on one chip measures no link. Save it
-    with `Hardware.to_json` and time a pod's steps on it from any machine
-    (``hardware="chip.json"``, ``--hardware chip.json``).
+    kernels reading a table there; a TPU's only; new in 0.8). Memory, links and
+    collectives, and the chip are the preset's: a calibration on one chip measures
+    no link. Save it with `Hardware.to_json` and time a pod's steps on it from any
+    machine (``hardware="chip.json"``, ``--hardware chip.json``).
 
     Args:
         device: the device to measure; None: the first of jax's default backend.
@@ -253,9 +253,7 @@ def _figures(bench: _Bench, toolchain: Any, blocks: Any) -> dict[str, Any]:
     launch = bench.launch(*LAUNCH[kind])
     # only a TPU keeps arrays in a memory of its own (S(1)), so only there is a kernel
     # that reads HBM told apart from one that does not (Kernel.in_hbm)
-    access = (
-        bench.access(*ACCESS[kind], launch or 0.0) if toolchain.backend is Backend.TPU else None
-    )
+    access = bench.access(*ACCESS, launch or 0.0) if toolchain.backend is Backend.TPU else None
     reference = _reference_shapes(REFERENCE[kind], toolchain.backend)
     shapes = [*reference.values(), *_grid_shapes(*GRID[kind])]
     fixed = dataclasses.replace(
