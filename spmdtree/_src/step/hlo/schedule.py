@@ -870,13 +870,16 @@ class _Walker:
             self._in_hbm(comp, ins),
         )
 
+    def _operands(self, comp: str, ins: Instr) -> list[Instr]:
+        """The instructions of `comp` that `ins` takes as operands (those it names)."""
+        held = self.mod.by_name[comp]
+        return [held[o] for o in ins.operands if o in held]
+
     def _in_hbm(self, comp: str, ins: Instr) -> bool:
         """Whether kernel `ins` reads or writes an array of one dimension or more that
         its layout leaves in HBM (`Kernel.in_hbm`): a scalar is the scalar unit's, an
         ``S(1)`` array the chip's own memory's."""
-        held = self.mod.by_name[comp]
-        given = [held[o] for o in ins.operands if o in held]
-        arrays = [a for g in given for a in g.arrays] + list(ins.arrays)
+        arrays = [a for g in self._operands(comp, ins) for a in g.arrays] + list(ins.arrays)
         return any(a.dims and a.space != ON_CHIP for a in arrays)
 
     def _doubt(self, ins: Instr, inside: list[tuple[str, Instr]], cycles: int) -> None:
@@ -981,7 +984,7 @@ class _Walker:
         estimate = kernel_estimate(ins)
         if estimate is not None and estimate[1]:  # a hand-written kernel's own figure
             return estimate[1]
-        given = [self.mod.by_name[comp][o] for o in ins.operands if o in self.mod.by_name[comp]]
+        given = self._operands(comp, ins)
         if ins.op in _SLICING:
             return 2 * ins.tiled_bytes
         unfused = self._unfused_update(comp, ins)

@@ -363,12 +363,12 @@ class _Bench:
         spent = sum(op.measured_seconds for op in ops) or m.min_seconds
         return work / spent
 
-    def matmuls(self, shapes: Sequence[Matmul], fixed: Costs | None = None) -> dict[Matmul, float]:
+    def matmuls(self, shapes: Sequence[Matmul], fixed: Costs) -> dict[Matmul, float]:
         """FLOP/s of each matmul of `shapes`, run side by side in one program, each on
         operands of its own (none shares one, which the compiler would merge), its
         time net of what each call costs beyond its work on `fixed`'s figures
-        (`fixed_seconds`: the launch, the wait for HBM); the ones the device's profile timed
-        (new in 0.8). Each product is reduced to its rows' largest, which a TPU's
+        (`fixed_seconds`: the launch, the wait for HBM); the ones the device's
+        profile timed (new in 0.8). Each product is reduced to its rows' largest, which a TPU's
         compiler does in the matmul's own kernel (as it does a softmax's): what it
         writes is one value a row, so its time is the matrix unit's, not that of
         writing its result, which the model times by the bytes a kernel moves."""
@@ -390,10 +390,11 @@ class _Bench:
         for op in m.ops:
             kernel = kernels.get(op.name)
             i = _scope_of(kernel.op_name) if kernel is not None and op.flops else None
-            beyond = fixed_seconds(kernel, fixed) if kernel is not None and fixed else 0.0
-            worked = op.measured_seconds - beyond * op.calls
+            if i is None or kernel is None:
+                continue
+            worked = op.measured_seconds - fixed_seconds(kernel, fixed) * op.calls
             worked = worked if worked > 0 else op.measured_seconds  # a fixed cost no less
-            if i is not None and worked > 0:
+            if worked > 0:
                 found[shapes[i]] = op.flops * op.calls / worked
         return found
 
@@ -611,8 +612,8 @@ def _reference_shapes(shape: tuple[int, int, int], backend: Backend) -> dict[str
 
 def _rates(bench: _Bench, shapes: Sequence[Matmul], fixed: Costs) -> dict[Matmul, float]:
     """The FLOP/s of each of `shapes` the profile timed (net of what each call costs
-    beyond its work on `fixed`'s figures), run in as few programs as hold their operands and results in
-    `PROGRAM_BYTES` each (smallest first)."""
+    beyond its work on `fixed`'s figures), run in as few programs as hold their
+    operands and results in `PROGRAM_BYTES` each (smallest first)."""
     found: dict[Matmul, float] = {}
     chunk: list[Matmul] = []
     held = 0
