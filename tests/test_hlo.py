@@ -495,24 +495,24 @@ ENTRY %main (p: f32[1024,1024]) -> f32[1024,1024] {
 
 
 def test_an_op_run_asynchronously_is_timed_once_under_its_dones_name():
-    # a device's profile times libtpu's slice-start at about 0 and its slice-done with
-    # the op's time (new in 0.8: 0.7 named the kernel after the slice it wraps, which
-    # no profile event has)
+    # a device's profile times an async op's start at about 0 and its done with the
+    # op's time (new in 0.8: 0.7 named the kernel after the op it wraps, which no
+    # profile event has); a slice or copy is the DMA engines' (tests/test_copies.py)
     # Private: the schedule's reader and its records have no public names
     from spmdtree._src.step.hlo.schedule import Kernel, read_schedule
 
     text = """HloModule m, is_scheduled=true
 
-%wrapped (a: f32[1024,1024]) -> f32[256,1024] {
+%wrapped (a: f32[1024,1024]) -> f32[1024,1024] {
   %a = f32[1024,1024]{1,0} parameter(0)
-  ROOT %slice.7 = f32[256,1024]{1,0} slice(%a), slice={[0:256], [0:1024]}
+  ROOT %exp.7 = f32[1024,1024]{1,0} exponential(%a)
 }
 
-ENTRY %main (p: f32[1024,1024]) -> f32[256,1024] {
+ENTRY %main (p: f32[1024,1024]) -> f32[1024,1024] {
   %p = f32[1024,1024]{1,0} parameter(0)
-  %slice-start = ((f32[1024,1024]{1,0}), f32[256,1024]{1,0}, s32[]) async-start(%p), calls=%wrapped
-  ROOT %slice-done = f32[256,1024]{1,0} async-done(%slice-start)
+  %exp-start = ((f32[1024,1024]{1,0}), f32[1024,1024]{1,0}, s32[]) async-start(%p), calls=%wrapped
+  ROOT %exp-done = f32[1024,1024]{1,0} async-done(%exp-start)
 }
 """
     kernels = [e for e in read_schedule(text, platform="tpu").events if isinstance(e, Kernel)]
-    assert [k.name for k in kernels] == ["slice-done"]
+    assert [(k.name, k.bytes) for k in kernels] == [("exp-done", 2 * 1024 * 1024 * 4)]

@@ -88,9 +88,14 @@ def test_a_measurement_reads_as_a_table_a_trace_and_json(tmp_path):
     assert text.startswith("measured on cpu:0 (8 devices): 2 steps, median")
     assert f"{m.ratio:.2f} of measured" in text
     trace = m.trace(tmp_path / "m.json")
-    tracks = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
-    assert tracks == {"compute", "collectives", "measured"}
-    measured = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["tid"] == 4]
+    tracks = {
+        e["args"]["name"]: e["tid"] for e in trace["traceEvents"] if e["name"] == "thread_name"
+    }
+    assert set(tracks) == {"compute", "collectives", "copies", "measured"}
+    measured = [
+        e for e in trace["traceEvents"] if e["ph"] == "X" and e["tid"] == tracks["measured"]
+    ]
+    assert measured
     assert {e["name"] for e in measured} <= {op.name for op in m.ops} | {"all-reduce"}
     assert json.loads((tmp_path / "m.json").read_text()) == trace
     data = json.loads(m.to_json())

@@ -11,6 +11,7 @@ from spmdtree._src.step.hlo.reading import Reading as Reading
 from spmdtree._src.step.hlo.reading import reading_of as reading_of
 from spmdtree._src.step.hlo.schedule import Branches as Branches
 from spmdtree._src.step.hlo.schedule import Collective as Collective
+from spmdtree._src.step.hlo.schedule import Copy as Copy
 from spmdtree._src.step.hlo.schedule import Done as Done
 from spmdtree._src.step.hlo.schedule import Event as Event
 from spmdtree._src.step.hlo.schedule import Kernel as Kernel

@@ -12,7 +12,7 @@ widened values, libtpu's all-reduce-scatter fusion and zero-filled gathers, a
 multi-slice job's megascale transfers, a collective fused into a kernel); a
 `Loop` per ``while`` with its trip count; a `Branches` per conditional. The
 reading (`reading.reading_of`: collectives, FLOPs, flags) is a fold of it, and the
-prediction (`predict.predict`) a walk of it on two clocks, so the two cannot
+prediction (`predict.predict`) a walk of it on its streams' clocks, so the two cannot
 disagree on what a step runs.
 """
 
@@ -232,9 +232,22 @@ class Start(NamedTuple):
 
 
 class Done(NamedTuple):
-    """The compute stream waits here for collective `ident` to finish."""
+    """The compute stream waits here for collective (or `Copy`) `ident` to finish."""
 
     ident: int
+
+
+class Copy(NamedTuple):
+    """An asynchronous copy the chip's DMA engines run beside the compute (new in 0.8):
+    libtpu's ``slice-start`` (a slice of an array) and ``copy-start`` (an array moved
+    between HBM and the chip's own memory, ``S(1)``). `ident` pairs it with its
+    `Done`, where the compute waits for it; `kernel` is what it moves: its bytes
+    those read from or written to HBM, its name the done's, which a device's profile
+    times the compute's wait under. 0.7 timed each on the compute stream, as a kernel
+    nothing hides: a TPU v5e's profile shows the waits at about none."""
+
+    ident: int
+    kernel: Kernel
 
 
 class Loop(NamedTuple):
@@ -259,8 +272,8 @@ class Branches(NamedTuple):
     branches: tuple[tuple[Event, ...], ...]
 
 
-Event = Kernel | Start | Done | Loop | Branches
-E = TypeVar("E", Kernel, Loop, Start)
+Event = Kernel | Start | Done | Copy | Loop | Branches
+E = TypeVar("E", Kernel, Loop, Start, Copy)
 
 
 #: A reduction over a dimension that is not its array's minor-most is flagged from
@@ -416,6 +429,16 @@ class Schedule:
         """
         return tuple(start.row for start in _every(self.events, Start))
 
+    def copies(self) -> tuple[Copy, ...]:
+        """Each async copy it runs (`Copy`), once each as written (new in 0.8).
+
+        Example:
+            >>> moved = Kernel("memory", 0, 4096, name="slice-done.1")
+            >>> [c.kernel.name for c in Schedule((Loop(3, (Copy(0, moved), Done(0))),), "tpu").copies()]
+            ['slice-done.1']
+        """
+        return tuple(_every(self.events, Copy))
+
     def compiler_cycles(self) -> int:
         """libtpu's own estimate of the step, in cycles: each kernel's
         `Kernel.estimated_cycles` times how often it runs (a loop's trips, a
@@ -538,22 +561,30 @@ def _event_json(event: Event) -> list[Any]:
         return ["start", event.ident, list(event.row), event.sync, event.partial, event.name]
     if isinstance(event, Done):
         return ["done", event.ident]
+    if isinstance(event, Copy):
+        return ["copy", event.ident, _event_json(event.kernel)]
     if isinstance(event, Loop):
         body = [_event_json(e) for e in event.body]
         return ["loop", event.trips, body, event.known, event.name, event.idle]
     return ["branches", [[_event_json(e) for e in branch] for branch in event.branches]]
 
 
+def _kernel_from(fields: Sequence[Any]) -> Kernel:
+    return Kernel(KernelClass(fields[0]), *fields[1:])
+
+
 def _event_from(data: Sequence[Any]) -> Event:
     tag, rest = data[0], data[1:]
     if tag == "kernel":
-        return Kernel(KernelClass(rest[0]), *rest[1:])
+        return _kernel_from(rest)
     if tag == "start":
         kind, count, size, axes, group, written = rest[1]
         row = Collective(CollectiveKind(kind), count, size, tuple(axes), group, written)
         return Start(rest[0], row, rest[2], rest[3], rest[4])
     if tag == "done":
         return Done(rest[0])
+    if tag == "copy":
+        return Copy(rest[0], _kernel_from(rest[1][1:]))
     if tag == "loop":
         return Loop(rest[0], tuple(_event_from(e) for e in rest[1]), *rest[2:])
     return Branches(tuple(tuple(_event_from(e) for e in branch) for branch in rest[0]))
@@ -591,8 +622,6 @@ _FREE = frozenset(
         *[getattr(Op, name) for name in ("kDomain",) if hasattr(Op, name)],
         Op.kGetDimensionSize,
         Op.kAsyncUpdate,
-        Op.kCopyStart,
-        Op.kCopyDone,
         Op.kSend,
         Op.kSendDone,
         Op.kRecv,
@@ -600,9 +629,15 @@ _FREE = frozenset(
     }
 )
 #: What the compute stream waits at: an async pair's done, a wrapped async op's too.
-_DONES = DONES | {Op.kAsyncDone}
+_DONES = DONES | {Op.kAsyncDone, Op.kCopyDone}
 #: Ops that read only part of their first operand: a slice's bytes, not the whole.
 _SLICING = frozenset({Op.kDynamicSlice, Op.kSlice, Op.kGather})
+#: Ops that only move data, which the DMA engines run where the compiler makes them
+#: asynchronous (a `Copy`).
+_MOVING = frozenset({Op.kSlice, Op.kDynamicSlice, Op.kCopy})
+#: The memory space XLA gives the host's memory (``S(5)``): a copy to or from it
+#: crosses the host's link, which the model does not time (free, as in 0.7).
+_HOST = 5
 
 
 class _Walker:
@@ -614,7 +649,7 @@ class _Walker:
         self.mod, self.shape, self.cpu, self.slice_size = mod, tuple(shape), cpu, slice_size
         self.flow = Flow(mod)
         self.idents: dict[tuple[str, str], tuple[int, ...]] = {}
-        self.started = 0  # collectives given an ident so far
+        self.started = 0  # collectives and copies given an ident so far
         self.unknown = False
         self.read: dict[str, tuple[Event, ...]] = {}
         self.scattered: dict[tuple[str, str], int] = {}
@@ -651,6 +686,8 @@ class _Walker:
             return list(self.events(callees.get("to_apply", "")))
         if ins.op in _DONES:
             return self._dones(comp, ins)
+        if ins.op == Op.kCopyStart:
+            return self._copy(comp, ins, ins)
         if ins.op in STARTS or ins.op == Op.kAsyncStart or ins.op in SYNC:
             return self._collective(comp, ins)
         fused = self._fused(comp, ins)
@@ -727,8 +764,11 @@ class _Walker:
             if kind is None:
                 fused = self._fused(wrapped, root)
                 rows = [fused] if fused is not None else self._inside(root)
+                if not rows and root.op in _MOVING:  # the DMA engines', beside the compute
+                    return self._copy(comp, ins, root)
                 if not rows:  # an op run asynchronously: timed once, as its done
-                    return [self._kernel(wrapped, root)._replace(name=self._done_of(comp, ins))]
+                    done = self._done_of(comp, ins).name
+                    return [self._kernel(wrapped, root)._replace(name=done)]
                 return self._starts(comp, ins, rows, sync=False)
             inner, where = root, wrapped
         if kind is None:
@@ -738,13 +778,38 @@ class _Walker:
         sync = ins.op in SYNC or config_field(ins.config, "is_sync") is True
         return self._starts(comp, ins, rows, sync, waits=ins.op in SYNC)
 
-    def _done_of(self, comp: str, start: Instr) -> str:
-        """The name of an async start's done, which a device's profile times an op run
+    def _copy(self, comp: str, start: Instr, moving: Instr) -> list[Event]:
+        """An async slice or copy `start` (`moving`, the op it runs) as the `Copy` its
+        done waits for: what it moves through HBM, the slice read where its source is
+        there and written where its destination is; nothing where it crosses to the
+        host's memory (new in 0.8)."""
+        given = self._operands(comp, start)
+        source = given[0].arrays[0] if given and given[0].arrays else None
+        target = start.arrays[1] if len(start.arrays) > 1 else None
+        if source is None or target is None or _HOST in (source.space, target.space):
+            return []
+        moved = (0 if source.space == ON_CHIP else target.tiled_bytes) + target.hbm_bytes
+        ident, self.started = self.started, self.started + 1
+        self.idents[(comp, start.name)] = (ident,)
+        done = self._done_of(comp, start)
+        kernel = Kernel(
+            KernelClass.MEMORY,
+            0,
+            moved,
+            name=done.name,
+            opcode=_printed_opcode(moving.op),
+            shape=done.printed,
+            op_name=moving.op_name,
+        )
+        return [Copy(ident, kernel)]
+
+    def _done_of(self, comp: str, start: Instr) -> Instr:
+        """An async start's done, whose name a device's profile times an op run
         asynchronously under (a libtpu ``slice-start`` takes about none of it); the
-        start's own where it has none (new in 0.8: 0.7 named it after the op it wraps,
-        which no profile event has)."""
+        start itself where it has none (new in 0.8: 0.7 named it after the op it
+        wraps, which no profile event has)."""
         users = self.mod.users[comp].get(start.name, [])
-        return next((user.name for user, _ in users if user.op == Op.kAsyncDone), start.name)
+        return next((user for user, _ in users if user.op in _DONES), start)
 
     def _rows(
         self, comp: str, result: Instr, start: Instr, kind: CollectiveKind

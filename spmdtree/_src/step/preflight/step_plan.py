@@ -368,7 +368,7 @@ class StepPlan:
         """This step's time on `hardware`: a roofline bound (its FLOPs at the peak,
         its collectives at the links' bandwidth, perfect overlap; new in 0.3) and,
         from the compiled schedule, the predicted time (each kernel timed by the
-        model, the two streams walked; new in 0.5), which advise ranks by.
+        model, its streams walked; new in 0.5), which advise ranks by.
 
         Devices sit on nodes by their position in the mesh's row-major device
         order (position // devices_per_node); a group that spans nodes is

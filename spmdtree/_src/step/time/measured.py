@@ -26,6 +26,7 @@ from spmdtree._src.rules import AnyMesh
 from spmdtree._src.step.hlo import (
     Branches,
     Collective,
+    Copy,
     Event,
     Kernel,
     Loop,
@@ -34,8 +35,9 @@ from spmdtree._src.step.hlo import (
 )
 from spmdtree._src.step.hw import Hardware
 from spmdtree._src.step.time.bound import StepTime, collective_seconds, step_spans
-from spmdtree._src.step.time.predict import Span, fixed_seconds, kernel_seconds
+from spmdtree._src.step.time.predict import Span, fixed_seconds, kernel_seconds, predict
 from spmdtree._src.step.time.profile import Profile
+from spmdtree._src.step.time.timeline import STREAMS as TIMELINE_STREAMS
 from spmdtree._src.step.time.timeline import trace_events
 from spmdtree._src.text import JSON_VERSION, mesh_json, seconds_text
 
@@ -230,10 +232,10 @@ class Measurement:
 
     def trace(self, path: str | os.PathLike[str] | None = None) -> dict[str, Any]:
         """The predicted step and the first profiled one as a trace: Chrome
-        trace-event JSON that Perfetto opens, three tracks: ``compute`` and
-        ``collectives`` (the prediction, as `StepPlan.trace` lays it out) and
-        ``measured`` (each instruction as the device ran it, from the step's
-        start). Written to `path` too, where given."""
+        trace-event JSON that Perfetto opens, four tracks: ``compute``,
+        ``collectives`` and ``copies`` (the prediction, as `StepPlan.trace` lays
+        it out) and ``measured`` (each instruction as the device ran it, from the
+        step's start). Written to `path` too, where given."""
         title = f"predicted and measured step on {self.device}"
         other = {
             "spmdtree": "predicted beside measured (Measurement.trace)",
@@ -251,8 +253,8 @@ class Measurement:
         return _table(self)
 
 
-#: A measurement's trace tracks: the prediction's two streams, then the device's.
-STREAMS = {"compute": 2, "collectives": 3, "measured": 4}
+#: A measurement's trace tracks: the prediction's streams, then the device's.
+STREAMS = {**TIMELINE_STREAMS, "measured": max(TIMELINE_STREAMS.values()) + 1}
 
 
 def compare(
@@ -303,10 +305,12 @@ def instruction_seconds(
 ) -> Iterator[OpTime]:
     """Each instruction of `schedule` with the model's time for it per step (its
     calls: its loops' trip counts multiplied; a conditional's branches each as if
-    it ran), its measured time not yet read."""
+    it ran; an async copy, the walk's wait for it at its done: what a profile times
+    it by), its measured time not yet read."""
     costs, peak = hardware.costs(), hardware.flops_per_second
     clock = getattr(hardware.chip, "clock_ghz", 0.0) * 1e9
     totals: dict[str, OpTime] = {}
+    waits = predict(schedule, costs, peak, comm).copy_waits if schedule.copies() else {}
 
     def walk(events: Sequence[Event], times: int) -> None:
         for event in events:
@@ -324,6 +328,10 @@ def instruction_seconds(
                     event.row.bytes,
                     str(event.row.kind),
                 )
+            elif isinstance(event, Copy):  # its waits, per step, spread over its calls
+                name = event.kernel.name
+                each = waits.get(name, 0.0) / times if times else 0.0
+                add(name, event.kernel.kind, times, each, event.kernel)
             elif isinstance(event, Loop):
                 walk(event.body, times * event.trips)
             elif isinstance(event, Branches):  # each as if it ran

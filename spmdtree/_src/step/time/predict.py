@@ -4,10 +4,12 @@ A roofline bound (`StepTime.bound_seconds`) assumes peak FLOPs and perfect
 overlap, and most layouts tie at it. The compiled module says more: its
 `Schedule` (`schedule.read_schedule`, the one walk of the module: each kernel
 with its FLOPs, bytes and matmul shape, each collective's start and done
-where the scheduler put them, loops and branches). `predict` walks it on two
+where the scheduler put them, loops and branches). `predict` walks it on three
 clocks: the compute stream runs kernels in order;
-the collective stream runs collectives one at a time (XLA GPU's default); a
-done waits for its collective, so only the part of a collective that the
+the collective stream runs collectives one at a time (XLA GPU's default); the
+DMA engines run async copies one at a time (libtpu's slices and copies between
+HBM and the chip's own memory, each at its bytes over the bandwidth; new in
+0.8); a done waits for its collective or copy, so only the part of one that the
 compute between its start and done does not cover is exposed.
 
 The per-kernel model (`hardware.Costs`; every figure's source is listed with it):
@@ -44,6 +46,7 @@ from typing import Any, NamedTuple
 
 from spmdtree._src.step.hlo import (
     Collective,
+    Copy,
     Done,
     Event,
     Kernel,
@@ -154,11 +157,12 @@ def fixed_seconds(kernel: Kernel, costs: Costs) -> float:
 
 class Span(NamedTuple):
     """One stretch of a walked schedule on one stream (new in 0.6): a kernel, a
-    collective, the compute waiting for one, or a loop's iterations after the
-    walked ones, summarised.
+    collective, an async copy, the compute waiting for one of them, or a loop's
+    iterations after the walked ones, summarised.
 
     Attributes:
-        stream: ``"compute"`` or ``"collectives"``.
+        stream: ``"compute"``, ``"collectives"`` or ``"copies"`` (the DMA engines'
+            async copies; new in 0.8).
         name: the instruction's name in the compiled module (``fusion.12``,
             ``all-gather-start.3``); ``waits for ...`` for the compute waiting;
             ``... iterations 4-32`` for a loop's summarised iterations.
@@ -188,7 +192,9 @@ class Prediction:
             of a name scope naming attention (``jax.named_scope("attention")``:
             a blocked attention's matmuls and softmax).
         memory_seconds: every other kernel (memory-bound fusions, copies,
-            reductions).
+            reductions), and the compute stream waiting for an async copy (`Copy`:
+            where the compute between its start and done does not cover it; new in
+            0.8).
         exposed_comm_seconds: the compute stream waiting for collectives
             (synchronous ones whole; an async one where the compute between
             its start and done does not cover it).
@@ -205,6 +211,8 @@ class Prediction:
             iterations each device runs on padding (`Loop.idle` of its trips,
             at the loop's own time: what the compiled program runs); 0 without
             a pipeline (new in 0.8).
+        copy_waits: the compute stream's wait for each async copy, by its done's
+            name (`Copy`), per step; those it never waits for left out (new in 0.8).
     """
 
     matmul_seconds: float
@@ -217,6 +225,7 @@ class Prediction:
     exposed_by_axes: Mapping[Axes, float] = dataclasses.field(default_factory=dict)
     spans: tuple[Span, ...] = dataclasses.field(default=(), repr=False, compare=False)
     bubble_seconds: float = 0.0
+    copy_waits: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
     @property
     def seconds(self) -> float:
@@ -237,15 +246,19 @@ class Prediction:
 
 @dataclasses.dataclass
 class _Clock:
-    """Where the two streams stand, and what each class took so far."""
+    """Where the three streams stand, and what each class took so far."""
 
     compute: float = 0.0  # the compute stream's time
     links: float = 0.0  # when the collective stream is next free
+    copies: float = 0.0  # when the DMA engines are next free
     spent: dict[str, float] = dataclasses.field(default_factory=lambda: dict.fromkeys(CLASSES, 0.0))
     comm: float = 0.0
     kernels: int = 0
-    pending: dict[int, tuple[float, str, Axes]] = dataclasses.field(default_factory=dict)
+    # what the compute may wait for: when it ends, its name, a collective's axes
+    # (None: a copy's)
+    pending: dict[int, tuple[float, str, Axes | None]] = dataclasses.field(default_factory=dict)
     waited: dict[Axes, float] = dataclasses.field(default_factory=dict)  # exposed, per axes
+    copied: dict[str, float] = dataclasses.field(default_factory=dict)  # waits, per copy
     spans: list[Span] | None = None  # where the walk records what ran when
     bubble: float = 0.0  # a pipeline's idle iterations, of the compute stream's time
 
@@ -257,6 +270,7 @@ class _Clock:
             spent=dict(self.spent),
             pending=dict(self.pending),
             waited=dict(self.waited),
+            copied=dict(self.copied),
             spans=kept,
         )
 
@@ -266,20 +280,20 @@ class _Clock:
         if self.spans is not None:
             self.spans.append(Span(stream, name, start, seconds, kind, args))
 
-    def wait(self, until: float, name: str, axes: Axes) -> None:
-        """The compute stream waits for collective `name` over `axes`, finishing at
-        `until`."""
-        if until > self.compute:
-            self.waited[axes] = self.waited.get(axes, 0.0) + until - self.compute
-            self.record(
-                "compute",
-                f"waits for {name}",
-                self.compute,
-                until - self.compute,
-                KernelClass.COLLECTIVES,
-            )
-            self.spent[KernelClass.COLLECTIVES] += until - self.compute
-            self.compute = until
+    def wait(self, until: float, name: str, axes: Axes | None) -> None:
+        """The compute stream waits for collective `name` over `axes` (None: for
+        async copy `name`), finishing at `until`."""
+        if until <= self.compute:
+            return
+        waited, kind = until - self.compute, KernelClass.COLLECTIVES
+        if axes is None:
+            self.copied[name] = self.copied.get(name, 0.0) + waited
+            kind = KernelClass.MEMORY
+        else:
+            self.waited[axes] = self.waited.get(axes, 0.0) + waited
+        self.record("compute", f"waits for {name}", self.compute, waited, kind)
+        self.spent[kind] += waited
+        self.compute = until
 
     def advance(self, before: _Clock, times: int, name: str) -> None:
         """Repeats `times` more the change since `before` (a loop's steady iteration),
@@ -287,6 +301,7 @@ class _Clock:
         for stream, was, now in (
             ("compute", before.compute, self.compute),
             ("collectives", before.links, self.links),
+            ("copies", before.copies, self.copies),
         ):
             if now > was:
                 self.record(
@@ -300,12 +315,15 @@ class _Clock:
                 )
         self.compute += times * (self.compute - before.compute)
         self.links += times * (self.links - before.links)
+        self.copies += times * (self.copies - before.copies)
         for kind in CLASSES:
             self.spent[kind] += times * (self.spent[kind] - before.spent[kind])
         self.comm += times * (self.comm - before.comm)
         self.bubble += times * (self.bubble - before.bubble)
         for axes, seconds in list(self.waited.items()):
             self.waited[axes] += times * (seconds - before.waited.get(axes, 0.0))
+        for name, seconds in list(self.copied.items()):
+            self.copied[name] += times * (seconds - before.copied.get(name, 0.0))
         self.kernels += times * (self.kernels - before.kernels)
 
 
@@ -365,6 +383,8 @@ class _Walk:
                 clock.wait(clock.links, name, event.row.axes)
             else:
                 clock.pending[event.ident] = (clock.links, name, event.row.axes)
+        elif isinstance(event, Copy):
+            self.copy(event, clock)
         elif isinstance(event, Done):
             if event.ident in clock.pending:
                 clock.wait(*clock.pending.pop(event.ident))
@@ -374,6 +394,17 @@ class _Walk:
             ends = [self.run(branch, clock.copy()) for branch in event.branches]
             clock = max(ends, key=lambda c: c.compute, default=clock)
         return clock
+
+    def copy(self, copy: Copy, clock: _Clock) -> None:
+        """An async copy: on the DMA engines, one at a time, from where the compute
+        starts it; its done waits for it (new in 0.8)."""
+        seconds = kernel_seconds(copy.kernel, self.costs, self.peak)
+        start = max(clock.compute, clock.copies)
+        clock.copies = start + seconds
+        clock.pending[copy.ident] = (clock.copies, copy.kernel.name, None)
+        clock.record(
+            "copies", copy.kernel.name, start, seconds, KernelClass.MEMORY, bytes=copy.kernel.bytes
+        )
 
     def loop(self, loop: Loop, clock: _Clock) -> _Clock:
         """A loop: its first `WALKED` iterations walked, the rest repeating the last
@@ -428,4 +459,5 @@ def predict(
         exposed_by_axes={axes: s for axes, s in end.waited.items() if s > 0},
         spans=tuple(end.spans or ()),
         bubble_seconds=end.bubble,
+        copy_waits={name: s for name, s in end.copied.items() if s > 0},
     )

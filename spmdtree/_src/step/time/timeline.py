@@ -2,8 +2,9 @@
 Chrome trace-event JSON, the format `jax.profiler`'s traces, Perfetto,
 chrome://tracing and TensorBoard's trace viewer read.
 
-One process, the predicted step; two threads, its streams: ``compute`` (each
-kernel, and the compute waiting for a collective) and ``collectives``. Each span
+One process, the predicted step; three threads, its streams: ``compute`` (each
+kernel, and the compute waiting for a collective or a copy), ``collectives`` and
+``copies`` (the DMA engines' async copies; new in 0.8). Each span
 is a complete event (``"ph": "X"``) named as the compiled module names the
 instruction, its class as the category and what the module says of it as its
 args, its start and length in microseconds on a grid of whole nanoseconds. On
@@ -22,7 +23,7 @@ from spmdtree._src.step.time.predict import Span
 
 #: The tracks, as Chrome trace-event threads of one process, in display order
 #: (neither thread's id the process's: Perfetto calls that one the main thread).
-STREAMS = {"compute": 2, "collectives": 3}
+STREAMS = {"compute": 2, "collectives": 3, "copies": 4}
 _PID = 1
 _NS_PER_S = 10**9
 _NS_PER_US = 1000
