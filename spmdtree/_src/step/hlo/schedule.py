@@ -34,7 +34,15 @@ from spmdtree._src.step.hlo.forms import (
     parts,
 )
 from spmdtree._src.step.hlo.groups import collective_axes, group_axes
-from spmdtree._src.step.hlo.instructions import ON_CHIP, Array, Instr, Module, Op, config_field
+from spmdtree._src.step.hlo.instructions import (
+    HBM,
+    ON_CHIP,
+    Array,
+    Instr,
+    Module,
+    Op,
+    config_field,
+)
 from spmdtree._src.step.hlo.loops import trip_count
 from spmdtree._src.step.hlo.opcodes import (
     DONES,
@@ -644,9 +652,15 @@ class _Walker:
     """Turns a module's scheduled computations into events, each computation once."""
 
     def __init__(
-        self, mod: Module, shape: Sequence[tuple[str, int]], cpu: bool, slice_size: int | None
+        self,
+        mod: Module,
+        shape: Sequence[tuple[str, int]],
+        backend: Backend,
+        slice_size: int | None,
     ) -> None:
-        self.mod, self.shape, self.cpu, self.slice_size = mod, tuple(shape), cpu, slice_size
+        self.mod, self.shape, self.slice_size = mod, tuple(shape), slice_size
+        self.cpu = backend.estimates
+        self.scalar_unit = backend is Backend.TPU  # runs scalar ops inline: no kernel
         self.flow = Flow(mod)
         self.idents: dict[tuple[str, str], tuple[int, ...]] = {}
         self.started = 0  # collectives and copies given an ident so far
@@ -690,6 +704,8 @@ class _Walker:
             return self._copy(comp, ins, ins)
         if ins.op in STARTS or ins.op == Op.kAsyncStart or ins.op in SYNC:
             return self._collective(comp, ins)
+        if self.scalar_unit and self._scalar(comp, ins):
+            return []
         fused = self._fused(comp, ins)
         if fused is not None:  # libtpu's all-reduce-scatter: the collective it runs
             return self._starts(comp, ins, [fused], sync=True)
@@ -941,11 +957,21 @@ class _Walker:
         return [held[o] for o in ins.operands if o in held]
 
     def _in_hbm(self, comp: str, ins: Instr) -> bool:
-        """Whether kernel `ins` reads or writes an array of one dimension or more that
-        its layout leaves in HBM (`Kernel.in_hbm`): a scalar is the scalar unit's, an
-        ``S(1)`` array the chip's own memory's."""
+        """Whether kernel `ins` reads or writes a value that its layout leaves in HBM
+        (`Kernel.in_hbm`): an array of one dimension or more not in the chip's own
+        memory (``S(1)``), a scalar in none of the chip's memories (new in 0.8: a
+        scalar in HBM too, which a TPU v5e's kernel waited for as for an array); a
+        constant is the instruction's own."""
+        given = [g for g in self._operands(comp, ins) if g.op != Op.kConstant]
+        arrays = [a for g in given for a in g.arrays] + list(ins.arrays)
+        return any(a.space != ON_CHIP if a.dims else a.space == HBM for a in arrays)
+
+    def _scalar(self, comp: str, ins: Instr) -> bool:
+        """Whether `ins` reads and writes only scalars: an op a TPU's scalar unit runs
+        inline, which no profile shows as a kernel (new in 0.8: 0.7 timed each at a
+        kernel's launch)."""
         arrays = [a for g in self._operands(comp, ins) for a in g.arrays] + list(ins.arrays)
-        return any(a.dims and a.space != ON_CHIP for a in arrays)
+        return bool(arrays) and not any(a.dims for a in arrays)
 
     def _doubt(self, ins: Instr, inside: list[tuple[str, Instr]], cycles: int) -> None:
         """Keeps a `Doubt` of kernel `ins` where libtpu cannot estimate it (`cycles`),
@@ -1200,17 +1226,56 @@ def _dimension_numbers(ins: Instr) -> tuple[tuple[list[int], list[int]], ...] | 
 
 
 def _fusion_bytes(mod: Module, comp: str, ins: Instr) -> int:
-    """A fusion's bytes: each operand as its fused parameter is read (`_read`), and
-    its result as written (`_written`)."""
+    """A fusion's bytes: each operand as its fused parameter is read (`_read`), twice
+    where it reads it again after a reduction broadcast back (`_read_again`), and its
+    result as written (`_written`)."""
     callee = dict(ins.callees).get("calls", "")
+    again = _read_again(mod, callee)
     read = 0
     for j, operand in enumerate(ins.operands):
         given = mod.by_name[comp].get(operand)
         whole = given.hbm_bytes if given is not None else 0  # the chip's own memory: no HBM
         param = mod.param(callee, j)
         read += whole if param is None else _read(mod, callee, param, whole)
+        read += whole if param in again else 0
     root = mod.root(callee)
     return read + (_written(mod, callee, root) if root is not None else ins.tiled_bytes)
+
+
+def _read_again(mod: Module, comp: str) -> set[str]:
+    """The parameters fused computation `comp` reads twice: once for a reduce-window
+    whose window spans a whole dimension (a reduction broadcast back: libtpu writes a
+    softmax's maximum over a non-minor dimension so), and again for the ops that use
+    the window's result beside them, which cannot start before the whole window is
+    read (new in 0.8: on a TPU v5e a softmax's fusion of f32[8,8,2048,2048] so ran
+    in the time of three passes over it, where one read and one write were counted)."""
+    body = mod.comps.get(comp, [])
+    windows = [i for i in body if i.op == Op.kReduceWindow and _spans(mod, comp, i)]
+    if not windows:
+        return set()
+    sources: dict[str, frozenset[str]] = {}  # the parameters each value is computed from
+    for ins in body:
+        own = frozenset([ins.name]) if ins.op == Op.kParameter else frozenset()
+        sources[ins.name] = own.union(*(sources.get(o, frozenset()) for o in ins.operands))
+    again: set[str] = set()
+    for window in windows:
+        after = {window.name}
+        for ins in body:
+            if any(o in after for o in ins.operands):
+                after.add(ins.name)
+                beside = (sources.get(o, frozenset()) for o in ins.operands if o not in after)
+                again.update(*(params & sources[window.name] for params in beside))
+    return again
+
+
+def _spans(mod: Module, comp: str, window: Instr) -> bool:
+    """Whether a reduce-window's window covers the whole of one of its operand's
+    dimensions."""
+    operand = mod.by_name[comp].get(window.operands[0]) if window.operands else None
+    sizes = window.window.get("size", ())
+    if operand is None or len(sizes) != len(operand.dims):
+        return False
+    return any(size > 1 and size >= dim for size, dim in zip(sizes, operand.dims, strict=True))
 
 
 def _read(mod: Module, comp: str, name: str, whole: int) -> int:
@@ -1351,7 +1416,7 @@ def read_schedule(
     mod = Module.of(module)
     if mod.entry is None:
         return Schedule((), platform)
-    walker = _Walker(mod, shape, Backend.of(platform).estimates, slice_size)
+    walker = _Walker(mod, shape, Backend.of(platform), slice_size)
     events = walker.events(mod.entry)
     flags = (
         *(

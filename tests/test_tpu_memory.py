@@ -1,0 +1,120 @@
+"""What a TPU's kernels read and wait for (new in 0.8): a reduction broadcast back
+reads its operand a second time; the scalar unit runs scalar ops with no kernel; a
+scalar in HBM is waited for as an array is, a constant is not.
+
+The modules are hand-written in the shape libtpu prints them (no libtpu needed); no
+public function reads HLO text, so these tests call the reader.
+"""
+
+import pytest
+
+# Private: the reader and its records have no public names
+from spmdtree._src.step.hlo.schedule import Kernel, read_schedule
+
+#: A softmax over dimension 3 of f32[8,8,256,256] laid out {2,3,1,0} (dimension 2
+#: minor), as libtpu fuses it: the maximum as a reduce-window whose window is `size`
+#: wide over dimension 3 (padded to span it), subtracted, exponentiated and summed.
+SOFTMAX = """HloModule m, is_scheduled=true
+
+%max (a: f32[], b: f32[]) -> f32[] {{
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %m = f32[] maximum(%a, %b)
+}}
+
+%add (c: f32[], d: f32[]) -> f32[] {{
+  %c = f32[] parameter(0)
+  %d = f32[] parameter(1)
+  ROOT %s = f32[] add(%c, %d)
+}}
+
+%fused (p: f32[8,8,256,256]) -> (f32[8,8,256], f32[8,8,256,256]) {{
+  %p = f32[8,8,256,256]{{2,3,1,0:T(8,128)}} parameter(0)
+  %low = f32[] constant(-inf)
+  %window = f32[8,8,256,256]{{2,3,1,0:T(8,128)}} reduce-window(%p, %low), window={{size=1x1x1x{size} pad=0_0x0_0x0_0x{pad}_{pad}}}, to_apply=%max
+  %sub = f32[8,8,256,256]{{2,3,1,0:T(8,128)}} subtract(%p, %window)
+  %exp = f32[8,8,256,256]{{2,3,1,0:T(8,128)}} exponential(%sub)
+  %zero = f32[] constant(0)
+  %sum = f32[8,8,256]{{2,1,0:T(8,128)S(1)}} reduce(%exp, %zero), dimensions={{3}}, to_apply=%add
+  ROOT %t = (f32[8,8,256]{{2,1,0:T(8,128)S(1)}}, f32[8,8,256,256]{{2,3,1,0:T(8,128)}}) tuple(%sum, %exp)
+}}
+
+ENTRY %main (x: f32[8,8,256,256]) -> (f32[8,8,256], f32[8,8,256,256]) {{
+  %x = f32[8,8,256,256]{{2,3,1,0:T(8,128)}} parameter(0)
+  ROOT %softmax = (f32[8,8,256]{{2,1,0:T(8,128)S(1)}}, f32[8,8,256,256]{{2,3,1,0:T(8,128)}}) fusion(%x), kind=kOutput, calls=%fused
+}}
+"""
+WHOLE = 8 * 8 * 256 * 256 * 4
+
+
+@pytest.mark.parametrize(
+    "size, pad, reads", [(511, 255, 2), (3, 1, 1)], ids=["spanning", "a-pooling-window"]
+)
+def test_a_reduction_broadcast_back_reads_its_operand_again_for_the_ops_that_use_it(
+    size, pad, reads
+):
+    # the window spans dimension 3: the subtract cannot start before the whole of it
+    # is read (a TPU v5e ran such a fusion in the time of three passes, not two); a
+    # pooling window of 3 is read as it goes
+    (kernel,) = read_schedule(SOFTMAX.format(size=size, pad=pad), platform="tpu").events
+    assert kernel.bytes == reads * WHOLE + WHOLE  # the exp written; the sum on the chip
+
+
+#: A loop's step as libtpu schedules it: a counter's scalar ops, a row's flag
+#: reduced into a scalar in HBM, and a select that reads it; `space` the flag's.
+SCALARS = """HloModule m, is_scheduled=true
+
+%and (p: pred[], q: pred[]) -> pred[] {{
+  %p = pred[] parameter(0)
+  %q = pred[] parameter(1)
+  ROOT %r = pred[] and(%p, %q)
+}}
+
+%flag (a: s32[2]) -> pred[] {{
+  %a = s32[2]{{0:T(128)S(1)}} parameter(0)
+  %zero = s32[] constant(0)
+  %zeros = s32[2]{{0:T(128)}} broadcast(%zero), dimensions={{}}
+  %ge = pred[2]{{0:T(512)}} compare(%a, %zeros), direction=GE
+  %true = pred[] constant(true)
+  ROOT %all = pred[]{{:T(512){space}}} reduce(%ge, %true), dimensions={{0}}, to_apply=%and
+}}
+
+%pick (f: pred[], x: bf16[1,768], y: bf16[1,768]) -> bf16[1,768] {{
+  %f = pred[]{{:T(512){space}}} parameter(0)
+  %x = bf16[1,768]{{1,0:T(2,128)(2,1)S(1)}} parameter(1)
+  %y = bf16[1,768]{{1,0:T(2,128)(2,1)S(1)}} parameter(2)
+  %b = pred[1,768]{{1,0:T(2,128)(4,1)}} broadcast(%f), dimensions={{}}
+  ROOT %s = bf16[1,768]{{1,0:T(2,128)(2,1)S(1)}} select(%b, %x, %y)
+}}
+
+ENTRY %main (i: s32[], a: s32[2], x: bf16[1,768], y: bf16[1,768]) -> (s32[], bf16[1,768]) {{
+  %i = s32[]{{:T(128)S(6)}} parameter(0)
+  %a = s32[2]{{0:T(128)S(1)}} parameter(1)
+  %x = bf16[1,768]{{1,0:T(2,128)(2,1)S(1)}} parameter(2)
+  %y = bf16[1,768]{{1,0:T(2,128)(2,1)S(1)}} parameter(3)
+  %one = s32[]{{:T(128)}} constant(1)
+  %next = s32[]{{:T(128)}} add(%i, %one)
+  %flag = pred[]{{:T(512){space}}} fusion(%a), kind=kLoop, calls=%flag
+  %picked = bf16[1,768]{{1,0:T(2,128)(2,1)S(1)}} fusion(%flag, %x, %y), kind=kLoop, calls=%pick
+  %index = s32[]{{:T(128)S(1)}} bitcast(%a)
+  %row = bf16[1,768]{{1,0:T(2,128)(2,1)S(1)}} dynamic-slice(%picked, %one, %one), dynamic_slice_sizes={{1,768}}
+  ROOT %out = (s32[]{{:T(128)}}, bf16[1,768]{{1,0:T(2,128)(2,1)S(1)}}) tuple(%next, %row)
+}}
+"""
+
+
+@pytest.mark.parametrize("space, in_hbm", [("", True), ("S(1)", False)], ids=["hbm", "on-chip"])
+def test_the_scalar_unit_runs_scalar_ops_and_a_scalar_in_hbm_is_waited_for(space, in_hbm):
+    events = read_schedule(SCALARS.format(space=space), platform="tpu").events
+    kernels = {k.name: k for k in events if isinstance(k, Kernel)}
+    # the counter's add reads and writes scalars only: the scalar unit's, no kernel
+    assert sorted(kernels) == ["flag", "picked", "row"]
+    # the select reads the flag where it is: a scalar in HBM waits as an array does
+    assert (kernels["flag"].in_hbm, kernels["picked"].in_hbm) == (in_hbm, in_hbm)
+    # a constant index is the instruction's own, not a read of HBM
+    assert not kernels["row"].in_hbm
+
+
+def test_a_gpu_runs_a_kernel_for_a_scalar_op():
+    events = read_schedule(SCALARS.format(space=""), platform="cuda").events
+    assert "next" in {k.name for k in events if isinstance(k, Kernel)}
