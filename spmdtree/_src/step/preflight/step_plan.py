@@ -545,7 +545,7 @@ class StepPlan:
             >>> step = st.preflight(lambda x: jnp.sum(x.value @ x.value.T), x, mesh=mesh)
             >>> trace = step.trace(st.hardware("h100"))
             >>> tracks = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
-            >>> sorted(tracks)
+            >>> sorted(tracks)  # a TPU's async copies have a track of their own (new in 0.8)
             ['collectives', 'compute']
             >>> end = max(e["ts"] + e["dur"] for e in trace["traceEvents"] if e["ph"] == "X")
             >>> abs(end / 1e6 - step.time(st.hardware("h100")).predicted_seconds) < 1e-9  # the grid: 1 ns

@@ -2,9 +2,10 @@
 Chrome trace-event JSON, the format `jax.profiler`'s traces, Perfetto,
 chrome://tracing and TensorBoard's trace viewer read.
 
-One process, the predicted step; three threads, its streams: ``compute`` (each
-kernel, and the compute waiting for a collective or a copy), ``collectives`` and
-``copies`` (the DMA engines' async copies; new in 0.8). Each span
+One process, the predicted step; a thread for each of its streams that ran
+something: ``compute`` (each kernel, and the compute waiting for a collective or
+a copy), ``collectives`` and ``copies`` (the DMA engines' async copies; new in
+0.8). Each span
 is a complete event (``"ph": "X"``) named as the compiled module names the
 instruction, its class as the category and what the module says of it as its
 args, its start and length in microseconds on a grid of whole nanoseconds. On
@@ -36,8 +37,8 @@ def trace_events(
     streams: Mapping[str, int] = STREAMS,
 ) -> dict[str, Any]:
     """Chrome trace-event JSON of `spans`: a process named `title`, a thread per
-    stream (`streams`: each stream's thread id, in display order; new in 0.7), a
-    complete event per span; `other` goes to ``otherData``.
+    stream that holds a span (`streams`: each stream's thread id, in display order;
+    new in 0.7), a complete event per span; `other` goes to ``otherData``.
 
     Example:
         >>> span = Span("compute", "fusion.1", 0.0, 2e-6, "memory", {"bytes": 64})
@@ -49,7 +50,10 @@ def trace_events(
         (0.0, 2.0, 2, 'memory', 'memory')
     """
     meta: list[dict[str, Any]] = [_meta("process_name", 0, name=title)]
+    held = {span.stream for span in spans}
     for order, (stream, tid) in enumerate(streams.items()):
+        if stream not in held:  # a stream nothing ran on (a GPU's copies): no track
+            continue
         meta += [
             _meta("thread_name", tid, name=stream),
             _meta("thread_sort_index", tid, sort_index=order),
