@@ -27,7 +27,8 @@ SLICE = 2 * 2048 * 1024 * 2
 
 #: A slice started before a matmul of n x n and done after it, then a copy of the
 #: matmul's result into the chip's own memory done at once; `space` the memory the
-#: copy goes to.
+#: copy goes to. A copy-start's result is (destination, source, context), as XLA
+#: writes it.
 MODULE = """HloModule m, is_scheduled=true
 
 %wrapped (a: bf16[8,2048,1024]) -> bf16[2,2048,1024] {{
@@ -41,7 +42,7 @@ ENTRY %main (p: bf16[8,2048,1024], x: bf16[{n},{n}]) -> (bf16[2,2048,1024], bf16
   %slice-start = ((bf16[8,2048,1024]{{2,1,0:T(8,128)(2,1)}}), bf16[2,2048,1024]{{2,1,0:T(8,128)(2,1)S(1)}}, s32[]{{:S(2)}}) async-start(%p), calls=%wrapped
   %d = bf16[{n},{n}]{{1,0:T(8,128)(2,1)}} dot(%x, %x), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}
   %slice-done = bf16[2,2048,1024]{{2,1,0:T(8,128)(2,1)S(1)}} async-done(%slice-start)
-  %copy-start = (bf16[{n},{n}]{{1,0:T(8,128)(2,1)}}, bf16[{n},{n}]{{1,0:T(8,128)(2,1){space}}}, u32[]{{:S(2)}}) copy-start(%d)
+  %copy-start = (bf16[{n},{n}]{{1,0:T(8,128)(2,1){space}}}, bf16[{n},{n}]{{1,0:T(8,128)(2,1)}}, u32[]{{:S(2)}}) copy-start(%d)
   %copy-done = bf16[{n},{n}]{{1,0:T(8,128)(2,1){space}}} copy-done(%copy-start)
   ROOT %t = (bf16[2,2048,1024]{{2,1,0:T(8,128)(2,1)S(1)}}, bf16[{n},{n}]{{1,0:T(8,128)(2,1){space}}}) tuple(%slice-done, %copy-done)
 }}
@@ -82,6 +83,23 @@ def test_a_copy_that_writes_hbm_moves_its_bytes_both_ways_and_the_hosts_costs_no
     host = [e for e in schedule(space="S(5)").events if isinstance(e, (Copy, Done))]
     assert [e.kernel.name for e in host if isinstance(e, Copy)] == ["slice-done"]
     assert len(host) == 2
+
+
+#: An eviction: a value the chip holds in its own memory copied out to HBM.
+EVICTION = """HloModule m, is_scheduled=true
+
+ENTRY %main (x: bf16[1024,1024]) -> bf16[1024,1024] {
+  %x = bf16[1024,1024]{1,0:T(8,128)(2,1)S(1)} parameter(0)
+  %copy-start = (bf16[1024,1024]{1,0:T(8,128)(2,1)}, bf16[1024,1024]{1,0:T(8,128)(2,1)S(1)}, u32[]{:S(2)}) copy-start(%x)
+  ROOT %copy-done = bf16[1024,1024]{1,0:T(8,128)(2,1)} copy-done(%copy-start)
+}
+"""
+
+
+def test_an_eviction_moves_its_bytes_once_written_to_hbm():
+    copied, done = read_schedule(EVICTION, platform="tpu").events
+    assert (copied.kernel.name, copied.kernel.bytes) == ("copy-done", 1024 * 1024 * 2)
+    assert done.ident == copied.ident
 
 
 @pytest.mark.parametrize("n", [8192, 512], ids=["hidden", "exposed"])

@@ -800,14 +800,14 @@ class _Walker:
         there and written where its destination is; nothing where it crosses to the
         host's memory (new in 0.8)."""
         given = self._operands(comp, start)
+        done = self._done_of(comp, start)
         source = given[0].arrays[0] if given and given[0].arrays else None
-        target = start.arrays[1] if len(start.arrays) > 1 else None
+        target = done.arrays[0] if done is not start and done.arrays else None  # its result
         if source is None or target is None or _HOST in (source.space, target.space):
             return []
         moved = (0 if source.space == ON_CHIP else target.tiled_bytes) + target.hbm_bytes
         ident, self.started = self.started, self.started + 1
         self.idents[(comp, start.name)] = (ident,)
-        done = self._done_of(comp, start)
         kernel = Kernel(
             KernelClass.MEMORY,
             0,
