@@ -152,7 +152,7 @@ def test_a_memory_bound_fusion_is_timed_by_its_bytes():
     schedule, timed = predicted(text)
     (kernel,) = schedule.events
     # read + write, both in HBM (no memory space of its own on a CPU)
-    expected = schedule_.Kernel("memory", 0, 2 * 2**20 * 4, name=kernel.name, in_hbm=True)
+    expected = schedule_.Kernel("memory", 0, 2 * 2**20 * 4, name=kernel.name, hbm_waits=2)
     assert kernel._replace(opcode="", shape="", op_name="") == expected
     assert kernel.opcode == "fusion" and kernel.shape == "f32[1048576]{0}"
     assert kernel.name.startswith(("fusion", "loop_")), kernel.name  # as the module names it

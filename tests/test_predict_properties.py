@@ -92,7 +92,7 @@ def simulate(events, s):
         if isinstance(e, Kernel):
             t = kernel_time(e)
             s.by_kind[e.kind] = s.by_kind.get(e.kind, 0.0) + t
-            fixed = CHIP.launch_seconds + (CHIP.access_seconds if e.in_hbm else 0.0)
+            fixed = CHIP.launch_seconds + CHIP.access_seconds * e.hbm_waits
             s.by_kind["launch"] = s.by_kind.get("launch", 0.0) + fixed
             s.compute += t + fixed
             s.kernels += 1
@@ -129,12 +129,12 @@ def wait(s, until):
 def kernels(draw):
     kind = draw(hs.sampled_from(["matmul", "attention", "memory"]))
     size = draw(hs.integers(0, 10**8))
-    in_hbm = draw(hs.booleans())
+    waits = draw(hs.integers(0, 2))  # reads HBM, writes it, both
     if kind == "memory":
-        return Kernel(kind, 0, size, in_hbm=in_hbm)
+        return Kernel(kind, 0, size, hbm_waits=waits)
     batch, m, n = draw(hs.integers(1, 3)), draw(hs.integers(1, 40)), draw(hs.integers(1, 40))
     flops = draw(hs.integers(1, 10**11))
-    return Kernel(kind, flops, size, batch, m, n, 8, "bf16", in_hbm=in_hbm)
+    return Kernel(kind, flops, size, batch, m, n, 8, "bf16", hbm_waits=waits)
 
 
 @hs.composite

@@ -104,9 +104,10 @@ class Costs:
         tile: a matmul tile's (m, n) on that chip.
         launch_seconds: the fixed cost each kernel adds beyond its work (a TPU
             preset's 0: one program; `st.calibrate` measures it, new in 0.8).
-        access_seconds: what a kernel that reads or writes an array in HBM
-            (`Kernel.in_hbm`) adds beyond that: the memory's first access (0 where
-            left out; `st.calibrate` measures it, new in 0.8).
+        access_seconds: what a kernel that reads a value in HBM adds beyond that,
+            and again one that writes one (`Kernel.hbm_waits`): the wait for the
+            memory's first access (0 where left out; `st.calibrate` measures it,
+            new in 0.8).
         collective_latency_seconds: the latency each collective adds beyond
             the links' per-hop latency.
         f32_speed: an f32 matmul's peak over the bf16 one at the default

@@ -252,7 +252,7 @@ def _figures(bench: _Bench, toolchain: Any, blocks: Any) -> dict[str, Any]:
     peak = bench.base.flops_per_second
     launch = bench.launch(*LAUNCH[kind])
     # only a TPU keeps arrays in a memory of its own (S(1)), so only there is a kernel
-    # that reads HBM told apart from one that does not (Kernel.in_hbm)
+    # that goes to HBM told apart from one that does not (Kernel.hbm_waits)
     access = bench.access(*ACCESS, launch or 0.0) if toolchain.backend is Backend.TPU else None
     reference = _reference_shapes(REFERENCE[kind], toolchain.backend)
     shapes = [*reference.values(), *_grid_shapes(*GRID[kind])]
@@ -414,15 +414,15 @@ class _Bench:
             jax.ShapeDtypeStruct((rows, LANES), f32),
             jax.ShapeDtypeStruct((LANES, LANES), f32),
         )
-        return self._beyond_work(m, iterations, lambda kernel: True)
+        return self._beyond_work(m, iterations, lambda kernel: 1)
 
     def access(self, iterations: int, rows: int, launch: float) -> float | None:
-        """Seconds a kernel that reads HBM waits for the memory's first access, beyond
-        its work and its `launch` (new in 0.8): the kernels of a loop of `iterations`
-        tiny sums, each of 8 rows of a (`rows`, 128) f32 table in HBM at an offset
-        known only when it runs (`Kernel.in_hbm`), each call's measured time less the
-        model's for its work and the launch, the median of them; None where the
-        profile timed none of them."""
+        """Seconds a kernel waits for the memory's first access each way it goes to HBM
+        (`Kernel.hbm_waits`), beyond its work and its `launch` (new in 0.8): the
+        kernels of a loop of `iterations` tiny sums, each of 8 rows of a (`rows`,
+        128) f32 table in HBM at an offset known only when it runs, each call's
+        measured time less the model's for its work and the launch, over its ways,
+        the median of them; None where the profile timed none of them."""
 
         def loop(table: jax.Array, total: jax.Array) -> jax.Array:
             def add(i: jax.Array, total: jax.Array) -> jax.Array:
@@ -435,22 +435,24 @@ class _Bench:
         m = self.run(
             loop, jax.ShapeDtypeStruct((rows, LANES), f32), jax.ShapeDtypeStruct((8, LANES), f32)
         )
-        each = self._beyond_work(m, iterations, lambda kernel: kernel.in_hbm)
-        return None if each is None else max(0.0, each - launch)
+        return self._beyond_work(m, iterations, lambda kernel: kernel.hbm_waits, launch)
 
     def _beyond_work(
-        self, m: Measurement, iterations: int, which: Callable[[Kernel], bool]
+        self, m: Measurement, iterations: int, ways: Callable[[Kernel], int], known: float = 0.0
     ) -> float | None:
-        """The median, over the kernels of `m` (those `which` keeps) that ran once each
-        of a loop's `iterations` and took time, of each call's measured time less the
-        model's for its work; None where there are none."""
+        """The median, over the kernels of `m` that pay a fixed cost (`ways`: how often
+        each pays it; those that pay none left out) and ran once each of a loop's
+        `iterations` and took time, of each call's measured time less the model's
+        for its work and the `known` fixed costs, over its ways; None where there
+        are none."""
         kernels = _kernels(m)
         costs, peak = self.base.costs(), self.base.flops_per_second
         each = [
-            op.measured_seconds / op.calls - kernel_seconds(kernels[op.name], costs, peak)
+            (op.measured_seconds / op.calls - kernel_seconds(kernels[op.name], costs, peak) - known)
+            / ways(kernels[op.name])
             for op in m.ops
             if op.name in kernels
-            and which(kernels[op.name])
+            and ways(kernels[op.name])
             and op.calls == iterations
             and op.measured_seconds
         ]

@@ -396,7 +396,7 @@ _KERNEL_FIELDS: Mapping[str, Callable[[Kernel], bool]] = {
     "grouped_efficiency": lambda kernel: kernel.grouped,
     "indexed_efficiency": lambda kernel: bool(kernel.indexed),
     "eight_bit_speed": lambda kernel: bool(kernel.flops) and _eight_bit(kernel.dtype),
-    "access_seconds": lambda kernel: kernel.in_hbm,
+    "access_seconds": lambda kernel: bool(kernel.hbm_waits),
 }
 
 

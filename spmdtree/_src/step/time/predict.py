@@ -139,17 +139,19 @@ def kernel_seconds(kernel: Kernel, costs: Costs, peak: float) -> float:
 
 def fixed_seconds(kernel: Kernel, costs: Costs) -> float:
     """What a kernel costs beyond its work: its launch, and the wait for the memory's
-    first access where it reads or writes an array in HBM (`Kernel.in_hbm`; new in
-    0.8).
+    first access for each way it goes to HBM, reading and writing
+    (`Kernel.hbm_waits`; new in 0.8).
 
     Example:
         >>> tpu = Costs(819e9, 0.8, 0.96, 1, (128, 128), 5e-8, 0.0, access_seconds=3e-7)
-        >>> fixed_seconds(Kernel("memory", 0, 4096, in_hbm=True), tpu) == 5e-8 + 3e-7
+        >>> fixed_seconds(Kernel("memory", 0, 4096, hbm_waits=1), tpu) == 5e-8 + 3e-7
+        True
+        >>> fixed_seconds(Kernel("memory", 0, 4096, hbm_waits=2), tpu) == 5e-8 + 6e-7  # reads, writes
         True
         >>> fixed_seconds(Kernel("memory", 0, 0), tpu)  # its arrays on the chip
         5e-08
     """
-    return costs.launch_seconds + (costs.access_seconds if kernel.in_hbm else 0.0)
+    return costs.launch_seconds + costs.access_seconds * kernel.hbm_waits
 
 
 # --- the walk ---------------------------------------------------------------------------
