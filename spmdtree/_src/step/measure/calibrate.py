@@ -270,7 +270,8 @@ def _figures(bench: _Bench, toolchain: Any, blocks: Any) -> dict[str, Any]:
     rates = {name: measured[shape] for name, shape in reference.items()}
     grid = _grid(measured, *GRID[kind])
     bf16 = rates.pop("bf16")
-    figures: dict[str, Any] = {"matmul_efficiency": max(bf16, *(p[3] for p in grid or ())) / peak}
+    largest = max(bf16, *(p[3] for p in grid or ())) / peak
+    figures: dict[str, Any] = {"matmul_efficiency": min(largest, 1.0)}  # the peak bounds it
     figures.update({name: rate / bf16 for name, rate in rates.items()})
     if grid is not None:
         figures["matmul_grid"] = tuple((m, k, n, min(r / peak, 1.0)) for m, k, n, r in grid)
