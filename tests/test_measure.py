@@ -312,6 +312,9 @@ def test_calibrate_measures_each_kernels_fixed_cost_and_reads_the_grid_net_of_it
     assert calibrated.provenance["launch_seconds"].startswith("measured 20")
     assert calibrated.access_seconds == 0.0  # the preset's, kept
     assert calibrated.provenance["access_seconds"].startswith("not measured: cpu")
+    # XLA CPU fuses no optimizer's update into a matmul: the share goes unmeasured
+    assert calibrated.fused_update_efficiency is None
+    assert calibrated.provenance["fused_update_efficiency"].startswith("not measured: cpu")
     x = jax.ShapeDtypeStruct((64, 64), jnp.float32)
     plan = st.preflight(jnp.tanh, x, mesh=jax.sharding.AbstractMesh((1,), ("data",)))
     kernels = list(plan.schedule.kernels())

@@ -179,7 +179,10 @@ class Kernel(NamedTuple):
     `Hardware.access_seconds`: once where it reads a value its layout leaves in HBM,
     not in the chip's own memory (``S(1)``), once more where it writes one (new in
     0.8: on a TPU v5e a tiny kernel that only reads HBM ran 0.35 us, one that reads
-    and writes it 0.59 us)."""
+    and writes it 0.59 us); `fused_update`, True for a matmul's kernel that writes
+    two or more arrays of its product's size: an optimizer's update fused into a
+    weight's gradient (libtpu fuses adamw's so), timed at
+    `Hardware.fused_update_efficiency` of its shape's rate (new in 0.8)."""
 
     kind: KernelClass
     flops: int
@@ -200,6 +203,7 @@ class Kernel(NamedTuple):
     grouped: bool = False
     indexed: int = 0
     hbm_waits: int = 0
+    fused_update: bool = False
 
     @property
     def unestimable(self) -> bool:
@@ -951,6 +955,7 @@ class _Walker:
             grouped and bool(flops),
             moved,
             self._hbm_waits(comp, ins),
+            bool(flops) and _fused_update(ins, shape),
         )
 
     def _operands(self, comp: str, ins: Instr) -> list[Instr]:
@@ -1084,6 +1089,14 @@ class _Walker:
         if ins.op == Op.kDynamicUpdateSlice and len(given) > 1:  # the update read, then
             return given[1].hbm_bytes + _update_written(ins, given[1])  # written in place
         return sum(g.hbm_bytes for g in given) + _result_bytes(ins)
+
+
+def _fused_update(ins: Instr, shape: tuple[int, int, int, int]) -> bool:
+    """Whether matmul kernel `ins`, its largest product of `shape` (batch, m, n, k),
+    writes two or more arrays of that product's size (`Kernel.fused_update`)."""
+    batch, m, n, _ = shape
+    size = (batch or 1) * m * n
+    return ins.op == Op.kFusion and sum(a.elements == size for a in ins.arrays) >= 2
 
 
 def _in_hbm(array: Array) -> bool:
@@ -1417,7 +1430,7 @@ def read_schedule(
         >>> schedule.events[0].row
         Collective(kind='all-gather', count=1, bytes=2097152, axes=('data',), group=8, written_as='')
         >>> schedule.events[1]
-        Kernel(kind='matmul', flops=2147483648, bytes=6291456, batch=1, m=1024, n=1024, k=1024, dtype='bf16', opaque='', call='', name='d', estimated_cycles=0, opcode='dot', shape='bf16[1024,1024]{1,0}', op_name='', unfused_update=False, grouped=False, indexed=0, hbm_waits=2)
+        Kernel(kind='matmul', flops=2147483648, bytes=6291456, batch=1, m=1024, n=1024, k=1024, dtype='bf16', opaque='', call='', name='d', estimated_cycles=0, opcode='dot', shape='bf16[1024,1024]{1,0}', op_name='', unfused_update=False, grouped=False, indexed=0, hbm_waits=2, fused_update=False)
         >>> Schedule.from_dict(schedule.to_dict()) == schedule
         True
     """

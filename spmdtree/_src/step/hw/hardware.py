@@ -132,6 +132,9 @@ class Costs:
         matmul_grid: the shares of the bf16 peak measured by shape, ``(m, k, n,
             share)`` (`grid.grid_share` reads a matmul's; empty: the largest share
             times the wave efficiency; new in 0.8).
+        fused_update_efficiency: the share of its shape's rate a matmul keeps with
+            an optimizer's update fused into its kernel (`Kernel.fused_update`; new
+            in 0.8).
     """
 
     hbm_bytes_per_second: float
@@ -151,6 +154,7 @@ class Costs:
     eight_bit_speed: float = 2.0
     matmul_grid: tuple[Point, ...] = ()
     access_seconds: float = 0.0
+    fused_update_efficiency: float = 1.0
 
     def speed(self, dtype: str) -> float:
         """A matmul's peak over the bf16 one for operands of `dtype`."""
@@ -175,9 +179,10 @@ class Costs:
 #: measured; new in 0.7), grouped matmuls at half the peak, as an unmeasured flash
 #: kernel, rows gathered and scattered by index at the memory kernels' share (the
 #: hardware's own where it gives one; new in 0.8), 8-bit matmuls at twice the bf16
-#: rate (every preset's data sheet says so; new in 0.8), no launch overhead, no
-#: wait for the memory's first access (none is published; new in 0.8) and no latency
-#: per collective beyond the links' own.
+#: rate (every preset's data sheet says so; new in 0.8), a matmul with an optimizer's
+#: update fused into it at its shape's rate (none is published; new in 0.8), no launch
+#: overhead, no wait for the memory's first access (none is published; new in 0.8) and
+#: no latency per collective beyond the links' own.
 DEFAULTS: Mapping[str, float] = {
     "flops_per_byte": 300.0,
     "memory_efficiency": 0.9,
@@ -192,6 +197,7 @@ DEFAULTS: Mapping[str, float] = {
     "grouped_efficiency": 0.5,
     "indexed_efficiency": 0.9,
     "eight_bit_speed": 2.0,
+    "fused_update_efficiency": 1.0,
     "launch_seconds": 0.0,
     "access_seconds": 0.0,
     "collective_latency_seconds": 0.0,
@@ -212,6 +218,7 @@ MODEL_FIELDS = (
     "grouped_efficiency",
     "indexed_efficiency",
     "eight_bit_speed",
+    "fused_update_efficiency",
     "launch_seconds",
     "access_seconds",
     "collective_latency_seconds",
@@ -272,6 +279,10 @@ class Hardware:
             fp8 (or int8) on a GPU (`st.calibrate` measures it; every preset's
             data sheet says 2; new in 0.8; 2.0, and a step that runs one on a
             chip that leaves it out is told so).
+        fused_update_efficiency: the share of its shape's rate a matmul keeps where
+            the compiler fuses an optimizer's update into its kernel (libtpu fuses
+            adamw's into each weight's gradient: `Kernel.fused_update`;
+            `st.calibrate` measures it; none is published; new in 0.8; 1.0).
         matmul_grid: the share of the bf16 peak matmuls reach by shape, as
             ``(m, k, n, share)`` points of a full grid ((m, k) x (k, n); a
             convolution's output positions, window x input features, output
@@ -282,12 +293,13 @@ class Hardware:
             wave efficiency (new in 0.8).
         launch_seconds: the fixed cost each kernel adds beyond its work (XLA
             GPU's 1 us; 0; `st.calibrate` measures it, new in 0.8).
-        access_seconds: what a kernel that reads or writes an array in HBM (not
-            in the chip's own memory, a TPU's ``S(1)``) adds beyond its launch,
-            whatever its size: the wait for the memory's first access, most of a
-            tiny kernel's time (a TPU's scalar loops: an index read, a row
-            updated) and next to none of a large one's (`st.calibrate` measures
-            it on a TPU; no data sheet gives it; 0; new in 0.8).
+        access_seconds: what a kernel that reads a value in HBM (not in the
+            chip's own memory, a TPU's ``S(1)``) adds beyond its launch, whatever
+            its size, and again one that writes one (`Kernel.hbm_waits`): the wait
+            for the memory's first access, most of a tiny kernel's time (a TPU's
+            scalar loops: an index read, a row updated) and next to none of a
+            large one's (`st.calibrate` measures it on a TPU; no data sheet gives
+            it; 0; new in 0.8).
         collective_latency_seconds: what each collective adds beyond the links'
             per-hop latency (XLA GPU's 5 us; 0).
         chip: what its compiler is told, for ``preflight(..., target=)``: a
@@ -313,7 +325,7 @@ class Hardware:
         >>> gpu.left_out[:2]
         ('hbm_bytes_per_second', 'memory_efficiency')
         >>> dataclasses.replace(st.hardware("h100"), name="mine").left_out  # a preset's figures
-        ('grouped_efficiency', 'indexed_efficiency')
+        ('grouped_efficiency', 'indexed_efficiency', 'fused_update_efficiency')
         >>> st.Hardware("bad", 1, 1e15, {"nvlink": (1e9, 0.0)})
         Traceback (most recent call last):
         ...
@@ -339,6 +351,7 @@ class Hardware:
     grouped_efficiency: float | None = None
     indexed_efficiency: float | None = None
     eight_bit_speed: float | None = None
+    fused_update_efficiency: float | None = None
     matmul_grid: tuple[Point, ...] | None = None
     launch_seconds: float | None = None
     access_seconds: float | None = None
@@ -412,7 +425,7 @@ class Hardware:
         Example:
             >>> import spmdtree as st
             >>> st.hardware("h100").left_out  # no grouped matmul's share is published
-            ('grouped_efficiency', 'indexed_efficiency')
+            ('grouped_efficiency', 'indexed_efficiency', 'fused_update_efficiency')
             >>> st.hardware("tpu-v5e").left_out[:2]  # nor a TPU flash kernel's
             ('flash_forward_efficiency', 'flash_backward_efficiency')
         """
@@ -503,6 +516,7 @@ ADDED = (
     "eight_bit_speed",
     "matmul_grid",
     "access_seconds",
+    "fused_update_efficiency",
 )
 
 

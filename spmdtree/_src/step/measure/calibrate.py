@@ -14,7 +14,9 @@ update's bytes read and written over the data sheet's bandwidth; a TPU's
 only), a grouped matmul (`jax.lax.ragged_dot` and its weights' gradient, their
 groups' FLOPs over their time: `grouped_efficiency`, new in 0.8), a gather of
 rows by index and a scatter-add of them back (what they move over their time:
-`indexed_efficiency`, new in 0.8), a loop of tiny kernels (`launch_seconds`: what
+`indexed_efficiency`, new in 0.8), a weight's gradient with adamw's update fused
+into its kernel (`fused_update_efficiency`: the share of its shape's rate the
+matmul keeps, new in 0.8), a loop of tiny kernels (`launch_seconds`: what
 each costs beyond its work, new in 0.8), a loop of tiny kernels each reading rows of
 a table in HBM (`access_seconds`: what such a kernel waits for the memory's first
 access beyond that, new in 0.8; a TPU's only, the one device that keeps arrays in a
@@ -78,6 +80,10 @@ GROUPED = {"accelerator": (16384, 1024, 4096, 8), "cpu": (512, 128, 256, 4)}
 #: The rows (bf16) gathered by index and scattered back (added), and their width: an
 #: expert layer's dispatch and combine of 16,384 routed tokens (new in 0.8).
 INDEXED = {"accelerator": (16384, 1024), "cpu": (1024, 128)}
+#: The weight's (m, n) and the tokens (k) of a weight gradient with adamw's update
+#: fused into its kernel, (k, m) x (k, n) in bf16: compute-bound on an accelerator, so
+#: that its time is the matrix unit's (new in 0.8).
+FUSED_UPDATE = {"accelerator": (4096, 8192, 4096), "cpu": (128, 256, 128)}
 #: The loop of tiny kernels timed for each kernel's fixed cost (new in 0.8): its
 #: iterations, and the rows of the (rows, 128) f32 array each one updates.
 LAUNCH = {"accelerator": (1024, 8), "cpu": (256, 8)}
@@ -222,6 +228,7 @@ SHARES = frozenset(
         "indexed_efficiency",
         "flash_forward_efficiency",
         "flash_backward_efficiency",
+        "fused_update_efficiency",
     }
 )
 #: Why a figure went unmeasured, where the device ran no kernel of its kind.
@@ -237,6 +244,7 @@ NOT_MEASURED = {
     "flash_backward_efficiency": "no flash-attention kernel timed on {device}",
     "grouped_efficiency": "{device}'s compiler ran no grouped matmul",
     "indexed_efficiency": "{device}'s compiler ran no gather or scatter",
+    "fused_update_efficiency": "{device}'s compiler fused no optimizer's update into a matmul",
     "update_efficiency": (
         "{device}'s compiler left no update unfused (its layouts are not tiled), so no "
         "kernel reads it; the preset's figure kept"
@@ -284,6 +292,14 @@ def _figures(bench: _Bench, toolchain: Any, blocks: Any) -> dict[str, Any]:
         "indexed_efficiency": (indexed, bandwidth),
     }
     figures.update({name: rate / per for name, (rate, per) in shares.items() if rate is not None})
+    timed = dataclasses.replace(  # the fused update's matmul read at its shape's share
+        fixed,
+        memory_efficiency=figures["memory_efficiency"],
+        matmul_grid=figures.get("matmul_grid", ()),
+        matmul_efficiency=figures["matmul_efficiency"],
+    )
+    fused = bench.fused_update(FUSED_UPDATE[kind], timed)
+    figures.update({} if fused is None else {"fused_update_efficiency": fused})
     figures.update(_flash_shares(bench, toolchain.flash, blocks) or {})
     beyond = {"launch_seconds": launch, "access_seconds": access}
     figures.update({name: value for name, value in beyond.items() if value is not None})
@@ -514,12 +530,58 @@ class _Bench:
             m, lambda k: k.indexed
         )
 
+    def fused_update(self, shape: tuple[int, int, int], costs: Costs) -> float | None:
+        """The share of its shape's rate a matmul keeps with an optimizer's update
+        fused into its kernel (`Kernel.fused_update`; new in 0.8): adamw's moments and
+        step on an (m, n) f32 weight in place, its gradient the (k, m) x (k, n) bf16
+        product over the tokens `k`, as libtpu fuses them into one kernel; the share
+        at which the model (on `costs`: the chip's grid, memory share and fixed
+        costs) times that kernel's calls as measured, the median of them; None where
+        the compiler fuses no update into a matmul."""
+        m, k, n = shape
+
+        def step(w: jax.Array, mu: jax.Array, nu: jax.Array, x: jax.Array, dy: jax.Array) -> Any:
+            g = jnp.einsum("km,kn->mn", x, dy, preferred_element_type=jnp.float32)
+            mu, nu = 0.9 * mu + 0.1 * g, 0.999 * nu + 0.001 * g * g
+            return w - 1e-3 * mu / (jnp.sqrt(nu) + 1e-8), mu, nu
+
+        f32, bf16 = jnp.float32, jnp.bfloat16
+        weights = [jax.ShapeDtypeStruct((m, n), f32)] * 3
+        tokens = [jax.ShapeDtypeStruct((k, m), bf16), jax.ShapeDtypeStruct((k, n), bf16)]
+        measured = self.run(step, *weights, *tokens, donate_argnums=(0, 1, 2))
+        kernels, peak = _kernels(measured), self.base.flops_per_second
+        shares = [
+            _share_timed(kernels[op.name], op.measured_seconds / op.calls, costs, peak)
+            for op in measured.ops
+            if op.name in kernels and kernels[op.name].fused_update and op.measured_seconds
+        ]
+        return float(np.median(shares)) if shares else None
+
     def memory(self, elements: int) -> float:
         """Bytes per second of an elementwise pass over an f32 array (read and
         written whole)."""
         return self.rate(
             lambda x: x * 0.5 + 1.0, "memory", jax.ShapeDtypeStruct((elements,), jnp.float32)
         )
+
+
+def _share_timed(kernel: Kernel, seconds: float, costs: Costs, peak: float) -> float:
+    """The `Costs.fused_update_efficiency` at which the model times `kernel` (a matmul
+    with an update fused into it) at `seconds`, its fixed costs included: found by
+    halving, the model's time falling as the share rises; 1 where it is no slower than
+    at its shape's share."""
+
+    def timed(share: float) -> float:
+        at = dataclasses.replace(costs, fused_update_efficiency=share)
+        return kernel_seconds(kernel, at, peak) + fixed_seconds(kernel, at)
+
+    low, high = 1e-3, 1.0
+    if timed(high) >= seconds:
+        return high
+    for _ in range(40):
+        middle = (low + high) / 2
+        low, high = (low, middle) if timed(middle) < seconds else (middle, high)
+    return high
 
 
 @functools.cache

@@ -397,6 +397,7 @@ _KERNEL_FIELDS: Mapping[str, Callable[[Kernel], bool]] = {
     "indexed_efficiency": lambda kernel: bool(kernel.indexed),
     "eight_bit_speed": lambda kernel: bool(kernel.flops) and _eight_bit(kernel.dtype),
     "access_seconds": lambda kernel: bool(kernel.hbm_waits),
+    "fused_update_efficiency": lambda kernel: kernel.fused_update,
 }
 
 

@@ -347,29 +347,48 @@ def instruction_seconds(
         size: int = 0,
         collective: str = "",
     ) -> None:
-        if not name:
-            return
-        was = totals.get(name)
-        calls = times + (was.calls if was else 0)
-        spent = times * seconds + (was.predicted_seconds if was else 0.0)
-        own = times * _estimated(k, clock) + (was.estimated_seconds if was else 0.0)
-        totals[name] = OpTime(
-            name,
-            str(kind),
-            calls,
-            spent,
-            0.0,
-            flops=k.flops if k else 0,
-            bytes=k.bytes if k else size,
-            call=k.call if k else "",
-            estimated_seconds=own,
-            opcode=k.opcode if k else collective,
-            shape=k.shape if k else "",
-            op_name=k.op_name if k else "",
-        )
+        if name:
+            op = _one_op(name, kind, k, size, collective, _estimated(k, clock))
+            totals[name] = _more(totals.get(name), op, times, seconds)
 
     walk(schedule.events, 1)
     return iter(totals.values())
+
+
+def _one_op(
+    name: str, kind: str, k: Kernel | None, size: int, collective: str, estimated: float
+) -> OpTime:
+    """An instruction's `OpTime` of no call yet: what its kernel `k` (or, a
+    collective's, its `size` and kind) says of it; `estimated`, the compiler's
+    estimate of one call."""
+    return OpTime(
+        name,
+        str(kind),
+        0,
+        0.0,
+        0.0,
+        flops=k.flops if k else 0,
+        bytes=k.bytes if k else size,
+        call=k.call if k else "",
+        estimated_seconds=estimated,
+        opcode=k.opcode if k else collective,
+        shape=k.shape if k else "",
+        op_name=k.op_name if k else "",
+    )
+
+
+def _more(was: OpTime | None, op: OpTime, times: int, seconds: float) -> OpTime:
+    """`was` (None: `op`, the instruction's first sight) with `times` more calls of
+    `seconds` each, the compiler's estimate of one call (`op`'s) that many times."""
+    calls, spent, own = (
+        (was.calls, was.predicted_seconds, was.estimated_seconds) if was else (0, 0.0, 0.0)
+    )
+    return dataclasses.replace(
+        was or op,
+        calls=calls + times,
+        predicted_seconds=spent + times * seconds,
+        estimated_seconds=own + times * op.estimated_seconds,
+    )
 
 
 def _ratio(ratio: float) -> str:

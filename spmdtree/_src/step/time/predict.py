@@ -99,8 +99,9 @@ def kernel_seconds(kernel: Kernel, costs: Costs, peak: float) -> float:
     bandwidth x `Costs.update_efficiency`, new in 0.7; a grouped matmul's FLOPs over
     the peak x `Costs.grouped_efficiency`, and what its gathers and scatters move over
     the bandwidth x `Costs.indexed_efficiency`, new in 0.8; a matmul's share read by
-    its shape from `Costs.matmul_grid` where the chip has one, new in 0.8), plus 5% of
-    the smaller.
+    its shape from `Costs.matmul_grid` where the chip has one, new in 0.8, times
+    `Costs.fused_update_efficiency` where an optimizer's update is fused into it, new
+    in 0.8), plus 5% of the smaller.
 
     Example:
         >>> h100 = Costs(3.35e12, 0.9, 794.5 / 989, 132, (128, 128), 1e-6, 5e-6)
@@ -133,6 +134,8 @@ def kernel_seconds(kernel: Kernel, costs: Costs, peak: float) -> float:
             )
         elif kernel.m and kernel.n:
             share *= wave_efficiency(kernel.batch or 1, kernel.m, kernel.n, costs)
+        if kernel.fused_update:  # an optimizer's update in its kernel
+            share *= costs.fused_update_efficiency
         compute = kernel.flops / (peak * share)
     return max(compute, memory) + (1 - _PARALLELISM) * min(compute, memory)
 
