@@ -144,6 +144,17 @@ def test_each_copys_time_per_instruction_is_the_walks_wait_for_it_times_its_loop
     assert sum(op.predicted_seconds for op in ops.values()) == pytest.approx(whole)
 
 
+def test_a_copy_reached_twice_is_timed_once_per_step():
+    # the same computation reached from two places: one name, its waits counted once
+    sliced = Kernel("memory", 0, SLICE, name="slice-done")
+    events = (Copy(0, sliced), Done(0), Copy(1, sliced), Done(1))
+    schedule_ = Schedule(events, "tpu")
+    (op,) = instruction_seconds(schedule_, CHIP, lambda row: 0.0)
+    whole = predict(schedule_, COSTS, PEAK, lambda row: 0.0).seconds
+    assert (op.calls, op.predicted_seconds) == (2, pytest.approx(whole))
+    assert whole == pytest.approx(2 * moved(SLICE))
+
+
 def test_a_schedule_with_copies_goes_to_json_and_back():
     looped = Schedule((Loop(5, schedule().events),), "tpu")
     assert Schedule.from_dict(json.loads(json.dumps(looped.to_dict()))) == looped

@@ -20,29 +20,51 @@ from spmdtree._src.step.hlo.schedule import read_schedule
 from spmdtree._src.step.measure.calibrate import _share_timed
 from spmdtree._src.step.time.predict import fixed_seconds, kernel_seconds
 
-#: A weight's gradient (the tokens contracted) and what the fusion writes beside it:
-#: `outputs` f32 arrays of the product's size (adamw's step and moments: 3).
+#: A weight's gradient (the tokens contracted), and what the fusion reads and writes
+#: beside it: `result` written (adamw's step and moments: 3 f32 arrays of the
+#: product's size), the moments `mu` and `nu` read.
 MODULE = """HloModule m, is_scheduled=true
 
-%fused (x: bf16[8192,1024], dy: bf16[8192,1024], mu: f32[1024,1024]) -> {result} {{
+%fused (x: bf16[8192,1024], dy: bf16[8192,1024], mu: f32[1024,1024], nu: f32[1024,1024]) -> {result} {{
   %x = bf16[8192,1024]{{1,0}} parameter(0)
   %dy = bf16[8192,1024]{{1,0}} parameter(1)
   %mu = f32[1024,1024]{{1,0}} parameter(2)
+  %nu = f32[1024,1024]{{1,0}} parameter(3)
   %g = f32[1024,1024]{{1,0}} dot(%x, %dy), lhs_contracting_dims={{0}}, rhs_contracting_dims={{0}}
   %a = f32[1024,1024]{{1,0}} add(%g, %mu)
-  %b = f32[1024,1024]{{1,0}} multiply(%g, %g)
+  %b = f32[1024,1024]{{1,0}} multiply(%g, %nu)
   ROOT %out = {result} {root}
 }}
 
-ENTRY %main (x: bf16[8192,1024], dy: bf16[8192,1024], mu: f32[1024,1024]) -> {result} {{
+ENTRY %main (x: bf16[8192,1024], dy: bf16[8192,1024], mu: f32[1024,1024], nu: f32[1024,1024]) -> {result} {{
   %x = bf16[8192,1024]{{1,0}} parameter(0)
   %dy = bf16[8192,1024]{{1,0}} parameter(1)
   %mu = f32[1024,1024]{{1,0}} parameter(2)
-  ROOT %step = {result} fusion(%x, %dy, %mu), kind=kOutput, calls=%fused
+  %nu = f32[1024,1024]{{1,0}} parameter(3)
+  ROOT %step = {result} fusion(%x, %dy, %mu, %nu), kind=kOutput, calls=%fused
 }}
 """
 THREE = ("(f32[1024,1024]{1,0}, f32[1024,1024]{1,0}, f32[1024,1024]{1,0})", "tuple(%g, %a, %b)")
-ONE = ("f32[1024,1024]{1,0}", "add(%g, %mu)")
+ONE = ("f32[1024,1024]{1,0}", "add(%a, %b)")
+
+#: A forward matmul that writes its product twice, before and after an activation,
+#: reading only its operands: no optimizer's state.
+FORWARD = """HloModule m, is_scheduled=true
+
+%fused (x: bf16[8192,1024], w: bf16[1024,1024]) -> (f32[8192,1024], f32[8192,1024]) {
+  %x = bf16[8192,1024]{1,0} parameter(0)
+  %w = bf16[1024,1024]{1,0} parameter(1)
+  %h = f32[8192,1024]{1,0} dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %t = f32[8192,1024]{1,0} tanh(%h)
+  ROOT %out = (f32[8192,1024]{1,0}, f32[8192,1024]{1,0}) tuple(%h, %t)
+}
+
+ENTRY %main (x: bf16[8192,1024], w: bf16[1024,1024]) -> (f32[8192,1024], f32[8192,1024]) {
+  %x = bf16[8192,1024]{1,0} parameter(0)
+  %w = bf16[1024,1024]{1,0} parameter(1)
+  ROOT %forward = (f32[8192,1024]{1,0}, f32[8192,1024]{1,0}) fusion(%x, %w), kind=kOutput, calls=%fused
+}
+"""
 CHIP = st.hardware("tpu-v5e")
 
 
@@ -52,10 +74,15 @@ def kernel(result, root):
 
 
 @pytest.mark.parametrize("written, fused", [(THREE, True), (ONE, False)], ids=["three", "one"])
-def test_a_matmul_that_writes_two_or_more_arrays_of_its_products_size_holds_an_update(
+def test_a_matmul_that_reads_and_writes_two_or_more_arrays_of_its_products_size_holds_an_update(
     written, fused
 ):
     assert kernel(*written).fused_update is fused
+
+
+def test_a_forward_matmul_that_writes_its_product_twice_holds_none():
+    (found,) = read_schedule(FORWARD, platform="tpu").events
+    assert found.flops and not found.fused_update
 
 
 def test_a_fused_updates_matmul_runs_at_the_share_the_chip_keeps_for_it():
@@ -83,6 +110,8 @@ def test_calibrate_reads_the_share_at_which_the_model_times_the_kernel_as_measur
     assert _share_timed(found, measured, CHIP.costs(), peak) == pytest.approx(share, rel=1e-6)
     # a kernel that ran no slower than its shape's share allows keeps all of it
     assert _share_timed(found, measured / 10, CHIP.costs(), peak) == 1.0
+    # one slower than any share explains is none of its doing
+    assert _share_timed(found, 1e3, CHIP.costs(), peak) is None
 
 
 def test_fused_update_efficiency_goes_to_json_and_back_and_a_file_without_it_reads():

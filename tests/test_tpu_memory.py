@@ -150,3 +150,37 @@ def test_a_kernel_waits_for_hbm_once_each_way_it_goes_there(read, written, waits
     assert row.hbm_waits == waits
     chip = dataclasses.replace(st.hardware("tpu-v5e"), launch_seconds=5e-8, access_seconds=3e-7)
     assert fixed_seconds(row, chip.costs()) == pytest.approx(5e-8 + waits * 3e-7)
+
+
+#: A scalar loss's fusion on a TPU: scalars in and out, but an array's work inside
+#: (an iota summed) and, in `SUMMED`, a collective of the result.
+SCALAR_FUSION = """HloModule m, is_scheduled=true
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%loss (x: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %i = f32[4096,4096]{1,0:T(8,128)} iota(), iota_dimension=1
+  %zero = f32[] constant(0)
+  %sum = f32[] reduce(%i, %zero), dimensions={0,1}, to_apply=%add
+  ROOT %l = f32[] multiply(%sum, %x)
+}
+
+ENTRY %main (x: f32[]) -> f32[] {
+  %x = f32[]{:T(128)S(6)} parameter(0)
+  %summed = f32[]{:T(128)S(6)} fusion(%x), kind=kLoop, calls=%loss
+  ROOT %r = f32[]{:T(128)S(6)} all-reduce(%summed), replica_groups={{0,1}}, to_apply=%add
+}
+"""
+
+
+def test_a_fusion_of_scalars_runs_its_kernel_and_a_scalar_collective_is_timed():
+    # only a single op of scalars is the scalar unit's: a fusion that reads and writes
+    # scalars may hold an array's work, and a collective of a scalar runs on the links
+    events = read_schedule(SCALAR_FUSION, (("data", 2),), platform="tpu").events
+    assert [type(e).__name__ for e in events] == ["Kernel", "Start", "Done"]
+    assert events[0].name == "summed"

@@ -104,6 +104,8 @@ class Array(NamedTuple):
 ON_CHIP = 1
 #: The default memory space, a layout that names none: HBM (new in 0.8).
 HBM = 0
+#: The memory space XLA gives the host's memory (``S(5)``; new in 0.8).
+HOST = 5
 
 
 def arrays(type_: str) -> tuple[Array, ...]:

@@ -6,7 +6,8 @@ XLA GPU and libtpu print a compiled module in the order the device runs it
 scheduler put them. `read_schedule` walks it once, from the entry down, each
 computation once, into a `Schedule`, hardware-free and small (it crosses a
 process boundary as JSON): one `Kernel` per device kernel, with its FLOPs,
-bytes and matmul shape; a `Start` and a `Done` per collective, its `Collective`
+bytes and matmul shape; a `Copy` and a `Done` per async copy (new in 0.8); a
+`Start` and a `Done` per collective, its `Collective`
 row read as an accelerator runs it (`forms`: the CPU's sliced reductions and
 widened values, libtpu's all-reduce-scatter fusion and zero-filled gathers, a
 multi-slice job's megascale transfers, a collective fused into a kernel); a
@@ -36,6 +37,7 @@ from spmdtree._src.step.hlo.forms import (
 from spmdtree._src.step.hlo.groups import collective_axes, group_axes
 from spmdtree._src.step.hlo.instructions import (
     HBM,
+    HOST,
     ON_CHIP,
     Array,
     Instr,
@@ -407,8 +409,8 @@ class Schedule:
     """A compiled step's events in the order its device runs them (`read_schedule`).
 
     Attributes:
-        events: the entry computation's `Kernel`, `Start`, `Done`, `Loop` and
-            `Branches` records, in schedule order.
+        events: the entry computation's `Kernel`, `Start`, `Done`, `Copy` (new in
+            0.8), `Loop` and `Branches` records, in schedule order.
         platform: the compiler's platform (``"cuda"``, ``"tpu"``, ``"cpu"``).
         flags: what the schedule does not cover (a loop of unknown trip count,
             timed once), and the kernels whose time the model may miss by far
@@ -649,9 +651,6 @@ _SLICING = frozenset({Op.kDynamicSlice, Op.kSlice, Op.kGather})
 #: Ops that only move data, which the DMA engines run where the compiler makes them
 #: asynchronous (a `Copy`).
 _MOVING = frozenset({Op.kSlice, Op.kDynamicSlice, Op.kCopy})
-#: The memory space XLA gives the host's memory (``S(5)``): a copy to or from it
-#: crosses the host's link, which the model does not time (free, as in 0.7).
-_HOST = 5
 
 
 class _Walker:
@@ -706,8 +705,8 @@ class _Walker:
             return list(self.events(callees.get("to_apply", "")))
         if ins.op in _DONES:
             return self._dones(comp, ins)
-        if ins.op == Op.kCopyStart:
-            return self._copy(comp, ins, ins)
+        if ins.op == Op.kCopyStart:  # one to or from the host's memory: free, as in 0.7
+            return self._copy(comp, ins, ins) or []
         if ins.op in STARTS or ins.op == Op.kAsyncStart or ins.op in SYNC:
             return self._collective(comp, ins)
         if self.scalar_unit and self._scalar(comp, ins):
@@ -750,7 +749,8 @@ class _Walker:
         return any(i.op not in skip and i.op not in SYNC for i in self.mod.comps.get(callee, []))
 
     def _dones(self, comp: str, ins: Instr) -> list[Event]:
-        """Where the compute stream waits for the collectives its operand started."""
+        """Where the compute stream waits for the collectives (or the copy) its
+        operand started."""
         found = self.idents.get((comp, ins.operands[0]), ()) if ins.operands else ()
         return [Done(ident) for ident in found]
 
@@ -786,8 +786,9 @@ class _Walker:
             if kind is None:
                 fused = self._fused(wrapped, root)
                 rows = [fused] if fused is not None else self._inside(root)
-                if not rows and root.op in _MOVING:  # the DMA engines', beside the compute
-                    return self._copy(comp, ins, root)
+                copied = self._copy(comp, ins, root) if not rows and root.op in _MOVING else None
+                if copied:  # the DMA engines', beside the compute
+                    return copied
                 if not rows:  # an op run asynchronously: timed once, as its done
                     done = self._done_of(comp, ins).name
                     return [self._kernel(wrapped, root)._replace(name=done)]
@@ -800,17 +801,17 @@ class _Walker:
         sync = ins.op in SYNC or config_field(ins.config, "is_sync") is True
         return self._starts(comp, ins, rows, sync, waits=ins.op in SYNC)
 
-    def _copy(self, comp: str, start: Instr, moving: Instr) -> list[Event]:
+    def _copy(self, comp: str, start: Instr, moving: Instr) -> list[Event] | None:
         """An async slice or copy `start` (`moving`, the op it runs) as the `Copy` its
         done waits for: what it moves through HBM, the slice read where its source is
-        there and written where its destination is; nothing where it crosses to the
-        host's memory (new in 0.8)."""
+        there and written where its destination is (new in 0.8); None where it
+        crosses to the host's memory, whose link the model does not time."""
         given = self._operands(comp, start)
         done = self._done_of(comp, start)
         source = given[0].arrays[0] if given and given[0].arrays else None
         target = done.arrays[0] if done is not start and done.arrays else None  # its result
-        if source is None or target is None or _HOST in (source.space, target.space):
-            return []
+        if source is None or target is None or HOST in (source.space, target.space):
+            return None
         moved = (0 if source.space == ON_CHIP else target.tiled_bytes) + target.hbm_bytes
         ident, self.started = self.started, self.started + 1
         self.idents[(comp, start.name)] = (ident,)
@@ -955,7 +956,7 @@ class _Walker:
             grouped and bool(flops),
             moved,
             self._hbm_waits(comp, ins),
-            bool(flops) and _fused_update(ins, shape),
+            bool(flops) and _fused_update(self._operands(comp, ins), ins, shape),
         )
 
     def _operands(self, comp: str, ins: Instr) -> list[Instr]:
@@ -972,9 +973,11 @@ class _Walker:
         return int(read) + int(any(_in_hbm(a) for a in ins.arrays))
 
     def _scalar(self, comp: str, ins: Instr) -> bool:
-        """Whether `ins` reads and writes only scalars: an op a TPU's scalar unit runs
-        inline, which no profile shows as a kernel (new in 0.8: 0.7 timed each at a
-        kernel's launch)."""
+        """Whether `ins` is one op (no fusion, library call or collective) that reads
+        and writes only scalars: a TPU's scalar unit runs it inline, which no profile
+        shows as a kernel (new in 0.8: 0.7 timed each at a kernel's launch)."""
+        if ins.op in (Op.kFusion, Op.kCustomCall) or ins.op in SYNC or ins.callees:
+            return False
         arrays = [a for g in self._operands(comp, ins) for a in g.arrays] + list(ins.arrays)
         return bool(arrays) and not any(a.dims for a in arrays)
 
@@ -1091,20 +1094,24 @@ class _Walker:
         return sum(g.hbm_bytes for g in given) + _result_bytes(ins)
 
 
-def _fused_update(ins: Instr, shape: tuple[int, int, int, int]) -> bool:
+def _fused_update(given: Sequence[Instr], ins: Instr, shape: tuple[int, int, int, int]) -> bool:
     """Whether matmul kernel `ins`, its largest product of `shape` (batch, m, n, k),
-    writes two or more arrays of that product's size (`Kernel.fused_update`)."""
+    reads (`given`: its operands) and writes two or more arrays each of that
+    product's size: an optimizer's state updated with it (`Kernel.fused_update`; a
+    forward kernel that writes its product twice, before and after an activation,
+    reads none such)."""
     batch, m, n, _ = shape
     size = (batch or 1) * m * n
-    return ins.op == Op.kFusion and sum(a.elements == size for a in ins.arrays) >= 2
+    read = sum(g.arrays[0].elements == size for g in given if g.arrays)
+    written = sum(a.elements == size for a in ins.arrays)
+    return ins.op == Op.kFusion and read >= 2 and written >= 2
 
 
 def _in_hbm(array: Array) -> bool:
-    """Whether a value's layout leaves it in HBM: an array of one dimension or more
-    not in the chip's own memory (``S(1)``), a scalar in none of the chip's memories
-    (new in 0.8: a scalar in HBM too, which a TPU v5e's kernel waited for as for an
-    array)."""
-    return array.space != ON_CHIP if array.dims else array.space == HBM
+    """Whether a value's layout leaves it in HBM, the memory space a layout that
+    names none is in (new in 0.8: a scalar there too, which a TPU v5e's kernel
+    waited for as for an array)."""
+    return array.space == HBM
 
 
 def _printed_opcode(op: Op) -> str:

@@ -278,8 +278,7 @@ def _figures(bench: _Bench, toolchain: Any, blocks: Any) -> dict[str, Any]:
     rates = {name: measured[shape] for name, shape in reference.items()}
     grid = _grid(measured, *GRID[kind])
     bf16 = rates.pop("bf16")
-    largest = max(bf16, *(p[3] for p in grid or ())) / peak
-    figures: dict[str, Any] = {"matmul_efficiency": min(largest, 1.0)}  # the peak bounds it
+    figures: dict[str, Any] = {"matmul_efficiency": max(bf16, *(p[3] for p in grid or ())) / peak}
     figures.update({name: rate / bf16 for name, rate in rates.items()})
     if grid is not None:
         figures["matmul_grid"] = tuple((m, k, n, min(r / peak, 1.0)) for m, k, n, r in grid)
@@ -296,7 +295,7 @@ def _figures(bench: _Bench, toolchain: Any, blocks: Any) -> dict[str, Any]:
         fixed,
         memory_efficiency=figures["memory_efficiency"],
         matmul_grid=figures.get("matmul_grid", ()),
-        matmul_efficiency=figures["matmul_efficiency"],
+        matmul_efficiency=min(figures["matmul_efficiency"], 1.0),  # SHARES keeps it so
     )
     fused = bench.fused_update(FUSED_UPDATE[kind], timed)
     figures.update({} if fused is None else {"fused_update_efficiency": fused})
@@ -550,11 +549,12 @@ class _Bench:
         tokens = [jax.ShapeDtypeStruct((k, m), bf16), jax.ShapeDtypeStruct((k, n), bf16)]
         measured = self.run(step, *weights, *tokens, donate_argnums=(0, 1, 2))
         kernels, peak = _kernels(measured), self.base.flops_per_second
-        shares = [
+        timed = [
             _share_timed(kernels[op.name], op.measured_seconds / op.calls, costs, peak)
             for op in measured.ops
             if op.name in kernels and kernels[op.name].fused_update and op.measured_seconds
         ]
+        shares = [share for share in timed if share is not None]
         return float(np.median(shares)) if shares else None
 
     def memory(self, elements: int) -> float:
@@ -565,11 +565,11 @@ class _Bench:
         )
 
 
-def _share_timed(kernel: Kernel, seconds: float, costs: Costs, peak: float) -> float:
+def _share_timed(kernel: Kernel, seconds: float, costs: Costs, peak: float) -> float | None:
     """The `Costs.fused_update_efficiency` at which the model times `kernel` (a matmul
     with an update fused into it) at `seconds`, its fixed costs included: found by
     halving, the model's time falling as the share rises; 1 where it is no slower than
-    at its shape's share."""
+    at its shape's share; None where even a thousandth of it is faster than that."""
 
     def timed(share: float) -> float:
         at = dataclasses.replace(costs, fused_update_efficiency=share)
@@ -578,6 +578,8 @@ def _share_timed(kernel: Kernel, seconds: float, costs: Costs, peak: float) -> f
     low, high = 1e-3, 1.0
     if timed(high) >= seconds:
         return high
+    if timed(low) < seconds:
+        return None
     for _ in range(40):
         middle = (low + high) / 2
         low, high = (low, middle) if timed(middle) < seconds else (middle, high)

@@ -515,10 +515,11 @@ class StepPlan:
         what Perfetto (ui.perfetto.dev), chrome://tracing and TensorBoard's trace
         viewer open, as they open `jax.profiler`'s traces (new in 0.6).
 
-        Two tracks: ``compute`` (each kernel, named as the compiled module names
-        it, with its class, FLOPs and bytes; the compute waiting for a
-        collective, ``waits for ...``) and ``collectives`` (each collective with
-        its kind, bytes, mesh axes and group). A loop's first three iterations
+        A track per stream that ran something: ``compute`` (each kernel, named as
+        the compiled module names it, with its class, FLOPs and bytes; the compute
+        waiting for a collective or a copy, ``waits for ...``), ``collectives``
+        (each collective with its kind, bytes, mesh axes and group) and, on a
+        TPU, ``copies`` (each async copy the DMA engines run; new in 0.8). A loop's first three iterations
         are laid out whole and the rest as one span per track, its args saying
         how many (what `time` walks). Times are on a grid of whole nanoseconds;
         the last event ends at `StepTime.predicted_seconds` to the nanosecond: a

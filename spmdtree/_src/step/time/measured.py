@@ -232,10 +232,10 @@ class Measurement:
 
     def trace(self, path: str | os.PathLike[str] | None = None) -> dict[str, Any]:
         """The predicted step and the first profiled one as a trace: Chrome
-        trace-event JSON that Perfetto opens, four tracks: ``compute``,
-        ``collectives`` and ``copies`` (the prediction, as `StepPlan.trace` lays
-        it out) and ``measured`` (each instruction as the device ran it, from the
-        step's start). Written to `path` too, where given."""
+        trace-event JSON that Perfetto opens: the prediction's tracks, as
+        `StepPlan.trace` lays them out (``compute``, ``collectives``, ``copies``:
+        each that ran something), and ``measured`` (each instruction as the device
+        ran it, from the step's start). Written to `path` too, where given."""
         title = f"predicted and measured step on {self.device}"
         other = {
             "spmdtree": "predicted beside measured (Measurement.trace)",
@@ -305,12 +305,12 @@ def instruction_seconds(
 ) -> Iterator[OpTime]:
     """Each instruction of `schedule` with the model's time for it per step (its
     calls: its loops' trip counts multiplied; a conditional's branches each as if
-    it ran; an async copy, the walk's wait for it at its done: what a profile times
-    it by), its measured time not yet read."""
+    it ran; an async copy, the walk's wait for it at its done, what a profile times
+    it by: the walk's slowest branch's), its measured time not yet read."""
     costs, peak = hardware.costs(), hardware.flops_per_second
     clock = getattr(hardware.chip, "clock_ghz", 0.0) * 1e9
     totals: dict[str, OpTime] = {}
-    waits = predict(schedule, costs, peak, comm).copy_waits if schedule.copies() else {}
+    waits = dict(predict(schedule, costs, peak, comm).copy_waits) if schedule.copies() else {}
 
     def walk(events: Sequence[Event], times: int) -> None:
         for event in events:
@@ -328,9 +328,9 @@ def instruction_seconds(
                     event.row.bytes,
                     str(event.row.kind),
                 )
-            elif isinstance(event, Copy):  # its waits, per step, spread over its calls
+            elif isinstance(event, Copy):  # its waits per step, once, over its calls
                 name = event.kernel.name
-                each = waits.get(name, 0.0) / times if times else 0.0
+                each = waits.pop(name, 0.0) / times if times else 0.0
                 add(name, event.kernel.kind, times, each, event.kernel)
             elif isinstance(event, Loop):
                 walk(event.body, times * event.trips)
