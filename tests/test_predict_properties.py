@@ -2,8 +2,9 @@
 against oracles this file computes itself.
 
 - the walk (`predict`) over drawn schedules (kernels, async collectives hidden
-  or not, synchronous ones, loops of any trip count, nested, conditionals):
-  against a plain simulation of the documented two-stream model here, which
+  or not, synchronous ones, async copies (new in 0.8), loops of any trip count,
+  nested, conditionals): against a plain simulation of the documented model's
+  streams here, which
   unrolls every loop (spmdtree walks three iterations and repeats the last
   one's change);
 - the tile and wave quantization (`wave_efficiency`) over matmul shapes and
@@ -28,7 +29,7 @@ from test_step_properties import COMPARE, K, M, examples, loop_plan, loops, simu
 import spmdtree as st
 
 # Private: the schedule's records and the model, held to an unrolled simulation
-from spmdtree._src.step.hlo.schedule import Branches, Done, Kernel, Loop, Schedule, Start
+from spmdtree._src.step.hlo.schedule import Branches, Copy, Done, Kernel, Loop, Schedule, Start
 from spmdtree._src.step.hw.hardware import Costs
 from spmdtree._src.step.time import predict
 
@@ -76,6 +77,8 @@ def kernel_time(kernel, costs=CHIP, peak=PEAK):
 class Streams:
     compute: float = 0.0
     links: float = 0.0
+    copies: float = 0.0  # when the DMA engines are next free
+    copied: float = 0.0  # the compute's waits for copies
     exposed: float = 0.0
     comm: float = 0.0
     kernels: int = 0
@@ -84,9 +87,11 @@ class Streams:
 
 
 def simulate(events, s):
-    """Runs `events` on two streams: kernels in order on the compute stream; one
+    """Runs `events` on three streams: kernels in order on the compute stream; one
     collective at a time on the link stream, from when it starts or the link is
-    free; a done (or a synchronous start) waits for its collective. Every loop
+    free; one async copy at a time on the DMA engines, at its bytes over the
+    bandwidth at the memory share (new in 0.8); a done (or a synchronous start)
+    waits for its collective or copy, a copy's wait memory time. Every loop
     iteration is run; a conditional takes its slowest branch."""
     for e in events:
         if isinstance(e, Kernel):
@@ -101,9 +106,12 @@ def simulate(events, s):
             s.links = max(s.compute, s.links) + took
             s.comm += took
             if e.sync:
-                wait(s, s.links)
+                wait(s, ("collective", s.links))
             else:
-                s.pending[e.ident] = s.links
+                s.pending[e.ident] = ("collective", s.links)
+        elif isinstance(e, Copy):
+            s.copies = max(s.compute, s.copies) + kernel_time(e.kernel)
+            s.pending[e.ident] = ("copy", s.copies)
         elif isinstance(e, Done):
             if e.ident in s.pending:
                 wait(s, s.pending.pop(e.ident))
@@ -116,9 +124,14 @@ def simulate(events, s):
     return s
 
 
-def wait(s, until):
+def wait(s, waited_for):
+    what, until = waited_for
     if until > s.compute:
-        s.exposed += until - s.compute
+        if what == "copy":
+            s.copied += until - s.compute
+            s.by_kind["memory"] = s.by_kind.get("memory", 0.0) + until - s.compute
+        else:
+            s.exposed += until - s.compute
         s.compute = until
 
 
@@ -144,9 +157,17 @@ def schedules(draw, depth=0, idents=None):
     idents = idents if idents is not None else iter(range(10**6))
     events = []
     for _ in range(draw(hs.integers(1, 4 if depth else 6))):
-        choice = draw(hs.sampled_from(["kernel", "async", "sync", "loop", "branches"]))
-        if choice == "kernel" or (depth >= 2 and choice in ("loop", "branches", "async")):
+        choices = ["kernel", "async", "sync", "copy", "loop", "branches"]
+        choice = draw(hs.sampled_from(choices))
+        if choice == "kernel" or (depth >= 2 and choice in ("loop", "branches", "async", "copy")):
             events.append(draw(kernels()))
+            continue
+        if choice == "copy":  # an async slice or copy, started, then done after anything
+            ident = next(idents)
+            moved = Kernel("memory", 0, draw(hs.integers(0, 10**8)), name=f"copy-done.{ident}")
+            events.append(Copy(ident, moved))
+            events.extend(draw(schedules(depth + 1, idents)))
+            events.append(Done(ident))
             continue
         if choice in ("async", "sync"):
             size, count = draw(hs.integers(1, 10**8)), draw(hs.integers(1, 3))
@@ -167,13 +188,14 @@ def schedules(draw, depth=0, idents=None):
 
 @examples(60)
 @given(schedules())
-def test_the_walk_is_the_two_stream_simulation_with_every_iteration_run(events):
+def test_the_walk_is_the_streams_simulation_with_every_iteration_run(events):
     got = predict.predict(Schedule(tuple(events), "cuda"), CHIP, PEAK, comm)
     want = simulate(events, Streams())
     close = dict(rel=1e-9, abs=1e-15)
     assert got.seconds == pytest.approx(want.compute, **close)
     assert got.exposed_comm_seconds == pytest.approx(want.exposed, **close)
     assert got.comm_seconds == pytest.approx(want.comm, **close)
+    assert sum(got.copy_waits.values()) == pytest.approx(want.copied, **close)
     assert got.kernels == want.kernels
     for kind in ("matmul", "attention", "memory", "launch"):
         assert got.by_class[kind] == pytest.approx(want.by_kind.get(kind, 0.0), **close)
