@@ -272,3 +272,29 @@ def test_libtpus_fsdp_gradient_reductions_count_as_reduce_scatters():
     assert scattered[0].wire_bytes == 2 * gradient * (fsdp - 1) // fsdp
     # no gradient counted again as an all-reduce over fsdp
     assert not [c for c in plan.collectives if c.kind == "all-reduce" and "fsdp" in c.axes]
+
+
+def test_libtpu_keeps_calibrates_chain_in_the_chips_own_memory():
+    # st.calibrate times the chip's own memory (on_chip_bytes_per_second, new in 0.8)
+    # by the copies of its chain into another layout that read and write only there:
+    # libtpu must keep some there, and each moves its array's bytes in and out
+    _tpu_devices()
+    # Private: calibrate's chain and what it times of it have no public names
+    from spmdtree._src.step.measure.calibrate import ON_CHIP, _chain, _on_chip_copy
+
+    (rows, cols), passes = ON_CHIP
+    x = jax.ShapeDtypeStruct((rows, cols), jnp.float32)
+    plan = st.preflight(
+        lambda x: _chain(x, passes),
+        x,
+        mesh=jax.sharding.AbstractMesh((1,), ("data",)),
+        target="tpu-v5e",
+    )
+    kernels = list(plan.schedule.kernels())
+    kept = [k for k in kernels if _on_chip_copy(k)]
+    assert kept
+    assert all(k.on_chip == 2 * rows * cols * 4 and k.opcode == "copy" for k in kept)
+    # its elementwise passes are kept there too, but not timed for the figure
+    assert any(not k.bytes and k.on_chip and not _on_chip_copy(k) for k in kernels)
+    # the chain's ends read the argument from HBM and write the result there
+    assert any(k.bytes for k in kernels)

@@ -315,6 +315,9 @@ def test_calibrate_measures_each_kernels_fixed_cost_and_reads_the_grid_net_of_it
     # XLA CPU fuses no optimizer's update into a matmul: the share goes unmeasured
     assert calibrated.fused_update_efficiency is None
     assert calibrated.provenance["fused_update_efficiency"].startswith("not measured: cpu")
+    # nor does a CPU keep arrays in a memory of its own (new in 0.8: a TPU's S(1) rate)
+    assert calibrated.on_chip_bytes_per_second is None
+    assert calibrated.provenance["on_chip_bytes_per_second"].startswith("not measured: cpu")
     x = jax.ShapeDtypeStruct((64, 64), jnp.float32)
     plan = st.preflight(jnp.tanh, x, mesh=jax.sharding.AbstractMesh((1,), ("data",)))
     kernels = list(plan.schedule.kernels())

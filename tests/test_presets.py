@@ -390,12 +390,17 @@ def test_every_table_says_what_the_chips_table_says(name):
     assert set(hardware.provenance) == set(figures)
     # every figure given, but a flash kernel's share on a TPU (none is published), an
     # unfused update's on a TPU but the v5e (0.7: measured on a v5e only), and a grouped
-    # matmul's, rows moved by index's and a matmul with a fused update's on every chip
-    # (0.8: none published)
+    # matmul's, rows moved by index's, a matmul with a fused update's and the chip's own
+    # memory's rate on every chip (0.8: none published)
     gpu = isinstance(figures["chip"], st.GpuChip)
     flash = ("flash_forward_efficiency", "flash_backward_efficiency")
     update = () if name == "tpu-v5e" else ("update_efficiency",)
-    grouped = ("grouped_efficiency", "indexed_efficiency", "fused_update_efficiency")
+    grouped = (
+        "grouped_efficiency",
+        "indexed_efficiency",
+        "fused_update_efficiency",
+        "on_chip_bytes_per_second",
+    )
     assert hardware.left_out == (grouped if gpu else flash + update + grouped)
     assert costs.hbm_bytes_per_second == figures["hbm_bytes_per_second"]
     assert costs.matmul_efficiency == figures["matmul_efficiency"]

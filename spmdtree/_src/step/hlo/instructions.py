@@ -96,6 +96,17 @@ class Array(NamedTuple):
         hold them: none in the chip's own memory (`ON_CHIP`; new in 0.7)."""
         return 0 if self.space == ON_CHIP else self.tiled_bytes
 
+    @property
+    def on_chip_bytes(self) -> int:
+        """Its bytes where it lives in the chip's own memory (`ON_CHIP`), as its tiles
+        hold them; none in HBM or the host's (new in 0.8).
+
+        Example:
+            >>> [a.on_chip_bytes for a in arrays("(f32[256]{0:S(1)}, f32[256]{0})")]
+            [1024, 0]
+        """
+        return self.tiled_bytes if self.space == ON_CHIP else 0
+
 
 #: The memory space libtpu's memory-space assignment prints as ``S(1)``: the
 #: alternate memory on the chip (a TPU's VMEM), whose reads and writes are no HBM

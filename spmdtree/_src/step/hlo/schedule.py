@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple, TypeVar
 
 from spmdtree._src.pipeline import Scope
@@ -184,7 +184,11 @@ class Kernel(NamedTuple):
     and writes it 0.59 us); `fused_update`, True for a matmul's kernel that writes
     two or more arrays of its product's size: an optimizer's update fused into a
     weight's gradient (libtpu fuses adamw's so), timed at
-    `Hardware.fused_update_efficiency` of its shape's rate (new in 0.8)."""
+    `Hardware.fused_update_efficiency` of its shape's rate (new in 0.8); `on_chip`,
+    the bytes it reads and writes in the chip's own memory (``S(1)``, counted as
+    `bytes` counts HBM's), moved at `Hardware.on_chip_bytes_per_second` where the
+    chip has that figure (new in 0.8: 0.7 priced a kernel whose arrays all sat there
+    at nothing; on a TPU v5e such copies of 64 MB ran 30 us)."""
 
     kind: KernelClass
     flops: int
@@ -206,6 +210,7 @@ class Kernel(NamedTuple):
     indexed: int = 0
     hbm_waits: int = 0
     fused_update: bool = False
+    on_chip: int = 0
 
     @property
     def unestimable(self) -> bool:
@@ -617,10 +622,12 @@ _MEGASCALE_KINDS = {
 }
 
 
-#: Custom calls that only allocate a buffer (XLA's ``AllocateBuffer``: a scratch buffer,
-#: jax's empty arrays): they run no kernel and move nothing (new in 0.8: 0.7 timed
-#: their results as memory traffic, where a device's profile shows none).
-ALLOCATIONS = frozenset({"AllocateBuffer"})
+#: Custom calls that do no work: they run no kernel and move nothing (new in 0.8: 0.7
+#: timed their results as memory traffic, where a device's profile shows none). XLA's
+#: ``AllocateBuffer`` only allocates a buffer (a scratch buffer, jax's empty arrays);
+#: libtpu's ``ConcatBitcast`` reads as one array the slices its async copies wrote
+#: side by side (on a TPU v5e, 531 of them in seven steps, each timed at 0).
+NO_WORK = frozenset({"AllocateBuffer", "ConcatBitcast"})
 #: Ops that run no kernel: bookkeeping the runtime resolves (a bitcast is a view).
 _FREE = frozenset(
     {
@@ -690,7 +697,7 @@ class _Walker:
             return self._starts(comp, ins, [self._across_slices(ins)], sync=False)
         if ins.op == Op.kSendDone:
             return self._dones(comp, ins)
-        if ins.op in _FREE or (ins.op == Op.kCustomCall and ins.target in ALLOCATIONS):
+        if ins.op in _FREE or (ins.op == Op.kCustomCall and ins.target in NO_WORK):
             return []
         if ins.op == Op.kWhile:
             trips = trip_count(self.mod, comp, ins)
@@ -942,7 +949,7 @@ class _Walker:
         return Kernel(
             kind,
             flops,
-            max(self._bytes(comp, ins), moved),
+            max(self._bytes(comp, ins, _hbm_held), moved),
             *shape,
             dtype if flops else "",
             opaque,
@@ -957,6 +964,7 @@ class _Walker:
             moved,
             self._hbm_waits(comp, ins),
             bool(flops) and _fused_update(self._operands(comp, ins), ins, shape),
+            self._bytes(comp, ins, _on_chip_held),
         )
 
     def _operands(self, comp: str, ins: Instr) -> list[Instr]:
@@ -1073,25 +1081,29 @@ class _Walker:
                 todo += [c for r, c in each.callees if r == "calls"]
         return found
 
-    def _bytes(self, comp: str, ins: Instr) -> int:
-        """What a kernel reads and writes: its operands (a sliced one as its slice, an
+    def _bytes(self, comp: str, ins: Instr, counted: Counted) -> int:
+        """What a kernel reads and writes in one memory (`counted`: `_hbm_held` or,
+        new in 0.8, `_on_chip_held`): its operands (a sliced one as its slice, an
         updated one in place as nothing) and its result (an in-place update as the
-        update; a library call's workspace left out); a hand-written kernel's as its
-        cost estimate gives them, where it has one."""
+        update; a library call's workspace left out); a hand-written kernel's HBM
+        bytes as its cost estimate gives them, where it has one."""
         if ins.op == Op.kFusion:
-            return _fusion_bytes(self.mod, comp, ins)
+            return _fusion_bytes(self.mod, comp, ins, counted)
         estimate = kernel_estimate(ins)
         if estimate is not None and estimate[1]:  # a hand-written kernel's own figure
-            return estimate[1]
+            return estimate[1] if counted is _hbm_held else 0
         given = self._operands(comp, ins)
-        if ins.op in _SLICING:
-            return 2 * ins.tiled_bytes
+        if ins.op in _SLICING:  # the slice read where its source is, written where it is
+            source = given[0].arrays[:1] if given else ()
+            read = ins.tiled_bytes if any(counted(a) for a in source) else 0
+            return read + _held(ins, counted)
         unfused = self._unfused_update(comp, ins)
         if unfused is not None:  # its update read and written, on the chip or not
-            return 2 * unfused.tiled_bytes
+            return 2 * unfused.tiled_bytes if counted is _hbm_held else 0
         if ins.op == Op.kDynamicUpdateSlice and len(given) > 1:  # the update read, then
-            return given[1].hbm_bytes + _update_written(ins, given[1])  # written in place
-        return sum(g.hbm_bytes for g in given) + _result_bytes(ins)
+            update = given[1]  # written in place
+            return _held(update, counted) + _update_written(ins, update, counted)
+        return sum(_held(g, counted) for g in given) + _result_bytes(ins, counted)
 
 
 def _fused_update(given: Sequence[Instr], ins: Instr, shape: tuple[int, int, int, int]) -> bool:
@@ -1170,14 +1182,35 @@ def _dots(ins: Instr, inside: list[tuple[str, Instr]]) -> list[tuple[str, Instr]
     return [(where, each) for where, each in inside if ins.op != Op.kFusion or each.op in computes]
 
 
-def _result_bytes(ins: Instr) -> int:
-    """The bytes an instruction's result writes; a library call's workspace (a
-    cuBLAS call's second result, 32 MiB of s8 on jax 0.12) left out (a hand-written
-    kernel's results are all its own)."""
+#: Which of an array's bytes one memory holds: HBM's (`Array.hbm_bytes`), or the
+#: chip's own memory's (`Array.on_chip_bytes`, ``S(1)``; new in 0.8).
+Counted = Callable[[Array], int]
+
+
+def _hbm_held(array: Array) -> int:
+    """Its bytes in HBM (`Array.hbm_bytes`)."""
+    return array.hbm_bytes
+
+
+def _on_chip_held(array: Array) -> int:
+    """Its bytes in the chip's own memory (`Array.on_chip_bytes`)."""
+    return array.on_chip_bytes
+
+
+def _held(ins: Instr, counted: Counted) -> int:
+    """The bytes of an instruction's result that the memory `counted` holds."""
+    return sum(counted(array) for array in ins.arrays)
+
+
+def _result_bytes(ins: Instr, counted: Counted) -> int:
+    """The bytes an instruction's result writes into the memory `counted` (HBM's,
+    the chip's own); a library call's workspace (a cuBLAS call's second result, 32
+    MiB of s8 on jax 0.12) left out (a hand-written kernel's results are all its
+    own)."""
     result = ins.arrays
     if ins.op == Op.kCustomCall and ins.is_tuple and result and not is_kernel_call(ins):
         result = result[:1]
-    return sum(array.hbm_bytes for array in result)
+    return sum(counted(array) for array in result)
 
 
 def _operand_dtype(mod: Module, comp: str, ins: Instr) -> str:
@@ -1253,21 +1286,22 @@ def _dimension_numbers(ins: Instr) -> tuple[tuple[list[int], list[int]], ...] | 
     )
 
 
-def _fusion_bytes(mod: Module, comp: str, ins: Instr) -> int:
-    """A fusion's bytes: each operand as its fused parameter is read (`_read`), twice
-    where it reads it again after a reduction broadcast back (`_read_again`), and its
-    result as written (`_written`)."""
+def _fusion_bytes(mod: Module, comp: str, ins: Instr, counted: Counted) -> int:
+    """A fusion's bytes in the memory `counted`: each operand there as its fused
+    parameter is read (`_read`), twice where it reads it again after a reduction
+    broadcast back (`_read_again`), and its result as written (`_written`)."""
     callee = dict(ins.callees).get("calls", "")
     again = _read_again(mod, callee)
     read = 0
     for j, operand in enumerate(ins.operands):
         given = mod.by_name[comp].get(operand)
-        whole = given.hbm_bytes if given is not None else 0  # the chip's own memory: no HBM
+        whole = _held(given, counted) if given is not None else 0  # held elsewhere: none
         param = mod.param(callee, j)
         read += whole if param is None else _read(mod, callee, param, whole)
         read += whole if param in again else 0
     root = mod.root(callee)
-    return read + (_written(mod, callee, root) if root is not None else ins.tiled_bytes)
+    written = _written(mod, callee, root, counted) if root is not None else None
+    return read + (_held(ins, counted) if written is None else written)
 
 
 def _read_again(mod: Module, comp: str) -> set[str]:
@@ -1365,30 +1399,31 @@ def _elements(ins: Instr) -> int:
     return sum(a.elements for a in ins.arrays)
 
 
-def _written(mod: Module, comp: str, root: Instr) -> int:
-    """The bytes a fusion's result writes: a tuple's elements each; an in-place
-    update as its update; nothing for a parameter passed through (a buffer carried
-    in place) or a fused collective's result (written by the collective, timed on
-    the links)."""
+def _written(mod: Module, comp: str, root: Instr, counted: Counted) -> int:
+    """The bytes a fusion's result writes into the memory `counted`: a tuple's
+    elements each; an in-place update as its update; nothing for a parameter passed
+    through (a buffer carried in place) or a fused collective's result (written by
+    the collective, timed on the links)."""
     if root.op == Op.kTuple:
         parts = [mod.by_name[comp][o] for o in root.operands if o in mod.by_name[comp]]
-        return sum(_written(mod, comp, part) for part in parts)
+        return sum(_written(mod, comp, part, counted) for part in parts)
     if root.op == Op.kParameter or root.op in SYNC:
         return 0
     if root.op == Op.kBitcast and root.operands and root.operands[0] in mod.by_name[comp]:
-        return _written(mod, comp, mod.by_name[comp][root.operands[0]])
+        return _written(mod, comp, mod.by_name[comp][root.operands[0]], counted)
     if root.op == Op.kDynamicUpdateSlice and len(root.operands) > 1:
         update = mod.by_name[comp].get(root.operands[1])
-        return _update_written(root, update) if update is not None else 0
-    return _result_bytes(root)
+        return _update_written(root, update, counted) if update is not None else 0
+    return _result_bytes(root, counted)
 
 
-def _update_written(update_slice: Instr, update: Instr) -> int:
-    """The bytes an in-place update writes: its update's, where the buffer it writes
-    into is in HBM (its result's memory space), wherever the update was read from."""
-    in_hbm = bool(update_slice.arrays) and update_slice.arrays[0].hbm_bytes > 0
-    # nothing into a buffer outside HBM: a fused library call (jax 0.12's dynamic-slice fusion)
-    return update.tiled_bytes if in_hbm else 0
+def _update_written(update_slice: Instr, update: Instr, counted: Counted) -> int:
+    """The bytes an in-place update writes into the memory `counted`: its update's,
+    where that memory holds the buffer it writes into (its result's memory space),
+    wherever the update was read from."""
+    there = bool(update_slice.arrays) and counted(update_slice.arrays[0]) > 0
+    # nothing into a buffer held elsewhere: a fused library call (jax 0.12's dynamic-slice fusion)
+    return update.tiled_bytes if there else 0
 
 
 def read_schedule(
@@ -1437,7 +1472,7 @@ def read_schedule(
         >>> schedule.events[0].row
         Collective(kind='all-gather', count=1, bytes=2097152, axes=('data',), group=8, written_as='')
         >>> schedule.events[1]
-        Kernel(kind='matmul', flops=2147483648, bytes=6291456, batch=1, m=1024, n=1024, k=1024, dtype='bf16', opaque='', call='', name='d', estimated_cycles=0, opcode='dot', shape='bf16[1024,1024]{1,0}', op_name='', unfused_update=False, grouped=False, indexed=0, hbm_waits=2, fused_update=False)
+        Kernel(kind='matmul', flops=2147483648, bytes=6291456, batch=1, m=1024, n=1024, k=1024, dtype='bf16', opaque='', call='', name='d', estimated_cycles=0, opcode='dot', shape='bf16[1024,1024]{1,0}', op_name='', unfused_update=False, grouped=False, indexed=0, hbm_waits=2, fused_update=False, on_chip=0)
         >>> Schedule.from_dict(schedule.to_dict()) == schedule
         True
     """

@@ -135,6 +135,9 @@ class Costs:
         fused_update_efficiency: the share of its shape's rate a matmul keeps with
             an optimizer's update fused into its kernel (`Kernel.fused_update`; new
             in 0.8).
+        on_chip_bytes_per_second: the rate a kernel moves what it reads and writes
+            in the chip's own memory (`Kernel.on_chip`: a TPU's ``S(1)``); 0: free,
+            as in 0.7 (new in 0.8).
     """
 
     hbm_bytes_per_second: float
@@ -155,6 +158,7 @@ class Costs:
     matmul_grid: tuple[Point, ...] = ()
     access_seconds: float = 0.0
     fused_update_efficiency: float = 1.0
+    on_chip_bytes_per_second: float = 0.0
 
     def speed(self, dtype: str) -> float:
         """A matmul's peak over the bf16 one for operands of `dtype`."""
@@ -180,9 +184,10 @@ class Costs:
 #: kernel, rows gathered and scattered by index at the memory kernels' share (the
 #: hardware's own where it gives one; new in 0.8), 8-bit matmuls at twice the bf16
 #: rate (every preset's data sheet says so; new in 0.8), a matmul with an optimizer's
-#: update fused into it at its shape's rate (none is published; new in 0.8), no launch
-#: overhead, no wait for the memory's first access (none is published; new in 0.8) and
-#: no latency per collective beyond the links' own.
+#: update fused into it at its shape's rate (none is published; new in 0.8), what a
+#: kernel moves in the chip's own memory (a TPU's ``S(1)``) at no cost (none is
+#: published; new in 0.8), no launch overhead, no wait for the memory's first access
+#: (none is published; new in 0.8) and no latency per collective beyond the links' own.
 DEFAULTS: Mapping[str, float] = {
     "flops_per_byte": 300.0,
     "memory_efficiency": 0.9,
@@ -198,6 +203,7 @@ DEFAULTS: Mapping[str, float] = {
     "indexed_efficiency": 0.9,
     "eight_bit_speed": 2.0,
     "fused_update_efficiency": 1.0,
+    "on_chip_bytes_per_second": 0.0,
     "launch_seconds": 0.0,
     "access_seconds": 0.0,
     "collective_latency_seconds": 0.0,
@@ -219,6 +225,7 @@ MODEL_FIELDS = (
     "indexed_efficiency",
     "eight_bit_speed",
     "fused_update_efficiency",
+    "on_chip_bytes_per_second",
     "launch_seconds",
     "access_seconds",
     "collective_latency_seconds",
@@ -283,6 +290,13 @@ class Hardware:
             the compiler fuses an optimizer's update into its kernel (libtpu fuses
             adamw's into each weight's gradient: `Kernel.fused_update`;
             `st.calibrate` measures it; none is published; new in 0.8; 1.0).
+        on_chip_bytes_per_second: the rate at which a kernel moves what it reads
+            and writes in the chip's own memory (a TPU's ``S(1)``, where libtpu
+            keeps arrays between kernels: `Kernel.on_chip`), beside its HBM
+            traffic, the slower of the two its memory time (`st.calibrate` measures
+            it on a TPU: a chain of copies and elementwise passes on arrays libtpu
+            keeps there; none is published; new in 0.8; left out, such bytes are
+            free, as in 0.7).
         matmul_grid: the share of the bf16 peak matmuls reach by shape, as
             ``(m, k, n, share)`` points of a full grid ((m, k) x (k, n); a
             convolution's output positions, window x input features, output
@@ -325,7 +339,7 @@ class Hardware:
         >>> gpu.left_out[:2]
         ('hbm_bytes_per_second', 'memory_efficiency')
         >>> dataclasses.replace(st.hardware("h100"), name="mine").left_out  # a preset's figures
-        ('grouped_efficiency', 'indexed_efficiency', 'fused_update_efficiency')
+        ('grouped_efficiency', 'indexed_efficiency', 'fused_update_efficiency', 'on_chip_bytes_per_second')
         >>> st.Hardware("bad", 1, 1e15, {"nvlink": (1e9, 0.0)})
         Traceback (most recent call last):
         ...
@@ -352,6 +366,7 @@ class Hardware:
     indexed_efficiency: float | None = None
     eight_bit_speed: float | None = None
     fused_update_efficiency: float | None = None
+    on_chip_bytes_per_second: float | None = None
     matmul_grid: tuple[Point, ...] | None = None
     launch_seconds: float | None = None
     access_seconds: float | None = None
@@ -425,7 +440,7 @@ class Hardware:
         Example:
             >>> import spmdtree as st
             >>> st.hardware("h100").left_out  # no grouped matmul's share is published
-            ('grouped_efficiency', 'indexed_efficiency', 'fused_update_efficiency')
+            ('grouped_efficiency', 'indexed_efficiency', 'fused_update_efficiency', 'on_chip_bytes_per_second')
             >>> st.hardware("tpu-v5e").left_out[:2]  # nor a TPU flash kernel's
             ('flash_forward_efficiency', 'flash_backward_efficiency')
         """
@@ -517,6 +532,7 @@ ADDED = (
     "matmul_grid",
     "access_seconds",
     "fused_update_efficiency",
+    "on_chip_bytes_per_second",
 )
 
 

@@ -20,7 +20,9 @@ matmul keeps, new in 0.8), a loop of tiny kernels (`launch_seconds`: what
 each costs beyond its work, new in 0.8), a loop of tiny kernels each reading rows of
 a table in HBM (`access_seconds`: what such a kernel waits for the memory's first
 access beyond that, new in 0.8; a TPU's only, the one device that keeps arrays in a
-memory of its own; the grid's shares are read net of both), and
+memory of its own; the grid's shares are read net of both), a chain of copies and
+elementwise passes on arrays a TPU keeps in that memory (`on_chip_bytes_per_second`:
+what they move there over their time, new in 0.8), and
 the chip's flash-attention kernel (splash attention on a TPU, at the blocks a user
 gives, new in 0.8; cuDNN's on a GPU), forward and backward, causal, run by
 `measure` (`flash_forward_efficiency`, `flash_backward_efficiency`: their FLOPs as
@@ -92,6 +94,10 @@ LAUNCH = {"accelerator": (1024, 8), "cpu": (256, 8)}
 #: rows of 128 f32 (1 GiB, beyond a TPU's own memory, so that it stays in HBM), 8 read
 #: by each iteration at an offset known only when it runs.
 ACCESS = (1024, 2**21)
+#: The f32 array a chain of transposes and elementwise passes runs on, which libtpu
+#: keeps in the chip's own memory (``S(1)``) between them (16 MiB), timed for
+#: `Hardware.on_chip_bytes_per_second` on a TPU (new in 0.8); and the chain's passes.
+ON_CHIP = ((2048, 2048), 8)
 #: The normal floats (of measure's scale, `measure.SCALE`) drawn once on the host and
 #: tiled to each benchmark's operands on the device (new in 0.8): measure's own fill
 #: compiles a random-number program for each shape, which libtpu took 4 to 15 s for
@@ -240,6 +246,10 @@ NOT_MEASURED = {
         "loop that reads it"
     ),
     "matmul_grid": "{device}'s profile timed not every matmul of the grid",
+    "on_chip_bytes_per_second": (
+        "{device} keeps no array in a memory of its own apart from HBM (a TPU's S(1)), or "
+        "its compiler kept none of the chain's there"
+    ),
     "flash_forward_efficiency": "no flash-attention kernel timed on {device}",
     "flash_backward_efficiency": "no flash-attention kernel timed on {device}",
     "grouped_efficiency": "{device}'s compiler ran no grouped matmul",
@@ -299,6 +309,8 @@ def _figures(bench: _Bench, toolchain: Any, blocks: Any) -> dict[str, Any]:
     )
     fused = bench.fused_update(FUSED_UPDATE[kind], timed)
     figures.update({} if fused is None else {"fused_update_efficiency": fused})
+    on_chip = bench.on_chip(*ON_CHIP) if toolchain.backend is Backend.TPU else None
+    figures.update({} if on_chip is None else {"on_chip_bytes_per_second": on_chip})
     figures.update(_flash_shares(bench, toolchain.flash, blocks) or {})
     beyond = {"launch_seconds": launch, "access_seconds": access}
     figures.update({name: value for name, value in beyond.items() if value is not None})
@@ -557,12 +569,47 @@ class _Bench:
         shares = [share for share in timed if share is not None]
         return float(np.median(shares)) if shares else None
 
+    def on_chip(self, shape: tuple[int, int], passes: int) -> float | None:
+        """Bytes per second a kernel moves in the chip's own memory (`Kernel.on_chip`;
+        new in 0.8): a chain of `passes` over an f32 array of `shape`, transposes and
+        elementwise maps by turns, each kept a kernel of its own (an optimization
+        barrier between them), which libtpu keeps in its own memory (``S(1)``); what
+        its copies into another layout that read and write only there move, over
+        their time; None where the compiler kept none there.
+
+        The copies are what a step's kernels on that memory mostly are (a v5e's
+        copies, reshapes and reductions there ran at 1.5 to 2.6 TB/s, its copies
+        here at 2.1); an elementwise pass there ran at 11 TB/s (f32), which the
+        model, timing every kernel's bytes there at the one rate, over-times, by
+        microseconds a pass."""
+
+        m = self.run(
+            functools.partial(_chain, passes=passes), jax.ShapeDtypeStruct(shape, jnp.float32)
+        )
+        return _work_rate(m, _on_chip_copy)
+
     def memory(self, elements: int) -> float:
         """Bytes per second of an elementwise pass over an f32 array (read and
         written whole)."""
         return self.rate(
             lambda x: x * 0.5 + 1.0, "memory", jax.ShapeDtypeStruct((elements,), jnp.float32)
         )
+
+
+def _chain(x: jax.Array, passes: int) -> jax.Array:
+    """`passes` over `x`, transposes and elementwise maps by turns, an optimization
+    barrier before each (a kernel of its own)."""
+    for i in range(passes):
+        x = jax.lax.optimization_barrier(x)
+        x = x * 1.001 + 0.5 if i % 2 else x.T
+    return x
+
+
+def _on_chip_copy(kernel: Kernel) -> int:
+    """What `kernel` moves in the chip's own memory, where it is a copy (into another
+    layout) that reads and writes nothing in HBM; else 0."""
+    there = kernel.opcode == "copy" and not kernel.bytes and not kernel.hbm_waits
+    return kernel.on_chip if there else 0
 
 
 def _share_timed(kernel: Kernel, seconds: float, costs: Costs, peak: float) -> float | None:

@@ -116,6 +116,8 @@ def kernel_seconds(kernel: Kernel, costs: Costs, peak: float) -> float:
     bandwidth = costs.hbm_bytes_per_second
     memory = (kernel.bytes - kernel.indexed) / (bandwidth * share)
     memory += kernel.indexed / (bandwidth * costs.indexed_efficiency)
+    if costs.on_chip_bytes_per_second:  # what it moves in the chip's own memory, beside
+        memory = max(memory, kernel.on_chip / costs.on_chip_bytes_per_second)
     compute = 0.0
     if kernel.flops:
         share = costs.matmul_efficiency * costs.speed(kernel.dtype)
