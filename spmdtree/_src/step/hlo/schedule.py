@@ -177,7 +177,8 @@ class Kernel(NamedTuple):
     index move (an expert layer's dispatch and combine; `moved_by_index`), wherever
     the compiler keeps them, counted among its bytes and moved at
     `Hardware.indexed_efficiency` of the bandwidth, the rest at the memory share
-    (new in 0.8); `hbm_waits`, how often it waits for the memory's first access,
+    (new in 0.8; a kernel that reads and writes nothing in HBM moves them in the
+    chip's own memory: `on_chip`, at its rate); `hbm_waits`, how often it waits for the memory's first access,
     `Hardware.access_seconds`: once where it reads a value its layout leaves in HBM,
     not in the chip's own memory (``S(1)``), once more where it writes one (new in
     0.8: on a TPU v5e a tiny kernel that only reads HBM ran 0.35 us, one that reads
@@ -945,7 +946,10 @@ class _Walker:
         call = ins.target if ins.target.startswith("__cudnn$") else name
         cycles = estimated_cycles(ins)
         self._doubt(ins, inside, cycles)
-        moved = moved_by_index(self.mod, inside)
+        moved, waits = moved_by_index(self.mod, inside), self._hbm_waits(comp, ins)
+        on_chip = self._bytes(comp, ins, _on_chip_held)
+        if moved and on_chip and not waits:  # its rows moved on the chip, at its rate
+            moved, on_chip = 0, max(moved, on_chip)
         return Kernel(
             kind,
             flops,
@@ -962,9 +966,9 @@ class _Walker:
             self._unfused_update(comp, ins) is not None,
             grouped and bool(flops),
             moved,
-            self._hbm_waits(comp, ins),
+            waits,
             bool(flops) and _fused_update(self._operands(comp, ins), ins, shape),
-            self._bytes(comp, ins, _on_chip_held),
+            on_chip,
         )
 
     def _operands(self, comp: str, ins: Instr) -> list[Instr]:
