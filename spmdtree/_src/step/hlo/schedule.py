@@ -178,8 +178,8 @@ class Kernel(NamedTuple):
     the compiler keeps them, counted among its bytes and moved at
     `Hardware.indexed_efficiency` of the bandwidth, the rest at the memory share
     (new in 0.8; a kernel that reads and writes nothing in HBM moves them in the
-    chip's own memory: `on_chip`, at its rate); `hbm_waits`, how often it waits for the memory's first access,
-    `Hardware.access_seconds`: once where it reads a value its layout leaves in HBM,
+    chip's own memory: `on_chip`, at its rate); `hbm_waits`, how often it waits for
+    the memory's first access, `Hardware.access_seconds`: once where it reads a value its layout leaves in HBM,
     not in the chip's own memory (``S(1)``), once more where it writes one (new in
     0.8: on a TPU v5e a tiny kernel that only reads HBM ran 0.35 us, one that reads
     and writes it 0.59 us); `fused_update`, True for a matmul's kernel that writes
