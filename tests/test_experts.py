@@ -428,20 +428,35 @@ def test_a_scatters_rows_are_counted_at_their_own_bytes_not_its_updates_tiles():
     assert kernel.indexed == 3 * 8184 * 1024 * 4
 
 
-def test_rows_moved_by_index_on_the_chip_are_its_own_memorys_bytes():
+def test_rows_moved_by_index_on_the_chip_move_at_its_own_memorys_rate():
     # a combine whose arrays libtpu keeps in the chip's own memory (S(1)) moves its rows
-    # there, at that memory's rate (new in 0.8: a v5e's gathers there ran at 2.3 TB/s,
-    # its copies there at 2.1, where 0.57 of HBM's 819 GB/s was counted)
+    # there, at that memory's rate where the chip has it (new in 0.8: a v5e's gathers
+    # there ran at 2.3 TB/s, its copies there at 2.1, where 0.57 of HBM's 819 GB/s was
+    # counted)
     module = COMBINE.replace("{1,0:T(8,128)}", "{1,0:T(8,128)S(1)}").replace(
         "{0:T(1024)}", "{0:T(1024)S(1)}"
     )
     (kernel,) = read_schedule(module, platform="tpu").events
     rows = 3 * 8184 * 1024 * 4
-    assert (kernel.indexed, kernel.bytes, kernel.hbm_waits) == (0, 0, 0)
+    assert kernel.rows_on_chip and kernel.hbm_waits == 0
+    assert (kernel.indexed, kernel.bytes) == (rows, rows)
     # the larger of its rows and its arrays read and written whole: the buffer, the
     # indices (a tile of 1,024), the updates and the result
     whole = 10240 * 1024 * 4 + 8192 * 4 + 8184 * 1024 * 4 + 10240 * 1024 * 4
     assert kernel.on_chip == max(rows, whole)
-    # in HBM, as before: at the indexed share of its bandwidth
+    v5e = st.hardware("tpu-v5e")
+    costs = dataclasses.replace(v5e.costs(), indexed_efficiency=0.5)
+    # the chip's own memory left out (every preset): its rows at the indexed share of
+    # HBM's bandwidth, as for any kernel
+    at_hbm = rows / (costs.hbm_bytes_per_second * 0.5)
+    assert kernel_seconds(kernel, costs, v5e.flops_per_second) == pytest.approx(at_hbm)
+    # measured: what it moves there at that memory's rate, nothing at HBM's
+    chip = dataclasses.replace(costs, on_chip_bytes_per_second=2e12)
+    seconds = kernel_seconds(kernel, chip, v5e.flops_per_second)
+    assert seconds == pytest.approx(kernel.on_chip / 2e12)
+    # in HBM, as before: at the indexed share of its bandwidth, whatever that rate
     (kernel,) = read_schedule(COMBINE, platform="tpu").events
-    assert (kernel.indexed, kernel.on_chip) == (rows, 0)
+    assert (kernel.indexed, kernel.on_chip, kernel.rows_on_chip) == (rows, 0, False)
+    assert kernel_seconds(kernel, chip, v5e.flops_per_second) == pytest.approx(
+        kernel_seconds(kernel, costs, v5e.flops_per_second)
+    )

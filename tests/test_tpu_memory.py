@@ -9,6 +9,7 @@ public function reads HLO text, so these tests call the reader.
 """
 
 import dataclasses
+import json
 
 import pytest
 
@@ -250,3 +251,16 @@ def test_a_prediction_says_it_left_the_chips_own_memory_free():
     assert not any("on_chip_bytes_per_second" in flag for flag in timed.flags)
     # the copy's and the pass's reads and writes, all on the chip
     assert timed.predicted_seconds == pytest.approx(4 * ARRAY / 2e12)
+
+
+def test_on_chip_bytes_per_second_goes_to_json_and_back_and_a_file_without_it_reads():
+    chip = dataclasses.replace(st.hardware("tpu-v5e"), on_chip_bytes_per_second=2e12)
+    assert st.Hardware.from_json(chip.to_json()).on_chip_bytes_per_second == 2e12
+    older = json.loads(chip.to_json())
+    del older["on_chip_bytes_per_second"]
+    read = st.Hardware.from_json(json.dumps(older))
+    assert read.on_chip_bytes_per_second is None
+    assert read.costs().on_chip_bytes_per_second == 0.0  # free, as in 0.7
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="on_chip_bytes_per_second"):
+            dataclasses.replace(chip, on_chip_bytes_per_second=bad)

@@ -177,9 +177,8 @@ class Kernel(NamedTuple):
     index move (an expert layer's dispatch and combine; `moved_by_index`), wherever
     the compiler keeps them, counted among its bytes and moved at
     `Hardware.indexed_efficiency` of the bandwidth, the rest at the memory share
-    (new in 0.8; a kernel that reads and writes nothing in HBM moves them in the
-    chip's own memory: `on_chip`, at its rate); `hbm_waits`, how often it waits for
-    the memory's first access, `Hardware.access_seconds`: once where it reads a value its layout leaves in HBM,
+    (new in 0.8); `hbm_waits`, how often it waits for the memory's first access,
+    `Hardware.access_seconds`: once where it reads a value its layout leaves in HBM,
     not in the chip's own memory (``S(1)``), once more where it writes one (new in
     0.8: on a TPU v5e a tiny kernel that only reads HBM ran 0.35 us, one that reads
     and writes it 0.59 us); `fused_update`, True for a matmul's kernel that writes
@@ -189,7 +188,11 @@ class Kernel(NamedTuple):
     the bytes it reads and writes in the chip's own memory (``S(1)``, counted as
     `bytes` counts HBM's), moved at `Hardware.on_chip_bytes_per_second` where the
     chip has that figure (new in 0.8: 0.7 priced a kernel whose arrays all sat there
-    at nothing; on a TPU v5e such copies of 64 MB ran 30 us)."""
+    at nothing; on a TPU v5e such copies of 64 MB ran 30 us); `rows_on_chip`, True
+    for a kernel that gathers or scatters rows by index and reads and writes nothing
+    in HBM (`hbm_waits` 0: a constant is the kernel's own): its rows, counted in `on_chip` too, move there, at that memory's rate
+    where the chip has it, not at `Hardware.indexed_efficiency` of HBM's (new in
+    0.8: a v5e's gathers there ran at 2.3 TB/s)."""
 
     kind: KernelClass
     flops: int
@@ -212,6 +215,7 @@ class Kernel(NamedTuple):
     hbm_waits: int = 0
     fused_update: bool = False
     on_chip: int = 0
+    rows_on_chip: bool = False
 
     @property
     def unestimable(self) -> bool:
@@ -948,8 +952,7 @@ class _Walker:
         self._doubt(ins, inside, cycles)
         moved, waits = moved_by_index(self.mod, inside), self._hbm_waits(comp, ins)
         on_chip = self._bytes(comp, ins, _on_chip_held)
-        if moved and on_chip and not waits:  # its rows moved on the chip, at its rate
-            moved, on_chip = 0, max(moved, on_chip)
+        rows_on_chip = bool(moved and on_chip and not waits)  # it never goes to HBM
         return Kernel(
             kind,
             flops,
@@ -968,7 +971,8 @@ class _Walker:
             moved,
             waits,
             bool(flops) and _fused_update(self._operands(comp, ins), ins, shape),
-            on_chip,
+            max(on_chip, moved) if rows_on_chip else on_chip,
+            rows_on_chip,
         )
 
     def _operands(self, comp: str, ins: Instr) -> list[Instr]:
@@ -1097,10 +1101,8 @@ class _Walker:
         if estimate is not None and estimate[1]:  # a hand-written kernel's own figure
             return estimate[1] if counted is _hbm_held else 0
         given = self._operands(comp, ins)
-        if ins.op in _SLICING:  # the slice read where its source is, written where it is
-            source = given[0].arrays[:1] if given else ()
-            read = ins.tiled_bytes if any(counted(a) for a in source) else 0
-            return read + _held(ins, counted)
+        if ins.op in _SLICING:  # the slice read and written, counted as HBM's
+            return 2 * ins.tiled_bytes if counted is _hbm_held else 0
         unfused = self._unfused_update(comp, ins)
         if unfused is not None:  # its update read and written, on the chip or not
             return 2 * unfused.tiled_bytes if counted is _hbm_held else 0
@@ -1304,8 +1306,9 @@ def _fusion_bytes(mod: Module, comp: str, ins: Instr, counted: Counted) -> int:
         read += whole if param is None else _read(mod, callee, param, whole)
         read += whole if param in again else 0
     root = mod.root(callee)
-    written = _written(mod, callee, root, counted) if root is not None else None
-    return read + (_held(ins, counted) if written is None else written)
+    if root is not None:
+        return read + _written(mod, callee, root, counted)
+    return read + (ins.tiled_bytes if counted is _hbm_held else 0)
 
 
 def _read_again(mod: Module, comp: str) -> set[str]:
@@ -1476,7 +1479,7 @@ def read_schedule(
         >>> schedule.events[0].row
         Collective(kind='all-gather', count=1, bytes=2097152, axes=('data',), group=8, written_as='')
         >>> schedule.events[1]
-        Kernel(kind='matmul', flops=2147483648, bytes=6291456, batch=1, m=1024, n=1024, k=1024, dtype='bf16', opaque='', call='', name='d', estimated_cycles=0, opcode='dot', shape='bf16[1024,1024]{1,0}', op_name='', unfused_update=False, grouped=False, indexed=0, hbm_waits=2, fused_update=False, on_chip=0)
+        Kernel(kind='matmul', flops=2147483648, bytes=6291456, batch=1, m=1024, n=1024, k=1024, dtype='bf16', opaque='', call='', name='d', estimated_cycles=0, opcode='dot', shape='bf16[1024,1024]{1,0}', op_name='', unfused_update=False, grouped=False, indexed=0, hbm_waits=2, fused_update=False, on_chip=0, rows_on_chip=False)
         >>> Schedule.from_dict(schedule.to_dict()) == schedule
         True
     """

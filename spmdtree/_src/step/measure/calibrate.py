@@ -519,9 +519,10 @@ class _Bench:
         `jax.lax.ragged_dot` of `rows` bf16 rows of `width` in `groups` even groups by
         (groups, width, hidden) weights and of its weights' gradient (`grouped`:
         rows, width, hidden, groups); bytes per second of the rows a gather by a
-        permutation and a scatter-add of them back move, as the model counts them
-        (`Kernel.indexed`; `indexed`: rows, width). Each None where the compiler
-        runs no such kernel."""
+        permutation and a scatter-add of them back move through HBM, as the model
+        counts them (`Kernel.indexed`, those of a kernel that moves its rows in the
+        chip's own memory left out: `Kernel.rows_on_chip`; `indexed`: rows,
+        width). Each None where the compiler runs no such kernel."""
         rows, width, hidden, groups = grouped
 
         def both(x: jax.Array, w: jax.Array, y: jax.Array, order: jax.Array) -> Any:
@@ -538,7 +539,7 @@ class _Bench:
         )
         m = self.run(both, *specs)
         return _work_rate(m, lambda k: k.flops if k.grouped else 0), _work_rate(
-            m, lambda k: k.indexed
+            m, lambda k: 0 if k.rows_on_chip else k.indexed
         )
 
     def fused_update(self, shape: tuple[int, int, int], costs: Costs) -> float | None:
@@ -572,7 +573,7 @@ class _Bench:
     def on_chip(self, shape: tuple[int, int], passes: int) -> float | None:
         """Bytes per second a kernel moves in the chip's own memory (`Kernel.on_chip`;
         new in 0.8): a chain of `passes` over an f32 array of `shape`, transposes and
-        elementwise maps by turns, each kept a kernel of its own (an optimization
+        elementwise maps alternately, each kept a kernel of its own (an optimization
         barrier between them), which libtpu keeps in its own memory (``S(1)``); what
         its copies into another layout that read and write only there move, over
         their time; None where the compiler kept none there.
@@ -597,7 +598,7 @@ class _Bench:
 
 
 def _chain(x: jax.Array, passes: int) -> jax.Array:
-    """`passes` over `x`, transposes and elementwise maps by turns, an optimization
+    """`passes` over `x`, transposes and elementwise maps alternately, an optimization
     barrier before each (a kernel of its own)."""
     for i in range(passes):
         x = jax.lax.optimization_barrier(x)

@@ -101,7 +101,10 @@ def kernel_seconds(kernel: Kernel, costs: Costs, peak: float) -> float:
     the bandwidth x `Costs.indexed_efficiency`, new in 0.8; a matmul's share read by
     its shape from `Costs.matmul_grid` where the chip has one, new in 0.8, times
     `Costs.fused_update_efficiency` where an optimizer's update is fused into it, new
-    in 0.8), plus 5% of the smaller.
+    in 0.8; what it reads and writes in a TPU's own memory over
+    `Costs.on_chip_bytes_per_second` where the chip has that figure, the slower of
+    that and its HBM traffic, rows it moves by index without going to HBM among
+    them, new in 0.8), plus 5% of the smaller.
 
     Example:
         >>> h100 = Costs(3.35e12, 0.9, 794.5 / 989, 132, (128, 128), 1e-6, 5e-6)
@@ -114,10 +117,12 @@ def kernel_seconds(kernel: Kernel, costs: Costs, peak: float) -> float:
     """
     share = costs.update_efficiency if kernel.unfused_update else costs.memory_efficiency
     bandwidth = costs.hbm_bytes_per_second
+    on_chip = costs.on_chip_bytes_per_second
+    indexed = 0 if kernel.rows_on_chip and on_chip else kernel.indexed  # moved there
     memory = (kernel.bytes - kernel.indexed) / (bandwidth * share)
-    memory += kernel.indexed / (bandwidth * costs.indexed_efficiency)
-    if costs.on_chip_bytes_per_second:  # what it moves in the chip's own memory, beside
-        memory = max(memory, kernel.on_chip / costs.on_chip_bytes_per_second)
+    memory += indexed / (bandwidth * costs.indexed_efficiency)
+    if on_chip:  # what it moves in the chip's own memory, beside its HBM traffic
+        memory = max(memory, kernel.on_chip / on_chip)
     compute = 0.0
     if kernel.flops:
         share = costs.matmul_efficiency * costs.speed(kernel.dtype)
