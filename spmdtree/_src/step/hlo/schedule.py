@@ -190,9 +190,10 @@ class Kernel(NamedTuple):
     chip has that figure (new in 0.8: 0.7 priced a kernel whose arrays all sat there
     at nothing; on a TPU v5e such copies of 64 MB ran 30 us); `rows_on_chip`, True
     for a kernel that gathers or scatters rows by index and reads and writes nothing
-    in HBM (`hbm_waits` 0: a constant is the kernel's own): its rows, counted in `on_chip` too, move there, at that memory's rate
-    where the chip has it, not at `Hardware.indexed_efficiency` of HBM's (new in
-    0.8: a v5e's gathers there ran at 2.3 TB/s)."""
+    in HBM (`hbm_waits` 0: a constant is the kernel's own): its rows, counted in
+    `on_chip` too, move there, at that memory's rate where the chip has it, not at
+    `Hardware.indexed_efficiency` of HBM's (new in 0.8: a v5e's gathers there ran
+    at 2.3 TB/s)."""
 
     kind: KernelClass
     flops: int

@@ -294,9 +294,9 @@ class Hardware:
             and writes in the chip's own memory (a TPU's ``S(1)``, where libtpu
             keeps arrays between kernels: `Kernel.on_chip`), beside its HBM
             traffic, the slower of the two its memory time (`st.calibrate` measures
-            it on a TPU: a chain of copies and elementwise passes on arrays libtpu
-            keeps there; none is published; new in 0.8; left out, such bytes are
-            free, as in 0.7).
+            it on a TPU: the copies into another layout of a chain of passes on an
+            array libtpu keeps there; none is published; new in 0.8; left out, such
+            bytes are free, as in 0.7).
         matmul_grid: the share of the bf16 peak matmuls reach by shape, as
             ``(m, k, n, share)`` points of a full grid ((m, k) x (k, n); a
             convolution's output positions, window x input features, output

@@ -20,9 +20,10 @@ matmul keeps, new in 0.8), a loop of tiny kernels (`launch_seconds`: what
 each costs beyond its work, new in 0.8), a loop of tiny kernels each reading rows of
 a table in HBM (`access_seconds`: what such a kernel waits for the memory's first
 access beyond that, new in 0.8; a TPU's only, the one device that keeps arrays in a
-memory of its own; the grid's shares are read net of both), a chain of copies and
-elementwise passes on arrays a TPU keeps in that memory (`on_chip_bytes_per_second`:
-what they move there over their time, new in 0.8), and
+memory of its own; the grid's shares are read net of both), a chain of transposes
+and elementwise passes on an array a TPU keeps in that memory
+(`on_chip_bytes_per_second`: what its copies into another layout move there over
+their time, new in 0.8), and
 the chip's flash-attention kernel (splash attention on a TPU, at the blocks a user
 gives, new in 0.8; cuDNN's on a GPU), forward and backward, causal, run by
 `measure` (`flash_forward_efficiency`, `flash_backward_efficiency`: their FLOPs as
