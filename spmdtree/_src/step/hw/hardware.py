@@ -296,7 +296,8 @@ class Hardware:
             traffic, the slower of the two its memory time (`st.calibrate` measures
             it on a TPU: the copies into another layout of a chain of passes on an
             array libtpu keeps there; none is published; new in 0.8; left out, such
-            bytes are free, as in 0.7).
+            bytes are free, as in 0.7, and rows a kernel gathers or scatters there
+            move at `indexed_efficiency` of HBM's bandwidth).
         matmul_grid: the share of the bf16 peak matmuls reach by shape, as
             ``(m, k, n, share)`` points of a full grid ((m, k) x (k, n); a
             convolution's output positions, window x input features, output
