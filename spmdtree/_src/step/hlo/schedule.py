@@ -188,12 +188,8 @@ class Kernel(NamedTuple):
     the bytes it reads and writes in the chip's own memory (``S(1)``, counted as
     `bytes` counts HBM's), moved at `Hardware.on_chip_bytes_per_second` where the
     chip has that figure (new in 0.8: 0.7 priced a kernel whose arrays all sat there
-    at nothing; on a TPU v5e such copies of 64 MB ran 30 us); `rows_on_chip`, True
-    for a kernel that gathers or scatters rows by index and reads and writes nothing
-    in HBM (`hbm_waits` 0: a constant is the kernel's own): its rows, counted in
-    `on_chip` too, move there, at that memory's rate where the chip has it, not at
-    `Hardware.indexed_efficiency` of HBM's (new in 0.8: a v5e's gathers there ran
-    at 2.3 TB/s)."""
+    at nothing; on a TPU v5e such copies of 64 MB ran 30 us; a kernel's rows moved
+    by index there, `rows_on_chip`, among them)."""
 
     kind: KernelClass
     flops: int
@@ -216,7 +212,22 @@ class Kernel(NamedTuple):
     hbm_waits: int = 0
     fused_update: bool = False
     on_chip: int = 0
-    rows_on_chip: bool = False
+
+    @property
+    def rows_on_chip(self) -> bool:
+        """Whether it gathers or scatters rows by index in the chip's own memory: it
+        reads and writes nothing in HBM (`hbm_waits` 0: a constant is the kernel's
+        own), so its rows, counted in `on_chip` too, move there, at that memory's
+        rate where the chip has it, not at `Hardware.indexed_efficiency` of HBM's
+        (new in 0.8: a v5e's gathers there ran at 2.3 TB/s).
+
+        Example:
+            >>> Kernel("memory", 0, 4096, indexed=4096, on_chip=8192).rows_on_chip
+            True
+            >>> Kernel("memory", 0, 4096, indexed=4096, hbm_waits=1).rows_on_chip
+            False
+        """
+        return bool(self.indexed and self.on_chip and not self.hbm_waits)
 
     @property
     def unestimable(self) -> bool:
@@ -953,7 +964,7 @@ class _Walker:
         self._doubt(ins, inside, cycles)
         moved, waits = moved_by_index(self.mod, inside), self._hbm_waits(comp, ins)
         on_chip = self._bytes(comp, ins, _on_chip_held)
-        rows_on_chip = bool(moved and on_chip and not waits)  # it never goes to HBM
+        rows_on_chip = moved and on_chip and not waits  # it never goes to HBM
         return Kernel(
             kind,
             flops,
@@ -973,7 +984,6 @@ class _Walker:
             waits,
             bool(flops) and _fused_update(self._operands(comp, ins), ins, shape),
             max(on_chip, moved) if rows_on_chip else on_chip,
-            rows_on_chip,
         )
 
     def _operands(self, comp: str, ins: Instr) -> list[Instr]:
@@ -1480,7 +1490,7 @@ def read_schedule(
         >>> schedule.events[0].row
         Collective(kind='all-gather', count=1, bytes=2097152, axes=('data',), group=8, written_as='')
         >>> schedule.events[1]
-        Kernel(kind='matmul', flops=2147483648, bytes=6291456, batch=1, m=1024, n=1024, k=1024, dtype='bf16', opaque='', call='', name='d', estimated_cycles=0, opcode='dot', shape='bf16[1024,1024]{1,0}', op_name='', unfused_update=False, grouped=False, indexed=0, hbm_waits=2, fused_update=False, on_chip=0, rows_on_chip=False)
+        Kernel(kind='matmul', flops=2147483648, bytes=6291456, batch=1, m=1024, n=1024, k=1024, dtype='bf16', opaque='', call='', name='d', estimated_cycles=0, opcode='dot', shape='bf16[1024,1024]{1,0}', op_name='', unfused_update=False, grouped=False, indexed=0, hbm_waits=2, fused_update=False, on_chip=0)
         >>> Schedule.from_dict(schedule.to_dict()) == schedule
         True
     """
