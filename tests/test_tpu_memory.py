@@ -264,3 +264,108 @@ def test_on_chip_bytes_per_second_goes_to_json_and_back_and_a_file_without_it_re
     for bad in (0.0, -1.0, float("nan")):
         with pytest.raises(ValueError, match="on_chip_bytes_per_second"):
             dataclasses.replace(chip, on_chip_bytes_per_second=bad)
+
+
+#: A layer's slice of a stacked f32[2,1024,1024] held on the chip, written in place
+#: into a stack in HBM and, as a bitcast, into the chip's own memory: a fusion as
+#: libtpu builds a scanned ViT's (its bitcasts' layouts say ``S(1)``, their sliced
+#: operands' do not).
+SLICED = """HloModule m, is_scheduled=true
+
+%fused (p: f32[2,1024,1024], q: f32[4,1024,1024], i: s32[]) -> (f32[4,1024,1024], f32[1024,1024]) {
+  %p = f32[2,1024,1024]{2,1,0:T(8,128)S(1)} parameter(0)
+  %q = f32[4,1024,1024]{2,1,0:T(8,128)} parameter(1)
+  %i = s32[] parameter(2)
+  %z = s32[] constant(0)
+  %s = f32[1,1024,1024]{2,1,0:T(8,128)} slice(%p), slice={[1:2], [0:1024], [0:1024]}
+  %u = f32[4,1024,1024]{2,1,0:T(8,128)} dynamic-update-slice(%q, %s, %i, %z, %z)
+  %b = f32[1024,1024]{1,0:T(8,128)S(1)} bitcast(%s)
+  ROOT %t = (f32[4,1024,1024]{2,1,0:T(8,128)}, f32[1024,1024]{1,0:T(8,128)S(1)}) tuple(%u, %b)
+}
+
+ENTRY %main (x: f32[2,1024,1024], y: f32[4,1024,1024], j: s32[]) -> (f32[4,1024,1024], f32[1024,1024]) {
+  %x = f32[2,1024,1024]{2,1,0:T(8,128)S(1)} parameter(0)
+  %y = f32[4,1024,1024]{2,1,0:T(8,128)} parameter(1)
+  %j = s32[] parameter(2)
+  ROOT %f = (f32[4,1024,1024]{2,1,0:T(8,128)}, f32[1024,1024]{1,0:T(8,128)S(1)}) fusion(%x, %y, %j), kind=kLoop, calls=%fused
+}
+"""
+
+
+def test_a_bitcast_at_a_fusions_root_writes_into_the_memory_its_own_layout_names():
+    (kernel,) = read_schedule(SLICED, platform="tpu").kernels()
+    # HBM: the update written in place and its index read, nothing of the stack it goes into
+    assert kernel.bytes == ARRAY + 4
+    # the chip: the slice read, and its bitcast written (0.8's first reader counted it in HBM)
+    assert kernel.on_chip == 2 * ARRAY
+
+
+#: A matmul of f32[1024,1024] by itself, its operand and result in the chip's own
+#: memory (an attention's weighted sum, as libtpu keeps it there).
+HELD_MATMUL = """HloModule m, is_scheduled=true
+
+ENTRY %main (x: bf16[1024,1024]) -> bf16[1024,1024] {
+  %x = bf16[1024,1024]{1,0:T(8,128)(2,1)S(1)} parameter(0)
+  ROOT %d = bf16[1024,1024]{1,0:T(8,128)(2,1)S(1)} dot(%x, %x), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+"""
+
+
+def test_a_matmul_reads_the_chips_own_memory_in_its_measured_share():
+    (matmul,) = read_schedule(HELD_MATMUL, platform="tpu").kernels()
+    assert (matmul.bytes, matmul.on_chip) == (0, 3 * 1024 * 1024 * 2)
+    v5e = st.hardware("tpu-v5e")
+    costs = v5e.costs()
+    compute = kernel_seconds(matmul, costs, v5e.flops_per_second)
+    # a rate for the chip's own memory (its copies') leaves the matmul's time as it was:
+    # the matrix unit reads its operands there as it multiplies
+    slow = dataclasses.replace(costs, on_chip_bytes_per_second=1e9)
+    assert kernel_seconds(matmul, slow, v5e.flops_per_second) == compute
+    assert compute == pytest.approx(matmul.flops / (v5e.flops_per_second * costs.matmul_efficiency))
+
+
+#: An embedding's gradient as libtpu fuses it (flax.nnx Gemma's): 2,048 rows of
+#: bf16[2048,1152] added by index into a table of 262,144 rows, the table given
+#: (`{table}`: a parameter, the buffer the fusion writes in place) or made inside
+#: (a broadcast of zeros, written whole first).
+EMBEDDING_GRAD = """HloModule m, is_scheduled=true
+
+%add (a: bf16[], b: bf16[]) -> bf16[] {{
+  %a = bf16[] parameter(0)
+  %b = bf16[] parameter(1)
+  ROOT %c = bf16[] add(%a, %b)
+}}
+
+%fused (p0: bf16[262144,1152], p1: s32[2048,1], p2: bf16[2048,1152]) -> bf16[262144,1152] {{
+  %p0 = bf16[262144,1152]{{1,0:T(8,128)(2,1)}} parameter(0)
+  %zero = bf16[] constant(0)
+  %zeros = bf16[262144,1152]{{1,0:T(8,128)(2,1)}} broadcast(%zero), dimensions={{}}
+  %p1 = s32[2048,1]{{1,0:T(8,128)S(1)}} parameter(1)
+  %p2 = bf16[2048,1152]{{1,0:T(8,128)(2,1)S(1)}} parameter(2)
+  ROOT %s = bf16[262144,1152]{{1,0:T(8,128)(2,1)}} scatter({table}, %p1, %p2), update_window_dims={{1}}, inserted_window_dims={{0}}, scatter_dims_to_operand_dims={{0}}, index_vector_dim=1, to_apply=%add
+}}
+
+ENTRY %main (t: bf16[262144,1152], i: s32[2048,1], u: bf16[2048,1152]) -> bf16[262144,1152] {{
+  %t = bf16[262144,1152]{{1,0:T(8,128)(2,1)}} parameter(0)
+  %i = s32[2048,1]{{1,0:T(8,128)S(1)}} parameter(1)
+  %u = bf16[2048,1152]{{1,0:T(8,128)(2,1)S(1)}} parameter(2)
+  ROOT %f = bf16[262144,1152]{{1,0:T(8,128)(2,1)}} fusion(%t, %i, %u), kind=kCustom, calls=%fused
+}}
+"""
+TABLE = 262144 * 1152 * 2
+ROWS = 2048 * 1152 * 2
+
+
+@pytest.mark.parametrize(
+    "table, written", [("%p0", 2 * ROWS), ("%zeros", TABLE)], ids=["in-place", "made-inside"]
+)
+def test_a_scatter_into_the_table_it_was_given_moves_its_rows_not_the_table(table, written):
+    (kernel,) = read_schedule(EMBEDDING_GRAD.format(table=table), platform="tpu").kernels()
+    # its rows: each update read, and the row it lands on read and written (an add)
+    assert kernel.indexed == 3 * ROWS
+    # HBM: the rows it adds into, read and written, where the table is the buffer it
+    # was given (0.8's first reader counted it read and written whole: 1.85 ms on a
+    # v5e for a kernel that ran in 0.3); a table it makes, written whole
+    assert kernel.bytes == max(written, 3 * ROWS)
+    # the chip's own memory: the indices and updates it reads
+    assert kernel.on_chip == 2048 * 128 * 4 + ROWS

@@ -101,10 +101,12 @@ def kernel_seconds(kernel: Kernel, costs: Costs, peak: float) -> float:
     the bandwidth x `Costs.indexed_efficiency`, new in 0.8; a matmul's share read by
     its shape from `Costs.matmul_grid` where the chip has one, new in 0.8, times
     `Costs.fused_update_efficiency` where an optimizer's update is fused into it, new
-    in 0.8; what it reads and writes in a TPU's own memory over
+    in 0.8; what a kernel with no matmul reads and writes in a TPU's own memory over
     `Costs.on_chip_bytes_per_second` where the chip has that figure, the slower of
     that and its HBM traffic, rows it moves by index without going to HBM among
-    them, new in 0.8), plus 5% of the smaller.
+    them, new in 0.8: a matmul's share is measured with its operands where libtpu
+    keeps them, and its matrix unit reads them there as it multiplies), plus 5% of
+    the smaller.
 
     Example:
         >>> h100 = Costs(3.35e12, 0.9, 794.5 / 989, 132, (128, 128), 1e-6, 5e-6)
@@ -121,7 +123,7 @@ def kernel_seconds(kernel: Kernel, costs: Costs, peak: float) -> float:
     indexed = 0 if kernel.rows_on_chip and on_chip else kernel.indexed  # moved there
     memory = (kernel.bytes - kernel.indexed) / (bandwidth * share)
     memory += indexed / (bandwidth * costs.indexed_efficiency)
-    if on_chip:  # what it moves in the chip's own memory, beside its HBM traffic
+    if on_chip and not kernel.flops:  # what it moves on the chip, beside its HBM traffic
         memory = max(memory, kernel.on_chip / on_chip)
     compute = 0.0
     if kernel.flops:
