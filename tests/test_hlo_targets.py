@@ -274,6 +274,25 @@ def test_libtpus_fsdp_gradient_reductions_count_as_reduce_scatters():
     assert not [c for c in plan.collectives if c.kind == "all-reduce" and "fsdp" in c.axes]
 
 
+def test_libtpu_runs_calibrates_sum_as_kernels_that_only_read_hbm():
+    # st.calibrate measures read_efficiency (new in 0.8) by a sum over an array's rows:
+    # libtpu reads the array from HBM and writes one row, so the kernels it times read only
+    _tpu_devices()
+    # Private: calibrate's sum has no public name
+    from spmdtree._src.step.measure.calibrate import ELEMENTS, READ_ROW
+
+    elements = ELEMENTS["accelerator"]
+    plan = st.preflight(
+        lambda x: jnp.sum(x, axis=0),
+        jax.ShapeDtypeStruct((elements // READ_ROW, READ_ROW), jnp.float32),
+        mesh=jax.sharding.AbstractMesh((1,), ("data",)),
+        target="tpu-v5e",
+    )
+    kernels = [k for k in plan.schedule.kernels() if k.bytes]
+    assert kernels and all(k.reads_only for k in kernels)
+    assert sum(k.bytes for k in kernels) >= elements * 4
+
+
 def test_libtpu_keeps_calibrates_chain_in_the_chips_own_memory():
     # st.calibrate times the chip's own memory (on_chip_bytes_per_second, new in 0.8)
     # by the copies of its chain into another layout that read and write only there:

@@ -263,7 +263,8 @@ def test_hardware_json_names_what_is_missing_or_unknown(tmp_path):
 def test_a_calibrated_chip_predicts_what_its_figures_give(cpu_calibration):
     calibrated = cpu_calibration
     assert calibrated.name == "tpu-v5e, calibrated"
-    for figure in ("matmul_efficiency", "memory_efficiency", "f32_speed", "f32_highest_speed"):
+    figures = ("matmul_efficiency", "memory_efficiency", "read_efficiency", "f32_speed")
+    for figure in (*figures, "f32_highest_speed"):
         assert 0 < getattr(calibrated, figure) <= 1
         assert calibrated.provenance[figure].startswith("measured 20")
         assert f"jax {jax.__version__}" in calibrated.provenance[figure]

@@ -400,6 +400,7 @@ def test_every_table_says_what_the_chips_table_says(name):
         "indexed_efficiency",
         "fused_update_efficiency",
         "on_chip_bytes_per_second",
+        "read_efficiency",
     )
     assert hardware.left_out == (grouped if gpu else flash + update + grouped)
     assert costs.hbm_bytes_per_second == figures["hbm_bytes_per_second"]

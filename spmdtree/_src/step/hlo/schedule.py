@@ -189,7 +189,12 @@ class Kernel(NamedTuple):
     `bytes` counts HBM's), moved at `Hardware.on_chip_bytes_per_second` where the
     chip has that figure (new in 0.8: 0.7 priced a kernel whose arrays all sat there
     at nothing; on a TPU v5e such copies of 64 MB ran 30 us; a kernel's rows moved
-    by index there, `rows_on_chip`, among them)."""
+    by index there, `rows_on_chip`, among them); `reads_only`, True for a kernel
+    that reads HBM and writes there at most 1/`READS_ONLY` of that (a
+    reduction's result; rows moved by index aside), whose bytes stream at
+    `Hardware.read_efficiency` of the bandwidth (new in 0.8: on a TPU v5e such
+    kernels, reductions and matmuls reading their operands, ran at 0.89-0.92 of
+    it, copies and broadcasts at 0.80)."""
 
     kind: KernelClass
     flops: int
@@ -212,6 +217,7 @@ class Kernel(NamedTuple):
     hbm_waits: int = 0
     fused_update: bool = False
     on_chip: int = 0
+    reads_only: bool = False
 
     @property
     def rows_on_chip(self) -> bool:
@@ -963,12 +969,13 @@ class _Walker:
         cycles = estimated_cycles(ins)
         self._doubt(ins, inside, cycles)
         moved, waits = moved_by_index(self.mod, inside), self._hbm_waits(comp, ins)
-        on_chip = self._bytes(comp, ins, _on_chip_held)
+        on_chip = sum(self._traffic(comp, ins, _on_chip_held))
         rows_on_chip = moved and on_chip and not waits  # it never goes to HBM
+        read, written = self._traffic(comp, ins, _hbm_held)
         return Kernel(
             kind,
             flops,
-            max(self._bytes(comp, ins, _hbm_held), moved),
+            max(read + written, moved),
             *shape,
             dtype if flops else "",
             opaque,
@@ -984,6 +991,7 @@ class _Walker:
             waits,
             bool(flops) and _fused_update(self._operands(comp, ins), ins, shape),
             max(on_chip, moved) if rows_on_chip else on_chip,
+            bool(read) and not moved and written * READS_ONLY <= read,
         )
 
     def _operands(self, comp: str, ins: Instr) -> list[Instr]:
@@ -1100,31 +1108,32 @@ class _Walker:
                 todo += [c for r, c in each.callees if r == "calls"]
         return found
 
-    def _bytes(self, comp: str, ins: Instr, counted: Counted) -> int:
-        """What a kernel reads and writes in one memory (`counted`: `_hbm_held` or,
-        new in 0.8, `_on_chip_held`): its operands (a sliced one as its slice, an
-        updated one in place as nothing) and its result (an in-place update as the
-        update; a library call's workspace left out); a hand-written kernel's HBM
-        bytes as its cost estimate gives them, where it has one."""
+    def _traffic(self, comp: str, ins: Instr, counted: Counted) -> tuple[int, int]:
+        """What a kernel reads and what it writes in one memory (`counted`:
+        `_hbm_held` or, new in 0.8, `_on_chip_held`): its operands (a sliced one as
+        its slice, an updated one in place as nothing) and its result (an in-place
+        update as the update; a library call's workspace left out); a hand-written
+        kernel's HBM bytes as its cost estimate gives them, where it has one, all
+        counted as written (its own split is not given)."""
         if ins.op == Op.kFusion:
-            return _fusion_bytes(self.mod, comp, ins, counted)
+            return _fusion_traffic(self.mod, comp, ins, counted)
         estimate = kernel_estimate(ins)
         if estimate is not None and estimate[1]:  # a hand-written kernel's own figure
-            return estimate[1] if counted is _hbm_held else 0
+            return 0, estimate[1] if counted is _hbm_held else 0
         given = self._operands(comp, ins)
         if ins.op in _SLICING:  # the slice read and written, counted as HBM's
-            return 2 * ins.tiled_bytes if counted is _hbm_held else 0
+            return (ins.tiled_bytes,) * 2 if counted is _hbm_held else (0, 0)
         unfused = self._unfused_update(comp, ins)
         if unfused is not None:  # its update read and written, on the chip or not
-            return 2 * unfused.tiled_bytes if counted is _hbm_held else 0
+            return (unfused.tiled_bytes,) * 2 if counted is _hbm_held else (0, 0)
         if ins.op == Op.kDynamicUpdateSlice and len(given) > 1:  # the update read, then
             update = given[1]  # written in place
-            return _held(update, counted) + _update_written(ins, update, counted)
+            return _held(update, counted), _update_written(ins, update, counted)
         if ins.op == Op.kScatter:  # its indices and updates read, its rows written in place
             tables = (len(given) - 1) // 2
             read = sum(_held(g, counted) for g in given[tables:])
-            return read + _rows_written(self.mod, comp, ins, counted)
-        return sum(_held(g, counted) for g in given) + _result_bytes(ins, counted)
+            return read, _rows_written(self.mod, comp, ins, counted)
+        return sum(_held(g, counted) for g in given), _result_bytes(ins, counted)
 
 
 def _fused_update(given: Sequence[Instr], ins: Instr, shape: tuple[int, int, int, int]) -> bool:
@@ -1307,10 +1316,10 @@ def _dimension_numbers(ins: Instr) -> tuple[tuple[list[int], list[int]], ...] | 
     )
 
 
-def _fusion_bytes(mod: Module, comp: str, ins: Instr, counted: Counted) -> int:
-    """A fusion's bytes in the memory `counted`: each operand there as its fused
-    parameter is read (`_read`), twice where it reads it again after a reduction
-    broadcast back (`_read_again`), and its result as written (`_written`)."""
+def _fusion_traffic(mod: Module, comp: str, ins: Instr, counted: Counted) -> tuple[int, int]:
+    """What a fusion reads and writes in the memory `counted`: each operand there as
+    its fused parameter is read (`_read`), twice where it reads it again after a
+    reduction broadcast back (`_read_again`), and its result as written (`_written`)."""
     callee = dict(ins.callees).get("calls", "")
     again = _read_again(mod, callee)
     read = 0
@@ -1322,8 +1331,8 @@ def _fusion_bytes(mod: Module, comp: str, ins: Instr, counted: Counted) -> int:
         read += whole if param in again else 0
     root = mod.root(callee)
     if root is not None:
-        return read + _written(mod, callee, root, counted)
-    return read + (ins.tiled_bytes if counted is _hbm_held else 0)
+        return read, _written(mod, callee, root, counted)
+    return read, ins.tiled_bytes if counted is _hbm_held else 0
 
 
 def _read_again(mod: Module, comp: str) -> set[str]:
@@ -1421,6 +1430,11 @@ def _nested_read(mod: Module, comp: str, user: Instr, j: int, whole: int) -> int
 def _elements(ins: Instr) -> int:
     """The elements of an instruction's result (a tuple's summed)."""
     return sum(a.elements for a in ins.arrays)
+
+
+#: A kernel that writes to HBM at most 1/READS_ONLY of what it reads there reads
+#: only (`Kernel.reads_only`: a reduction's result, a scalar, aside; new in 0.8).
+READS_ONLY = 100
 
 
 #: What a bitcast at a fusion's root writes as its operand does (`_written`): an
@@ -1532,7 +1546,7 @@ def read_schedule(
         >>> schedule.events[0].row
         Collective(kind='all-gather', count=1, bytes=2097152, axes=('data',), group=8, written_as='')
         >>> schedule.events[1]
-        Kernel(kind='matmul', flops=2147483648, bytes=6291456, batch=1, m=1024, n=1024, k=1024, dtype='bf16', opaque='', call='', name='d', estimated_cycles=0, opcode='dot', shape='bf16[1024,1024]{1,0}', op_name='', unfused_update=False, grouped=False, indexed=0, hbm_waits=2, fused_update=False, on_chip=0)
+        Kernel(kind='matmul', flops=2147483648, bytes=6291456, batch=1, m=1024, n=1024, k=1024, dtype='bf16', opaque='', call='', name='d', estimated_cycles=0, opcode='dot', shape='bf16[1024,1024]{1,0}', op_name='', unfused_update=False, grouped=False, indexed=0, hbm_waits=2, fused_update=False, on_chip=0, reads_only=False)
         >>> Schedule.from_dict(schedule.to_dict()) == schedule
         True
     """

@@ -138,6 +138,9 @@ class Costs:
         on_chip_bytes_per_second: the rate a kernel moves what it reads and writes
             in the chip's own memory (`Kernel.on_chip`: a TPU's ``S(1)``); 0: free,
             as in 0.7 (new in 0.8).
+        read_efficiency: the share of the bandwidth a kernel that only reads HBM
+            sustains (`Kernel.reads_only`: a reduction); 0: `memory_efficiency`
+            (new in 0.8).
     """
 
     hbm_bytes_per_second: float
@@ -159,6 +162,7 @@ class Costs:
     access_seconds: float = 0.0
     fused_update_efficiency: float = 1.0
     on_chip_bytes_per_second: float = 0.0
+    read_efficiency: float = 0.0
 
     def speed(self, dtype: str) -> float:
         """A matmul's peak over the bf16 one for operands of `dtype`."""
@@ -186,7 +190,8 @@ class Costs:
 #: rate (every preset's data sheet says so; new in 0.8), a matmul with an optimizer's
 #: update fused into it at its shape's rate (none is published; new in 0.8), what a
 #: kernel moves in the chip's own memory (a TPU's ``S(1)``) at no cost (none is
-#: published; new in 0.8), no launch overhead, no wait for the memory's first access
+#: published; new in 0.8), a kernel that only reads HBM at the memory kernels' share
+#: (the hardware's own where it gives one; new in 0.8), no launch overhead, no wait for the memory's first access
 #: (none is published; new in 0.8) and no latency per collective beyond the links' own.
 DEFAULTS: Mapping[str, float] = {
     "flops_per_byte": 300.0,
@@ -204,6 +209,7 @@ DEFAULTS: Mapping[str, float] = {
     "eight_bit_speed": 2.0,
     "fused_update_efficiency": 1.0,
     "on_chip_bytes_per_second": 0.0,
+    "read_efficiency": 0.9,
     "launch_seconds": 0.0,
     "access_seconds": 0.0,
     "collective_latency_seconds": 0.0,
@@ -226,6 +232,7 @@ MODEL_FIELDS = (
     "eight_bit_speed",
     "fused_update_efficiency",
     "on_chip_bytes_per_second",
+    "read_efficiency",
     "launch_seconds",
     "access_seconds",
     "collective_latency_seconds",
@@ -298,6 +305,11 @@ class Hardware:
             array libtpu keeps there; none is published; new in 0.8; left out, such
             bytes are free, as in 0.7, and rows a kernel gathers or scatters there
             move at `indexed_efficiency` of HBM's bandwidth).
+        read_efficiency: the share of the bandwidth a kernel sustains that reads
+            HBM and writes next to nothing there (`Kernel.reads_only`: a
+            reduction, a matmul whose result stays on the chip; `st.calibrate`
+            measures it: a sum over a large array; none is published; new in 0.8;
+            left out, the memory kernels' share, `memory_efficiency`).
         matmul_grid: the share of the bf16 peak matmuls reach by shape, as
             ``(m, k, n, share)`` points of a full grid ((m, k) x (k, n); a
             convolution's output positions, window x input features, output
@@ -340,7 +352,7 @@ class Hardware:
         >>> gpu.left_out[:2]
         ('hbm_bytes_per_second', 'memory_efficiency')
         >>> dataclasses.replace(st.hardware("h100"), name="mine").left_out  # a preset's figures
-        ('grouped_efficiency', 'indexed_efficiency', 'fused_update_efficiency', 'on_chip_bytes_per_second')
+        ('grouped_efficiency', 'indexed_efficiency', 'fused_update_efficiency', 'on_chip_bytes_per_second', 'read_efficiency')
         >>> st.Hardware("bad", 1, 1e15, {"nvlink": (1e9, 0.0)})
         Traceback (most recent call last):
         ...
@@ -368,6 +380,7 @@ class Hardware:
     eight_bit_speed: float | None = None
     fused_update_efficiency: float | None = None
     on_chip_bytes_per_second: float | None = None
+    read_efficiency: float | None = None
     matmul_grid: tuple[Point, ...] | None = None
     launch_seconds: float | None = None
     access_seconds: float | None = None
@@ -441,7 +454,7 @@ class Hardware:
         Example:
             >>> import spmdtree as st
             >>> st.hardware("h100").left_out  # no grouped matmul's share is published
-            ('grouped_efficiency', 'indexed_efficiency', 'fused_update_efficiency', 'on_chip_bytes_per_second')
+            ('grouped_efficiency', 'indexed_efficiency', 'fused_update_efficiency', 'on_chip_bytes_per_second', 'read_efficiency')
             >>> st.hardware("tpu-v5e").left_out[:2]  # nor a TPU flash kernel's
             ('flash_forward_efficiency', 'flash_backward_efficiency')
         """
@@ -454,8 +467,9 @@ class Hardware:
             what: DEFAULTS[what] if getattr(self, what) is None else getattr(self, what)
             for what in MODEL_FIELDS[1:]
         }
-        if self.indexed_efficiency is None:
-            figure["indexed_efficiency"] = figure["memory_efficiency"]
+        for share in ("indexed_efficiency", "read_efficiency"):  # the memory kernels'
+            if getattr(self, share) is None:
+                figure[share] = figure["memory_efficiency"]
         hbm = self.hbm_bytes_per_second or self.flops_per_second / DEFAULTS["flops_per_byte"]
         tile = int(figure.pop("tile"))
         return Costs(
@@ -534,6 +548,7 @@ ADDED = (
     "access_seconds",
     "fused_update_efficiency",
     "on_chip_bytes_per_second",
+    "read_efficiency",
 )
 
 

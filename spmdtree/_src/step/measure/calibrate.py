@@ -5,7 +5,9 @@ Each figure comes from a kernel of its own kind, run by `measure` and timed by
 the device's own profile (so no dispatch is counted): bf16 matmuls over a grid of
 shapes, small and narrow ones among them (`matmul_grid`, each one's share of the
 peak, new in 0.8; `matmul_efficiency`, the largest), a large elementwise pass
-(`memory_efficiency`, its bytes over the data sheet's bandwidth), f32 matmuls
+(`memory_efficiency`, its bytes over the data sheet's bandwidth), a sum over the
+rows of as large an array (`read_efficiency`, the same for a kernel that only
+reads, new in 0.8), f32 matmuls
 at the default and the highest precision and 8-bit ones (int8; fp8 on a GPU) of
 one shape (`f32_speed`, `f32_highest_speed`, `eight_bit_speed`: their rate over the
 bf16 one at that shape), an in-place update at a run-time offset into a
@@ -68,8 +70,10 @@ GRID: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {
 PROGRAM_BYTES = 4 * 2**30
 #: The shape at which f32's and 8-bit matmuls are set beside bf16's.
 REFERENCE = {"accelerator": (4096, 4096, 4096), "cpu": (256, 256, 256)}
-#: The elementwise pass's elements (f32): 1 GiB on an accelerator.
+#: The elementwise pass's elements (f32): 1 GiB on an accelerator; the sum's too.
 ELEMENTS = {"accelerator": 2**28, "cpu": 2**22}
+#: The sum's row: the elements it writes (new in 0.8).
+READ_ROW = 1024
 #: The unfused update's buffer and update (f32): a blocked attention's output of
 #: (batch, heads, length, head width) written a block of 512 positions at a time; a
 #: CPU's small (its layouts are not tiled: no such kernel, and nothing to measure).
@@ -228,6 +232,7 @@ SHARES = frozenset(
     {
         "matmul_efficiency",
         "memory_efficiency",
+        "read_efficiency",
         "f32_speed",
         "f32_highest_speed",
         "update_efficiency",
@@ -295,6 +300,7 @@ def _figures(bench: _Bench, toolchain: Any, blocks: Any) -> dict[str, Any]:
         figures["matmul_grid"] = tuple((m, k, n, min(r / peak, 1.0)) for m, k, n, r in grid)
     bandwidth = bench.base.costs().hbm_bytes_per_second  # the preset's, or its default's
     figures["memory_efficiency"] = bench.memory(ELEMENTS[kind]) / bandwidth
+    figures["read_efficiency"] = bench.read(ELEMENTS[kind]) / bandwidth
     grouped, indexed = bench.experts(GROUPED[kind], INDEXED[kind])
     shares = {
         "update_efficiency": (bench.update(*UPDATE[kind]), bandwidth),
@@ -596,6 +602,12 @@ class _Bench:
         return self.rate(
             lambda x: x * 0.5 + 1.0, "memory", jax.ShapeDtypeStruct((elements,), jnp.float32)
         )
+
+    def read(self, elements: int) -> float:
+        """Bytes per second of a sum over the rows of an f32 array (read whole, one
+        row of `READ_ROW` written: `Kernel.reads_only`; new in 0.8)."""
+        rows = jax.ShapeDtypeStruct((elements // READ_ROW, READ_ROW), jnp.float32)
+        return self.rate(functools.partial(jnp.sum, axis=0), "memory", rows)
 
 
 def _chain(x: jax.Array, passes: int) -> jax.Array:

@@ -399,6 +399,7 @@ _KERNEL_FIELDS: Mapping[str, Callable[[Kernel], bool]] = {
     "access_seconds": lambda kernel: bool(kernel.hbm_waits),
     "fused_update_efficiency": lambda kernel: kernel.fused_update,
     "on_chip_bytes_per_second": lambda kernel: bool(kernel.on_chip),
+    "read_efficiency": lambda kernel: kernel.reads_only,
 }
 
 

@@ -96,7 +96,8 @@ def kernel_seconds(kernel: Kernel, costs: Costs, peak: float) -> float:
     the peak x the matmul share x its wave efficiency; a flash-attention kernel's
     over the peak x its published share for its direction, new in 0.6) and its
     memory (bytes over the sustained bandwidth; an unfused update's over the
-    bandwidth x `Costs.update_efficiency`, new in 0.7; a grouped matmul's FLOPs over
+    bandwidth x `Costs.update_efficiency`, new in 0.7; one that only reads HBM,
+    over the bandwidth x `Costs.read_efficiency`, new in 0.8; a grouped matmul's FLOPs over
     the peak x `Costs.grouped_efficiency`, and what its gathers and scatters move over
     the bandwidth x `Costs.indexed_efficiency`, new in 0.8; a matmul's share read by
     its shape from `Costs.matmul_grid` where the chip has one, new in 0.8, times
@@ -118,6 +119,8 @@ def kernel_seconds(kernel: Kernel, costs: Costs, peak: float) -> float:
         True
     """
     share = costs.update_efficiency if kernel.unfused_update else costs.memory_efficiency
+    if kernel.reads_only and not kernel.unfused_update:  # streams its reads, writes ~none
+        share = costs.read_efficiency or costs.memory_efficiency
     bandwidth = costs.hbm_bytes_per_second
     on_chip = costs.on_chip_bytes_per_second
     indexed = 0 if kernel.rows_on_chip and on_chip else kernel.indexed  # moved there
