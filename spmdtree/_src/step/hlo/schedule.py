@@ -193,7 +193,7 @@ class Kernel(NamedTuple):
     that reads HBM and writes there at most 1/`READS_ONLY` of that (a
     reduction's result; rows moved by index aside), whose bytes stream at
     `Hardware.read_efficiency` of the bandwidth (new in 0.8: on a TPU v5e such
-    kernels, reductions and matmuls reading their operands, ran at 0.89-0.92 of
+    kernels, reductions and matmuls reading their operands, ran at 0.85-0.92 of
     it, copies and broadcasts at 0.80)."""
 
     kind: KernelClass
