@@ -322,12 +322,31 @@ def test_a_matmul_reads_the_chips_own_memory_in_its_measured_share():
     slow = dataclasses.replace(costs, on_chip_bytes_per_second=1e9)
     assert kernel_seconds(matmul, slow, v5e.flops_per_second) == compute
     assert compute == pytest.approx(matmul.flops / (v5e.flops_per_second * costs.matmul_efficiency))
+    # so a prediction of it on a preset leaves out no figure it would have used
+    schedule = read_schedule(HELD_MATMUL, platform="tpu")
+    preset = step_time([], 0, {}, st.hardware("tpu-v5e"), schedule=schedule)
+    assert not any("on_chip_bytes_per_second" in flag for flag in preset.flags)
+    # but rows it gathers there by index (a grouped matmul's) move at that memory's rate
+    rows = 64 * 2**20
+    grouped = matmul._replace(grouped=True, indexed=rows, bytes=rows, on_chip=rows)
+    assert grouped.rows_on_chip
+    assert kernel_seconds(grouped, slow, v5e.flops_per_second) >= rows / 1e9
+
+
+def test_a_share_left_unset_or_not_a_number_is_the_memory_share():
+    (reduce, _) = read_schedule(READS.format(result=""), platform="tpu").kernels()
+    costs = st.hardware("tpu-v5e").costs()
+    at_memory = kernel_seconds(reduce, costs, 197e12)
+    for unset in (0.0, float("nan")):  # Costs built by hand: 0 says "the memory share"
+        odd = dataclasses.replace(costs, read_efficiency=unset)
+        assert kernel_seconds(reduce, odd, 197e12) == at_memory
 
 
 #: An embedding's gradient as libtpu fuses it (flax.nnx Gemma's): 2,048 rows of
-#: bf16[2048,1152] added by index into a table of 262,144 rows, the table given
-#: (`{table}`: a parameter, the buffer the fusion writes in place) or made inside
-#: (a broadcast of zeros, written whole first).
+#: bf16[2048,1152] added by index into a table of 262,144 rows, all in HBM. The
+#: fusion's body ends in `{lines}`: the scatter into the table it is given (a
+#: parameter, bitcast or not: the buffer it writes in place) or into one it makes (a
+#: broadcast of zeros, written whole first), returned as it is, bitcast, or negated.
 EMBEDDING_GRAD = """HloModule m, is_scheduled=true
 
 %add (a: bf16[], b: bf16[]) -> bf16[] {{
@@ -338,37 +357,71 @@ EMBEDDING_GRAD = """HloModule m, is_scheduled=true
 
 %fused (p0: bf16[262144,1152], p1: s32[2048,1], p2: bf16[2048,1152]) -> bf16[262144,1152] {{
   %p0 = bf16[262144,1152]{{1,0:T(8,128)(2,1)}} parameter(0)
-  %zero = bf16[] constant(0)
-  %zeros = bf16[262144,1152]{{1,0:T(8,128)(2,1)}} broadcast(%zero), dimensions={{}}
-  %p1 = s32[2048,1]{{1,0:T(8,128)S(1)}} parameter(1)
-  %p2 = bf16[2048,1152]{{1,0:T(8,128)(2,1)S(1)}} parameter(2)
-  ROOT %s = bf16[262144,1152]{{1,0:T(8,128)(2,1)}} scatter({table}, %p1, %p2), update_window_dims={{1}}, inserted_window_dims={{0}}, scatter_dims_to_operand_dims={{0}}, index_vector_dim=1, to_apply=%add
+  %p1 = s32[2048,1]{{1,0:T(8,128)}} parameter(1)
+  %p2 = bf16[2048,1152]{{1,0:T(8,128)(2,1)}} parameter(2)
+{lines}
 }}
 
 ENTRY %main (t: bf16[262144,1152], i: s32[2048,1], u: bf16[2048,1152]) -> bf16[262144,1152] {{
   %t = bf16[262144,1152]{{1,0:T(8,128)(2,1)}} parameter(0)
-  %i = s32[2048,1]{{1,0:T(8,128)S(1)}} parameter(1)
-  %u = bf16[2048,1152]{{1,0:T(8,128)(2,1)S(1)}} parameter(2)
+  %i = s32[2048,1]{{1,0:T(8,128)}} parameter(1)
+  %u = bf16[2048,1152]{{1,0:T(8,128)(2,1)}} parameter(2)
   ROOT %f = bf16[262144,1152]{{1,0:T(8,128)(2,1)}} fusion(%t, %i, %u), kind=kCustom, calls=%fused
 }}
 """
+TABLE_LAYOUT = "bf16[262144,1152]{1,0:T(8,128)(2,1)}"
+SCATTER = (
+    f"%s = {TABLE_LAYOUT} scatter(TABLE, %p1, %p2), update_window_dims={{1}}, "
+    "inserted_window_dims={0}, scatter_dims_to_operand_dims={0}, index_vector_dim=1, "
+    "to_apply=%add"
+)
+MADE = {
+    "%p0": "",
+    "%b0": f"  %b0 = {TABLE_LAYOUT} bitcast(%p0)\n",
+    "%zeros": f"  %zero = bf16[] constant(0)\n  %zeros = {TABLE_LAYOUT} broadcast(%zero), dimensions={{}}\n",
+}
+RETURNED = {
+    "as-it-is": "",
+    "bitcast": f"\n  ROOT %r = {TABLE_LAYOUT} bitcast(%s)",
+    "negated": f"\n  ROOT %r = {TABLE_LAYOUT} negate(%s)",
+}
 TABLE = 262144 * 1152 * 2
 ROWS = 2048 * 1152 * 2
+INDICES = 2048 * 128 * 4  # s32[2048,1] in tiles of (8, 128)
+
+
+def embedding_grad(table: str, returned: str) -> str:
+    """EMBEDDING_GRAD's module with its scatter into `table`, `returned` as RETURNED says."""
+    scatter = SCATTER.replace("TABLE", table)
+    root = "" if RETURNED[returned] else "ROOT "
+    lines = f"{MADE[table]}  {root}{scatter}{RETURNED[returned]}"
+    return EMBEDDING_GRAD.format(lines=lines)
 
 
 @pytest.mark.parametrize(
-    "table, written", [("%p0", 2 * ROWS), ("%zeros", TABLE)], ids=["in-place", "made-inside"]
+    "table, returned, written",
+    [
+        ("%p0", "as-it-is", 2 * ROWS),
+        ("%b0", "as-it-is", 2 * ROWS),
+        ("%p0", "bitcast", 2 * ROWS),
+        ("%zeros", "as-it-is", TABLE),
+        ("%p0", "negated", 2 * TABLE),
+    ],
+    ids=["in-place", "into-a-bitcast", "returned-bitcast", "made-inside", "not-returned"],
 )
-def test_a_scatter_into_the_table_it_was_given_moves_its_rows_not_the_table(table, written):
-    (kernel,) = read_schedule(EMBEDDING_GRAD.format(table=table), platform="tpu").kernels()
+def test_a_scatter_into_the_table_it_was_given_moves_its_rows_not_the_table(
+    table, returned, written
+):
+    (kernel,) = read_schedule(embedding_grad(table, returned), platform="tpu").kernels()
     # its rows: each update read, and the row it lands on read and written (an add)
     assert kernel.indexed == 3 * ROWS
-    # HBM: the rows it adds into, read and written, where the table is the buffer it
-    # was given (0.8's first reader counted it read and written whole: 1.85 ms on a
-    # v5e for a kernel that ran in 0.3); a table it makes, written whole
-    assert kernel.bytes == max(written, 3 * ROWS)
-    # the chip's own memory: the indices and updates it reads
-    assert kernel.on_chip == 2048 * 128 * 4 + ROWS
+    # HBM: its indices and updates read; where the table is the buffer it was given
+    # and it returns it (bitcast or not), the rows it adds into, read and written
+    # (0.8's first reader counted the table read and written whole: 1.85 ms on a v5e
+    # for a kernel that ran in 0.3); a table it makes, written whole; one it does not
+    # return (negated), read whole and its negation written
+    assert kernel.bytes == INDICES + ROWS + written
+    assert kernel.on_chip == 0
 
 
 #: A sum over the rows of f32[2048,1024] (`{result}`: written to HBM, or kept on

@@ -189,12 +189,13 @@ class Kernel(NamedTuple):
     `bytes` counts HBM's), moved at `Hardware.on_chip_bytes_per_second` where the
     chip has that figure (new in 0.8: 0.7 priced a kernel whose arrays all sat there
     at nothing; on a TPU v5e such copies of 64 MB ran 30 us; a kernel's rows moved
-    by index there, `rows_on_chip`, among them); `reads_only`, True for a kernel
-    that reads HBM and writes there at most 1/`READS_ONLY` of that (a
-    reduction's result; rows moved by index aside), whose bytes stream at
-    `Hardware.read_efficiency` of the bandwidth (new in 0.8: on a TPU v5e such
-    kernels, reductions and matmuls reading their operands, ran at 0.85-0.92 of
-    it, copies and broadcasts at 0.80)."""
+    by index there, `rows_on_chip`, among them; a kernel with a matmul reads them
+    as it multiplies, in its measured share, and moves only such rows at that
+    rate); `reads_only`, True for a kernel that reads HBM, writes there at most
+    1/`READS_ONLY` of that (a reduction's result) and moves no rows by index,
+    whose bytes stream at `Hardware.read_efficiency` of the bandwidth (new in
+    0.8: on a TPU v5e such kernels, reductions and matmuls reading their
+    operands, ran at 0.85-0.92 of it, copies and broadcasts at 0.80)."""
 
     kind: KernelClass
     flops: int
@@ -1130,8 +1131,9 @@ class _Walker:
             update = given[1]  # written in place
             return _held(update, counted), _update_written(ins, update, counted)
         if ins.op == Op.kScatter:  # its indices and updates read, its rows written in place
-            tables = (len(given) - 1) // 2
-            read = sum(_held(g, counted) for g in given[tables:])
+            held = self.mod.by_name[comp]
+            rest = ins.operands[(len(ins.operands) - 1) // 2 :]
+            read = sum(_held(held[o], counted) for o in rest if o in held)
             return read, _rows_written(self.mod, comp, ins, counted)
         return sum(_held(g, counted) for g in given), _result_bytes(ins, counted)
 
@@ -1390,7 +1392,7 @@ def _read(mod: Module, comp: str, name: str, whole: int) -> int:
             total += _read(mod, comp, user.name, whole)
         elif user.op in _SLICING and j == 0:
             total += user.tiled_bytes
-        elif _untouched(user, j):
+        elif _untouched(mod, comp, user, j):
             continue
         elif user.op == Op.kFusion:
             total += _nested_read(mod, comp, user, j, whole)
@@ -1399,14 +1401,15 @@ def _read(mod: Module, comp: str, name: str, whole: int) -> int:
     return min(total, whole)
 
 
-def _untouched(user: Instr, j: int) -> bool:
+def _untouched(mod: Module, comp: str, user: Instr, j: int) -> bool:
     """Whether a fusion's kernel leaves alone the value `user` takes as operand `j`:
-    the buffer an in-place update writes into, a fused collective's operand, a
-    buffer passed straight to the result (carried in place)."""
+    the buffer an in-place update writes into, the table a scatter the fusion returns
+    updates in place, a fused collective's operand, a buffer passed straight to the
+    result (carried in place)."""
     if user.op == Op.kDynamicUpdateSlice and j == 0:
         return True
-    if user.op == Op.kScatter and j < (len(user.operands) - 1) // 2:  # its tables
-        return True
+    if user.op == Op.kScatter and j < (len(user.operands) - 1) // 2:  # one of its tables
+        return _in_place(mod, comp, user) and _at_root(mod, comp, user)
     if user.op in SYNC:
         return True
     return user.op == Op.kTuple and user.root
@@ -1432,14 +1435,9 @@ def _elements(ins: Instr) -> int:
     return sum(a.elements for a in ins.arrays)
 
 
-#: A kernel that writes to HBM at most 1/READS_ONLY of what it reads there reads
-#: only (`Kernel.reads_only`: a reduction's result, a scalar, aside; new in 0.8).
+#: A kernel that writes to HBM at most 1/READS_ONLY of what it reads there (a
+#: reduction's result, a scalar) reads only (`Kernel.reads_only`; new in 0.8).
 READS_ONLY = 100
-
-
-#: What a bitcast at a fusion's root writes as its operand does (`_written`): an
-#: in-place update, a buffer carried through, another bitcast.
-_WRITTEN_THROUGH = {Op.kDynamicUpdateSlice, Op.kParameter, Op.kBitcast, Op.kTuple}
 
 
 def _written(mod: Module, comp: str, root: Instr, counted: Counted) -> int:
@@ -1454,10 +1452,10 @@ def _written(mod: Module, comp: str, root: Instr, counted: Counted) -> int:
         return sum(_written(mod, comp, part, counted) for part in parts)
     if root.op == Op.kParameter or root.op in SYNC:
         return 0
-    if root.op == Op.kBitcast and root.operands and root.operands[0] in mod.by_name[comp]:
-        inner = mod.by_name[comp][root.operands[0]]
-        if inner.op in _WRITTEN_THROUGH and _held(root, counted):
-            return _written(mod, comp, inner, counted)
+    if root.op == Op.kBitcast:
+        inner = _below_bitcasts(mod, comp, root)
+        if _carried(mod, comp, inner):  # written as what it bitcasts, where the root says
+            return _written(mod, comp, inner, counted) if _held(root, counted) else 0
         return _result_bytes(root, counted)  # in the bitcast's memory, not its operand's
     if root.op == Op.kDynamicUpdateSlice and len(root.operands) > 1:
         update = mod.by_name[comp].get(root.operands[1])
@@ -1467,13 +1465,43 @@ def _written(mod: Module, comp: str, root: Instr, counted: Counted) -> int:
     return _result_bytes(root, counted)
 
 
+def _below_bitcasts(mod: Module, comp: str, ins: Instr) -> Instr:
+    """The first value under `ins` (itself included) that is not a bitcast."""
+    held = mod.by_name[comp]
+    while ins.op == Op.kBitcast and ins.operands and ins.operands[0] in held:
+        ins = held[ins.operands[0]]
+    return ins
+
+
+def _carried(mod: Module, comp: str, ins: Instr) -> bool:
+    """Whether a fusion's result, where it is `ins`, is written as `_written` says of
+    `ins` itself, not as an array of its own: a buffer carried through, a fused
+    collective's result, an in-place update or scatter, a tuple of them."""
+    if ins.op in (Op.kParameter, Op.kDynamicUpdateSlice, Op.kTuple) or ins.op in SYNC:
+        return True
+    return ins.op == Op.kScatter and _in_place(mod, comp, ins)
+
+
 def _in_place(mod: Module, comp: str, scatter: Instr) -> bool:
     """Whether a scatter writes into the buffers it was given (its tables are its
-    computation's parameters: a fused kernel's operands), not into tables it
-    computes (a fused broadcast of zeros, which it writes whole first)."""
+    computation's parameters, bitcast or not: a fused kernel's operands), not into
+    tables it computes (a fused broadcast of zeros, which it writes whole first)."""
     tables = scatter.operands[: (len(scatter.operands) - 1) // 2]
     found = [mod.by_name[comp].get(t) for t in tables]
-    return all(t is not None and t.op == Op.kParameter for t in found)
+    return all(t is not None and _below_bitcasts(mod, comp, t).op == Op.kParameter for t in found)
+
+
+def _at_root(mod: Module, comp: str, ins: Instr) -> bool:
+    """Whether `ins` is what its computation returns: its root, or an element or a
+    bitcast of it, and used by nothing else."""
+    if ins.root:
+        return True
+    users = mod.users[comp].get(ins.name, [])
+    return bool(users) and all(
+        (user.op == Op.kTuple and user.root)
+        or (user.op == Op.kBitcast and _at_root(mod, comp, user))
+        for user, _ in users
+    )
 
 
 def _rows_written(mod: Module, comp: str, scatter: Instr, counted: Counted) -> int:

@@ -135,8 +135,9 @@ class Costs:
         fused_update_efficiency: the share of its shape's rate a matmul keeps with
             an optimizer's update fused into its kernel (`Kernel.fused_update`; new
             in 0.8).
-        on_chip_bytes_per_second: the rate a kernel moves what it reads and writes
-            in the chip's own memory (`Kernel.on_chip`: a TPU's ``S(1)``); 0: free,
+        on_chip_bytes_per_second: the rate a kernel with no matmul moves what it
+            reads and writes in the chip's own memory (`Kernel.on_chip`: a TPU's
+            ``S(1)``), and a matmul the rows it gathers there by index; 0: free,
             as in 0.7 (new in 0.8).
         read_efficiency: the share of the bandwidth a kernel that only reads HBM
             sustains (`Kernel.reads_only`: a reduction); 0: `memory_efficiency`
@@ -300,11 +301,13 @@ class Hardware:
         on_chip_bytes_per_second: the rate at which a kernel moves what it reads
             and writes in the chip's own memory (a TPU's ``S(1)``, where libtpu
             keeps arrays between kernels: `Kernel.on_chip`), beside its HBM
-            traffic, the slower of the two its memory time (`st.calibrate` measures
-            it on a TPU: the copies into another layout of a chain of passes on an
-            array libtpu keeps there; none is published; new in 0.8; left out, such
-            bytes are free, as in 0.7, and rows a kernel gathers or scatters there
-            move at `indexed_efficiency` of HBM's bandwidth).
+            traffic, the slower of the two its memory time; a kernel with a matmul
+            reads its operands there as it multiplies, in its measured share, and
+            only rows it gathers there by index move at this rate (`st.calibrate`
+            measures it on a TPU: the copies into another layout of a chain of
+            passes on an array libtpu keeps there; none is published; new in 0.8;
+            left out, such bytes are free, as in 0.7, and rows a kernel gathers or
+            scatters there move at `indexed_efficiency` of HBM's bandwidth).
         read_efficiency: the share of the bandwidth a kernel sustains that reads
             HBM and writes next to nothing there (`Kernel.reads_only`: a
             reduction, a matmul whose result stays on the chip; `st.calibrate`

@@ -398,7 +398,9 @@ _KERNEL_FIELDS: Mapping[str, Callable[[Kernel], bool]] = {
     "eight_bit_speed": lambda kernel: bool(kernel.flops) and _eight_bit(kernel.dtype),
     "access_seconds": lambda kernel: bool(kernel.hbm_waits),
     "fused_update_efficiency": lambda kernel: kernel.fused_update,
-    "on_chip_bytes_per_second": lambda kernel: bool(kernel.on_chip),
+    "on_chip_bytes_per_second": lambda kernel: (
+        bool(kernel.on_chip) and (not kernel.flops or kernel.rows_on_chip)
+    ),
     "read_efficiency": lambda kernel: kernel.reads_only,
 }
 

@@ -119,15 +119,16 @@ def kernel_seconds(kernel: Kernel, costs: Costs, peak: float) -> float:
         True
     """
     share = costs.update_efficiency if kernel.unfused_update else costs.memory_efficiency
-    if kernel.reads_only and not kernel.unfused_update:  # streams its reads, writes ~none
-        share = costs.read_efficiency or costs.memory_efficiency
+    if kernel.reads_only and not kernel.unfused_update and costs.read_efficiency > 0:
+        share = costs.read_efficiency  # streams its reads, writes next to none
     bandwidth = costs.hbm_bytes_per_second
     on_chip = costs.on_chip_bytes_per_second
     indexed = 0 if kernel.rows_on_chip and on_chip else kernel.indexed  # moved there
-    memory = (kernel.bytes - kernel.indexed) / (bandwidth * share)
+    memory = max(kernel.bytes - kernel.indexed, 0) / (bandwidth * share)
     memory += indexed / (bandwidth * costs.indexed_efficiency)
-    if on_chip and not kernel.flops:  # what it moves on the chip, beside its HBM traffic
-        memory = max(memory, kernel.on_chip / on_chip)
+    if on_chip:  # what it moves on the chip, beside its HBM traffic: a matmul, its rows
+        there = kernel.indexed if kernel.rows_on_chip else 0
+        memory = max(memory, (there if kernel.flops else kernel.on_chip) / on_chip)
     compute = 0.0
     if kernel.flops:
         share = costs.matmul_efficiency * costs.speed(kernel.dtype)
