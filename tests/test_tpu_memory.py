@@ -296,7 +296,7 @@ def test_a_bitcast_at_a_fusions_root_writes_into_the_memory_its_own_layout_names
     (kernel,) = read_schedule(SLICED, platform="tpu").kernels()
     # HBM: the update written in place and its index read, nothing of the stack it goes into
     assert kernel.bytes == ARRAY + 4
-    # the chip: the slice read, and its bitcast written (0.8's first reader counted it in HBM)
+    # the chip: the slice read, and its bitcast written (0.7 counted it in HBM)
     assert kernel.on_chip == 2 * ARRAY
 
 
@@ -417,7 +417,7 @@ def test_a_scatter_into_the_table_it_was_given_moves_its_rows_not_the_table(
     assert kernel.indexed == 3 * ROWS
     # HBM: its indices and updates read; where the table is the buffer it was given
     # and it returns it (bitcast or not), the rows it adds into, read and written
-    # (0.8's first reader counted the table read and written whole: 1.85 ms on a v5e
+    # (0.7 counted the table read and written whole: 1.85 ms on a v5e
     # for a kernel that ran in 0.3); a table it makes, written whole; one it does not
     # return (negated), read whole and its negation written
     assert kernel.bytes == INDICES + ROWS + written
