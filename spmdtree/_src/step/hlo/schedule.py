@@ -1132,7 +1132,7 @@ class _Walker:
             return _held(update, counted), _update_written(ins, update, counted)
         if ins.op == Op.kScatter:  # its indices and updates read, its rows written in place
             held = self.mod.by_name[comp]
-            rest = ins.operands[(len(ins.operands) - 1) // 2 :]
+            rest = ins.operands[_tables(ins) :]
             read = sum(_held(held[o], counted) for o in rest if o in held)
             return read, _rows_written(self.mod, comp, ins, counted)
         return sum(_held(g, counted) for g in given), _result_bytes(ins, counted)
@@ -1192,11 +1192,20 @@ def moved_by_index(mod: Module, inside: list[tuple[str, Instr]]) -> int:
         if each.op == Op.kGather:
             moved += 2 * each.bytes
         elif each.op == Op.kScatter and len(each.operands) >= 3:
-            arrays = (len(each.operands) - 1) // 2  # inputs, indices, then the updates
-            given = [mod.by_name[where].get(u) for u in each.operands[arrays + 1 :]]
-            updates = sum(u.bytes for u in given if u is not None)
-            moved += (3 if _combines(mod, each) else 2) * updates
+            moved += (3 if _combines(mod, each) else 2) * _updates(mod, where, each)
     return moved
+
+
+def _tables(scatter: Instr) -> int:
+    """How many tables a scatter takes: its operands are its tables, its indices,
+    then as many updates."""
+    return (len(scatter.operands) - 1) // 2
+
+
+def _updates(mod: Module, comp: str, scatter: Instr) -> int:
+    """The bytes of a scatter's updates, at their own size (`moved_by_index`)."""
+    given = [mod.by_name[comp].get(u) for u in scatter.operands[_tables(scatter) + 1 :]]
+    return sum(u.bytes for u in given if u is not None)
 
 
 def _combines(mod: Module, scatter: Instr) -> bool:
@@ -1408,7 +1417,7 @@ def _untouched(mod: Module, comp: str, user: Instr, j: int) -> bool:
     result (carried in place)."""
     if user.op == Op.kDynamicUpdateSlice and j == 0:
         return True
-    if user.op == Op.kScatter and j < (len(user.operands) - 1) // 2:  # one of its tables
+    if user.op == Op.kScatter and j < _tables(user):  # one of its tables
         return _in_place(mod, comp, user) and _at_root(mod, comp, user)
     if user.op in SYNC:
         return True
@@ -1486,8 +1495,7 @@ def _in_place(mod: Module, comp: str, scatter: Instr) -> bool:
     """Whether a scatter writes into the buffers it was given (its tables are its
     computation's parameters, bitcast or not: a fused kernel's operands), not into
     tables it computes (a fused broadcast of zeros, which it writes whole first)."""
-    tables = scatter.operands[: (len(scatter.operands) - 1) // 2]
-    found = [mod.by_name[comp].get(t) for t in tables]
+    found = [mod.by_name[comp].get(t) for t in scatter.operands[: _tables(scatter)]]
     return all(t is not None and _below_bitcasts(mod, comp, t).op == Op.kParameter for t in found)
 
 
@@ -1513,10 +1521,7 @@ def _rows_written(mod: Module, comp: str, scatter: Instr, counted: Counted) -> i
     written whole, 1.85 ms)."""
     if not scatter.arrays or not counted(scatter.arrays[0]):
         return 0
-    arrays = (len(scatter.operands) - 1) // 2  # tables, indices, then the updates
-    given = [mod.by_name[comp].get(u) for u in scatter.operands[arrays + 1 :]]
-    updates = sum(u.bytes for u in given if u is not None)
-    return (2 if _combines(mod, scatter) else 1) * updates
+    return (2 if _combines(mod, scatter) else 1) * _updates(mod, comp, scatter)
 
 
 def _update_written(update_slice: Instr, update: Instr, counted: Counted) -> int:

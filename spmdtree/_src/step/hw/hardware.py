@@ -192,8 +192,9 @@ class Costs:
 #: update fused into it at its shape's rate (none is published; new in 0.8), what a
 #: kernel moves in the chip's own memory (a TPU's ``S(1)``) at no cost (none is
 #: published; new in 0.8), a kernel that only reads HBM at the memory kernels' share
-#: (the hardware's own where it gives one; new in 0.8), no launch overhead, no wait for the memory's first access
-#: (none is published; new in 0.8) and no latency per collective beyond the links' own.
+#: (the hardware's own where it gives one; new in 0.8), no launch overhead, no wait
+#: for the memory's first access (none is published; new in 0.8) and no latency per
+#: collective beyond the links' own.
 DEFAULTS: Mapping[str, float] = {
     "flops_per_byte": 300.0,
     "memory_efficiency": 0.9,
