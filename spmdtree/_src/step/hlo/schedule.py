@@ -970,10 +970,8 @@ class _Walker:
         cycles = estimated_cycles(ins)
         self._doubt(ins, inside, cycles)
         moved, waits = moved_by_index(self.mod, inside), self._hbm_waits(comp, ins)
-        on_chip = sum(self._traffic(comp, ins, _on_chip_held))
-        rows_on_chip = moved and on_chip and not waits  # it never goes to HBM
         read, written = self._traffic(comp, ins, _hbm_held)
-        return Kernel(
+        kernel = Kernel(
             kind,
             flops,
             max(read + written, moved),
@@ -991,9 +989,12 @@ class _Walker:
             moved,
             waits,
             bool(flops) and _fused_update(self._operands(comp, ins), ins, shape),
-            max(on_chip, moved) if rows_on_chip else on_chip,
+            sum(self._traffic(comp, ins, _on_chip_held)),
             bool(read) and not moved and written * READS_ONLY <= read,
         )
+        if kernel.rows_on_chip:  # its rows move there too, however the arrays count
+            return kernel._replace(on_chip=max(kernel.on_chip, moved))
+        return kernel
 
     def _operands(self, comp: str, ins: Instr) -> list[Instr]:
         """The instructions of `comp` that `ins` takes as operands (those it names)."""

@@ -97,9 +97,10 @@ def kernel_seconds(kernel: Kernel, costs: Costs, peak: float) -> float:
     over the peak x its published share for its direction, new in 0.6) and its
     memory (bytes over the sustained bandwidth; an unfused update's over the
     bandwidth x `Costs.update_efficiency`, new in 0.7; one that only reads HBM,
-    over the bandwidth x `Costs.read_efficiency`, new in 0.8; a grouped matmul's FLOPs over
-    the peak x `Costs.grouped_efficiency`, and what its gathers and scatters move over
-    the bandwidth x `Costs.indexed_efficiency`, new in 0.8; a matmul's share read by
+    over the bandwidth x `Costs.read_efficiency`, new in 0.8; a grouped matmul's
+    FLOPs over the peak x `Costs.grouped_efficiency`, and what its gathers and
+    scatters move over the bandwidth x `Costs.indexed_efficiency`, new in 0.8; a
+    matmul's share read by
     its shape from `Costs.matmul_grid` where the chip has one, new in 0.8, times
     `Costs.fused_update_efficiency` where an optimizer's update is fused into it, new
     in 0.8; what a kernel with no matmul reads and writes in a TPU's own memory over
